@@ -1,0 +1,321 @@
+"""The job config: one YAML file with sections model, data, train, parallel, checkpoint, resources.
+
+Each section is a small dataclass; `JobConfig.from_dict` rejects unknown keys and wrong types with a
+message naming the field (e.g. ``train.steps: expected an integer, got 'ten'``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from models.config import ModelConfig, model_config
+
+
+class ConfigError(ValueError):
+    """A job config that cannot be used; the message names the field."""
+
+
+def _positive(section: str, obj: Any, *names: str, allow_zero: bool = False) -> None:
+    for n in names:
+        v = getattr(obj, n)
+        if v is None:
+            continue
+        if v < 0 or (v == 0 and not allow_zero):
+            raise ConfigError(f"{section}.{n} must be {'>= 0' if allow_zero else '> 0'}, got {v!r}")
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelSection:
+    preset: str = "tiny"
+    """Name of a preset in models.config.PRESETS (tiny, small, 125m, 1b, 8b)."""
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """ModelConfig fields to change from the preset, e.g. {n_layers: 3}."""
+
+    def __post_init__(self) -> None:
+        try:
+            self.build()
+        except ValueError as e:
+            raise ConfigError(f"model: {e}") from None
+
+    def build(self) -> ModelConfig:
+        return model_config(self.preset, **self.overrides)
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    source: Literal["corpus", "synthetic", "tokens"] = "corpus"
+    """corpus: byte-level text from a directory; synthetic: seeded random tokens; tokens: a uint16/uint32
+    token file (nanoGPT-style memmap)."""
+    path: str | None = None
+    """Directory of text files (corpus; default: the Python standard library source) or token file."""
+    seq_len: int = 128
+    """Tokens per sample (the model sees seq_len inputs and predicts seq_len targets)."""
+    max_bytes: int = 4_000_000
+    """Corpus: read at most this many bytes of text (files in sorted order)."""
+    suffixes: list[str] = field(default_factory=lambda: [".py"])
+    """Corpus: file name endings to include."""
+    token_dtype: Literal["uint16", "uint32"] = "uint16"
+    """Tokens: element type of the token file."""
+    num_samples: int = 100_000
+    """Synthetic: number of distinct samples before the order repeats."""
+
+    def __post_init__(self) -> None:
+        _positive("data", self, "seq_len", "max_bytes", "num_samples")
+        if self.source == "tokens" and not self.path:
+            raise ConfigError("data.path is required when data.source is 'tokens'")
+        if self.path is not None and self.source != "synthetic":
+            p = Path(self.path).expanduser()
+            want_dir = self.source == "corpus"
+            if not p.exists():
+                raise ConfigError(f"data.path {self.path!r} does not exist")
+            if want_dir and not p.is_dir():
+                raise ConfigError(f"data.path {self.path!r} must be a directory for source 'corpus'")
+            if not want_dir and not p.is_file():
+                raise ConfigError(f"data.path {self.path!r} must be a file for source 'tokens'")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    steps: int = 100
+    """Optimizer steps of the whole run (also the LR schedule's horizon unless decay_steps is set)."""
+    global_batch_size: int = 16
+    """Samples per optimizer step, fixed under every layout."""
+    micro_batch_size: int = 4
+    """Samples per forward/backward on one DP rank; gradient accumulation covers the rest."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """Final LR as a fraction of the peak (cosine/linear schedules)."""
+    warmup_steps: int = 10
+    """Linear warmup from 0 to lr over this many steps."""
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    """Decay after warmup."""
+    decay_steps: int | None = None
+    """Step at which decay ends; default `steps`. Independent of --steps so a resumed run keeps its LR."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 disables."""
+    seed: int = 0
+    """Seeds initial weights, data order and dropout-free RNG state."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter/compute dtype (bfloat16 uses FSDP2 mixed precision with fp32 master weights)."""
+
+    def __post_init__(self) -> None:
+        _positive("train", self, "steps", "global_batch_size", "micro_batch_size", "lr", "decay_steps")
+        _positive("train", self, "warmup_steps", "weight_decay", "grad_clip", "min_lr_ratio", "eps",
+                  allow_zero=True)
+        if self.global_batch_size % self.micro_batch_size:
+            raise ConfigError(
+                f"train.global_batch_size={self.global_batch_size} must be a multiple of "
+                f"train.micro_batch_size={self.micro_batch_size}"
+            )
+        if not 0 <= self.beta1 < 1 or not 0 <= self.beta2 < 1:
+            raise ConfigError(f"train.beta1/beta2 must be in [0, 1), got {self.beta1}, {self.beta2}")
+        if self.min_lr_ratio > 1:
+            raise ConfigError(f"train.min_lr_ratio must be <= 1, got {self.min_lr_ratio}")
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelConfig:
+    min_workers: int = 1
+    """Fewest workers the job may run on; below this it waits for capacity."""
+    max_workers: int = 4
+    """Most workers the job will use."""
+    layout: str | None = None
+    """Force a layout, e.g. "dp=2,tp=2,pp=1"; otherwise the planner chooses per world size."""
+    dp_mode: Literal["shard", "replicate"] = "shard"
+    """What dp=N means: FSDP2 sharding (shard) or replication (replicate)."""
+    tp: int | None = None
+    """Force this TP degree in planned layouts."""
+    pp: int | None = None
+    """Force this PP degree in planned layouts."""
+    max_tp: int | None = None
+    """Upper bound on TP degree (default: GPUs per node)."""
+    max_pp: int | None = None
+    """Upper bound on PP degree (default: number of layers)."""
+    pp_schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    """Pipeline schedule when pp > 1."""
+    sequence_parallel: bool = False
+    """Shard norms/activations along the sequence between TP regions."""
+    gpus_per_node: int | None = None
+    """Workers per node; TP groups never span nodes. Default: no limit (CPU)."""
+    memory_budget_gb: float | None = None
+    """Per-device memory budget for the planner; default: unlimited on CPU, the GPU's memory on CUDA."""
+
+    def __post_init__(self) -> None:
+        _positive("parallel", self, "min_workers", "max_workers", "tp", "pp", "max_tp", "max_pp",
+                  "gpus_per_node", "memory_budget_gb")
+        if self.min_workers > self.max_workers:
+            raise ConfigError(
+                f"parallel.min_workers={self.min_workers} is greater than parallel.max_workers={self.max_workers}"
+            )
+        if self.layout is not None:
+            from parallel.layout import Layout
+
+            try:
+                Layout.parse(self.layout, dp_mode=self.dp_mode)
+            except ValueError as e:
+                raise ConfigError(f"parallel.layout: {e}") from None
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    interval_steps: int = 50
+    """Save every this many steps (plus a final save)."""
+    keep_last: int = 3
+    """Committed checkpoints to keep; the newest is never deleted."""
+    dir: str | None = None
+    """Where checkpoints go (path or fsspec URL); default RUN_DIR/checkpoints."""
+    async_save: bool = True
+    """Write in the background; the loop blocks only while state is staged."""
+
+    def __post_init__(self) -> None:
+        _positive("checkpoint", self, "interval_steps", "keep_last")
+
+
+@dataclass(kw_only=True, slots=True)
+class ResourcesConfig:
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Device per worker; auto picks cuda when available."""
+    cpus_per_worker: int = 1
+    """CPUs reserved per worker actor."""
+    gpus_per_worker: int = 0
+    """GPUs per worker actor (0 on CPU clusters, 1 on GPU clusters)."""
+
+    def __post_init__(self) -> None:
+        _positive("resources", self, "cpus_per_worker")
+        _positive("resources", self, "gpus_per_worker", allow_zero=True)
+
+
+@dataclass(kw_only=True, slots=True)
+class JobConfig:
+    name: str = "job"
+    """A label for the job."""
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+
+    def __post_init__(self) -> None:
+        mc = self.model.build()
+        if self.data.seq_len > mc.max_seq_len:
+            raise ConfigError(f"data.seq_len={self.data.seq_len} exceeds model max_seq_len={mc.max_seq_len}")
+        if self.data.source == "corpus" and mc.vocab_size < 256:
+            raise ConfigError(f"byte-level corpus needs model vocab_size >= 256, got {mc.vocab_size}")
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "JobConfig":
+        return _build(cls, d, "")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def digest(self) -> str:
+        """Stable hash of the config (stored in checkpoints)."""
+        blob = json.dumps(self.to_dict(), sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def load_config(path: str | Path) -> JobConfig:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config {str(p)!r}: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config {str(p)!r} is not valid YAML: {e}") from None
+    return JobConfig.from_dict(data or {})
+
+
+# -- strict conversion from plain dicts ----------------------------------------------------------------
+
+def _describe(v: Any) -> str:
+    return f"{v!r} ({type(v).__name__})"
+
+
+def _convert(tp: Any, v: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if v is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _convert(a, v, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{where}: unexpected {_describe(v)}")
+    if origin is Literal:
+        if v not in args:
+            raise ConfigError(f"{where}: expected one of {list(args)}, got {v!r}")
+        return v
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, v, where)
+    if origin is list:
+        if not isinstance(v, list):
+            raise ConfigError(f"{where}: expected a list, got {_describe(v)}")
+        return [_convert(args[0], x, f"{where}[{i}]") for i, x in enumerate(v)]
+    if origin is dict:
+        if not isinstance(v, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {_describe(v)}")
+        return dict(v)
+    if tp is bool:
+        if not isinstance(v, bool):
+            raise ConfigError(f"{where}: expected true or false, got {_describe(v)}")
+        return v
+    if tp is int:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ConfigError(f"{where}: expected an integer, got {_describe(v)}")
+        return v
+    if tp is float:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {_describe(v)}")
+        return float(v)
+    if tp is str:
+        if not isinstance(v, str):
+            raise ConfigError(f"{where}: expected a string, got {_describe(v)}")
+        return v
+    if tp is Any:
+        return v
+    raise TypeError(f"unsupported config type {tp} at {where}")  # a bug in this module, not user input
+
+
+def _build(cls: type, d: Any, where: str) -> Any:
+    label = where or "config"
+    if not isinstance(d, dict):
+        raise ConfigError(f"{label}: expected a mapping, got {_describe(d)}")
+    hints = typing.get_type_hints(cls)
+    known = [f.name for f in dataclasses.fields(cls)]
+    unknown = [k for k in d if k not in known]
+    if unknown:
+        raise ConfigError(f"{label}: unknown field {unknown[0]!r}; known fields: {', '.join(known)}")
+    kwargs = {k: _convert(hints[k], v, f"{where}.{k}" if where else k) for k, v in d.items()}
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(f"{label}: {e}") from None
