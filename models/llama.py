@@ -1,0 +1,158 @@
+"""Llama-style decoder. Knows nothing about meshes.
+
+Pipeline stages are made by deleting modules (`tok_embeddings`, `norm`, `output` set to None, entries of
+`layers` removed); the forward skips what is missing, so every stage keeps the canonical parameter names
+of the unsplit model. Attention infers the local head count from tensor shapes (`view(..., -1, head_dim)`)
+so tensor parallelism can shard wq/wk/wv without the model knowing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * self.weight.float()).type_as(x)
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    t = torch.arange(max_seq_len, device=device, dtype=torch.float32)
+    freqs = torch.outer(t, inv)  # [T, head_dim/2]
+    return freqs.cos(), freqs.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, T, H, D]; rotate interleaved pairs (x0, x1) like the original Llama."""
+    T = x.shape[1]
+    c = cos[:T].view(1, T, 1, -1)
+    s = sin[:T].view(1, T, 1, -1)
+    xf = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = xf[..., 0], xf[..., 1]
+    out = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
+    return out.type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.n_rep = cfg.n_heads // cfg.n_kv_heads
+        kv = cfg.n_kv_heads * cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, kv, bias=False)
+        self.wv = nn.Linear(cfg.dim, kv, bias=False)
+        self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, -1, self.head_dim)
+        k = self.wk(x).view(B, T, -1, self.head_dim)
+        v = self.wv(x).view(B, T, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
+        if self.n_rep > 1:
+            k = k.repeat_interleave(self.n_rep, dim=1)
+            v = v.repeat_interleave(self.n_rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """tokens [B, T] -> logits [B, T, vocab]. On a pipeline stage: hidden [B, T, dim] in and/or out."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
+        # A ModuleDict keyed by the global layer index keeps names stable when stages drop layers.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device="meta")
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        for layer in self.layers.values():
+            h = layer(h, self.rope_cos, self.rope_sin)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
+
+    @torch.no_grad()
+    def init_buffers(self, device: torch.device | str | None = None) -> None:
+        device = device if device is not None else self.rope_cos.device
+        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device=device)
+        self.rope_cos, self.rope_sin = cos, sin
+
+
+def param_seed(seed: int, name: str) -> int:
+    """Seed for one parameter, from the job seed and its canonical name only (never the layout)."""
+    h = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
+
+
+def init_value(cfg: ModelConfig, name: str, shape: torch.Size | tuple[int, ...], seed: int) -> torch.Tensor:
+    """The global initial value of parameter `name` (fp32, on CPU).
+
+    Norm weights are 1; embeddings N(0, 1); linear weights N(0, init_std), with the residual output
+    projections (wo, w2) scaled by 1/sqrt(2 * n_layers) as in GPT-2 / torchtitan.
+    """
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    g = torch.Generator().manual_seed(param_seed(seed, name))
+    std = cfg.init_std
+    if name.startswith("tok_embeddings"):
+        std = 1.0
+    elif name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+        std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+    elif name == "output.weight":
+        std = cfg.dim ** -0.5
+    return torch.randn(shape, generator=g) * std
+
+
+def build_model(cfg: ModelConfig) -> Transformer:
+    """A model on the meta device: no memory, no values. Parallelize it, then call `materialize`."""
+    with torch.device("meta"):
+        return Transformer(cfg)

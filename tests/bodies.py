@@ -1,0 +1,33 @@
+"""Rank bodies for tests/multiproc.run_ranks (importable by name in spawned children)."""
+
+from __future__ import annotations
+
+import torch
+
+from parallel.layout import Layout
+from parallel.parallelize import full_params
+from workers.config import JobConfig
+
+
+def train_body(cfg_dict: dict, layout: str, steps: int, run_dir: str | None = None,
+               return_params: bool = True, record_samples: bool = False) -> dict:
+    """Train `steps` steps under `layout`; return per-step losses/grad norms, this rank's gathered
+    parameters (for its pipeline stage) and, optionally, the sample ids this rank consumed."""
+    from workers.trainer import Trainer
+
+    cfg = JobConfig.from_dict(cfg_dict)
+    lay = Layout.parse(layout, dp_mode=cfg.parallel.dp_mode)
+    trainer = Trainer(cfg, layout=lay, device=torch.device("cpu"), run_dir=run_dir).build()
+    samples: list[list[int]] = []
+    if record_samples:
+        trainer.on_batch = lambda b: samples.append(list(b.sample_ids))
+    metrics = trainer.fit(steps)
+    out = {
+        "losses": [m.loss for m in metrics],
+        "grad_norms": [m.grad_norm for m in metrics],
+        "dp_rank": trainer.dp_rank,
+        "samples": samples,
+    }
+    if return_params:
+        out["params"] = full_params(trainer.model)
+    return out

@@ -1,0 +1,110 @@
+"""Run a function on N spawned CPU ranks joined by a gloo process group (test tier 2).
+
+    results = run_ranks(4, tests.bodies.train_body, cfg, "dp=2,tp=2")
+
+`fn` must be importable by its module name (spawn re-imports it in each child), so rank bodies live in
+ordinary modules such as tests/bodies.py rather than in test files. Each child gets RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR/PORT and OMP_NUM_THREADS=1, and the default process group is initialised before
+`fn` runs and destroyed after. A failure in any rank raises with that rank's traceback; a hang is killed
+after `timeout` seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _to_wire(x: Any) -> Any:
+    """Tensors as numpy arrays: torch's queue pickler would pass shared-memory handles that die with the
+    child process."""
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return ("__tensor__", x.detach().cpu().numpy())
+    if isinstance(x, dict):
+        return {k: _to_wire(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_wire(v) for v in x)
+    return x
+
+
+def _from_wire(x: Any) -> Any:
+    import torch
+
+    if isinstance(x, tuple) and len(x) == 2 and x[0] == "__tensor__":
+        return torch.from_numpy(x[1])
+    if isinstance(x, dict):
+        return {k: _from_wire(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_from_wire(v) for v in x)
+    return x
+
+
+def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kwargs: dict, q) -> None:
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+    )
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        from workers.runtime import destroy_process_group, init_process_group
+
+        init_process_group(torch.device("cpu"), timeout_s=120)
+        try:
+            result = fn(*args, **kwargs)
+        finally:
+            destroy_process_group()
+        q.put((rank, True, _to_wire(result)))
+    except BaseException:  # report every failure, including KeyboardInterrupt in a child
+        q.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 240.0, **kwargs: Any) -> list[Any]:
+    """Run `fn(*args, **kwargs)` on `world_size` ranks; return the results ordered by rank."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_child, args=(r, world_size, port, fn, args, kwargs, q), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    try:
+        while len(results) + len(errors) < world_size:
+            try:
+                rank, ok, payload = q.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(
+                    f"{world_size - len(results) - len(errors)} rank(s) gave no result within {timeout:.0f}s"
+                    + "".join(f"\n--- rank {r} ---\n{e}" for r, e in errors.items())
+                ) from None
+            (results if ok else errors)[rank] = payload
+            if errors:
+                # One failed rank usually leaves the others blocked in a collective: stop waiting.
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 0.5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        raise RuntimeError("".join(f"\n--- rank {r} failed ---\n{e}" for r, e in sorted(errors.items())))
+    return [_from_wire(results[r]) for r in range(world_size)]

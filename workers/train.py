@@ -1,0 +1,91 @@
+"""Rank entry point, for torchrun and for debugging:
+
+    torchrun --nproc_per_node N -m workers.train CONFIG --layout dp=..,tp=..,pp=.. --steps S --run-dir DIR
+
+`--steps S` is the run's total number of optimizer steps. Every rank validates its input before joining
+the process group, so a bad layout or config exits non-zero with one line instead of hanging the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from parallel.layout import Layout
+from workers.config import ConfigError, JobConfig, load_config
+from workers.runtime import destroy_process_group, env_world, init_process_group, pick_device
+
+
+def resolve_layout(cfg: JobConfig, text: str | None, world_size: int) -> Layout:
+    """--layout, else the config's forced layout, else the planner's choice for this world size."""
+    text = text or cfg.parallel.layout
+    if text:
+        layout = Layout.parse(text, dp_mode=cfg.parallel.dp_mode)
+        layout.check_world_size(world_size)
+        return layout
+    from parallel.planner import plan
+
+    p = plan(world_size, cfg.model.build(), constraints_for(cfg, max_workers=world_size))
+    if p.world_size != world_size:
+        raise ValueError(f"cannot use all {world_size} ranks: {'; '.join(p.reasons)}; pass --layout")
+    return p.layout
+
+
+def constraints_for(cfg: JobConfig, **overrides):
+    from parallel.planner import Constraints
+
+    pc = cfg.parallel
+    kw = dict(
+        global_batch_size=cfg.train.global_batch_size, micro_batch_size=cfg.train.micro_batch_size,
+        seq_len=cfg.data.seq_len, dp_mode=pc.dp_mode, tp=pc.tp, pp=pc.pp, max_tp=pc.max_tp, max_pp=pc.max_pp,
+        gpus_per_node=pc.gpus_per_node,
+        memory_budget_bytes=pc.memory_budget_gb * 2**30 if pc.memory_budget_gb else None,
+        min_workers=pc.min_workers, max_workers=pc.max_workers,
+    )
+    kw.update(overrides)
+    return Constraints(**kw)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m workers.train", description="Train one rank of an Elastron job.")
+    ap.add_argument("config", help="job config YAML")
+    ap.add_argument("--layout", help="e.g. dp=2,tp=1,pp=2 (product = number of ranks); default: planned")
+    ap.add_argument("--steps", type=int, help="total optimizer steps of the run (default: train.steps)")
+    ap.add_argument("--run-dir", required=True, help="directory for metrics.jsonl and checkpoints")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rank, world_size = env_world()
+    try:
+        cfg = load_config(args.config)
+        layout = resolve_layout(cfg, args.layout, world_size)
+        steps = args.steps if args.steps is not None else cfg.train.steps
+        if steps < 1:
+            raise ConfigError(f"--steps must be >= 1, got {steps}")
+        device = pick_device(cfg.resources.device)
+    except (ConfigError, ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    from workers.trainer import Trainer
+
+    init_process_group(device)
+    try:
+        trainer = Trainer(cfg, layout=layout, device=device, run_dir=Path(args.run_dir)).build()
+
+        def report(m):
+            if rank == 0:
+                print(f"step {m.step:>5}  loss {m.loss:.4f}  lr {m.lr:.2e}  {m.tokens_per_s:,.0f} tok/s  [{layout}]",
+                      flush=True)
+
+        trainer.fit(steps, on_step=report)
+    finally:
+        destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
