@@ -1,0 +1,114 @@
+"""The `elastron` command line. Subcommands import what they need lazily so `--help` stays instant."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+class CLIError(Exception):
+    """An error to show as one line, with a non-zero exit."""
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from api.demo import run_demo
+
+    return run_demo(steps=args.steps, workers=args.workers, run_dir=args.run_dir, layout=args.layout,
+                    json_path=args.json)
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from workers.config import load_config
+    from workers.local import launch_local
+
+    load_config(args.config)  # fail fast, with one line, before starting any rank
+    return launch_local(args.config, nproc=args.nproc, run_dir=args.run_dir, layout=args.layout, steps=args.steps)
+
+
+def _cmd_ckpt_inspect(args: argparse.Namespace) -> int:
+    from parallel.checkpoint import inspect
+
+    info = inspect(args.path)
+    if args.json:
+        print(json.dumps(info, indent=2, default=str))
+    else:
+        from api.render import table
+
+        print(f"checkpoint {args.path}")
+        for key in ("step", "layout", "format_version"):
+            if key in info:
+                print(f"  {key}: {info[key]}")
+        tensors = info.get("tensors", {})
+        if tensors:
+            rows = [(name, "x".join(map(str, t["shape"])), t["dtype"]) for name, t in sorted(tensors.items())]
+            print(table(["tensor", "global shape", "dtype"], rows))
+        files = info.get("files", {})
+        total = sum(f.get("size", 0) for f in files.values())
+        print(f"  files: {len(files)}, {total / 2**20:.1f} MiB")
+        print("  valid: yes" if info.get("valid") else "  valid: NO — " + "; ".join(info.get("problems", [])))
+    return 0 if info.get("valid") else 1
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from parallel.export import export_checkpoint
+
+    out = export_checkpoint(args.path, args.out, overwrite=args.overwrite)
+    print(f"wrote Hugging Face Llama checkpoint to {out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="elastron", description="Elastic 3D-parallel LLM training on Ray.")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("demo", help="train the tiny model on the Python stdlib corpus and show the loss curve")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--workers", type=int, default=2, help="local ranks (default 2)")
+    p.add_argument("--layout", help="force a layout, e.g. dp=1,tp=1,pp=2")
+    p.add_argument("--run-dir", help="where metrics go (default: a new temporary directory)")
+    p.add_argument("--json", help="also write the summary as JSON to this path")
+    p.set_defaults(fn=_cmd_demo)
+
+    p = sub.add_parser("train", help="run a job on local ranks (torchrun-style, no Ray)")
+    p.add_argument("config")
+    p.add_argument("--nproc", type=int, default=1)
+    p.add_argument("--layout")
+    p.add_argument("--steps", type=int)
+    p.add_argument("--run-dir", required=True)
+    p.set_defaults(fn=_cmd_train)
+
+    p = sub.add_parser("ckpt", help="checkpoint tools")
+    csub = p.add_subparsers(dest="ckpt_command", required=True)
+    q = csub.add_parser("inspect", help="show a checkpoint's step, layout, tensors and validity")
+    q.add_argument("path")
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(fn=_cmd_ckpt_inspect)
+
+    p = sub.add_parser("export", help="write a checkpoint as a Hugging Face Llama model (model.safetensors)")
+    p.add_argument("path")
+    p.add_argument("out")
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(fn=_cmd_export)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (CLIError, ValueError, FileNotFoundError, FileExistsError, PermissionError) as e:
+        # ConfigError, PlanError and CheckpointError are ValueError/RuntimeError subclasses with clear text.
+        print(f"elastron: error: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:
+        print(f"elastron: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""Tier 1: Layout parsing, validation and coordinates."""
+
+import subprocess
+import sys
+
+import pytest
+
+from parallel.layout import AXIS_ORDER, Layout
+
+
+def test_parse_forms():
+    assert Layout.parse("dp=2,tp=2,pp=1") == Layout(dp_shard=2, tp=2)
+    assert Layout.parse("dp=2", dp_mode="replicate") == Layout(dp_replicate=2)
+    assert Layout.parse("dp_replicate=2,dp_shard=3,pp=2") == Layout(dp_replicate=2, dp_shard=3, pp=2)
+    assert Layout.parse(" tp = 4 ") == Layout(tp=4)
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("dp=0", "dp_shard must be an integer >= 1"),
+    ("dp=2,dp_shard=2", "either dp= or"),
+    ("xp=2", "unknown layout key 'xp'"),
+    ("tp=two", "bad layout item"),
+    ("tp=2,tp=2", "given twice"),
+    ("", "empty layout"),
+])
+def test_parse_errors_say_what_is_wrong(text, needle):
+    with pytest.raises(ValueError, match=needle):
+        Layout.parse(text)
+
+
+def test_world_size_check_shows_the_numbers():
+    with pytest.raises(ValueError, match=r"needs 8 ranks .*dp_shard=2 x tp=2 x pp=2.* but there are 6"):
+        Layout(dp_shard=2, tp=2, pp=2).check_world_size(6)
+
+
+def test_str_round_trips_and_dict_round_trips():
+    for lay in [Layout(), Layout(dp_shard=4), Layout(dp_replicate=2, tp=2), Layout(dp_replicate=2, dp_shard=2, pp=3)]:
+        assert Layout.parse(str(lay)) == lay
+        assert Layout.from_dict(lay.to_dict()) == lay
+
+
+def test_coords_are_row_major_with_tp_innermost():
+    lay = Layout(dp_replicate=2, dp_shard=2, tp=2, pp=2)
+    seen = set()
+    for r in range(lay.world_size):
+        c = lay.coords(r)
+        assert list(c) == list(AXIS_ORDER)
+        seen.add(tuple(c.values()))
+    assert len(seen) == lay.world_size
+    assert lay.coords(1)["tp"] == 1 and lay.coords(1)["dp_shard"] == 0  # adjacent ranks share a TP group
+    assert [lay.dp_rank(r) for r in range(0, 8, 2)] == [0, 1, 2, 3]
+
+
+def test_importing_layout_does_not_import_torch_distributed():
+    code = "import sys, parallel.layout, parallel.planner; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
