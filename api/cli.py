@@ -19,6 +19,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                     json_path=args.json)
 
 
+def _cmd_run(args: argparse.Namespace) -> int:
+    from api.run import run_job
+
+    return run_job(args.config, address=args.address, workers=args.workers, layout=args.layout, steps=args.steps,
+                   run_dir=args.run_dir, settle_seconds=args.settle_seconds, json_path=args.json)
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from workers.config import load_config
     from workers.local import launch_local
@@ -70,6 +77,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", help="where metrics go (default: a new temporary directory)")
     p.add_argument("--json", help="also write the summary as JSON to this path")
     p.set_defaults(fn=_cmd_demo)
+
+    p = sub.add_parser("run", help="run a job through the elastic coordinator on Ray")
+    p.add_argument("config", help="job config YAML")
+    p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--workers", type=int, help="run on at most this many workers")
+    g.add_argument("--layout", help="force a layout, e.g. dp=2,tp=1,pp=2")
+    p.add_argument("--steps", type=int, help="total optimizer steps (default: train.steps)")
+    p.add_argument("--run-dir", help="metrics, events and checkpoints (default: runs/NAME)")
+    p.add_argument("--settle-seconds", type=float, default=10.0, help="stable capacity needed before growing")
+    p.add_argument("--json", help="write the final status and reconfigurations as JSON here")
+    p.set_defaults(fn=_cmd_run)
 
     p = sub.add_parser("train", help="run a job on local ranks (torchrun-style, no Ray)")
     p.add_argument("config")

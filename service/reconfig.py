@@ -1,0 +1,49 @@
+"""A record of one reconfiguration, from detection to the first step at the new layout."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(kw_only=True, slots=True)
+class Reconfig:
+    cause: str
+    """planned, grow, preemption, failure or user."""
+    detected: float
+    """Unix time the coordinator acted on the event."""
+    step_before: int
+    """Last step completed before the event."""
+    old_layout: dict | None = None
+    new_layout: dict | None = None
+    world_size: int = 0
+    resumed_step: int | None = None
+    """Step the new group resumed from (its checkpoint's step)."""
+    started: int = 0
+    """Workers started (survivors are reused on planned resizes)."""
+    stopped: int = 0
+    first_step_time: float | None = None
+    """Unix time the first step at the new layout finished."""
+    loss_before: float | None = None
+    loss_after: float | None = None
+
+    def formed(self, *, new_layout: dict, resumed_step: int, started: int, stopped: int, world_size: int) -> None:
+        self.new_layout, self.resumed_step = new_layout, resumed_step
+        self.started, self.stopped, self.world_size = started, stopped, world_size
+
+    def first_step(self, row: dict, before: dict | None) -> None:
+        self.first_step_time = row["time"]
+        self.loss_after = row["loss"]
+        self.loss_before = before["loss"] if before else None
+
+    @property
+    def seconds(self) -> float | None:
+        """Detection to first step at the new layout."""
+        return None if self.first_step_time is None else self.first_step_time - self.detected
+
+    @property
+    def steps_lost(self) -> int:
+        """Steps that had been done and must be done again (0 for a planned resize)."""
+        return 0 if self.resumed_step is None else max(0, self.step_before - self.resumed_step)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "seconds": self.seconds, "steps_lost": self.steps_lost}

@@ -1,0 +1,176 @@
+"""A job's worker group: one Ray actor per rank, each in its own placement group on a chosen node.
+
+The coordinator decides how many workers go on which node (`assign_nodes`); ranks are numbered node by
+node, so the ranks of a TP group (adjacent ranks: TP is the innermost mesh axis) share a node. On a
+planned resize, surviving actors are kept and only re-join (process-group re-form, ~0.03 s); only
+missing ranks are started and only extra ones stopped. After an unplanned failure the survivors may be
+stuck in a collective with a dead peer, so the group is torn down and started afresh.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerFailure(RuntimeError):
+    """A worker died or raised. `kind` groups repeated failures of the same sort for the retry budget."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass
+class Member:
+    actor: Any
+    pg: PlacementGroup
+    node_id: str
+    ip: str
+
+
+def assign_nodes(n: int, slots: dict[str, int], *, prefer: Counter | None = None, tp: int = 1) -> list[str]:
+    """Node of each of `n` ranks: whole TP groups per node, nodes already hosting our workers first (so
+    survivors are reused), then the roomiest. Raises ValueError when `n` ranks do not fit."""
+    prefer = prefer or Counter()
+    order = sorted(slots, key=lambda nid: (-min(prefer[nid], slots[nid]), -slots[nid], nid))
+    out: list[str] = []
+    for nid in order:
+        take = min(slots[nid] // tp * tp, n - len(out))
+        out += [nid] * take
+        if len(out) == n:
+            return out
+    raise ValueError(f"{n} workers in TP groups of {tp} do not fit on nodes with slots {dict(slots)}")
+
+
+class WorkerGroup:
+    def __init__(self, cfg_dict: dict, run_dir: str, *, cpus_per_worker: float, gpus_per_worker: float,
+                 job_id: str, start_timeout_s: float = 30.0):
+        self.cfg_dict = cfg_dict
+        self.run_dir = run_dir
+        self.cpus = cpus_per_worker
+        self.gpus = gpus_per_worker
+        self.job_id = job_id
+        self.start_timeout_s = start_timeout_s
+        self.members: list[Member] = []
+
+    # -- membership ------------------------------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    def nodes(self) -> Counter:
+        return Counter(m.node_id for m in self.members)
+
+    def scale_to(self, nodes: list[str]) -> tuple[int, int]:
+        """Make the group have one member per entry of `nodes`. Keeps members already on those nodes,
+        stops the rest, starts the missing. Members end up ordered node by node (rank order), in the
+        order nodes first appear in `nodes`. Returns (started, stopped)."""
+        want = Counter(nodes)
+        pool: dict[str, list[Member]] = defaultdict(list)
+        stop: list[Member] = []
+        for m in self.members:
+            (pool[m.node_id].append(m) if len(pool[m.node_id]) < want[m.node_id] else stop.append(m))
+        self._stop(stop)
+        missing = [nid for nid in want for _ in range(want[nid] - len(pool[nid]))]
+        started = self._start(missing) if missing else []
+        for m in started:  # placement targets a node softly: group by where the actor really runs
+            pool[m.node_id].append(m)
+        order = list(dict.fromkeys(nodes)) + [nid for nid in pool if nid not in want]
+        self.members = [m for nid in order for m in pool.get(nid, [])]
+        return len(started), len(stop)
+
+    def _start(self, nodes: list[str]) -> list[Member]:
+        from workers.actor import Worker
+
+        cls = ray.remote(Worker)
+        bundle = {"CPU": self.cpus, **({"GPU": self.gpus} if self.gpus else {})}
+        pgs = [placement_group([bundle], strategy="STRICT_PACK", _soft_target_node_id=nid) for nid in nodes]
+        try:
+            ray.get([pg.ready() for pg in pgs], timeout=self.start_timeout_s)
+        except GetTimeoutError:
+            for pg in pgs:
+                remove_placement_group(pg)
+            raise WorkerFailure("start", f"could not place {len(nodes)} worker(s) within {self.start_timeout_s:.0f}s")
+        actors = [
+            cls.options(num_cpus=self.cpus, num_gpus=self.gpus or None, max_concurrency=1,
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0)).remote(
+                self.cfg_dict, self.run_dir, threads=max(1, int(self.cpus)))
+            for pg in pgs
+        ]
+        infos = self._get([a.info.remote() for a in actors], "start", timeout=self.start_timeout_s + 60)
+        return [Member(a, pg, i["node_id"], i["ip"]) for a, pg, i in zip(actors, pgs, infos)]
+
+    def _stop(self, members: list[Member]) -> None:
+        for m in members:
+            try:
+                ray.kill(m.actor, no_restart=True)
+            except Exception:  # already gone is fine
+                logger.debug("kill of a worker failed", exc_info=True)
+            try:
+                remove_placement_group(m.pg)
+            except Exception:
+                logger.debug("placement group removal failed", exc_info=True)
+
+    def shutdown(self) -> None:
+        self._stop(self.members)
+        self.members = []
+
+    # -- collective operations ---------------------------------------------------------------------------
+    def form(self, layout: dict) -> dict:
+        """(Re-)form the process group over the current members for `layout`; every rank builds its
+        trainer and resumes from the latest committed checkpoint. Returns timings and the step."""
+        t0 = time.perf_counter()
+        head = self.members[0]
+        port = self._get([head.actor.free_port.remote()], "form")[0]
+        refs = [m.actor.join.remote(rank=r, world_size=self.size, master_addr=head.ip, master_port=port,
+                                    layout=layout) for r, m in enumerate(self.members)]
+        res = self._get(refs, "form", timeout=300)
+        steps = {r["step"] for r in res}
+        if len(steps) != 1:
+            raise WorkerFailure("form", f"ranks resumed at different steps {sorted(steps)}")
+        return {"step": steps.pop(), "form_s": time.perf_counter() - t0}
+
+    def run(self, *, until_step: int, max_seconds: float, should_abort=lambda: False) -> list[dict]:
+        """One chunk of training on every rank; rank 0's metrics. Polls `should_abort` while waiting so a
+        dead node is acted on at once rather than after a collective timeout."""
+        refs = [m.actor.run.remote(until_step=until_step, max_seconds=max_seconds) for m in self.members]
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=0.2)
+            for ref in done:
+                self._get([ref], "run")  # raises WorkerFailure if that rank failed
+            if pending and should_abort():
+                raise WorkerFailure("node", "a node hosting workers died during a step")
+        return self._get([refs[0]], "run")[0]
+
+    def checkpoint(self) -> int:
+        steps = set(self._get([m.actor.checkpoint.remote() for m in self.members], "checkpoint", timeout=600))
+        return max(steps)
+
+    def leave(self) -> None:
+        self._get([m.actor.leave.remote() for m in self.members], "leave", timeout=60)
+
+    @staticmethod
+    def _get(refs: list, what: str, timeout: float | None = None) -> list:
+        try:
+            return ray.get(refs, timeout=timeout)
+        except RayActorError as e:
+            raise WorkerFailure("died", f"a worker died during {what}: {str(e).splitlines()[0]}") from e
+        except GetTimeoutError as e:
+            raise WorkerFailure("timeout", f"workers did not finish {what} within {timeout:.0f}s") from e
+        except RayError as e:
+            cause = getattr(e, "cause", None)
+            kind = f"error:{type(cause).__name__}" if cause is not None else "error"
+            msg = str(cause) if cause is not None else str(e).splitlines()[-1]
+            raise WorkerFailure(kind, f"a worker raised during {what}: {msg}") from e

@@ -1,0 +1,211 @@
+"""Tier 1: the coordinator's flows with a fake worker group and a fake cluster (no Ray, no torch ranks).
+
+The fake group models what matters for the coordinator: a step counter, checkpoints committed every
+`interval` steps or on request, and resumption from the last committed step when a group is formed.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from service.cluster import ClusterWatcher
+from service.coordinator import Coordinator, CoordinatorOptions
+from service.worker_group import WorkerFailure
+from workers.config import JobConfig
+
+
+class FakeCluster:
+    def __init__(self, nodes: dict[str, int]):
+        self.nodes = dict(nodes)  # node id -> CPUs
+        self.dead: set[str] = set()
+        self.draining: dict[str, int] = {}
+
+    def rows(self) -> list[dict]:
+        return [{"NodeID": n, "Alive": n not in self.dead, "Resources": {"CPU": float(c)}}
+                for n, c in self.nodes.items()]
+
+    def watcher(self) -> ClusterWatcher:
+        return ClusterWatcher(nodes_fn=self.rows, draining_fn=lambda: dict(self.draining))
+
+
+class Disk:
+    """What survives a group: the committed checkpoint step."""
+
+    def __init__(self, interval: int):
+        self.interval = interval
+        self.committed = 0
+
+
+class FakeGroup:
+    disk: Disk
+    cluster: FakeCluster
+    fail_next: list[str] = []
+
+    def __init__(self, cfg_dict, run_dir, **kw):
+        self.members: list[str] = []
+        self.step = 0
+        self.layout = None
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    def nodes(self) -> Counter:
+        return Counter(self.members)
+
+    def scale_to(self, nodes):
+        keep = Counter(self.members) & Counter(nodes)
+        started = sum((Counter(nodes) - keep).values())
+        stopped = sum((Counter(self.members) - keep).values())
+        self.members = list(nodes)
+        return started, stopped
+
+    def form(self, layout):
+        self.layout = layout
+        self.step = self.disk.committed
+        return {"step": self.step, "form_s": 0.0}
+
+    def run(self, *, until_step, max_seconds, should_abort=lambda: False):
+        if self.fail_next:
+            raise WorkerFailure(self.fail_next.pop(0), "worker raised: boom")
+        if should_abort() or any(m in self.cluster.dead for m in self.members):
+            raise WorkerFailure("died", "a worker died")
+        self.step += 1
+        if self.step % self.disk.interval == 0:
+            self.disk.committed = self.step
+        ws = sum(self.layout.values()) and len(self.members)
+        return [{"step": self.step, "loss": 10.0 / self.step, "time": float(self.step), "world_size": ws,
+                 "committed_step": self.disk.committed}]
+
+    def checkpoint(self):
+        self.disk.committed = self.step
+        return self.step
+
+    def leave(self):
+        pass
+
+    def shutdown(self):
+        self.members = []
+
+
+def make(tmp_path, nodes, *, steps=20, interval=5, min_workers=1, max_workers=4, settle=0.0, **opts):
+    cluster = FakeCluster(nodes)
+    cfg = JobConfig.from_dict({
+        "data": {"source": "synthetic", "seq_len": 16},
+        "train": {"steps": steps, "global_batch_size": 8, "micro_batch_size": 2},
+        "parallel": {"min_workers": min_workers, "max_workers": max_workers},
+        "checkpoint": {"interval_steps": interval},
+    })
+    group_cls = type("G", (FakeGroup,), {"disk": Disk(interval), "cluster": cluster, "fail_next": []})
+    c = Coordinator(cfg, run_dir=tmp_path, job_id="job1", watcher=cluster.watcher(),
+                    options=CoordinatorOptions(settle_seconds=settle, max_restarts=2, **opts))
+    c.worker_group_cls = group_cls
+    return c, cluster, group_cls
+
+
+def advance(c: Coordinator, until, limit=500):
+    for _ in range(limit):
+        c.watcher.poll()
+        if until(c):
+            return
+        c.step()
+    raise AssertionError(f"condition not reached; state {c.sm.state}, step {c.step_done}")
+
+
+def changes(c: Coordinator):
+    """Reconfigurations after the initial start (which is recorded too, as cause "planned")."""
+    assert c.reconfigs and c.reconfigs[0].cause == "planned" and c.reconfigs[0].old_layout is None
+    return c.reconfigs[1:]
+
+
+def states(c: Coordinator) -> list[str]:
+    return [e["to_state"] for e in c.events_since(0) if e["kind"] == "transition"]
+
+
+def test_runs_to_success_on_all_capacity(tmp_path):
+    c, _, _ = make(tmp_path, {"a": 2, "b": 2})
+    advance(c, lambda c: c.sm.state.is_terminal)
+    assert str(c.sm.state) == "SUCCEEDED" and c.step_done == 20
+    assert states(c) == ["STARTING", "RUNNING", "SUCCEEDED"]
+    assert c.plan.world_size == 4 and c.plan.layout.dp == 4
+    assert (tmp_path / "events.jsonl").read_text().count("\n") == len(c.events_since(0))
+
+
+def test_preemption_notice_shrinks_with_zero_steps_lost(tmp_path):
+    c, cluster, _ = make(tmp_path, {"a": 2, "b": 2})
+    advance(c, lambda c: c.step_done >= 7)
+    cluster.draining["b"] = 10**13
+    advance(c, lambda c: c.group is not None and c.group.size == 2 and c.step_done >= 9)
+    (rc,) = changes(c)
+    assert rc.cause == "preemption" and rc.steps_lost == 0 and rc.step_before == 7 and rc.resumed_step == 7
+    assert "b" not in c.group.nodes()
+    assert [e["kind"] for e in c.events_since(0)].count("preemption") == 1
+
+
+def test_node_death_resumes_from_last_commit_on_what_is_left(tmp_path):
+    c, cluster, _ = make(tmp_path, {"a": 2, "b": 2}, interval=5)
+    advance(c, lambda c: c.step_done >= 8)
+    cluster.dead.add("b")
+    advance(c, lambda c: changes(c))
+    (rc,) = changes(c)
+    assert rc.cause == "failure" and rc.resumed_step == 5 and rc.steps_lost == 3 and rc.world_size == 2
+    assert "RECOVERING" in states(c)
+    advance(c, lambda c: c.sm.state.is_terminal)
+    assert str(c.sm.state) == "SUCCEEDED"
+
+
+def test_grow_waits_for_settle_then_resizes_without_redoing_steps(tmp_path):
+    c, cluster, _ = make(tmp_path, {"a": 2}, settle=0.0)
+    advance(c, lambda c: c.step_done >= 3)
+    cluster.nodes["b"] = 2
+    advance(c, lambda c: len(c.reconfigs) == 2)
+    (rc,) = changes(c)
+    assert c.group.size == 4
+    assert rc.cause == "grow" and rc.steps_lost == 0 and rc.started == 2 and rc.stopped == 0
+
+
+def test_waits_for_capacity_below_min_workers_and_resumes(tmp_path):
+    c, cluster, _ = make(tmp_path, {"a": 2, "b": 2}, min_workers=3)
+    advance(c, lambda c: c.step_done >= 6)
+    cluster.dead.add("b")
+    advance(c, lambda c: str(c.sm.state) == "WAITING_FOR_CAPACITY")
+    assert "min_workers=3" in c.sm.reason
+    cluster.dead.discard("b")
+    advance(c, lambda c: str(c.sm.state) == "RUNNING" and c.group.size == 4)
+    assert c.step_done == 5  # resumed from the checkpoint committed at step 5
+
+
+def test_repeated_failures_of_one_kind_end_in_failed_with_the_error(tmp_path):
+    c, _, G = make(tmp_path, {"a": 2})
+    G.fail_next.extend(["error:ValueError"] * 5)
+    advance(c, lambda c: c.sm.state.is_terminal)
+    assert str(c.sm.state) == "FAILED"
+    assert "error:ValueError failed 3 times" in c.sm.reason and "boom" in c.sm.reason
+
+
+def test_user_resize_pause_resume_stop(tmp_path):
+    c, _, _ = make(tmp_path, {"a": 2, "b": 2}, settle=1e9)
+    advance(c, lambda c: c.step_done >= 3)
+    c.resize(workers=2)
+    advance(c, lambda c: len(c.reconfigs) == 2)
+    assert c.group.size == 2 and c.reconfigs[-1].cause == "user" and c.reconfigs[-1].steps_lost == 0
+    c.resize(workers=4)  # a user's growth ignores the settle time
+    advance(c, lambda c: len(c.reconfigs) == 3)
+    assert c.group.size == 4
+    c.pause()
+    advance(c, lambda c: str(c.sm.state) == "PAUSED")
+    paused_at = c.step_done
+    assert c.group is None and c.committed_step == paused_at
+    c.resume()
+    advance(c, lambda c: c.step_done > paused_at)
+    c.stop()
+    advance(c, lambda c: c.sm.state.is_terminal)
+    assert str(c.sm.state) == "STOPPED"
+
+
+def test_bad_resize_is_rejected_in_the_callers_thread(tmp_path):
+    c, _, _ = make(tmp_path, {"a": 2})
+    with pytest.raises(ValueError, match="max_workers=1 is less than min_workers=2"):
+        c.resize(min_workers=2, max_workers=1)

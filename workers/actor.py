@@ -1,0 +1,99 @@
+"""The body of one worker (one rank): a plain class the coordinator runs as a Ray actor.
+
+A worker outlives layouts: `join()` forms (or re-forms) the process group and builds the trainer for a
+layout, resuming from the latest committed checkpoint; `leave()` drops both but keeps the process (and
+its imported torch) alive, so a planned resize costs a process-group re-form, not a process start.
+Knows nothing of Ray beyond being called; knows nothing of HTTP.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+
+class Worker:
+    def __init__(self, cfg_dict: dict, run_dir: str, *, threads: int = 1):
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+        import torch
+
+        torch.set_num_threads(threads)
+        from workers.config import JobConfig
+
+        self.cfg = JobConfig.from_dict(cfg_dict)
+        self.run_dir = Path(run_dir)
+        self.trainer = None
+        self.rank: int | None = None
+
+    # -- placement and rendezvous --------------------------------------------------------------------
+    def info(self) -> dict[str, Any]:
+        import ray
+
+        return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
+                "pid": os.getpid()}
+
+    def free_port(self) -> int:
+        """A port free on this worker's node, for a rendezvous that rank 0 hosts."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    # -- group membership ------------------------------------------------------------------------------
+    def join(self, *, rank: int, world_size: int, master_addr: str, master_port: int, layout: dict,
+             timeout_s: float = 120.0) -> dict[str, Any]:
+        """Join a process group as `rank` and build the trainer for `layout` (resuming from the latest
+        committed checkpoint, if any). Returns the step training will continue from."""
+        from parallel.layout import Layout
+        from workers.runtime import init_process_group, pick_device
+        from workers.trainer import Trainer
+
+        self.leave()
+        t0 = time.perf_counter()
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0",
+                          MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        device = pick_device(self.cfg.resources.device)
+        init_process_group(device, timeout_s=timeout_s)
+        t1 = time.perf_counter()
+        self.trainer = Trainer(self.cfg, layout=Layout.from_dict(layout), device=device,
+                               run_dir=self.run_dir).build()
+        self.rank = rank
+        return {"step": self.trainer.step, "pg_s": t1 - t0, "build_s": time.perf_counter() - t1}
+
+    def leave(self) -> None:
+        """Drop the trainer and the process group; the process stays warm for the next layout."""
+        from workers.runtime import destroy_process_group
+
+        if self.trainer is not None:
+            try:
+                self.trainer.close()
+            finally:
+                self.trainer = None
+        destroy_process_group()
+        self.rank = None
+
+    # -- training --------------------------------------------------------------------------------------
+    def run(self, *, until_step: int, max_seconds: float) -> list[dict]:
+        """Train until `until_step` or for about `max_seconds`, whichever comes first. Short calls keep
+        the coordinator responsive to resizes and preemption notices between them."""
+        if self.trainer is None:
+            raise RuntimeError("worker has not joined a group")
+        out = []
+        deadline = time.perf_counter() + max_seconds
+        while self.trainer.step < until_step:
+            out.append(self.trainer.train_step().to_dict())
+            if time.perf_counter() >= deadline:
+                break
+        return out
+
+    def checkpoint(self) -> int:
+        """Save at the current step and wait until it is committed (a planned resize calls this)."""
+        if self.trainer is None:
+            raise RuntimeError("worker has not joined a group")
+        self.trainer.save_checkpoint(blocking=True)
+        return self.trainer.step
+
+    def step(self) -> int | None:
+        return None if self.trainer is None else self.trainer.step
