@@ -1,0 +1,175 @@
+"""Job events: what happened to a job, in order, as one JSON line each in RUN_DIR/events.jsonl.
+
+The event log is the job's history for the API and for post-mortems ("why did it shrink at step 1200?"),
+so every state transition, resize, preemption notice, failure and checkpoint is an `Event`. The file is
+append-only and flushed per line, so a crash loses at most the line being written; `read_events` skips
+such a truncated last line, and `EventLog.load` also cuts it off so later appends start on a clean line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+KINDS = ("transition", "resize", "preemption", "failure", "checkpoint", "capacity", "info")
+"""Known event kinds. Others are accepted (a newer writer may add some); these are the ones we emit."""
+
+CAUSES = ("planned", "grow", "preemption", "failure", "user")
+"""Why a job changed size or state; None where no cause applies."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Event:
+    """One thing that happened to a job. States and layouts are plain strings / dicts so that the log
+    can be read without importing the coordinator."""
+
+    time: float
+    """Unix seconds."""
+    job_id: str
+    kind: str
+    """One of KINDS."""
+    from_state: str | None = None
+    """State before (for a transition); the current state for other kinds."""
+    to_state: str | None = None
+    """State after (for a transition); the current state for other kinds."""
+    reason: str = ""
+    """Human-readable why, with numbers."""
+    old_layout: dict | None = None
+    """Layout.to_dict() before the event, if there was one."""
+    new_layout: dict | None = None
+    """Layout.to_dict() after the event, if there is one."""
+    step: int | None = None
+    """Training step at the event, when known."""
+    cause: str | None = None
+    """One of CAUSES, or None (checked by the writers, not here, so a newer log still loads)."""
+    details: dict = field(default_factory=dict)
+    """Anything else worth keeping (node ids, deadlines, error text); must be JSON-serialisable."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.job_id, str) or not self.job_id:
+            raise ValueError(f"event job_id must be a non-empty string, got {self.job_id!r}")
+        if not isinstance(self.kind, str) or not self.kind:
+            raise ValueError(f"event kind must be a non-empty string, got {self.kind!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        # StrEnum states serialise as their value; str() keeps a plain str unchanged.
+        d["from_state"] = None if self.from_state is None else str(self.from_state)
+        d["to_state"] = None if self.to_state is None else str(self.to_state)
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Event":
+        """Inverse of to_dict. Unknown keys are ignored so that an older reader can load a newer log."""
+        if not isinstance(d, dict):
+            raise ValueError(f"an event must be a JSON object, got {type(d).__name__}")
+        known = {f.name for f in fields(cls)}
+        missing = sorted({"time", "job_id", "kind"} - d.keys())
+        if missing:
+            raise ValueError(f"event is missing {missing}: {d!r}")
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+def read_events(path: str | os.PathLike) -> list[Event]:
+    """Events in the file at `path`. A last line that is cut off or not valid JSON is skipped with a
+    warning (a crash mid-write); a bad line anywhere else raises ValueError naming the line."""
+    events, _ = _read(Path(path))
+    return events
+
+
+def _read(path: Path) -> tuple[list[Event], int]:
+    """(events, byte offset just after the last good line)."""
+    data = path.read_bytes()
+    events: list[Event] = []
+    good_end = 0
+    pos = 0
+    lines = data.split(b"\n")
+    for i, raw in enumerate(lines):
+        last = i == len(lines) - 1
+        end = pos + len(raw) + (0 if last else 1)
+        if raw.strip():
+            try:
+                events.append(Event.from_dict(json.loads(raw)))
+            except (ValueError, TypeError) as e:
+                # Only the final line can be a torn write; a bad line before it is real corruption.
+                if last or (i == len(lines) - 2 and not lines[-1]):
+                    logger.warning("%s: skipping truncated last line %d (%d bytes): %s", path, i + 1, len(raw), e)
+                    break
+                raise ValueError(f"{path}: line {i + 1} is not a valid event: {e}") from e
+        good_end = end
+        pos = end
+    return events, good_end
+
+
+class EventLog:
+    """Events kept in memory (for the API: `since(index)`) and, when `path` is given, appended to a
+    JSON-lines file. Appending is the sink a `StateMachine` emits into. Thread-safe.
+
+    The constructor touches nothing on disk; the parent directory is created on the first append."""
+
+    def __init__(self, path: str | os.PathLike | None = None, events: list[Event] | None = None):
+        self.path = None if path is None else Path(path)
+        self._events: list[Event] = list(events or [])
+        self._lock = threading.Lock()
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "EventLog":
+        """Resume the log at `path` (an empty log if there is no file). A truncated last line is
+        dropped from the file as well, so the next append does not glue onto it."""
+        path = Path(path)
+        if not path.exists():
+            return cls(path)
+        events, good_end = _read(path)
+        size = path.stat().st_size
+        if good_end < size:
+            logger.warning("%s: cutting %d bytes of a truncated last line", path, size - good_end)
+            with open(path, "r+b") as f:
+                f.truncate(good_end)
+        elif size and not path.read_bytes().endswith(b"\n"):
+            with open(path, "ab") as f:  # a complete last line whose newline was lost
+                f.write(b"\n")
+        return cls(path, events)
+
+    def append(self, event: Event) -> int:
+        """Record `event`; returns its index. The line is written and flushed before this returns.
+        If the write fails the event is still kept in memory and the OSError is raised."""
+        if not isinstance(event, Event):
+            raise ValueError(f"EventLog.append needs an Event, got {type(event).__name__}")
+        line = event.to_json() + "\n"
+        with self._lock:
+            self._events.append(event)
+            index = len(self._events) - 1
+            if self.path is not None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                with open(self.path, "a", encoding="utf-8") as f:
+                    f.write(line)
+                    f.flush()
+        return index
+
+    __call__ = append  # so an EventLog can be passed directly as a sink
+
+    def since(self, index: int = 0) -> list[Event]:
+        """Events from `index` on (a client remembers len() and asks for what is new)."""
+        if index < 0:
+            raise ValueError(f"since() index must be >= 0, got {index}")
+        with self._lock:
+            return self._events[index:]
+
+    @property
+    def events(self) -> list[Event]:
+        with self._lock:
+            return list(self._events)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._events)

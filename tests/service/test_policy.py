@@ -1,0 +1,238 @@
+"""Pure tests of the scaling policy, driven by explicit `now` values (tier 1: no clock, no sleeping)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from service.policy import Fail, Failure, Noop, PolicyConfig, Resize, ScalingPolicy, Wait
+
+
+def policy(**kw) -> ScalingPolicy:
+    size_for = kw.pop("size_for", None)
+    return ScalingPolicy(PolicyConfig(**{"settle_seconds": 30.0, **kw}), size_for=size_for)
+
+
+# -- config -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kw, match", [
+    ({"min_workers": 0}, "min_workers"),
+    ({"min_workers": True}, "min_workers"),
+    ({"max_workers": 0}, "max_workers"),
+    ({"min_workers": 4, "max_workers": 2}, "less than min_workers=4"),
+    ({"settle_seconds": -1}, "settle_seconds"),
+    ({"max_restarts": -1}, "max_restarts"),
+    ({"restart_window_s": 0}, "restart_window_s"),
+])
+def test_config_rejects_bad_values(kw, match):
+    with pytest.raises(ValueError, match=match):
+        PolicyConfig(**kw)
+
+
+@pytest.mark.parametrize("kw", [{"current_workers": -1, "usable_workers": 1},
+                                {"current_workers": 1, "usable_workers": 1.5},
+                                {"current_workers": False, "usable_workers": 1}])
+def test_decide_rejects_bad_counts(kw):
+    with pytest.raises(ValueError):
+        policy().decide(0.0, **kw)
+
+
+# -- start, wait ---------------------------------------------------------------------------------------
+def test_start_uses_everything_offered_at_once():
+    assert policy().decide(0.0, current_workers=0, usable_workers=5) == Resize(
+        workers=5, cause="planned", reason="start on 5 workers (5 usable)")
+    d = policy(max_workers=4).decide(0.0, current_workers=0, usable_workers=5)
+    assert isinstance(d, Resize) and d.workers == 4 and d.cause == "planned"
+
+
+def test_wait_below_min_workers_says_why():
+    d = policy(min_workers=3).decide(0.0, current_workers=0, usable_workers=2)
+    assert d == Wait("2 usable workers < min_workers=3")
+    d = policy(min_workers=3).decide(100.0, current_workers=4, usable_workers=2, draining={"abcdef0123": 130.0})
+    assert isinstance(d, Wait) and "2 usable workers < min_workers=3" in d.reason
+    assert "node abcdef01 drains in 30.0 s" in d.reason
+
+
+def test_steady_state_is_noop():
+    p = policy(min_workers=2, max_workers=8)
+    assert p.decide(0.0, current_workers=4, usable_workers=4) == Noop()
+    assert p.decide(0.0, current_workers=8, usable_workers=12) == Noop()
+    assert p.pending_growth is None
+
+
+# -- shrink --------------------------------------------------------------------------------------------
+def test_shrink_on_lost_capacity_is_immediate_failure():
+    d = policy(settle_seconds=1e9).decide(0.0, current_workers=4, usable_workers=3)
+    assert d == Resize(workers=3, cause="failure",
+                       reason="shrink to 3: 3 usable workers < 4 running (capacity lost)")
+
+
+def test_shrink_ahead_of_drain_is_preemption_with_earliest_deadline():
+    draining = {"bbbbbbbbbb": 160.0, "aaaaaaaaaa": 130.0, "cccccccccc": None}
+    d = policy().decide(100.0, current_workers=6, usable_workers=2, draining=draining)
+    assert isinstance(d, Resize) and (d.workers, d.cause) == (2, "preemption")
+    assert "node aaaaaaaa drains in 30.0 s (+2 more draining)" in d.reason
+
+
+def test_drain_without_deadline_is_named():
+    d = policy().decide(0.0, current_workers=3, usable_workers=2, draining={"n1": None})
+    assert d.cause == "preemption" and "node n1 is draining (no deadline)" in d.reason
+
+
+def test_lowered_max_workers_shrinks_with_cause_user():
+    d = policy(max_workers=4).decide(0.0, current_workers=6, usable_workers=6)
+    assert isinstance(d, Resize) and (d.workers, d.cause) == (4, "user") and "max_workers=4" in d.reason
+
+
+def test_draining_nodes_without_lost_capacity_do_nothing():
+    # A drain on a node we do not count (e.g. another pool) must not disturb a job that has all it needs.
+    assert policy().decide(0.0, current_workers=4, usable_workers=4, draining={"n9": 50.0}) == Noop()
+
+
+# -- grow and the settle timer ------------------------------------------------------------------------
+def test_grow_only_after_settle_seconds():
+    p = policy(settle_seconds=30.0)
+    assert p.decide(0.0, current_workers=4, usable_workers=6) == Noop("growth to 6 settling: 0.0 of 30 s")
+    assert p.pending_growth == (6, 0.0)
+    assert isinstance(p.decide(29.9, current_workers=4, usable_workers=6), Noop)
+    d = p.decide(30.0, current_workers=4, usable_workers=6)
+    assert isinstance(d, Resize) and (d.workers, d.cause) == (6, "grow")
+    assert "unchanged for 30.0 s (settle_seconds=30)" in d.reason
+    assert p.pending_growth is None
+
+
+def test_flap_below_current_resets_the_timer():
+    p = policy(settle_seconds=30.0)
+    assert isinstance(p.decide(0.0, current_workers=4, usable_workers=6), Noop)
+    assert p.decide(10.0, current_workers=4, usable_workers=4) == Noop()  # the new node vanished
+    assert p.pending_growth is None
+    assert isinstance(p.decide(20.0, current_workers=4, usable_workers=6), Noop)  # back: timer restarts at 20
+    assert isinstance(p.decide(45.0, current_workers=4, usable_workers=6), Noop)  # 30 s since t=0, but only 25 since 20
+    assert p.decide(50.0, current_workers=4, usable_workers=6).workers == 6
+
+
+def test_changing_offer_restarts_the_timer_and_grows_once_to_the_final_size():
+    p = policy(settle_seconds=30.0)
+    p.decide(0.0, current_workers=4, usable_workers=5)
+    assert isinstance(p.decide(20.0, current_workers=4, usable_workers=6), Noop)  # another node arrived
+    assert p.pending_growth == (6, 20.0)
+    assert isinstance(p.decide(35.0, current_workers=4, usable_workers=6), Noop)
+    assert p.decide(50.0, current_workers=4, usable_workers=6) == Resize(
+        workers=6, cause="grow",
+        reason="grow to 6: 6 usable workers > 4 running, unchanged for 30.0 s (settle_seconds=30)")
+
+
+def test_wait_and_shrink_reset_a_pending_growth():
+    p = policy(min_workers=2, settle_seconds=30.0)
+    p.decide(0.0, current_workers=4, usable_workers=6)
+    assert isinstance(p.decide(10.0, current_workers=4, usable_workers=1), Wait)
+    assert p.pending_growth is None
+    p.decide(20.0, current_workers=4, usable_workers=6)
+    assert p.decide(25.0, current_workers=4, usable_workers=3).cause == "failure"
+    assert p.pending_growth is None
+    assert isinstance(p.decide(49.0, current_workers=3, usable_workers=6), Noop)  # timer starts again here
+
+
+def test_zero_settle_grows_immediately():
+    assert policy(settle_seconds=0).decide(0.0, current_workers=2, usable_workers=3).cause == "grow"
+
+
+def test_growth_capped_by_max_workers_and_unchanged_offer_above_cap_is_stable():
+    p = policy(max_workers=8, settle_seconds=10.0)
+    p.decide(0.0, current_workers=6, usable_workers=9)
+    assert isinstance(p.decide(5.0, current_workers=6, usable_workers=12), Noop)  # offer still min(12, 8) = 8
+    assert p.pending_growth == (8, 0.0)
+    assert p.decide(10.0, current_workers=6, usable_workers=12).workers == 8
+
+
+# -- size_for: only the sizes a layout can use --------------------------------------------------------
+def even(n: int) -> int | None:
+    return n - n % 2 or None
+
+
+def test_size_for_avoids_pointless_resizes():
+    p = policy(size_for=even, settle_seconds=0)
+    assert p.decide(0.0, current_workers=4, usable_workers=5) == Noop()
+    assert p.decide(0.0, current_workers=4, usable_workers=7).workers == 6
+    assert p.decide(0.0, current_workers=4, usable_workers=3).workers == 2  # shrink to a usable size
+    assert p.decide(0.0, current_workers=0, usable_workers=5).workers == 4
+
+
+def test_size_for_none_means_wait():
+    d = policy(size_for=even).decide(0.0, current_workers=2, usable_workers=1)
+    assert d == Wait("no usable layout on 1 offered workers (min_workers=1)")
+
+
+def test_size_for_below_min_workers_means_wait():
+    d = policy(min_workers=3, size_for=even).decide(0.0, current_workers=0, usable_workers=3)
+    assert isinstance(d, Wait) and "no usable layout on 3" in d.reason
+
+
+def test_non_monotone_size_for_never_shrinks_a_healthy_group():
+    p = policy(size_for=lambda n: {7: 4}.get(n, n))
+    assert p.decide(0.0, current_workers=6, usable_workers=7) == Noop()
+
+
+def test_size_for_cannot_invent_workers():
+    with pytest.raises(ValueError, match="more workers than offered"):
+        policy(size_for=lambda n: n + 1).decide(0.0, current_workers=0, usable_workers=3)
+
+
+# -- failure budget -------------------------------------------------------------------------------------
+def test_fail_when_one_kind_repeats_more_than_max_restarts_in_window():
+    p = policy(max_restarts=2, restart_window_s=100.0)
+    fs = [Failure(time=10.0, kind="worker_crash", error="segfault"),
+          Failure(time=20.0, kind="worker_crash", error="CUDA error: illegal memory access")]
+    assert isinstance(p.decide(30.0, current_workers=0, usable_workers=4, failures=fs), Resize)
+    fs.append(Failure(time=30.0, kind="worker_crash", error="NCCL timeout on rank 3"))
+    d = p.decide(30.0, current_workers=0, usable_workers=4, failures=fs)
+    assert d == Fail("worker_crash failed 3 times in the last 100 s (max_restarts=2); "
+                     "last error: NCCL timeout on rank 3")
+
+
+def test_kinds_are_counted_separately():
+    p = policy(max_restarts=1)
+    fs = [Failure(time=1.0, kind="oom", error="a"), Failure(time=2.0, kind="node_died", error="b")]
+    assert isinstance(p.decide(3.0, current_workers=0, usable_workers=2, failures=fs), Resize)
+
+
+def test_failures_leave_the_window():
+    p = policy(max_restarts=1, restart_window_s=60.0)
+    fs = [Failure(time=0.0, kind="oom", error="old"), Failure(time=50.0, kind="oom", error="new")]
+    assert isinstance(p.decide(59.9, current_workers=0, usable_workers=2, failures=fs), Fail)
+    assert isinstance(p.decide(60.0, current_workers=0, usable_workers=2, failures=fs), Resize)  # t=0 now out
+
+
+def test_zero_restarts_fails_on_first_failure_and_fail_beats_wait():
+    p = policy(max_restarts=0, min_workers=4)
+    d = p.decide(1.0, current_workers=0, usable_workers=0, failures=[Failure(time=1.0, kind="start_timeout")])
+    assert d == Fail("start_timeout failed 1 times in the last 3600 s (max_restarts=0); last error: (none)")
+
+
+def test_most_recent_exhausted_kind_is_reported():
+    p = policy(max_restarts=0)
+    fs = [Failure(time=5.0, kind="oom", error="late"), Failure(time=1.0, kind="node_died", error="early")]
+    assert "oom" in p.decide(6.0, current_workers=1, usable_workers=1, failures=fs).reason
+
+
+# -- exhaustive sweep against a direct statement of the rules -----------------------------------------
+@pytest.mark.parametrize("min_w, max_w", [(1, None), (2, None), (1, 4), (3, 5)])
+def test_sweep_matches_the_rules(min_w, max_w):
+    for current, usable in itertools.product(range(0, 9), range(0, 9)):
+        p = policy(min_workers=min_w, max_workers=max_w, settle_seconds=10.0)
+        d = p.decide(0.0, current_workers=current, usable_workers=usable)
+        offered = usable if max_w is None else min(usable, max_w)
+        case = (current, usable, d)
+        if usable < min_w:
+            assert isinstance(d, Wait), case
+        elif current == 0:
+            assert d == Resize(workers=offered, cause="planned", reason=d.reason), case
+        elif offered < current:
+            assert isinstance(d, Resize) and d.workers == offered and d.cause in ("failure", "user"), case
+            assert min_w <= d.workers <= usable, case
+        elif offered > current:
+            assert isinstance(d, Noop) and "settling" in d.reason, case  # never grows on first sight
+            later = p.decide(10.0, current_workers=current, usable_workers=usable)
+            assert later == Resize(workers=offered, cause="grow", reason=later.reason), case
+        else:
+            assert d == Noop(), case
