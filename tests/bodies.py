@@ -11,8 +11,9 @@ from workers.config import JobConfig
 
 def train_body(cfg_dict: dict, layout: str, steps: int, run_dir: str | None = None,
                return_params: bool = True, record_samples: bool = False) -> dict:
-    """Train `steps` steps under `layout`; return per-step losses/grad norms, this rank's gathered
-    parameters (for its pipeline stage) and, optionally, the sample ids this rank consumed."""
+    """Train until step `steps` under `layout` (resuming from RUN_DIR/checkpoints when `run_dir` holds
+    any); return per-step losses/grad norms of the steps run, the step resumed from, this rank's
+    gathered parameters (for its pipeline stage) and, optionally, the sample ids this rank consumed."""
     from workers.trainer import Trainer
 
     cfg = JobConfig.from_dict(cfg_dict)
@@ -25,8 +26,10 @@ def train_body(cfg_dict: dict, layout: str, steps: int, run_dir: str | None = No
     out = {
         "losses": [m.loss for m in metrics],
         "grad_norms": [m.grad_norm for m in metrics],
+        "steps": [m.step for m in metrics],
         "dp_rank": trainer.dp_rank,
         "samples": samples,
+        "resumed_from": trainer.resumed_from.step if trainer.resumed_from is not None else None,
     }
     if return_params:
         out["params"] = full_params(trainer.model)

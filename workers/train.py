@@ -4,14 +4,20 @@
 
 `--steps S` is the run's total number of optimizer steps. Every rank validates its input before joining
 the process group, so a bad layout or config exits non-zero with one line instead of hanging the others.
+
+A run resumes by itself: if the checkpoint directory (checkpoint.dir, else RUN_DIR/checkpoints) holds a
+committed checkpoint, training continues from it under this invocation's layout, e.g. a run started
+with `--layout tp=2 --steps 10` continues with `--layout dp=1 --steps 20 --run-dir` the same DIR.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
+from parallel.checkpoint.manifest import CheckpointError
 from parallel.layout import Layout
 from workers.config import ConfigError, JobConfig, load_config
 from workers.runtime import destroy_process_group, env_world, init_process_group, pick_device
@@ -52,13 +58,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("config", help="job config YAML")
     ap.add_argument("--layout", help="e.g. dp=2,tp=1,pp=2 (product = number of ranks); default: planned")
     ap.add_argument("--steps", type=int, help="total optimizer steps of the run (default: train.steps)")
-    ap.add_argument("--run-dir", required=True, help="directory for metrics.jsonl and checkpoints")
+    ap.add_argument("--run-dir", required=True,
+                    help="directory for metrics.jsonl and checkpoints; a run found there is resumed")
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rank, world_size = env_world()
+    logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
     try:
         cfg = load_config(args.config)
         layout = resolve_layout(cfg, args.layout, world_size)
@@ -75,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     init_process_group(device)
     try:
         trainer = Trainer(cfg, layout=layout, device=device, run_dir=Path(args.run_dir)).build()
+        if rank == 0 and trainer.resumed_from is not None:
+            m = trainer.resumed_from
+            print(f"resumed from {trainer.checkpoint_dir()} step {m.step} (saved under {_layout_text(m.layout)}, "
+                  f"now {layout})", flush=True)
 
         def report(m):
             if rank == 0:
@@ -82,9 +94,20 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
 
         trainer.fit(steps, on_step=report)
+    except CheckpointError as e:
+        # Every rank reaches the same verdict on the checkpoints, so every rank exits here.
+        print(f"error: {e}", file=sys.stderr)
+        return 3
     finally:
         destroy_process_group()
     return 0
+
+
+def _layout_text(d: object) -> str:
+    try:
+        return str(Layout.from_dict(d))  # type: ignore[arg-type]
+    except (TypeError, ValueError, AttributeError):
+        return repr(d)
 
 
 if __name__ == "__main__":

@@ -2,12 +2,16 @@
 
 Launcher-agnostic: it needs only an initialised default process group whose size equals the layout's
 world size (torchrun, a Ray actor, or a test helper provide it).
+
+Checkpoints (parallel.checkpoint) go to `checkpoint.dir`, else RUN_DIR/checkpoints; `build()` resumes
+from the newest loadable one whatever layout it was saved under, so a run continues across resizes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,6 +23,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from models.llama import build_model
+from parallel.checkpoint.manager import CheckpointManager
+from parallel.checkpoint.manifest import CheckpointError, Manifest
+from parallel.checkpoint.state import capture_rng, restore_rng
 from parallel.layout import Layout, MeshAxis
 from parallel.parallelize import (
     clip_grad_norm_,
@@ -33,6 +40,10 @@ from parallel.planner import micro_batch_for
 from workers.config import JobConfig
 from workers.data import Batch, DataLoader, build_source
 from workers.lr import lr_at
+
+log = logging.getLogger(__name__)
+
+_LR_FIELDS = ("lr", "min_lr_ratio", "warmup_steps", "schedule", "decay_steps", "steps")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -49,6 +60,9 @@ class StepMetrics:
     time: float
     step_time: float
     tokens_per_s: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -70,6 +84,9 @@ class Trainer:
         self.rank = dist.get_rank()
         self.step = 0
         self.on_batch: Callable[[Batch], None] | None = None  # seam for tests that audit sample ids
+        self.checkpointer: CheckpointManager | None = None
+        self.resumed_from: Manifest | None = None
+        """Manifest of the checkpoint `build()` resumed from, if any."""
 
     # -- construction ------------------------------------------------------------------------------
     def build(self) -> "Trainer":
@@ -118,7 +135,90 @@ class Trainer:
                 device=self.device, n_microbatches=self.n_microbatches, loss_fn=cross_entropy,
                 schedule=cfg.parallel.pp_schedule,
             )
+        ckpt_dir = self.checkpoint_dir()
+        if ckpt_dir is not None:
+            c = cfg.checkpoint
+            self.checkpointer = CheckpointManager(ckpt_dir, keep_last=c.keep_last, async_save=c.async_save)
+            self.resume()
         return self
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def checkpoint_dir(self) -> str | None:
+        """checkpoint.dir, else RUN_DIR/checkpoints; None (no checkpoints) without either."""
+        if self.cfg.checkpoint.dir:
+            return self.cfg.checkpoint.dir
+        return str(self.run_dir / "checkpoints") if self.run_dir is not None else None
+
+    def _expected_tensors(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Global shape and dtype of every parameter of the whole (unsplit) model, from a meta-device
+        copy: lets the loader reject another model's checkpoint before reading it."""
+        meta = build_model(self.model_cfg)
+        return {n: (tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in meta.named_parameters()}
+
+    def _checkpoint_state(self) -> dict:
+        """Everything besides tensors that resuming needs, as JSON. The LR schedule is the global step
+        plus its config (never per-param-group lambdas): `lr_at(step, cfg)` recomputes it under any layout."""
+        t = self.cfg.train
+        n_samples = len(self.loader.source)
+        return {
+            "layout": self.layout.to_dict(),
+            "world_size": self.layout.world_size,
+            "model_config": self.model_cfg.to_dict(),
+            "job_config_digest": self.cfg.digest(),
+            "lr_schedule": {"step": self.step, **{k: getattr(t, k) for k in _LR_FIELDS}},
+            "data": {**self.loader.state_dict(), "epoch": self.loader.position.epoch(n_samples)},
+            "rng": capture_rng(),  # rank 0's states are the ones the manifest keeps
+        }
+
+    def resume(self) -> Manifest | None:
+        """Load the newest loadable checkpoint (any layout) and restore step, data position and RNG."""
+        m = self.checkpointer.load_latest(self.model, self.optimizer, expected=self._expected_tensors())
+        if m is None:
+            return None
+        where = f"{self.checkpointer.root} step {m.step}"
+        try:
+            self.loader.load_state_dict(m.state["data"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"checkpoint {where}: cannot restore the data position: {e}") from None
+        self.step = m.step
+        self.checkpointer.last_saved_step = self.checkpointer.last_committed_step = m.step  # no re-save at m.step
+        self.resumed_from = m
+        if self.rank == 0:
+            if m.state.get("job_config_digest") != self.cfg.digest():
+                log.warning("checkpoint %s was saved by a job config with digest %s, this job's is %s; "
+                            "resuming anyway", where, m.state.get("job_config_digest"), self.cfg.digest())
+            saved_lr = {k: v for k, v in (m.state.get("lr_schedule") or {}).items() if k != "step"}
+            now_lr = {k: getattr(self.cfg.train, k) for k in _LR_FIELDS}
+            if saved_lr != now_lr:
+                log.warning("checkpoint %s has LR schedule %s, this job uses %s", where, saved_lr, now_lr)
+        try:
+            restore_rng(m.state.get("rng"))
+        except ValueError as e:
+            log.warning("checkpoint %s: RNG state not restored (%s); training continues with fresh RNG", where, e)
+        return m
+
+    def save_checkpoint(self, *, blocking: bool = True) -> None:
+        """Checkpoint the current step (collective). Non-blocking returns after staging; a second save of
+        the same step only waits for the first."""
+        if self.checkpointer is None:
+            raise CheckpointError("checkpoints are disabled: set checkpoint.dir or give the trainer a run_dir")
+        if self.checkpointer.last_saved_step == self.step:
+            if blocking:
+                self.checkpointer.flush()
+            return
+        self.checkpointer.save(self.step, self.model, self.optimizer, state=self._checkpoint_state(),
+                               blocking=blocking)
+
+    def flush_checkpoint(self) -> None:
+        """Wait until the checkpoint in flight is committed (e.g. before a planned resize)."""
+        if self.checkpointer is not None:
+            self.checkpointer.flush()
+
+    def close(self, *, timeout_s: float = 60.0) -> None:
+        """Before the process group goes away: let a save in flight commit (bounded wait, since its
+        peers may be dead after a failure; a failed or abandoned save is logged, never raised)."""
+        if self.checkpointer is not None:
+            self.checkpointer.close(timeout_s=timeout_s)
 
     # -- one optimizer step ------------------------------------------------------------------------
     def _loss_ctx(self):
@@ -182,14 +282,22 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             with open(self.run_dir / "metrics.jsonl", "a") as f:
                 f.write(m.to_json() + "\n")
+        # Periodic saves live here rather than in fit() so that callers driving train_step() themselves
+        # (the Ray worker actor) get them too.
+        ckpt = self.cfg.checkpoint
+        if self.checkpointer is not None and self.step % ckpt.interval_steps == 0:
+            self.save_checkpoint(blocking=not ckpt.async_save)
         return m
 
     def fit(self, total_steps: int, on_step: Callable[[StepMetrics], None] | None = None) -> list[StepMetrics]:
-        """Train until `total_steps` optimizer steps have been taken in the whole run."""
+        """Train until `total_steps` optimizer steps have been taken in the whole run; `train_step` saves
+        every checkpoint.interval_steps (async if configured) and fit saves once more, committed, at the end."""
         out = []
         while self.step < total_steps:
             m = self.train_step()
             out.append(m)
             if on_step is not None:
                 on_step(m)
+        if self.checkpointer is not None:
+            self.save_checkpoint(blocking=True)
         return out

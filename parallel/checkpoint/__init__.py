@@ -1,0 +1,42 @@
+"""Layout-agnostic checkpoints: save under one (dp_replicate, dp_shard, tp, pp) layout, load under any.
+
+On disk, one directory per step under the checkpoints root::
+
+    checkpoints/
+      latest                      "step-00000020" (moved only after a commit)
+      step-00000010/
+        shard-00001-model-00001-of-00001.safetensors   one file per rank that owns data (DCP HF storage)
+        ...
+        manifest.json             written last: the commit marker (see manifest.py)
+      step-00000020/
+
+Modules: manifest (the JSON schema, pure), storage (local/fsspec file operations and commit), tensor_io
+(pickle-free safetensors reading; DCP StorageReader over the manifest), validate (which checkpoints exist
+and whether one is loadable), state (model/optimizer <-> flat tensor dict, staging, RNG), manager
+(CheckpointManager: async save, commit, retention, load with fallback), offline (inspect and
+load_full_model_state without a process group).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from parallel.checkpoint.manifest import FORMAT_VERSION, MANIFEST_NAME, CheckpointError, Manifest, ManifestError
+from parallel.checkpoint.offline import inspect, load_full_model_state
+
+if TYPE_CHECKING:  # pragma: no cover
+    from parallel.checkpoint.manager import CheckpointManager
+
+__all__ = [
+    "FORMAT_VERSION", "MANIFEST_NAME", "CheckpointError", "CheckpointManager", "Manifest", "ManifestError",
+    "inspect", "load_full_model_state",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # The manager pulls in torch.distributed.checkpoint; tools that only inspect do not need it.
+    if name == "CheckpointManager":
+        from parallel.checkpoint.manager import CheckpointManager
+
+        return CheckpointManager
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

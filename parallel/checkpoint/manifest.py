@@ -1,0 +1,258 @@
+"""The checkpoint manifest: the JSON file that makes a checkpoint directory self-describing.
+
+It is written last, so its presence is the commit marker; it names every tensor with its global shape,
+dtype and the chunks (file, offsets, sizes) that tile it, and every file with its size and sha256, so a
+loader can check a checkpoint completely before touching a parameter. Everything that is not a tensor
+(step, layout, LR schedule, data position, RNG states, AdamW step counters) lives here too, as JSON:
+the load path never unpickles.
+
+Pure: no torch import, so `inspect` and the CLI can read manifests cheaply.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+FORMAT = "elastron-checkpoint"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+
+MODEL_PREFIX = "model."
+"""Tensor keys of model parameters: ``model.<canonical name>``."""
+OPTIM_PREFIX = "optim."
+"""Tensor keys of optimizer state: ``optim.<state name>.<canonical name>`` (e.g. optim.exp_avg.output.weight)."""
+
+_FIELDS = ("format", "format_version", "step", "created", "optimizer", "tensors", "files")
+
+ITEMSIZE = {
+    "float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1, "bool": 1,
+}
+"""Bytes per element of the dtypes a checkpoint may hold (lets the manifest be checked without torch)."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written, or none can be loaded; the message names the checkpoint and why."""
+
+
+class ManifestError(CheckpointError):
+    """A manifest that is not valid JSON or does not have the expected structure."""
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One stored piece of a tensor: the slab ``[offsets, offsets + sizes)`` lives in `file` under the
+    tensor's key (DCP's HuggingFace storage writes one such piece per rank that owns it)."""
+
+    file: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    shape: tuple[int, ...]
+    """Global (unsharded) shape."""
+    dtype: str
+    """torch dtype name without the prefix, e.g. "float32"."""
+    chunks: tuple[Chunk, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class FileEntry:
+    size: int
+    sha256: str
+
+
+@dataclass(kw_only=True, slots=True)
+class Manifest:
+    step: int
+    """Optimizer steps completed when the checkpoint was taken."""
+    tensors: dict[str, TensorEntry]
+    files: dict[str, FileEntry]
+    optimizer_steps: dict[str, int] = field(default_factory=dict)
+    """AdamW's per-parameter step counters by canonical name. Kept out of the tensor files: DCP's
+    consolidation writes 0-d tensors as zero (FACTS.md), and an integer needs no tensor."""
+    optimizer_name: str = "AdamW"
+    state: dict[str, Any] = field(default_factory=dict)
+    """All other non-tensor state (layout, model_config, job_config_digest, lr_schedule, data, rng, ...),
+    stored as top-level keys of the JSON document."""
+    format_version: int = FORMAT_VERSION
+    created: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        clash = sorted(set(self.state) & set(_FIELDS))
+        if clash:
+            raise ValueError(f"manifest state keys {clash} collide with reserved manifest fields")
+
+    # -- views -------------------------------------------------------------------------------------
+    @property
+    def layout(self) -> dict | None:
+        return self.state.get("layout")
+
+    def model_tensors(self) -> dict[str, TensorEntry]:
+        """Model parameters by canonical name."""
+        n = len(MODEL_PREFIX)
+        return {k[n:]: v for k, v in self.tensors.items() if k.startswith(MODEL_PREFIX)}
+
+    # -- JSON --------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "format_version": self.format_version,
+            "step": self.step,
+            "created": self.created,
+            **self.state,
+            "optimizer": {"name": self.optimizer_name, "steps": dict(sorted(self.optimizer_steps.items()))},
+            "tensors": {
+                k: {"shape": list(t.shape), "dtype": t.dtype,
+                    "chunks": [{"file": c.file, "offsets": list(c.offsets), "sizes": list(c.sizes)}
+                               for c in t.chunks]}
+                for k, t in sorted(self.tensors.items())
+            },
+            "files": {k: {"size": f.size, "sha256": f.sha256} for k, f in sorted(self.files.items())},
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "Manifest":
+        """Parse and type-check a manifest; raises ManifestError saying what is wrong. The text may come
+        from untrusted storage, so every field is checked rather than trusted."""
+        try:
+            d = json.loads(text)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ManifestError(f"manifest is not valid JSON: {e}") from None
+        return cls.from_dict(d)
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "Manifest":
+        if not isinstance(d, dict):
+            raise ManifestError(f"manifest must be a JSON object, got {type(d).__name__}")
+        if d.get("format") != FORMAT:
+            raise ManifestError(f"manifest format is {d.get('format')!r}, expected {FORMAT!r}")
+        version = _int(d, "format_version")
+        if version > FORMAT_VERSION:
+            raise ManifestError(f"manifest format_version {version} is newer than this code reads ({FORMAT_VERSION})")
+        opt = d.get("optimizer", {})
+        if not isinstance(opt, dict):
+            raise ManifestError("manifest optimizer must be an object")
+        steps = opt.get("steps", {})
+        if not isinstance(steps, dict) or not all(_is_int(v) for v in steps.values()):
+            raise ManifestError("manifest optimizer.steps must map names to integers")
+        tensors_d = d.get("tensors")
+        files_d = d.get("files")
+        if not isinstance(tensors_d, dict) or not isinstance(files_d, dict):
+            raise ManifestError("manifest needs 'tensors' and 'files' objects")
+        tensors = {str(k): _tensor(k, v) for k, v in tensors_d.items()}
+        files = {str(k): _file(k, v) for k, v in files_d.items()}
+        created = d.get("created", 0.0)
+        return cls(
+            step=_int(d, "step"),
+            tensors=tensors,
+            files=files,
+            optimizer_steps={str(k): int(v) for k, v in steps.items()},
+            optimizer_name=str(opt.get("name", "AdamW")),
+            state={k: v for k, v in d.items() if k not in _FIELDS},
+            format_version=version,
+            created=float(created) if isinstance(created, (int, float)) else 0.0,
+        )
+
+    # -- checks ------------------------------------------------------------------------------------
+    def structure_problems(self) -> list[str]:
+        """Chunks that fall outside their tensor, overlap, leave holes, or name unlisted files; files
+        too small for the chunks they are said to hold (so a forged manifest cannot make a loader
+        allocate more than the checkpoint's size)."""
+        problems: list[str] = []
+        in_file: dict[str, int] = dict.fromkeys(self.files, 0)
+        for key, t in self.tensors.items():
+            if t.dtype not in ITEMSIZE:
+                problems.append(f"tensor {key}: unsupported dtype {t.dtype!r}")
+                continue
+            covered = 0
+            boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+            for c in t.chunks:
+                if c.file not in self.files:
+                    problems.append(f"tensor {key}: chunk in file {c.file!r}, which the manifest does not list")
+                if len(c.offsets) != len(t.shape) or len(c.sizes) != len(t.shape) or any(
+                    o < 0 or s < 0 or o + s > n for o, s, n in zip(c.offsets, c.sizes, t.shape)
+                ):
+                    problems.append(f"tensor {key}: chunk offsets {list(c.offsets)} sizes {list(c.sizes)} "
+                                    f"do not fit shape {list(t.shape)}")
+                    continue
+                for o2, s2 in boxes:
+                    if all(a < b + m and b < a + n for a, n, b, m in zip(c.offsets, c.sizes, o2, s2)):
+                        problems.append(f"tensor {key}: chunks at {list(c.offsets)} and {list(o2)} overlap")
+                boxes.append((c.offsets, c.sizes))
+                covered += math.prod(c.sizes)
+                if c.file in in_file:
+                    in_file[c.file] += math.prod(c.sizes) * ITEMSIZE[t.dtype]
+            if covered != math.prod(t.shape):
+                problems.append(f"tensor {key}: chunks cover {covered} of {math.prod(t.shape)} elements")
+        for name, nbytes in sorted(in_file.items()):
+            if nbytes > self.files[name].size:
+                problems.append(f"file {name}: its chunks need {nbytes} bytes but the file has {self.files[name].size}")
+        return problems
+
+    def model_problems(self, expected: dict[str, tuple[tuple[int, ...], str]]) -> list[str]:
+        """Differences between the checkpoint's model tensors and the model about to receive them
+        (`expected`: canonical name -> (global shape, dtype name))."""
+        have = self.model_tensors()
+        problems = []
+        for name, (shape, dtype) in sorted(expected.items()):
+            t = have.get(name)
+            if t is None:
+                problems.append(f"model parameter {name} is missing from the checkpoint")
+            elif tuple(t.shape) != tuple(shape):
+                problems.append(f"model parameter {name} has shape {list(t.shape)} in the checkpoint but "
+                                f"{list(shape)} in the model (different model shape)")
+            elif t.dtype != dtype:
+                problems.append(f"model parameter {name} is {t.dtype} in the checkpoint but {dtype} in the model")
+        extra = sorted(set(have) - set(expected))
+        if extra:
+            problems.append(f"checkpoint has {len(extra)} parameter(s) the model does not, e.g. {extra[0]} "
+                            "(different model shape)")
+        return problems
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _int(d: dict, key: str) -> int:
+    v = d.get(key)
+    if not _is_int(v) or v < 0:
+        raise ManifestError(f"manifest {key} must be an integer >= 0, got {v!r}")
+    return v
+
+
+def _ints(v: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(v, list) or not all(_is_int(x) and x >= 0 for x in v):
+        raise ManifestError(f"{what} must be a list of integers >= 0, got {v!r}")
+    return tuple(v)
+
+
+def _tensor(key: Any, v: Any) -> TensorEntry:
+    if not isinstance(v, dict) or not isinstance(v.get("dtype"), str) or not isinstance(v.get("chunks"), list):
+        raise ManifestError(f"manifest tensor {key!r} needs shape, dtype and chunks")
+    chunks = []
+    for c in v["chunks"]:
+        if not isinstance(c, dict) or not isinstance(c.get("file"), str):
+            raise ManifestError(f"manifest tensor {key!r} has a malformed chunk {c!r}")
+        chunks.append(Chunk(file=c["file"], offsets=_ints(c.get("offsets"), f"tensor {key!r} chunk offsets"),
+                            sizes=_ints(c.get("sizes"), f"tensor {key!r} chunk sizes")))
+    return TensorEntry(shape=_ints(v.get("shape"), f"tensor {key!r} shape"), dtype=v["dtype"], chunks=tuple(chunks))
+
+
+def _file(key: Any, v: Any) -> FileEntry:
+    if not isinstance(v, dict) or not _is_int(v.get("size")) or not isinstance(v.get("sha256"), str):
+        raise ManifestError(f"manifest file {key!r} needs an integer size and a sha256 string")
+    if "/" in str(key) or "\\" in str(key) or str(key) in ("", ".", ".."):
+        # Names are joined to the checkpoint directory: never let a manifest point outside it.
+        raise ManifestError(f"manifest file name {key!r} is not a plain file name")
+    return FileEntry(size=v["size"], sha256=v["sha256"])

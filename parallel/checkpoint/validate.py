@@ -1,0 +1,117 @@
+"""Which checkpoints exist under a root, and whether one may be loaded.
+
+A checkpoint is loadable only if its manifest parses, its chunks tile every tensor, its model tensors
+match the model (when the caller says what the model is), and every file it lists exists with the
+listed size and sha256. Each check returns human-readable problems rather than raising, so the loader
+can log "checkpoint X: reason" and fall back to the previous one, and `inspect` can show them all.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from parallel.checkpoint.manifest import MANIFEST_NAME, Manifest, ManifestError
+from parallel.checkpoint.storage import Storage
+
+LATEST_NAME = "latest"
+_STEP_DIR = re.compile(r"step-(\d{8,})")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def parse_step(name: str) -> int | None:
+    m = _STEP_DIR.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+def list_step_dirs(storage: Storage) -> list[tuple[int, str]]:
+    """(step, name) of every step directory under the root, newest first. Staging directories of
+    interrupted saves are not step directories."""
+    out = [(s, n) for n in storage.list_dir(storage.root) if (s := parse_step(n)) is not None]
+    return sorted(out, reverse=True)
+
+
+def read_latest(storage: Storage) -> str | None:
+    """The name the `latest` pointer holds, if it exists and names a step directory."""
+    path = storage.join(storage.root, LATEST_NAME)
+    if not storage.exists(path):
+        return None
+    name = storage.read_bytes(path).decode("utf-8", "replace").strip()
+    return name if parse_step(name) is not None else None
+
+
+@dataclass(slots=True)
+class Check:
+    """Outcome of checking one checkpoint directory."""
+
+    path: str
+    manifest: Manifest | None = None
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.manifest is not None and not self.problems
+
+
+def read_manifest_text(storage: Storage, path: str) -> tuple[str | None, str | None]:
+    """(manifest text, None) or (None, why there is none)."""
+    mpath = storage.join(path, MANIFEST_NAME)
+    try:
+        if not storage.exists(mpath):
+            return None, f"no {MANIFEST_NAME} (the save did not commit: interrupted or still running)"
+        return storage.read_bytes(mpath).decode("utf-8"), None
+    except (OSError, UnicodeDecodeError) as e:
+        return None, f"cannot read {MANIFEST_NAME}: {e}"
+
+
+def check_manifest(path: str, text: str | None, why_missing: str | None,
+                   expected: dict[str, tuple[tuple[int, ...], str]] | None = None) -> Check:
+    """Everything that can be checked from the manifest alone (cheap: no tensor data is read)."""
+    check = Check(path)
+    if text is None:
+        check.problems.append(why_missing or f"no {MANIFEST_NAME}")
+        return check
+    try:
+        check.manifest = Manifest.from_json(text)
+    except ManifestError as e:
+        check.problems.append(str(e))
+        return check
+    check.problems += check.manifest.structure_problems()
+    if expected is not None:
+        check.problems += check.manifest.model_problems(expected)
+    return check
+
+
+def file_problems(storage: Storage, path: str, manifest: Manifest, names: list[str] | None = None,
+                  *, checksums: bool = True) -> list[str]:
+    """Missing files, wrong sizes (truncation) and checksum mismatches (corruption) among `names`
+    (default: every file in the manifest). Callers split the names across ranks to share the reading."""
+    problems = []
+    for name in sorted(manifest.files) if names is None else names:
+        entry = manifest.files[name]
+        fpath = storage.join(path, name)
+        try:
+            if not storage.exists(fpath):
+                problems.append(f"file {name} is missing")
+                continue
+            size = storage.size(fpath)
+            if size != entry.size:
+                problems.append(f"file {name} is {size} bytes, the manifest says {entry.size} (truncated or replaced)")
+                continue
+            if checksums and storage.sha256(fpath) != entry.sha256:
+                problems.append(f"file {name} fails its sha256 checksum (corrupted)")
+        except OSError as e:
+            problems.append(f"file {name} cannot be read: {e}")
+    return problems
+
+
+def check_checkpoint(storage: Storage, path: str, *, expected=None, checksums: bool = True) -> Check:
+    """All checks, in this process (for tools and single-process loads)."""
+    text, why = read_manifest_text(storage, path)
+    check = check_manifest(path, text, why, expected)
+    if check.manifest is not None and not check.problems:
+        check.problems += file_problems(storage, path, check.manifest, checksums=checksums)
+    return check

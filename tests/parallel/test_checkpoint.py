@@ -1,0 +1,380 @@
+"""Tier 1: checkpoint format, commit, retention and validation, in one process without a process group.
+
+Resharding across layouts needs spawned ranks: see tests/distributed/test_resume.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+
+import pytest
+import torch
+
+from models.config import model_config
+from models.llama import build_model
+from parallel.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    Manifest,
+    ManifestError,
+    inspect,
+    load_full_model_state,
+)
+from parallel.checkpoint.manifest import Chunk, FileEntry, TensorEntry
+from parallel.checkpoint.state import capture_rng, restore_rng
+from parallel.checkpoint.storage import LocalStorage
+from parallel.checkpoint.writer import ShardWriter
+from parallel.parallelize import materialize
+
+STEP_DIR = "step-{:08d}"
+
+
+def tiny(dim: int = 32, seed: int = 0):
+    cfg = model_config("tiny", n_layers=1, dim=dim, n_heads=2, n_kv_heads=1, ffn_hidden=64, vocab_size=64)
+    model = build_model(cfg)
+    materialize(model, seed=seed, device=torch.device("cpu"))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def train(model, opt, steps: int) -> None:
+    g = torch.Generator().manual_seed(steps)
+    for _ in range(steps):
+        x = torch.randint(0, 64, (2, 8), generator=g)
+        model(x).float().logsumexp(-1).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def expected(model) -> dict:
+    return {n: (tuple(p.shape), "float32") for n, p in model.named_parameters()}
+
+
+def snapshot(model, opt) -> dict[str, torch.Tensor]:
+    out = {f"p.{n}": p.detach().clone() for n, p in model.named_parameters()}
+    for i, st in opt.state_dict()["state"].items():
+        out.update({f"o.{i}.{k}": v.clone() for k, v in st.items()})
+    return out
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs"
+
+
+@pytest.fixture
+def run(tmp_path):
+    """A model trained 2 steps and checkpointed, then 2 more and checkpointed: (root, model, opt, snaps)."""
+    root = str(tmp_path / "ckpt")
+    model, opt = tiny()
+    mgr = CheckpointManager(root, keep_last=5)
+    snaps = {}
+    for step in (2, 4):
+        train(model, opt, 2)
+        snaps[step] = snapshot(model, opt)
+        mgr.save(step, model, opt, state={"layout": {"tp": 1}, "data": {"consumed_samples": step * 8}})
+    mgr.flush()
+    return root, model, opt, snaps
+
+
+def shard_of(root: str, step: int) -> str:
+    d = os.path.join(root, STEP_DIR.format(step))
+    (name,) = [n for n in os.listdir(d) if n.endswith(".safetensors")]
+    return os.path.join(d, name)
+
+
+# -- manifest ----------------------------------------------------------------------------------------
+
+def test_manifest_round_trip():
+    m = Manifest(
+        step=7,
+        tensors={"model.w": TensorEntry(shape=(4, 2), dtype="float32",
+                                        chunks=(Chunk("a.safetensors", (0, 0), (2, 2)),
+                                                Chunk("b.safetensors", (2, 0), (2, 2))))},
+        files={"a.safetensors": FileEntry(100, "ab"), "b.safetensors": FileEntry(120, "cd")},
+        optimizer_steps={"w": 7},
+        state={"layout": {"dp_shard": 2, "tp": 1}, "rng": {"torch": "AAAA"}},
+    )
+    back = Manifest.from_json(m.to_json())
+    assert back == m
+    assert back.layout == {"dp_shard": 2, "tp": 1}
+    assert back.model_tensors() == {"w": m.tensors["model.w"]}
+    assert back.structure_problems() == []
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("{not json", "not valid JSON"),
+    ('{"format": "other", "format_version": 1}', "format"),
+    ('{"format": "elastron-checkpoint", "format_version": 99, "step": 1, "tensors": {}, "files": {}}', "newer"),
+    ('{"format": "elastron-checkpoint", "format_version": 1, "step": -1, "tensors": {}, "files": {}}', "step"),
+    ('{"format": "elastron-checkpoint", "format_version": 1, "step": 1, "tensors": {}, '
+     '"files": {"../x": {"size": 1, "sha256": "a"}}}', "plain file name"),
+])
+def test_manifest_rejects_malformed(text, needle):
+    with pytest.raises(ManifestError, match=needle):
+        Manifest.from_json(text)
+
+
+def test_structure_problems_find_holes_overlaps_and_unlisted_files():
+    m = Manifest(step=1, files={"a": FileEntry(1, "x")}, tensors={
+        "hole": TensorEntry(shape=(4,), dtype="float32", chunks=(Chunk("a", (0,), (2,)),)),
+        "overlap": TensorEntry(shape=(4,), dtype="float32", chunks=(Chunk("a", (0,), (3,)), Chunk("a", (2,), (2,)))),
+        "unlisted": TensorEntry(shape=(1,), dtype="float32", chunks=(Chunk("zz", (0,), (1,)),)),
+    })
+    text = "\n".join(m.structure_problems())
+    assert "hole: chunks cover 2 of 4" in text
+    assert "overlap: chunks at" in text
+    assert "'zz'" in text
+    assert "file a: its chunks need 28 bytes but the file has 1" in text  # (2 + 3 + 2) float32 elements
+
+
+# -- save / load ---------------------------------------------------------------------------------------
+
+def test_round_trip_is_exact_and_self_describing(run):
+    root, _, _, snaps = run
+    d = os.path.join(root, STEP_DIR.format(4))
+    # Only safetensors shards and the JSON manifest: no DCP .metadata pickle, no index file.
+    assert sorted(n.rsplit(".", 1)[-1] for n in os.listdir(d)) == ["json", "safetensors"]
+    manifest = json.loads(open(os.path.join(d, "manifest.json")).read())
+    assert manifest["step"] == 4 and manifest["layout"] == {"tp": 1} and manifest["data"]["consumed_samples"] == 32
+    assert set(manifest["optimizer"]["steps"].values()) == {4}  # step counters live here, not in the files
+    assert manifest["tensors"]["model.output.weight"]["shape"] == [64, 32]
+    assert manifest["tensors"]["optim.exp_avg.output.weight"]["shape"] == [64, 32]
+    assert not [k for k in manifest["tensors"] if k.endswith("step")]
+    for name, f in manifest["files"].items():
+        assert os.path.getsize(os.path.join(d, name)) == f["size"]
+
+    model, opt = tiny(seed=99)
+    loaded = CheckpointManager(root).load_latest(model, opt, expected=expected(model))
+    assert loaded.step == 4
+    assert_same(snapshot(model, opt), snaps[4])
+
+
+def test_async_save_writes_the_staged_values(tmp_path):
+    """What is saved is the state at save() time, even if training changes it before the write ends."""
+    model, opt = tiny()
+    train(model, opt, 1)
+    before = snapshot(model, opt)
+    mgr = CheckpointManager(str(tmp_path), async_save=True)
+    mgr.save(1, model, opt, state={})
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # the next "training step", racing the background writer
+    mgr.flush()
+    m2, o2 = tiny(seed=5)
+    mgr.load_latest(m2, o2)
+    assert_same(snapshot(m2, o2), before)
+
+
+def _corrupt(kind: str, root: str, step: int) -> None:
+    d = os.path.join(root, STEP_DIR.format(step))
+    shard = shard_of(root, step)
+    if kind == "missing manifest":
+        os.remove(os.path.join(d, "manifest.json"))
+    elif kind == "bit flip":
+        with open(shard, "r+b") as f:
+            f.seek(os.path.getsize(shard) - 100)
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 0x01]))
+    elif kind == "truncated shard":
+        with open(shard, "r+b") as f:
+            f.truncate(os.path.getsize(shard) - 64)
+    elif kind == "missing file":
+        os.remove(shard)
+    else:
+        raise AssertionError(kind)
+
+
+CORRUPTIONS = [
+    ("missing manifest", "no manifest.json"),
+    ("bit flip", "fails its sha256 checksum"),
+    ("truncated shard", "truncated"),
+    ("missing file", "is missing"),
+]
+
+
+@pytest.mark.parametrize("kind,reason", CORRUPTIONS)
+def test_bad_newest_checkpoint_falls_back_with_reason(run, caplog, kind, reason):
+    root, _, _, snaps = run
+    _corrupt(kind, root, 4)
+    model, opt = tiny(seed=5)
+    with caplog.at_level(logging.WARNING, logger="parallel.checkpoint"):
+        loaded = CheckpointManager(root).load_latest(model, opt, expected=expected(model))
+    assert loaded.step == 2
+    assert_same(snapshot(model, opt), snaps[2])
+    warning = "\n".join(r.getMessage() for r in caplog.records)
+    assert STEP_DIR.format(4) in warning and reason in warning
+
+
+@pytest.mark.parametrize("kind,reason", CORRUPTIONS)
+def test_no_loadable_checkpoint_fails_with_reason(run, kind, reason):
+    root, *_ = run
+    _corrupt(kind, root, 4)
+    _corrupt(kind, root, 2)
+    model, opt = tiny(seed=5)
+    with pytest.raises(CheckpointError, match=reason) as e:
+        CheckpointManager(root).load_latest(model, opt, expected=expected(model))
+    assert STEP_DIR.format(4) in str(e.value) and STEP_DIR.format(2) in str(e.value)
+
+
+def test_different_model_shape_is_never_loaded(run, caplog):
+    root, _, _, snaps = run
+    big, big_opt = tiny(dim=48)
+    train(big, big_opt, 1)
+    CheckpointManager(root, keep_last=5).save(6, big, big_opt, state={}, blocking=True)
+    model, opt = tiny(seed=5)
+    with caplog.at_level(logging.WARNING, logger="parallel.checkpoint"):
+        loaded = CheckpointManager(root).load_latest(model, opt, expected=expected(model))
+    assert loaded.step == 4
+    assert_same(snapshot(model, opt), snaps[4])
+    assert "different model shape" in caplog.text and STEP_DIR.format(6) in caplog.text
+    with pytest.raises(CheckpointError, match="different model shape"):
+        CheckpointManager(root).load_latest(big, big_opt, expected={**expected(big), "extra.weight": ((1,), "float32")})
+
+
+def test_no_checkpoint_returns_none(tmp_path):
+    model, opt = tiny()
+    assert CheckpointManager(str(tmp_path / "empty")).load_latest(model, opt) is None
+
+
+def test_load_path_never_unpickles(run, monkeypatch):
+    root, _, _, snaps = run
+
+    def refuse(*a, **k):
+        raise AssertionError("the load path unpickled something")
+
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(pickle, "loads", refuse)
+    monkeypatch.setattr(torch, "load", refuse)
+    model, opt = tiny(seed=5)
+    assert CheckpointManager(root).load_latest(model, opt).step == 4
+    assert_same(snapshot(model, opt), snaps[4])
+    full, _ = load_full_model_state(root)
+    assert torch.equal(full["output.weight"], snaps[4]["p.output.weight"])
+
+
+# -- commit, latest, retention -----------------------------------------------------------------------------
+
+def test_retention_keeps_the_newest(tmp_path):
+    root = str(tmp_path)
+    model, opt = tiny()
+    os.makedirs(os.path.join(root, STEP_DIR.format(1)))  # an uncommitted leftover older than what follows
+    mgr = CheckpointManager(root, keep_last=2)
+    for step in (2, 3, 4, 5):
+        train(model, opt, 1)
+        mgr.save(step, model, opt, state={})
+    mgr.flush()
+    assert sorted(n for n in os.listdir(root) if n.startswith("step-")) == [STEP_DIR.format(4), STEP_DIR.format(5)]
+    assert open(os.path.join(root, "latest")).read().strip() == STEP_DIR.format(5)
+    one = CheckpointManager(root, keep_last=1)
+    one.save(6, model, opt, state={}, blocking=True)
+    assert sorted(n for n in os.listdir(root) if n.startswith("step-")) == [STEP_DIR.format(6)]
+    with pytest.raises(ValueError, match="keep_last"):
+        CheckpointManager(root, keep_last=0)
+
+
+def test_latest_moves_only_after_commit(run, monkeypatch):
+    root, model, opt, _ = run
+    events: list[str] = []
+    orig_write, orig_commit = LocalStorage.write_bytes, LocalStorage.commit_dir
+
+    def write_bytes(self, path, data):
+        name = os.path.basename(path)
+        if name == "latest":
+            # At this point the new checkpoint must already be complete under its final name.
+            assert os.path.exists(os.path.join(root, STEP_DIR.format(6), "manifest.json"))
+        events.append(name)
+        orig_write(self, path, data)
+
+    def commit_dir(self, staging, final):
+        events.append("commit")
+        orig_commit(self, staging, final)
+
+    monkeypatch.setattr(LocalStorage, "write_bytes", write_bytes)
+    monkeypatch.setattr(LocalStorage, "commit_dir", commit_dir)
+    CheckpointManager(root, keep_last=5).save(6, model, opt, state={}, blocking=True)
+    assert events == ["manifest.json", "commit", "latest"]
+
+    def failing_commit(self, staging, final):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(LocalStorage, "commit_dir", failing_commit)
+    with pytest.raises(CheckpointError, match="disk full"):
+        CheckpointManager(root, keep_last=5).save(8, model, opt, state={}, blocking=True)
+    assert open(os.path.join(root, "latest")).read().strip() == STEP_DIR.format(6)
+    assert not os.path.exists(os.path.join(root, STEP_DIR.format(8)))
+
+
+def test_kill_mid_save_leaves_previous_checkpoint(run, monkeypatch):
+    root, model, opt, snaps = run
+    orig = ShardWriter.write_data
+
+    def dies_after_writing(self, plan, planner):
+        orig(self, plan, planner)  # the shards are on disk, the manifest is not
+        raise RuntimeError("simulated kill")
+
+    monkeypatch.setattr(ShardWriter, "write_data", dies_after_writing)
+    mgr = CheckpointManager(root, keep_last=5)
+    train(model, opt, 1)
+    mgr.save(5, model, opt, state={}, blocking=False)  # async: the failure surfaces at the next call...
+    with pytest.raises(CheckpointError, match="simulated kill"):
+        mgr.save(6, model, opt, state={})  # ...which therefore does not start
+    mgr.flush()  # nothing left in flight
+    with pytest.raises(CheckpointError, match="simulated kill"):
+        mgr.save(6, model, opt, state={}, blocking=True)  # a blocking save reports its own failure
+    assert sorted(n for n in os.listdir(root) if "step-" in n) == [STEP_DIR.format(2), STEP_DIR.format(4)]
+    assert open(os.path.join(root, "latest")).read().strip() == STEP_DIR.format(4)
+
+    # A process killed outright leaves its staging directory behind: it is never loaded, and removed.
+    stale = os.path.join(root, ".step-00000007.tmp")
+    os.makedirs(stale)
+    open(os.path.join(stale, "shard-00001-model-00001-of-00001.safetensors"), "wb").write(b"partial")
+    monkeypatch.undo()
+    fresh, fresh_opt = tiny(seed=5)
+    assert CheckpointManager(root).load_latest(fresh, fresh_opt).step == 4
+    assert not os.path.exists(stale)
+    assert_same(snapshot(fresh, fresh_opt), snaps[4])
+    mgr.save(6, model, opt, state={}, blocking=True)  # a failed step can be saved again once storage recovers
+    assert mgr.last_committed_step == 6 and inspect(root)["step"] == 6
+
+
+# -- offline tools -------------------------------------------------------------------------------------------
+
+def test_inspect_and_full_model_state(run):
+    root, _, _, snaps = run
+    info = inspect(root)
+    assert info["valid"] and info["problems"] == [] and info["step"] == 4
+    assert info["layout"] == {"tp": 1}
+    assert info["tensors"]["model.output.weight"] == {"shape": [64, 32], "dtype": "float32"}
+    assert info["total_bytes"] == sum(f["size"] for f in info["files"].values()) > 0
+    full, manifest = load_full_model_state(os.path.join(root, STEP_DIR.format(4)))
+    assert manifest["step"] == 4
+    assert full.keys() == {k[2:] for k in snaps[4] if k.startswith("p.")}
+    for name, t in full.items():
+        assert torch.equal(t, snaps[4][f"p.{name}"])
+
+    _corrupt("bit flip", root, 4)
+    bad = inspect(root)
+    assert not bad["valid"] and "sha256" in bad["problems"][0]
+    with pytest.raises(CheckpointError, match="sha256"):
+        load_full_model_state(os.path.join(root, STEP_DIR.format(4)))
+    full, manifest = load_full_model_state(root)  # a root falls back to the newest valid checkpoint
+    assert manifest["step"] == 2 and torch.equal(full["output.weight"], snaps[2]["p.output.weight"])
+
+
+def test_rng_round_trip():
+    import random
+
+    import numpy as np
+
+    saved = json.loads(json.dumps(capture_rng()))  # must survive JSON
+    a = (random.random(), np.random.rand(), torch.rand(3))
+    restore_rng(saved)
+    b = (random.random(), np.random.rand(), torch.rand(3))
+    assert a[0] == b[0] and a[1] == b[1] and torch.equal(a[2], b[2])
+    with pytest.raises(ValueError, match="malformed RNG"):
+        restore_rng({"python": [3, [1, 2], None]})
