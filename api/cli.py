@@ -70,11 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="elastron", description="Elastic 3D-parallel LLM training on Ray.")
     sub = ap.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("demo", help="train the tiny model on the Python stdlib corpus and show the loss curve")
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--workers", type=int, default=2, help="local ranks (default 2)")
-    p.add_argument("--layout", help="force a layout, e.g. dp=1,tp=1,pp=2")
-    p.add_argument("--run-dir", help="where metrics go (default: a new temporary directory)")
+    p = sub.add_parser("demo", help="an elastic run on simulated nodes: preemption notice, node kill, regrowth")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--workers", type=int, default=4, help="simulated 1-CPU nodes (default 4)")
+    p.add_argument("--layout", help=argparse.SUPPRESS)
+    p.add_argument("--run-dir", help="metrics, events, checkpoints (default: a new temporary directory)")
     p.add_argument("--json", help="also write the summary as JSON to this path")
     p.set_defaults(fn=_cmd_demo)
 

@@ -1,69 +1,119 @@
-"""`elastron demo`: the tiny model on the Python standard library's source, on local ranks.
+"""`elastron demo`: an elastic run on simulated nodes, with nothing but this machine.
 
-The embedded default needs nothing but this machine: the corpus is the stdlib that ships with Python.
+A local Ray cluster (`ray.cluster_utils.Cluster`: a head with no worker slots and one 1-CPU node per
+worker) trains the tiny model on the Python standard library's source. While it trains, the demo sends
+a preemption notice (drain with a deadline) to one node, kills another without notice, then adds
+capacity back — and prints the layout timeline with each reconfiguration's time, steps redone or lost,
+and the loss just before and after.
 """
 
 from __future__ import annotations
 
 import json
 import tempfile
+import threading
 import time
 from pathlib import Path
 
-import yaml
-
-from api.render import line_chart, table
+from api.progress import Progress, reconfig_table
+from api.render import line_chart
 from workers.config import JobConfig
 
 DEMO_CONFIG = {
     "name": "demo",
     "model": {"preset": "tiny"},
     "data": {"source": "corpus", "seq_len": 64, "max_bytes": 2_000_000},
-    "train": {"steps": 40, "global_batch_size": 8, "micro_batch_size": 2, "lr": 3e-3, "warmup_steps": 4},
+    "train": {"steps": 60, "global_batch_size": 8, "micro_batch_size": 2, "lr": 3e-3, "warmup_steps": 4},
     "parallel": {"min_workers": 1, "max_workers": 4},
-    "checkpoint": {"interval_steps": 10},
+    "checkpoint": {"interval_steps": 5, "keep_last": 3},
+    "resources": {"device": "cpu", "cpus_per_worker": 1},
 }
 
 
-def run_demo(*, steps: int = 40, workers: int = 2, run_dir: str | None = None, layout: str | None = None,
-             json_path: str | None = None) -> int:
-    from workers.local import launch_local
+def _wait(cond, timeout: float, what: str, coord) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if coord.sm.state.is_terminal:
+            raise RuntimeError(f"job ended ({coord.sm.state}: {coord.sm.reason}) while waiting for {what}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.05)
 
-    if steps < 1 or workers < 1:
-        raise ValueError(f"--steps and --workers must be >= 1, got steps={steps}, workers={workers}")
+
+def run_demo(*, steps: int = 60, workers: int = 4, run_dir: str | None = None, layout: str | None = None,
+             json_path: str | None = None) -> int:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from service.cluster import drain_node
+    from service.coordinator import Coordinator, CoordinatorOptions
+
+    if steps < 20 or workers < 3:
+        raise ValueError(f"the demo needs --steps >= 20 and --workers >= 3 to show its events, "
+                         f"got steps={steps}, workers={workers}")
+    if layout is not None:
+        raise ValueError("the demo plans its own layouts; use `elastron run --layout` to force one")
     cfg_dict = json.loads(json.dumps(DEMO_CONFIG))
     cfg_dict["train"]["steps"] = steps
-    JobConfig.from_dict(cfg_dict)  # validate before launching anything
+    cfg_dict["parallel"]["max_workers"] = workers
+    cfg = JobConfig.from_dict(cfg_dict)
     rd = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="elastron-demo-"))
-    rd.mkdir(parents=True, exist_ok=True)
-    cfg_path = rd / "job.yaml"
-    cfg_path.write_text(yaml.safe_dump(cfg_dict, sort_keys=False))
-    print(f"elastron demo: tiny model, {workers} local rank(s), {steps} steps, run dir {rd}", flush=True)
-    t0 = time.time()
-    code = launch_local(cfg_path, nproc=workers, run_dir=rd, layout=layout, steps=steps)
-    if code:
-        print(f"elastron demo: a rank exited with code {code}")
-        return code
-    metrics = [json.loads(line) for line in (rd / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    losses = [m["loss"] for m in metrics]
+    print(f"elastron demo: {workers} simulated nodes, tiny model on the stdlib corpus, {steps} steps, run dir {rd}",
+          flush=True)
+    t_start = time.time()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    try:
+        nodes = [cluster.add_node(num_cpus=1) for _ in range(workers)]
+        ray.init(address=cluster.address, log_to_driver=False)
+        coord = Coordinator(cfg, run_dir=rd, job_id="demo",
+                            options=CoordinatorOptions(settle_seconds=2.0, chunk_seconds=0.3, poll_interval_s=0.25))
+        progress = Progress(steps)
+        result: dict = {}
+        runner = threading.Thread(target=lambda: result.update(state=coord.run(lambda c: progress.update(c.status()))),
+                                  daemon=True)
+        runner.start()
+
+        def at_step(n):
+            _wait(lambda: coord.step_done >= n and str(coord.sm.state) == "RUNNING", 300, f"step {n}", coord)
+
+        def reconfigured(k):
+            _wait(lambda: len(coord.reconfigs) >= k, 300, "the reconfiguration", coord)
+
+        at_step(steps // 5)
+        victim = next(n for n in nodes if n.unique_id in coord.group.nodes())
+        print(f"\n>>> preemption notice: draining node {victim.unique_id[:8]} (deadline 30 s)", flush=True)
+        drain_node(victim.unique_id, message="elastron demo: spot reclaim", deadline_remaining_s=30)
+        reconfigured(2)
+        at_step(steps // 2)
+        victim2 = next(n for n in nodes if n is not victim and n.unique_id in coord.group.nodes())
+        print(f"\n>>> node {victim2.unique_id[:8]} killed without notice", flush=True)
+        cluster.remove_node(victim2, allow_graceful=False)
+        reconfigured(3)
+        at_step(min(steps - 5, steps * 7 // 10))
+        print("\n>>> capacity added back: 2 nodes join", flush=True)
+        for _ in range(2):
+            cluster.add_node(num_cpus=1)
+        runner.join(timeout=600)
+        progress.close()
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    return _summary(coord, rd, t_start, json_path)
+
+
+def _summary(coord, rd: Path, t_start: float, json_path: str | None) -> int:
+    st = coord.status()
+    recs = [r.to_dict() for r in coord.reconfigs]
+    losses = [m["loss"] for m in coord.metrics_since(0)]
     print()
     print(line_chart(losses, label="loss"))
-    last = metrics[-1]
-    summary = {
-        "steps": last["step"], "first_loss": losses[0], "last_loss": losses[-1], "layout": last["layout"],
-        "world_size": last["world_size"], "tokens": last["tokens"], "wall_s": round(time.time() - t0, 1),
-        "run_dir": str(rd),
-    }
     print()
-    print(table(["steps", "layout", "loss first -> last", "tokens", "wall s"],
-                [(summary["steps"], _layout_text(last["layout"]), f"{losses[0]:.3f} -> {losses[-1]:.3f}",
-                  summary["tokens"], summary["wall_s"])]))
+    print("layout timeline:")
+    print(reconfig_table(recs))
+    wall = time.time() - t_start
+    print(f"\njob {st['state']} at step {st['step']}/{coord.total_steps}, final loss "
+          f"{st['loss']:.4f}, {wall:.0f} s wall; events in {rd / 'events.jsonl'}")
     if json_path:
-        Path(json_path).write_text(json.dumps(summary, indent=2))
-    return 0
-
-
-def _layout_text(d: dict) -> str:
-    from parallel.layout import Layout
-
-    return str(Layout.from_dict(d))
+        Path(json_path).write_text(json.dumps({"status": st, "reconfigs": recs, "losses": losses, "wall_s": wall},
+                                              indent=2, default=str))
+    return 0 if st["state"] == "SUCCEEDED" else 1

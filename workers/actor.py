@@ -86,6 +86,10 @@ class Worker:
             out.append(self.trainer.train_step().to_dict())
             if time.perf_counter() >= deadline:
                 break
+        ck = getattr(self.trainer, "checkpointer", None)
+        committed = (ck.last_committed_step if ck is not None else None) or 0
+        for row in out:
+            row["committed_step"] = committed
         return out
 
     def checkpoint(self) -> int:

@@ -29,7 +29,7 @@ def test_bad_config_is_one_line_and_exit_2(tmp_path, capsys):
 
 def test_demo_rejects_nonsense_counts(capsys):
     assert main(["demo", "--steps", "0"]) == 2
-    assert "--steps and --workers must be >= 1" in capsys.readouterr().err
+    assert "the demo needs --steps >= 20 and --workers >= 3" in capsys.readouterr().err
 
 
 def test_console_script_is_installed():
