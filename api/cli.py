@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("demo", help="an elastic run on simulated nodes: preemption notice, node kill, regrowth")
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, default=100)
     p.add_argument("--workers", type=int, default=4, help="simulated 1-CPU nodes (default 4)")
     p.add_argument("--layout", help=argparse.SUPPRESS)
     p.add_argument("--run-dir", help="metrics, events, checkpoints (default: a new temporary directory)")

@@ -23,7 +23,7 @@ DEMO_CONFIG = {
     "name": "demo",
     "model": {"preset": "tiny"},
     "data": {"source": "corpus", "seq_len": 64, "max_bytes": 2_000_000},
-    "train": {"steps": 60, "global_batch_size": 8, "micro_batch_size": 2, "lr": 3e-3, "warmup_steps": 4},
+    "train": {"steps": 100, "global_batch_size": 8, "micro_batch_size": 2, "lr": 3e-3, "warmup_steps": 4},
     "parallel": {"min_workers": 1, "max_workers": 4},
     "checkpoint": {"interval_steps": 5, "keep_last": 3},
     "resources": {"device": "cpu", "cpus_per_worker": 1},
@@ -40,7 +40,7 @@ def _wait(cond, timeout: float, what: str, coord) -> None:
         time.sleep(0.05)
 
 
-def run_demo(*, steps: int = 60, workers: int = 4, run_dir: str | None = None, layout: str | None = None,
+def run_demo(*, steps: int = 100, workers: int = 4, run_dir: str | None = None, layout: str | None = None,
              json_path: str | None = None) -> int:
     import ray
     from ray.cluster_utils import Cluster
@@ -79,17 +79,21 @@ def run_demo(*, steps: int = 60, workers: int = 4, run_dir: str | None = None, l
         def reconfigured(k):
             _wait(lambda: len(coord.reconfigs) >= k, 300, "the reconfiguration", coord)
 
+        # All simulated nodes share one IP, so the driver may be attached to any of their raylets:
+        # never drain or kill that one (it would take the driver down with it).
+        driver_node = ray.get_runtime_context().get_node_id()
+        candidates = [n for n in nodes if n.node_id != driver_node]
         at_step(steps // 5)
-        victim = next(n for n in nodes if n.unique_id in coord.group.nodes())
-        print(f"\n>>> preemption notice: draining node {victim.unique_id[:8]} (deadline 30 s)", flush=True)
-        drain_node(victim.unique_id, message="elastron demo: spot reclaim", deadline_remaining_s=30)
+        victim = next(n for n in candidates if n.node_id in coord.group.nodes())
+        print(f"\n>>> preemption notice: draining node {victim.node_id[:8]} (deadline 30 s)", flush=True)
+        drain_node(victim.node_id, message="elastron demo: spot reclaim", deadline_remaining_s=30)
         reconfigured(2)
-        at_step(steps // 2)
-        victim2 = next(n for n in nodes if n is not victim and n.unique_id in coord.group.nodes())
-        print(f"\n>>> node {victim2.unique_id[:8]} killed without notice", flush=True)
+        at_step(steps * 3 // 10)
+        victim2 = next(n for n in candidates if n is not victim and n.node_id in coord.group.nodes())
+        print(f"\n>>> node {victim2.node_id[:8]} killed without notice", flush=True)
         cluster.remove_node(victim2, allow_graceful=False)
         reconfigured(3)
-        at_step(min(steps - 5, steps * 7 // 10))
+        at_step(steps // 2)
         print("\n>>> capacity added back: 2 nodes join", flush=True)
         for _ in range(2):
             cluster.add_node(num_cpus=1)

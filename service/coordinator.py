@@ -43,7 +43,8 @@ class CoordinatorOptions:
     settle_seconds: float = 10.0
     """Capacity must be stable this long before the job grows onto it."""
     chunk_seconds: float = 0.5
-    """Longest training call between two looks at the cluster."""
+    """Target length of one training call between two looks at the cluster (steps per call are set
+    from the measured step time, the same count on every rank)."""
     poll_interval_s: float = 0.5
     """Cluster watcher interval."""
     max_restarts: int = 3
@@ -200,7 +201,7 @@ class Coordinator:
 
     def _train_chunk(self) -> None:
         try:
-            rows = self.group.run(until_step=self.total_steps, max_seconds=self.opts.chunk_seconds,
+            rows = self.group.run(until_step=self.total_steps, steps=self._steps_per_call(),
                                   should_abort=lambda: self._our_nodes_dead(self.watcher.latest))
         except WorkerFailure as e:
             self._recover(e)
@@ -217,6 +218,14 @@ class Coordinator:
             self._open = None
         if self.sm.state is not S.RUNNING:
             self.sm.transition(S.RUNNING, reason="training", layout=self.plan.layout, step=self.step_done)
+
+    def _steps_per_call(self) -> int:
+        """As many steps as fit in chunk_seconds at the last measured step time (1 until measured)."""
+        last = self.metrics.get(self.step_done)
+        step_time = last.get("step_time") if last else None
+        if not step_time:
+            return 1
+        return max(1, min(100, int(self.opts.chunk_seconds / step_time)))
 
     # -- reconfiguration -----------------------------------------------------------------------------------
     def _planned_resize(self, workers: int, snap: ClusterSnapshot, *, cause: str, reason: str) -> None:

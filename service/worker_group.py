@@ -141,10 +141,10 @@ class WorkerGroup:
             raise WorkerFailure("form", f"ranks resumed at different steps {sorted(steps)}")
         return {"step": steps.pop(), "form_s": time.perf_counter() - t0}
 
-    def run(self, *, until_step: int, max_seconds: float, should_abort=lambda: False) -> list[dict]:
-        """One chunk of training on every rank; rank 0's metrics. Polls `should_abort` while waiting so a
-        dead node is acted on at once rather than after a collective timeout."""
-        refs = [m.actor.run.remote(until_step=until_step, max_seconds=max_seconds) for m in self.members]
+    def run(self, *, until_step: int, steps: int, should_abort=lambda: False) -> list[dict]:
+        """`steps` training steps on every rank (the same count everywhere); rank 0's metrics. Polls
+        `should_abort` while waiting so a dead node is acted on at once, not after a collective timeout."""
+        refs = [m.actor.run.remote(until_step=until_step, steps=steps) for m in self.members]
         pending = list(refs)
         while pending:
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=0.2)

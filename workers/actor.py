@@ -75,17 +75,17 @@ class Worker:
         self.rank = None
 
     # -- training --------------------------------------------------------------------------------------
-    def run(self, *, until_step: int, max_seconds: float) -> list[dict]:
-        """Train until `until_step` or for about `max_seconds`, whichever comes first. Short calls keep
-        the coordinator responsive to resizes and preemption notices between them."""
+    def run(self, *, until_step: int, steps: int) -> list[dict]:
+        """Train `steps` steps (fewer if `until_step` comes first). Every rank gets the same count from
+        the coordinator: a rank that stopped on its own clock would leave the others blocked in the next
+        step's collectives. Short calls keep the coordinator responsive between them."""
         if self.trainer is None:
             raise RuntimeError("worker has not joined a group")
         out = []
-        deadline = time.perf_counter() + max_seconds
-        while self.trainer.step < until_step:
-            out.append(self.trainer.train_step().to_dict())
-            if time.perf_counter() >= deadline:
+        for _ in range(steps):
+            if self.trainer.step >= until_step:
                 break
+            out.append(self.trainer.train_step().to_dict())
         ck = getattr(self.trainer, "checkpointer", None)
         committed = (ck.last_committed_step if ck is not None else None) or 0
         for row in out:

@@ -67,7 +67,7 @@ class FakeGroup:
         self.step = self.disk.committed
         return {"step": self.step, "form_s": 0.0}
 
-    def run(self, *, until_step, max_seconds, should_abort=lambda: False):
+    def run(self, *, until_step, steps, should_abort=lambda: False):
         if self.fail_next:
             raise WorkerFailure(self.fail_next.pop(0), "worker raised: boom")
         if should_abort() or any(m in self.cluster.dead for m in self.members):

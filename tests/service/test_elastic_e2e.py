@@ -101,6 +101,15 @@ def finish(coord: Coordinator, t: threading.Thread, reference: list[float]):
     return changes
 
 
+def not_driver(node_ids):
+    """Node ids other than the one this driver is attached to (all simulated nodes share one IP, so it
+    may be any of them; removing or draining it would take the driver down)."""
+    import ray
+
+    me = ray.get_runtime_context().get_node_id()
+    return sorted(n for n in node_ids if n != me)
+
+
 def running_at(coord, step):
     return lambda: coord.step_done >= step and str(coord.sm.state) == "RUNNING"
 
@@ -122,7 +131,7 @@ def test_preemption_notice_checkpoints_just_in_time_and_loses_nothing(cluster, n
     nodes(3)
     coord, t = start(tmp_path)
     wait_for(coord, running_at(coord, 5), "step 5")
-    victim = sorted(coord.group.nodes())[0]
+    victim = not_driver(coord.group.nodes())[0]
     drain_node(victim, message="test: spot reclaim", deadline_remaining_s=60)
     (rc,) = finish(coord, t, reference)
     assert rc.cause == "preemption" and rc.steps_lost == 0
@@ -143,7 +152,8 @@ def test_failure_without_notice_resumes_from_last_commit_and_waits_for_capacity(
     wait_for(coord, lambda: len(coord.reconfigs) >= 2, "recovery from the worker kill")
     # 2) Remove a node: below min_workers, so the job waits with the reason visible, then resumes.
     wait_for(coord, running_at(coord, 9), "step 9")
-    cluster.remove_node(added[0], allow_graceful=False)
+    victim = next(n for n in added if n.node_id in not_driver(coord.group.nodes()))
+    cluster.remove_node(victim, allow_graceful=False)
     wait_for(coord, lambda: str(coord.sm.state) == "WAITING_FOR_CAPACITY", "WAITING_FOR_CAPACITY")
     assert "min_workers=2" in coord.status()["reason"]
     nodes(1)

@@ -1,0 +1,533 @@
+"""Baseline for Elastron's elastic coordinator: Ray Train v2 elastic mode on the same workload.
+
+Run all three scenarios on a fresh simulated cluster (head with num_cpus=0, 1-CPU worker nodes):
+
+    cd /work/main && .venv/bin/python benchmarks/elastic_raytrain.py [--scenarios join kill drain] \
+        [--model-steps 30] [--ckpt-every 5] [--json out.json]
+
+Or import `measure_raytrain` and call it on a live `ray.cluster_utils.Cluster` next to our own
+measurement. Each call adds its own worker nodes and removes them before returning.
+
+What is measured, per scenario (event at step ~10):
+- join:  2 nodes, ScalingConfig(num_workers=(1, 3)); add a node; time from `add_node` returning to the
+         first step at world size 3.
+- kill:  3 nodes; `remove_node(allow_graceful=False)` on a node hosting a worker; time from the kill to
+         the first step of the next worker group (whatever size it settles at).
+- drain: 3 nodes; a preemption drain notice (60 s deadline) on a node hosting a worker; the train loop
+         does what Ray documents (`get_preemption_info()` -> just-in-time checkpoint, keep training);
+         time from the notice to the first step of a group without that node.
+`steps_redone_or_lost` = highest step the pre-event group completed - the step the next group resumed
+from (its checkpoint): all work thrown away, including steps the old group did after the event.
+
+The training function is Elastron's workload: `models` tiny preset, byte corpus from `workers.data`,
+DDP via `ray.train.torch.prepare_model`, AdamW. Rank 0 appends one JSON line per step to a file in the
+run directory; the driver thread watches it to fire the event and computes the metrics from it.
+
+Ray 2.60 behaviour that shapes the numbers (read in ray/train/v2, seen in runs on the 2-core box):
+- Growth is noticed only when the AutoscalingCoordinator actor refreshes its node list (a 20 s tick)
+  and the elastic policy next looks (`elastic_resize_monitor_interval_s`); then the group is torn
+  down and restarted from the last registered checkpoint.
+- After a kill or a drain the coordinator's view is stale, so the first restart asks for 3 workers and
+  waits out the 60 s worker-group start timeout before retrying with 2.
+- A drain notice reaches the loop in ~4 s, but the controller keeps the old group until the drain
+  deadline passes (the documented loop keeps training after its just-in-time checkpoint).
+- `ray.train.report` puts into a 1-slot queue that the controller drains every 2 s; a checkpoint
+  still in that queue when a worker dies is never registered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("elastic_raytrain")
+
+SCENARIOS = ("join", "kill", "drain")
+_INITIAL_NODES = {"join": 2, "kill": 3, "drain": 3}
+_MAX_WORKERS = 3
+_POLL_S = 0.1
+_HEALTH_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+
+
+# --------------------------------------------------------------------------------------------------
+# What each Ray Train worker runs.
+# --------------------------------------------------------------------------------------------------
+def _append_jsonl(path: str, record: dict) -> None:
+    # One write() per line on an O_APPEND file: lines from several processes never interleave.
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _train_loop(config: dict) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import ray.train
+    import ray.train.torch
+
+    from models.config import model_config
+    from models.llama import build_model, init_value
+    from workers.data import CorpusSource, DataLoader, DataPosition
+
+    torch.set_num_threads(1)  # one core per rank, as torchrun would (FACTS: 2-core box)
+    log_path, stop_path = config["log_path"], config["stop_path"]
+    ctx = ray.train.get_context()
+    rank, ws = ctx.get_world_rank(), ctx.get_world_size()
+
+    # One id for this worker group (attempt): rank 0's start time, shared by broadcast.
+    t0 = torch.tensor([time.time()], dtype=torch.float64)
+    dist.broadcast(t0, src=0)
+    attempt = float(t0.item())
+
+    cfg = model_config("tiny")
+    seed, gbs = config["seed"], config["global_batch_size"]
+    model = build_model(cfg)
+    model.to_empty(device="cpu")
+    model.init_buffers("cpu")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(init_value(cfg, name, tuple(p.shape), seed))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config["lr"], weight_decay=0.1)
+
+    step, position = 0, None
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as d:
+            state = torch.load(os.path.join(d, "state.pt"), weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        step, position = state["step"], DataPosition.from_dict(state["data"])
+    ddp = ray.train.torch.prepare_model(model)
+
+    source = CorpusSource(None, seq_len=config["seq_len"], max_bytes=300_000)
+    loader = DataLoader(source, seed=seed, global_batch_size=gbs, micro_batch_size=gbs // ws,
+                        dp_rank=rank, dp_size=ws, position=position)
+    _append_jsonl(log_path, {"kind": "start", "attempt": attempt, "rank": rank, "world_size": ws,
+                             "node_id": ray.get_runtime_context().get_node_id(), "resumed_from": step,
+                             "time": time.time()})
+
+    saved_on_preemption = False
+    stop_flag = torch.zeros(1)
+    while True:
+        t_compute = time.perf_counter()
+        x, y = loader.next_batch().stacked()
+        logits = ddp(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        step += 1
+        compute_s = time.perf_counter() - t_compute
+
+        # Ray's documented pattern: a barrier-like query every step, a just-in-time checkpoint once.
+        # Metrics go to the step file; ray.train.report is called with checkpoints (and every step only
+        # if asked): each report waits for the controller's poll (every 2 s by default) to drain a
+        # 1-slot queue, so reporting every step caps training at one step per poll.
+        preempted = ray.train.get_preemption_info() is not None
+        jit = preempted and not saved_on_preemption
+        metrics = {"step": step, "time": time.time(), "world_size": ws, "loss": loss.item()}
+        if rank == 0:
+            _append_jsonl(log_path, {"kind": "step", "attempt": attempt, "rank": rank, "step": step,
+                                     "world_size": ws, "time": metrics["time"], "compute_s": compute_s,
+                                     "preempted": preempted, "jit_checkpoint": jit})
+        if step % config["ckpt_every"] == 0 or jit:
+            saved_on_preemption = saved_on_preemption or jit
+            with tempfile.TemporaryDirectory() as d:
+                ckpt = None
+                if rank == 0:
+                    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                                "step": step, "data": loader.state_dict()}, os.path.join(d, "state.pt"))
+                    ckpt = ray.train.Checkpoint.from_directory(d)
+                ray.train.report(metrics, checkpoint=ckpt)
+        elif config["report_every_step"]:
+            ray.train.report(metrics)
+
+        # The driver asks to stop through a file; all ranks must agree on the step they stop at.
+        stop_flag.fill_(1.0 if os.path.exists(stop_path) else 0.0)
+        dist.all_reduce(stop_flag, op=dist.ReduceOp.MAX)
+        if stop_flag.item() > 0 and step >= config["model_steps"]:
+            return
+
+
+# --------------------------------------------------------------------------------------------------
+# Driver side.
+# --------------------------------------------------------------------------------------------------
+class _StepLog:
+    """Incremental reader of the JSON-lines file the workers append to."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self._offset, self.records = path, 0, []
+
+    def poll(self) -> list[dict]:
+        if not self.path.exists():
+            return self.records
+        with open(self.path) as f:
+            f.seek(self._offset)
+            chunk = f.read()
+        end = chunk.rfind("\n") + 1  # a partly written last line waits for the next poll
+        for line in chunk[:end].splitlines():
+            if line.strip():
+                self.records.append(json.loads(line))
+        self._offset += len(chunk[:end].encode())
+        return self.records
+
+    def steps(self) -> list[dict]:
+        return [r for r in self.records if r["kind"] == "step"]
+
+    def starts(self, attempt: float) -> list[dict]:
+        return [r for r in self.records if r["kind"] == "start" and r["attempt"] == attempt]
+
+
+def _wait_for(pred, *, timeout_s: float, what: str, fit_state: dict):
+    """Poll `pred()` until it returns something truthy; None on timeout or when fit() ended."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        got = pred()
+        if got:
+            return got
+        if fit_state.get("done"):
+            got = pred()
+            if not got:
+                log.warning("fit() ended while waiting for %s: %r", what, fit_state.get("error"))
+            return got or None
+        time.sleep(_POLL_S)
+    log.warning("timed out after %.0f s waiting for %s", timeout_s, what)
+    return None
+
+
+def _kill_controllers() -> None:
+    """Last resort when fit() hangs (e.g. a worker group that can never be placed): kill this job's
+    TrainController actors; their workers and placement groups go with them."""
+    import ray
+    from ray.util.state import list_actors
+
+    job_id = ray.get_runtime_context().get_job_id()
+    for a in list_actors(filters=[("class_name", "=", "TrainController"), ("state", "=", "ALIVE")]):
+        if a.job_id == job_id:
+            log.warning("killing hung TrainController %s", a.actor_id)
+            ray._private.worker.global_worker.core_worker.kill_actor(ray.ActorID.from_hex(a.actor_id), True)
+
+
+def _node_of(cluster, node_id: str):
+    return next((n for n in cluster.worker_nodes if n.node_id == node_id), None)
+
+
+def _remove_nodes(cluster, nodes: list) -> None:
+    import ray
+
+    for node in nodes:
+        if node in cluster.worker_nodes:
+            try:
+                cluster.remove_node(node, allow_graceful=False)
+            except Exception:
+                log.warning("removing node %s failed; it may already be gone", node.node_id, exc_info=True)
+    ids = {n.node_id for n in nodes}
+    deadline = time.time() + 30
+    while time.time() < deadline and any(n["Alive"] and n["NodeID"] in ids for n in ray.nodes()):
+        time.sleep(0.2)
+
+
+def _median(xs: list[float]) -> float | None:
+    return round(statistics.median(xs), 4) if xs else None
+
+
+def _step_intervals(steps: list[dict]) -> dict[int, list[float]]:
+    """Wall time between consecutive steps of one worker group, by world size."""
+    out: dict[int, list[float]] = {}
+    prev: dict[float, dict] = {}
+    for s in sorted(steps, key=lambda r: r["time"]):
+        p = prev.get(s["attempt"])
+        if p is not None and s["step"] == p["step"] + 1:
+            out.setdefault(s["world_size"], []).append(s["time"] - p["time"])
+        prev[s["attempt"]] = s
+    return out
+
+
+def measure_raytrain(*, cluster, model_steps: int, ckpt_every: int, scenario: str, workdir: str,
+                     event_step: int = 10, post_event_steps: int = 8, timeout_s: float = 240.0,
+                     warmup_timeout_s: float = 180.0, drain_deadline_s: float = 60.0,
+                     global_batch_size: int = 12, seq_len: int = 32, seed: int = 0,
+                     elastic_resize_monitor_interval_s: float = 5.0, report_every_step: bool = False,
+                     health_check_interval_s: float | None = None) -> dict:
+    """Run one scenario under Ray Train v2 elastic mode and return its timings.
+
+    `cluster` is a live `ray.cluster_utils.Cluster` (head num_cpus=0) with `ray.init` done. The run
+    trains until it has reached `model_steps` and done `post_event_steps` steps in the new worker
+    group (or timed out), checkpointing every `ckpt_every` steps. `global_batch_size` must divide
+    by 1, 2 and 3 (the world sizes seen). `elastic_resize_monitor_interval_s` defaults to 5 s rather
+    than Ray's 60 s, so the baseline is the fastest reasonable Ray configuration.
+    `report_every_step` also calls `ray.train.report(metrics)` on steps without a checkpoint (slow:
+    see `_train_loop`). `health_check_interval_s` sets RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (the
+    controller's poll period, Ray default 2 s) for this run only.
+    """
+    import ray
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+    from ray.train.v2._internal.constants import is_v2_enabled
+
+    if scenario not in SCENARIOS:
+        raise ValueError(f"scenario must be one of {SCENARIOS}, got {scenario!r}")
+    if not is_v2_enabled():
+        raise ValueError("Ray Train v2 is disabled (RAY_TRAIN_V2_ENABLED=0); elastic mode needs v2")
+    if min(model_steps, ckpt_every, event_step, post_event_steps) <= 0:
+        raise ValueError(f"model_steps={model_steps}, ckpt_every={ckpt_every}, event_step={event_step} and "
+                         f"post_event_steps={post_event_steps} must all be > 0")
+    if global_batch_size % 6:
+        raise ValueError(f"global_batch_size={global_batch_size} must be divisible by 1, 2 and 3")
+    # Workers must import the train function even when this file is not importable from their cwd.
+    if __name__ != "__main__":  # __main__'s functions are pickled by value anyway
+        ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+    run_dir = Path(workdir) / f"raytrain-{scenario}-{uuid.uuid4().hex[:8]}"
+    run_dir.mkdir(parents=True)
+    log_path, stop_path = run_dir / "steps.jsonl", run_dir / "STOP"
+    steplog = _StepLog(log_path)
+    n_before = _INITIAL_NODES[scenario]
+    result: dict[str, Any] = {"system": "ray-train-v2", "scenario": scenario, "event_to_first_step_s": None,
+                              "steps_redone_or_lost": None, "world_size_before": None,
+                              "world_size_after": None, "step_time_s": None, "notes": "", "timed_out": False}
+    notes: list[str] = []
+    added: list = []
+    fit_state: dict[str, Any] = {}
+    thread = None
+    env_before = os.environ.get(_HEALTH_ENV)
+    if health_check_interval_s is not None:  # read by the controller at fit(), propagated to workers
+        os.environ[_HEALTH_ENV] = str(health_check_interval_s)
+    try:
+        for _ in range(n_before):
+            added.append(cluster.add_node(num_cpus=1))
+        cluster.wait_for_nodes()
+
+        trainer = TorchTrainer(
+            _train_loop,
+            train_loop_config={"log_path": str(log_path), "stop_path": str(stop_path), "seed": seed,
+                               "global_batch_size": global_batch_size, "seq_len": seq_len, "lr": 1e-3,
+                               "ckpt_every": ckpt_every, "model_steps": model_steps,
+                               "report_every_step": report_every_step},
+            scaling_config=ScalingConfig(num_workers=(1, _MAX_WORKERS),
+                                         elastic_resize_monitor_interval_s=elastic_resize_monitor_interval_s),
+            run_config=RunConfig(name=run_dir.name, storage_path=str(run_dir / "ray_results"),
+                                 failure_config=FailureConfig(max_failures=3),
+                                 checkpoint_config=CheckpointConfig(num_to_keep=2)),
+        )
+
+        def fit() -> None:
+            t = time.time()
+            try:
+                trainer.fit()
+            except BaseException as e:  # reported in the result, never raised out of the thread
+                fit_state["error"] = f"{type(e).__name__}: {e}"
+            finally:
+                fit_state["fit_s"], fit_state["done"] = time.time() - t, True
+
+        t_fit = time.time()
+        thread = threading.Thread(target=fit, name=f"raytrain-{scenario}", daemon=True)
+        thread.start()
+
+        # 1. Train at the initial size up to the event step.
+        def at_event_step():
+            steplog.poll()
+            return next((s for s in steplog.steps()
+                         if s["step"] >= event_step and s["world_size"] == n_before), None)
+
+        first = _wait_for(at_event_step, timeout_s=warmup_timeout_s, what=f"step {event_step} at "
+                          f"world size {n_before}", fit_state=fit_state)
+        if first is None:
+            raise RuntimeError(f"Ray Train did not reach step {event_step} at world size {n_before} within "
+                               f"{warmup_timeout_s:.0f} s (fit error: {fit_state.get('error')})")
+        old_attempt = first["attempt"]
+        result["world_size_before"] = first["world_size"]
+        notes.append(f"first step {min(s['time'] for s in steplog.steps()) - t_fit:.1f} s after fit()")
+
+        # 2. The event.
+        victim = None
+        if scenario == "join":
+            added.append(cluster.add_node(num_cpus=1))
+            t_event = time.time()
+        else:
+            # The node hosting the highest rank: a worker node that is not rank 0's.
+            starts = sorted(steplog.starts(old_attempt), key=lambda r: r["rank"])
+            victim = starts[-1]["node_id"]
+            node = _node_of(cluster, victim)
+            if node is None:
+                raise RuntimeError(f"node {victim} hosting rank {starts[-1]['rank']} is not one we added")
+            if scenario == "kill":
+                t_event = time.time()  # the node dies during remove_node
+                cluster.remove_node(node, allow_graceful=False)
+                notes.append(f"remove_node took {time.time() - t_event:.1f} s (the event time is its start)")
+            else:
+                from service.cluster import drain_node
+
+                drain_node(victim, message="elastic_raytrain benchmark: simulated spot reclaim",
+                           deadline_remaining_s=drain_deadline_s)
+                t_event = time.time()
+        steplog.poll()
+        max_step_at_event = max(s["step"] for s in steplog.steps() if s["time"] <= t_event)
+
+        # 3. Wait for the first step of a new worker group at a different size.
+        def new_group_step():
+            steplog.poll()
+            for s in steplog.steps():
+                if s["attempt"] > t_event and s["world_size"] != result["world_size_before"]:
+                    if victim is None or all(r["node_id"] != victim for r in steplog.starts(s["attempt"])):
+                        return s
+            return None
+
+        target = _wait_for(new_group_step, timeout_s=timeout_s, what="a step at the new size",
+                           fit_state=fit_state)
+        if target is None:
+            result["timed_out"] = True
+            result["event_to_first_step_s"] = round(time.time() - t_event, 2)
+            notes.append(f"no step at a new size within {result['event_to_first_step_s']} s "
+                         "(event_to_first_step_s is a lower bound)")
+        else:
+            result["event_to_first_step_s"] = round(target["time"] - t_event, 2)
+            result["world_size_after"] = target["world_size"]
+            new_attempt = target["attempt"]
+            result["new_group_started_s"] = round(new_attempt - t_event, 2)  # train fn entered on rank 0
+            _wait_for(lambda: steplog.poll() and sum(s["attempt"] == new_attempt for s in steplog.steps())
+                      >= post_event_steps, timeout_s=60, what=f"{post_event_steps} steps at the new size",
+                      fit_state=fit_state)
+
+        # 4. Stop the run and let fit() return.
+        stop_path.touch()
+        thread.join(timeout=120)
+        if thread.is_alive():
+            notes.append("fit() did not return within 120 s of the stop request; controller killed")
+            _kill_controllers()
+            thread.join(timeout=30)
+
+        # 5. Metrics from the step log.
+        steplog.poll()
+        steps = steplog.steps()
+        old_steps = [s["step"] for s in steps if s["attempt"] == old_attempt]
+        result["max_step_at_event"] = max_step_at_event
+        result["max_step_old_group"] = max(old_steps)
+        if target is not None:
+            resumed = steplog.starts(target["attempt"])[0]["resumed_from"]
+            result["resumed_from_step"] = resumed
+            result["steps_redone_or_lost"] = max(old_steps) - resumed
+        by_ws = _step_intervals(steps)
+        result["step_time_s"] = _median([x for xs in by_ws.values() for x in xs])
+        result["step_time_s_by_world_size"] = {ws: _median(xs) for ws, xs in sorted(by_ws.items())}
+        result["compute_time_s"] = _median([s["compute_s"] for s in steps])
+        attempts = sorted({r["attempt"] for r in steplog.records if r["kind"] == "start"})
+        result["worker_group_starts"] = len(attempts)
+        result["fit_s"] = round(fit_state.get("fit_s", time.time() - t_fit), 1)
+        result["global_batch_size"], result["seq_len"] = global_batch_size, seq_len
+        result["elastic_resize_monitor_interval_s"] = elastic_resize_monitor_interval_s
+        result["report_every_step"] = report_every_step
+        result["health_check_interval_s"] = float(os.environ.get(_HEALTH_ENV, 2.0))
+        if (result["step_time_s"] or 0) > 3 * (result["compute_time_s"] or float("inf")):
+            notes.append(f"steps are paced by ray.train.report (median {result['step_time_s']} s/step vs "
+                         f"{result['compute_time_s']} s compute)")
+        old_end = max(s["time"] for s in steps if s["attempt"] == old_attempt)
+        notes.append(f"old group's last step {old_end - t_event:+.1f} s after the event")
+        if scenario == "drain":
+            noticed = [s for s in steps if s.get("preempted")]
+            if noticed:
+                result["preemption_notice_s"] = round(noticed[0]["time"] - t_event, 2)
+                jit = [s["step"] for s in steps if s.get("jit_checkpoint")]
+                notes.append(f"get_preemption_info() non-None {result['preemption_notice_s']} s after the "
+                             f"drain; JIT checkpoint at step {jit[0] if jit else None}")
+            else:
+                notes.append("the preemption notice never reached the train loop")
+        if len(attempts) > 2:
+            notes.append(f"{len(attempts)} worker groups started (failed/retried starts in between)")
+        if fit_state.get("error"):
+            notes.append(f"fit() raised {fit_state['error'][:300]}")
+    except Exception as e:
+        log.exception("scenario %s failed", scenario)
+        notes.append(f"scenario failed: {type(e).__name__}: {e}")
+        stop_path.touch()
+        if thread is not None and thread.is_alive():
+            thread.join(timeout=60)
+            if thread.is_alive():
+                _kill_controllers()
+                thread.join(timeout=30)
+    finally:
+        stop_path.touch()
+        if health_check_interval_s is not None:
+            if env_before is None:
+                os.environ.pop(_HEALTH_ENV, None)
+            else:
+                os.environ[_HEALTH_ENV] = env_before
+        _remove_nodes(cluster, added)
+        result["notes"] = "; ".join(notes)
+    return result
+
+
+# --------------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------------
+_COLUMNS = ("scenario", "event_to_first_step_s", "steps_redone_or_lost", "world_size_before",
+            "world_size_after", "step_time_s", "timed_out")
+
+
+def _table(results: list[dict]) -> str:
+    rows = [[str(r.get(c)) for c in _COLUMNS] for r in results]
+    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(_COLUMNS)]
+    line = lambda cells: "  ".join(x.ljust(w) for x, w in zip(cells, widths))  # noqa: E731
+    return "\n".join([line(_COLUMNS), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
+    p.add_argument("--model-steps", type=int, default=30)
+    p.add_argument("--ckpt-every", type=int, default=5)
+    p.add_argument("--monitor-interval", type=float, default=5.0,
+                   help="ScalingConfig(elastic_resize_monitor_interval_s); Ray's default is 60")
+    p.add_argument("--report-every-step", action="store_true",
+                   help="call ray.train.report(metrics) every step, not only with checkpoints")
+    p.add_argument("--health-check-interval", type=float, default=None,
+                   help="RAY_TRAIN_HEALTH_CHECK_INTERVAL_S for the runs (Ray's default is 2)")
+    p.add_argument("--workdir", default=None, help="default: a fresh temporary directory")
+    p.add_argument("--json", default=None, help="also write the results to this file")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
+    import ray
+    from ray.cluster_utils import Cluster
+
+    workdir = args.workdir or tempfile.mkdtemp(prefix="elastic_raytrain-")
+    results = []
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    try:
+        ray.init(address=cluster.address)
+        for scenario in args.scenarios:
+            log.info("=== scenario %s ===", scenario)
+            r = measure_raytrain(cluster=cluster, model_steps=args.model_steps, ckpt_every=args.ckpt_every,
+                                 scenario=scenario, workdir=workdir,
+                                 elastic_resize_monitor_interval_s=args.monitor_interval,
+                                 report_every_step=args.report_every_step,
+                                 health_check_interval_s=args.health_check_interval)
+            log.info("%s: %s", scenario, json.dumps(r))
+            results.append(r)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        if args.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    print(_table(results))
+    print(json.dumps(results, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
