@@ -19,6 +19,7 @@ import queue
 import threading
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from service.events import EventLog
 from service.policy import Fail, Failure, PolicyConfig, Resize, ScalingPolicy, Wait
 from service.reconfig import Reconfig
 from service.state import JobState, StateMachine
-from service.worker_group import WorkerFailure, WorkerGroup, assign_nodes
+from service.worker_group import WorkerFailure, WorkerGroup, assign_nodes, probe_nodes
 from workers.config import JobConfig
 from workers.train import constraints_for
 
@@ -54,10 +55,15 @@ class CoordinatorOptions:
     """How long placing new workers may take before it counts as a failure."""
     include_head: bool = True
     """Whether workers may run on the Ray head node."""
+    probe_timeout_s: float = 2.0
+    """After a failure, a node that cannot place a tiny bundle within this long is left out of plans."""
+    suspect_seconds: float = 60.0
+    """How long such a node stays out (unless Ray confirms it dead first)."""
 
 
 class Coordinator:
     worker_group_cls = WorkerGroup  # seam: tests swap in a fake group
+    group_probe = staticmethod(probe_nodes)  # seam: which nodes still place work (None: trust the watcher)
 
     def __init__(self, cfg: JobConfig, *, run_dir: str | Path, total_steps: int | None = None,
                  job_id: str | None = None, workers: int | None = None, layout: str | None = None,
@@ -91,6 +97,7 @@ class Coordinator:
         self._open: Reconfig | None = None
         self._commands: queue.Queue = queue.Queue()
         self._user_resize = False
+        self._suspects: dict[str, float] = {}  # node id -> when a probe found it unresponsive
         self._lock = threading.RLock()
 
     # -- outside interface (thread-safe) ------------------------------------------------------------------
@@ -197,7 +204,24 @@ class Coordinator:
         elif isinstance(d, Wait):
             self._planned_resize(0, snap, cause="preemption" if snap.draining() else "failure", reason=d.reason)
         else:
+            self._prewarm(snap)
             self._train_chunk()
+
+    def _prewarm(self, snap: ClusterSnapshot) -> None:
+        """While a growth settles, start the workers it will need on the new nodes."""
+        pending = self.policy.pending_growth
+        if pending is None or not hasattr(self.group, "prewarm"):
+            return
+        try:
+            p = self._plan(pending[0])
+            r = self.cfg.resources
+            slots = {n.node_id: n.workers_fit(r.cpus_per_worker, r.gpus_per_worker) for n in self._usable_nodes(snap)}
+            nodes = assign_nodes(p.world_size, slots, prefer=self.group.nodes(), tp=p.layout.tp)
+        except (PlanError, ValueError):
+            return
+        extra = list((Counter(nodes) - self.group.nodes()).elements())
+        if extra:
+            self.group.prewarm(extra)
 
     def _train_chunk(self) -> None:
         try:
@@ -252,10 +276,13 @@ class Coordinator:
         t0 = time.time()
         with self._lock:
             self.failures.append(Failure(time=t0, kind=err.kind, error=str(err)))
-        self.sm.note("failure", reason=str(err), step=self.step_done, cause="failure", details={"kind": err.kind})
+        nodes = list(self.group.nodes()) if self.group is not None else []
+        self._shutdown_group()
+        dead = self._probe(nodes)
+        self.sm.note("failure", reason=str(err), step=self.step_done, cause="failure",
+                     details={"kind": err.kind, "unresponsive_nodes": sorted(dead)})
         if self.sm.can(S.RECOVERING):
             self.sm.transition(S.RECOVERING, reason=str(err), step=self.step_done, cause="failure")
-        self._shutdown_group()
         self._open = Reconfig(cause="failure", detected=t0, step_before=self.step_done,
                               old_layout=self.plan.layout.to_dict() if self.plan else None)
 
@@ -264,7 +291,7 @@ class Coordinator:
         try:
             p = self._plan(workers)
             slots = {n.node_id: n.workers_fit(self.cfg.resources.cpus_per_worker, self.cfg.resources.gpus_per_worker)
-                     for n in snap.usable_nodes(self.opts.include_head)}
+                     for n in self._usable_nodes(snap)}
             nodes = assign_nodes(p.world_size, slots, prefer=self.group.nodes() if self.group else None,
                                  tp=p.layout.tp)
         except (PlanError, ValueError) as e:
@@ -370,9 +397,25 @@ class Coordinator:
         except PlanError:
             return None
 
+    def _probe(self, nodes: list[str]) -> set[str]:
+        """Mark the nodes among `nodes` that no longer place work as suspects; return them."""
+        if not nodes or self.group_probe is None:
+            return set()
+        dead = set(nodes) - self.group_probe(nodes, timeout_s=self.opts.probe_timeout_s)
+        now = time.time()
+        for nid in dead:
+            self._suspects[nid] = now
+        return dead
+
+    def _usable_nodes(self, snap: ClusterSnapshot) -> list:
+        now = time.time()
+        self._suspects = {n: t for n, t in self._suspects.items()
+                          if now - t < self.opts.suspect_seconds and (snap.node(n) is not None and snap.node(n).alive)}
+        return [n for n in snap.usable_nodes(self.opts.include_head) if n.node_id not in self._suspects]
+
     def _usable(self, snap: ClusterSnapshot) -> int:
         r = self.cfg.resources
-        return snap.usable_workers(r.cpus_per_worker, r.gpus_per_worker, include_head=self.opts.include_head)
+        return sum(n.workers_fit(r.cpus_per_worker, r.gpus_per_worker) for n in self._usable_nodes(snap))
 
     def _our_nodes_dead(self, snap: ClusterSnapshot | None) -> bool:
         if snap is None or self.group is None:

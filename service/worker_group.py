@@ -53,6 +53,36 @@ def assign_nodes(n: int, slots: dict[str, int], *, prefer: Counter | None = None
     raise ValueError(f"{n} workers in TP groups of {tp} do not fit on nodes with slots {dict(slots)}")
 
 
+def probe_nodes(node_ids: list[str], *, timeout_s: float = 2.0) -> set[str]:
+    """The nodes among `node_ids` whose raylet still places work, by placing a tiny bundle on each.
+
+    After an unplanned failure the GCS can list a killed node as alive for many seconds (until its
+    health checks time out). Planning onto it would hang a placement until a start-up timeout, which is
+    how Ray Train's elastic mode loses a minute. A healthy raylet places a 0.001-CPU bundle in
+    milliseconds; one that does not answer within `timeout_s` is left out of the next plan."""
+    from ray.util import placement_group_table
+
+    pgs = {nid: placement_group([{"CPU": 0.001}], strategy="STRICT_PACK", _soft_target_node_id=nid)
+           for nid in node_ids}
+    alive: set[str] = set()
+    deadline = time.monotonic() + timeout_s
+    pending = dict(pgs)
+    while pending and time.monotonic() < deadline:
+        ready, _ = ray.wait([pg.ready() for pg in pending.values()], num_returns=len(pending), timeout=0.05)
+        for nid, pg in list(pending.items()):
+            info = placement_group_table(pg)
+            if info.get("state") == "CREATED":
+                if nid in (info.get("bundles_to_node_id") or {}).values():  # soft target: check where it landed
+                    alive.add(nid)
+                del pending[nid]
+    for pg in pgs.values():
+        try:
+            remove_placement_group(pg)
+        except Exception:
+            logger.debug("probe placement group removal failed", exc_info=True)
+    return alive
+
+
 class WorkerGroup:
     def __init__(self, cfg_dict: dict, run_dir: str, *, cpus_per_worker: float, gpus_per_worker: float,
                  job_id: str, start_timeout_s: float = 30.0):
@@ -63,6 +93,8 @@ class WorkerGroup:
         self.job_id = job_id
         self.start_timeout_s = start_timeout_s
         self.members: list[Member] = []
+        self.spares: list[tuple[str, Any, PlacementGroup, Any]] = []
+        """Actors started ahead of a growth (node, actor, pg, info ref), not yet members."""
 
     # -- membership ------------------------------------------------------------------------------------
     @property
@@ -83,33 +115,68 @@ class WorkerGroup:
             (pool[m.node_id].append(m) if len(pool[m.node_id]) < want[m.node_id] else stop.append(m))
         self._stop(stop)
         missing = [nid for nid in want for _ in range(want[nid] - len(pool[nid]))]
-        started = self._start(missing) if missing else []
+        warm = self._take_spares(missing)
+        for m in warm:
+            missing.remove(m.node_id)
+        started = warm + (self._start(missing) if missing else [])
         for m in started:  # placement targets a node softly: group by where the actor really runs
             pool[m.node_id].append(m)
         order = list(dict.fromkeys(nodes)) + [nid for nid in pool if nid not in want]
         self.members = [m for nid in order for m in pool.get(nid, [])]
         return len(started), len(stop)
 
-    def _start(self, nodes: list[str]) -> list[Member]:
+    def _launch(self, nodes: list[str]) -> list[tuple[str, Any, PlacementGroup, Any]]:
+        """Ask for one placement group and actor per node, without waiting for either."""
         from workers.actor import Worker
 
         cls = ray.remote(Worker)
         bundle = {"CPU": self.cpus, **({"GPU": self.gpus} if self.gpus else {})}
-        pgs = [placement_group([bundle], strategy="STRICT_PACK", _soft_target_node_id=nid) for nid in nodes]
+        out = []
+        for nid in nodes:
+            pg = placement_group([bundle], strategy="STRICT_PACK", _soft_target_node_id=nid)
+            actor = cls.options(num_cpus=self.cpus, num_gpus=self.gpus or None, max_concurrency=1,
+                                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0)).remote(
+                self.cfg_dict, self.run_dir, threads=max(1, int(self.cpus)))
+            out.append((nid, actor, pg, actor.info.remote()))
+        return out
+
+    def _start(self, nodes: list[str]) -> list[Member]:
+        launched = self._launch(nodes)
+        pgs = [pg for _, _, pg, _ in launched]
         try:
             ray.get([pg.ready() for pg in pgs], timeout=self.start_timeout_s)
         except GetTimeoutError:
-            for pg in pgs:
-                remove_placement_group(pg)
+            self._stop([Member(a, pg, nid, "") for nid, a, pg, _ in launched])
             raise WorkerFailure("start", f"could not place {len(nodes)} worker(s) within {self.start_timeout_s:.0f}s")
-        actors = [
-            cls.options(num_cpus=self.cpus, num_gpus=self.gpus or None, max_concurrency=1,
-                        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0)).remote(
-                self.cfg_dict, self.run_dir, threads=max(1, int(self.cpus)))
-            for pg in pgs
-        ]
-        infos = self._get([a.info.remote() for a in actors], "start", timeout=self.start_timeout_s + 60)
-        return [Member(a, pg, i["node_id"], i["ip"]) for a, pg, i in zip(actors, pgs, infos)]
+        infos = self._get([ref for *_, ref in launched], "start", timeout=self.start_timeout_s + 60)
+        return [Member(a, pg, i["node_id"], i["ip"]) for (_, a, pg, _), i in zip(launched, infos)]
+
+    def prewarm(self, nodes: list[str]) -> int:
+        """Start actors on `nodes` in the background while the group keeps training (a growth is
+        settling), so the resize itself only re-forms the process group. Returns how many were started;
+        nodes that already have a spare are skipped."""
+        have = Counter(nid for nid, *_ in self.spares)
+        need = [nid for nid, k in (Counter(nodes) - have).items() for _ in range(k)]
+        self.spares += self._launch(need)
+        return len(need)
+
+    def _take_spares(self, nodes: list[str]) -> list[Member]:
+        """Spares on `nodes` that came up healthy, as members; failed spares are dropped."""
+        want, taken, keep = Counter(nodes), [], []
+        for nid, actor, pg, ref in self.spares:
+            if want[nid] > 0:
+                try:
+                    info = ray.get(ref, timeout=self.start_timeout_s)
+                    taken.append(Member(actor, pg, info["node_id"], info["ip"]))
+                    want[nid] -= 1
+                    continue
+                except (RayError, GetTimeoutError):
+                    logger.warning("a pre-started worker on node %s did not come up; starting another", nid[:8])
+                    self._stop([Member(actor, pg, nid, "")])
+                    continue
+            keep.append((nid, actor, pg, ref))
+        self.spares = keep
+        return taken
 
     def _stop(self, members: list[Member]) -> None:
         for m in members:
@@ -123,8 +190,8 @@ class WorkerGroup:
                 logger.debug("placement group removal failed", exc_info=True)
 
     def shutdown(self) -> None:
-        self._stop(self.members)
-        self.members = []
+        self._stop(self.members + [Member(a, pg, nid, "") for nid, a, pg, _ in self.spares])
+        self.members, self.spares = [], []
 
     # -- collective operations ---------------------------------------------------------------------------
     def form(self, layout: dict) -> dict:

@@ -102,6 +102,8 @@ def make(tmp_path, nodes, *, steps=20, interval=5, min_workers=1, max_workers=4,
     c = Coordinator(cfg, run_dir=tmp_path, job_id="job1", watcher=cluster.watcher(),
                     options=CoordinatorOptions(settle_seconds=settle, max_restarts=2, **opts))
     c.worker_group_cls = group_cls
+    # The fake cluster's "dead" nodes are exactly those a placement probe would not reach.
+    c.group_probe = lambda nodes, timeout_s: {n for n in nodes if n not in cluster.dead}
     return c, cluster, group_cls
 
 
@@ -142,6 +144,19 @@ def test_preemption_notice_shrinks_with_zero_steps_lost(tmp_path):
     assert rc.cause == "preemption" and rc.steps_lost == 0 and rc.step_before == 7 and rc.resumed_step == 7
     assert "b" not in c.group.nodes()
     assert [e["kind"] for e in c.events_since(0)].count("preemption") == 1
+
+
+def test_a_node_the_watcher_still_calls_alive_is_left_out_after_a_failed_probe(tmp_path):
+    """The stale-view case: Ray still lists a killed node as alive, but it cannot place work."""
+    c, cluster, G = make(tmp_path, {"a": 2, "b": 2}, interval=5)
+    advance(c, lambda c: c.step_done >= 6)
+    G.fail_next.append("died")
+    c.group_probe = lambda nodes, timeout_s: {n for n in nodes if n != "b"}  # b: alive per the watcher only
+    advance(c, lambda c: len(changes(c)) == 1)
+    (rc,) = changes(c)
+    assert rc.world_size == 2 and "b" not in c.group.nodes() and rc.resumed_step == 5
+    fail = [e for e in c.events_since(0) if e["kind"] == "failure"][0]
+    assert fail["details"]["unresponsive_nodes"] == ["b"]
 
 
 def test_node_death_resumes_from_last_commit_on_what_is_left(tmp_path):

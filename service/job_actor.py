@@ -1,0 +1,278 @@
+"""One job's coordinator, running on its own: the body of the named detached Ray actor.
+
+`JobRunner` builds a `Coordinator` and runs `Coordinator.run()` in a background thread, so the actor's
+methods (status, events, metrics, commands) answer while the job trains. It is a plain class: the API's
+tests run it in-process (`service.jobs.LocalLauncher`), and `job_actor_class()` turns the very same
+class into the Ray actor that `service.jobs.RayLauncher` starts as ``elastron-job-{id}`` in namespace
+``elastron`` with ``lifetime="detached"``, so the job outlives the API server that submitted it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from service.coordinator import Coordinator, CoordinatorOptions
+from workers.config import JobConfig
+
+logger = logging.getLogger(__name__)
+
+NAMESPACE = "elastron"
+"""Ray namespace of the job actors (so `ray.get_actor(name, namespace=NAMESPACE)` finds them)."""
+
+CoordinatorFactory = Callable[..., Coordinator]
+"""Builds a Coordinator from (cfg, run_dir=, total_steps=, job_id=, workers=, options=); a test seam."""
+
+
+def actor_name(job_id: str) -> str:
+    return f"elastron-job-{job_id}"
+
+
+def degrees(layout: dict | None) -> dict[str, int] | None:
+    """dp/tp/pp of a Layout.to_dict() (dp = dp_replicate * dp_shard)."""
+    if not layout:
+        return None
+    return {"dp": layout.get("dp_replicate", 1) * layout.get("dp_shard", 1), "tp": layout.get("tp", 1),
+            "pp": layout.get("pp", 1)}
+
+
+class JobRunner:
+    """A Coordinator in a daemon thread, with thread-safe accessors. Starts at construction: this is an
+    actor body, and a Ray actor's constructor is its only start signal."""
+
+    def __init__(self, job_id: str, spec: dict, *, run_dir: str, steps: int | None = None,
+                 workers: int | None = None, options: dict | None = None,
+                 coordinator_factory: CoordinatorFactory | None = None):
+        self.job_id = job_id
+        cfg = JobConfig.from_dict(spec)
+        factory = coordinator_factory or Coordinator
+        self.coord = factory(cfg, run_dir=Path(run_dir), total_steps=steps, job_id=job_id, workers=workers,
+                             options=CoordinatorOptions(**(options or {})))
+        self.error: str | None = None
+        self._thread = threading.Thread(target=self._run, name=f"elastron-job-{job_id}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.coord.run()
+        except Exception as e:
+            self.error = f"coordinator crashed: {type(e).__name__}: {e}"
+            logger.error("job %s: %s; the job is reported FAILED. See the traceback and events.jsonl in %s",
+                         self.job_id, self.error, self.coord.run_dir, exc_info=True)
+            try:
+                self.coord.sm.note("failure", reason=self.error, step=self.coord.step_done, cause="failure")
+            except Exception:
+                logger.warning("job %s: could not record the crash as an event", self.job_id, exc_info=True)
+
+    # -- reads -------------------------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        st = self.coord.status()
+        recs = [r.to_dict() for r in list(self.coord.reconfigs)]
+        st.update(
+            job_id=self.job_id, degrees=degrees(st.get("layout")), run_dir=str(self.coord.run_dir),
+            reconfigurations=dict(Counter(r["cause"] for r in recs)),
+            steps_lost=sum(r["steps_lost"] for r in recs), events=len(self.coord.events),
+            running=self._thread.is_alive(), error=self.error,
+        )
+        if self.error and not self.coord.sm.state.is_terminal:
+            # The loop is gone, so whatever state it was in will never change again.
+            st.update(state="FAILED", reason=self.error)
+        return st
+
+    def events_since(self, index: int = 0) -> list[dict]:
+        return self.coord.events_since(index)
+
+    def metrics_since(self, step: int = 0) -> list[dict]:
+        return self.coord.metrics_since(step)
+
+    def reconfigs(self) -> list[dict]:
+        return [r.to_dict() for r in list(self.coord.reconfigs)]
+
+    # -- commands (queued; the loop applies them at its next iteration) ----------------------------------
+    def resize(self, *, workers: int | None = None, min_workers: int | None = None,
+               max_workers: int | None = None) -> None:
+        self.coord.resize(workers=workers, min_workers=min_workers, max_workers=max_workers)
+
+    def pause(self) -> None:
+        self.coord.pause()
+
+    def resume(self) -> None:
+        self.coord.resume()
+
+    def stop(self) -> None:
+        self.coord.stop()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the loop to end; True if it has."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def ping(self) -> str:
+        return self.job_id
+
+
+_actor_cls = None
+
+
+def job_actor_class():
+    """`JobRunner` as a Ray actor class (made on first use so importing this module needs no Ray)."""
+    global _actor_cls
+    if _actor_cls is None:
+        import ray
+
+        _actor_cls = ray.remote(num_cpus=0, max_restarts=0)(JobRunner)
+    return _actor_cls
+
+
+# -- launchers: how a JobManager starts, finds and releases job runners ------------------------------------
+
+class JobGone(RuntimeError):
+    """The job's coordinator no longer exists (actor dead or never started); its final state must come
+    from what it wrote (the run directory's events.jsonl)."""
+
+
+class JobUnavailable(RuntimeError):
+    """The job's coordinator exists but did not answer in time (starting up, or busy); try again."""
+
+
+class LocalLauncher:
+    """Runs each job's `JobRunner` in this process. The runners live as long as this object, so a new
+    JobManager given the same launcher re-attaches to them as it would to Ray's named actors (tests,
+    and single-process use where the server's lifetime is the jobs' lifetime anyway)."""
+
+    def __init__(self, *, coordinator_factory: CoordinatorFactory | None = None, options: dict | None = None,
+                 cluster_fn: Callable[[], Any] | None = None):
+        self.coordinator_factory = coordinator_factory
+        self.options = dict(options or {})
+        self.cluster_fn = cluster_fn
+        self._runners: dict[str, JobRunner] = {}
+        self._lock = threading.Lock()
+
+    def launch(self, job_id: str, spec: dict, *, run_dir: str, steps: int | None, workers: int | None) -> JobRunner:
+        runner = JobRunner(job_id, spec, run_dir=run_dir, steps=steps, workers=workers, options=self.options,
+                           coordinator_factory=self.coordinator_factory)
+        with self._lock:
+            self._runners[job_id] = runner
+        return runner
+
+    def attach(self, job_id: str) -> JobRunner | None:
+        with self._lock:
+            return self._runners.get(job_id)
+
+    def job_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._runners)
+
+    def release(self, job_id: str, timeout_s: float = 10.0) -> None:
+        with self._lock:
+            runner = self._runners.pop(job_id, None)
+        if runner is not None:
+            runner.stop()
+            if not runner.join(timeout_s):
+                logger.warning("job %s: coordinator thread still running %.0f s after stop; it is a daemon "
+                               "thread and ends with the process", job_id, timeout_s)
+
+    def cluster(self):
+        return None if self.cluster_fn is None else self.cluster_fn()
+
+
+class RayHandle:
+    """Calls on one job actor, with a timeout, turning Ray's errors into JobGone / JobUnavailable (and a
+    ValueError raised by the coordinator back into a plain ValueError)."""
+
+    def __init__(self, actor, job_id: str, timeout_s: float):
+        self.actor, self.job_id, self.timeout_s = actor, job_id, timeout_s
+
+    def _call(self, method: str, *args, **kwargs):
+        import ray
+        from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
+
+        try:
+            return ray.get(getattr(self.actor, method).remote(*args, **kwargs), timeout=self.timeout_s)
+        except RayTaskError as e:
+            if isinstance(e.cause, ValueError):
+                raise ValueError(str(e.cause)) from None
+            raise JobUnavailable(f"job {self.job_id}: {method} failed in the coordinator: {e.cause!r}") from None
+        except (GetTimeoutError, ActorUnavailableError):
+            raise JobUnavailable(f"job {self.job_id}: coordinator actor {actor_name(self.job_id)} did not answer "
+                                 f"{method} within {self.timeout_s:.0f} s") from None
+        except RayActorError as e:
+            raise JobGone(f"coordinator actor {actor_name(self.job_id)} died: "
+                          f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+
+    def status(self) -> dict:
+        return self._call("status")
+
+    def events_since(self, index: int = 0) -> list[dict]:
+        return self._call("events_since", index)
+
+    def metrics_since(self, step: int = 0) -> list[dict]:
+        return self._call("metrics_since", step)
+
+    def resize(self, **kw) -> None:
+        self._call("resize", **kw)
+
+    def pause(self) -> None:
+        self._call("pause")
+
+    def resume(self) -> None:
+        self._call("resume")
+
+    def stop(self) -> None:
+        self._call("stop")
+
+
+class RayLauncher:
+    """Starts each job's runner as a named detached actor (``elastron-job-{id}`` in namespace ``elastron``,
+    num_cpus=0), and finds it again by name after an API restart. Needs `ray.init` done by the caller.
+
+    The actor is placed on this (the API's) node when it can be (soft affinity), so the run directory it
+    writes events.jsonl to is the one the API reads when the actor is gone. Detached actors outlive the
+    API process only on a Ray cluster that outlives it (``ray start --head``, then ``--address``)."""
+
+    def __init__(self, *, namespace: str = NAMESPACE, timeout_s: float = 10.0, options: dict | None = None,
+                 pin_to_this_node: bool = True, coordinator_factory: CoordinatorFactory | None = None):
+        self.namespace, self.timeout_s, self.options = namespace, timeout_s, dict(options or {})
+        self.pin_to_this_node = pin_to_this_node
+        self.coordinator_factory = coordinator_factory
+
+    def launch(self, job_id: str, spec: dict, *, run_dir: str, steps: int | None, workers: int | None) -> RayHandle:
+        import ray
+
+        opts: dict[str, Any] = dict(name=actor_name(job_id), namespace=self.namespace, lifetime="detached",
+                                    num_cpus=0, max_concurrency=4)
+        if self.pin_to_this_node:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
+                                                                         soft=True)
+        actor = job_actor_class().options(**opts).remote(
+            job_id, spec, run_dir=run_dir, steps=steps, workers=workers, options=self.options,
+            coordinator_factory=self.coordinator_factory)
+        return RayHandle(actor, job_id, self.timeout_s)
+
+    def attach(self, job_id: str) -> RayHandle | None:
+        import ray
+
+        try:
+            actor = ray.get_actor(actor_name(job_id), namespace=self.namespace)
+        except ValueError:  # no live actor by that name
+            return None
+        return RayHandle(actor, job_id, self.timeout_s)
+
+    def release(self, job_id: str, timeout_s: float = 10.0) -> None:
+        import ray
+
+        try:
+            ray.kill(ray.get_actor(actor_name(job_id), namespace=self.namespace), no_restart=True)
+        except ValueError:
+            pass
+
+    def cluster(self):
+        from service.cluster import ClusterWatcher
+
+        return ClusterWatcher().poll()

@@ -1,0 +1,73 @@
+"""Tier 3: `ray job submit --working-dir . -- elastron run job.yaml` against a local `ray start --head`.
+
+The head runs with --block in its own process session and is torn down by killing that session, not
+with `ray stop` (which would kill every Ray cluster on the machine, other tests' included).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _up(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def ray_head(tmp_path):
+    gcs, dash = _port(), _port()
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ.get('PATH', '')}", "RAY_USAGE_STATS_ENABLED": "0"}
+    proc = subprocess.Popen(
+        [str(BIN / "ray"), "start", "--head", "--block", f"--port={gcs}", f"--dashboard-port={dash}",
+         "--dashboard-host=127.0.0.1", "--num-cpus=2", f"--temp-dir={tmp_path / 'ray'}"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{dash}"
+    deadline = time.monotonic() + 90
+    while not _up(f"{url}/api/version"):
+        assert proc.poll() is None, "ray start --head exited"
+        assert time.monotonic() < deadline, "Ray dashboard did not come up in 90 s"
+        time.sleep(0.5)
+    yield url, env
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_ray_job_submit_runs_an_elastron_job(ray_head, tmp_path):
+    url, env = ray_head
+    run_dir = tmp_path / "run"
+    r = subprocess.run(
+        [str(BIN / "ray"), "job", "submit", f"--address={url}", "--working-dir", str(ROOT), "--",
+         "elastron", "run", "examples/tiny.yaml", "--steps", "4", "--workers", "1", "--run-dir", str(run_dir)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "SUCCEEDED at step 4/4" in r.stdout
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in rows] == [1, 2, 3, 4]
+    assert any(e["to_state"] == "SUCCEEDED" for e in map(json.loads, (run_dir / "events.jsonl").open()))
