@@ -70,7 +70,7 @@ def measure_elastron(*, cluster, scenario: str, workdir: str, settle: float = 1.
         if scenario == "join":
             added.append(cluster.add_node(num_cpus=1))
             t_event = time.time()
-            want = lambda m: m["world_size"] == before + 1  # noqa: E731
+            target = before + 1
         else:
             victim = next(n for n in added if n.node_id in coord.group.nodes() and n.node_id != me)
             t_event = time.time()
@@ -78,14 +78,18 @@ def measure_elastron(*, cluster, scenario: str, workdir: str, settle: float = 1.
                 cluster.remove_node(victim, allow_graceful=False)
             else:
                 drain_node(victim.node_id, message="benchmark: spot reclaim", deadline_remaining_s=60)
-            want = lambda m: m["world_size"] == before - 1  # noqa: E731
+            target = before - 1
         n_rc = len(coord.reconfigs)
-        _wait(lambda: len(coord.reconfigs) > n_rc, 180, "the reconfiguration")
-        rc = coord.reconfigs[-1]
-        first = min((m for m in coord.metrics_since(0) if m["time"] >= t_event and want(m)), key=lambda m: m["time"])
+        # Every reconfiguration after the event counts; the measurement ends at the first step of the
+        # one that reaches the target size (intermediate ones, if any, are reported).
+        _wait(lambda: any(r.world_size == target for r in coord.reconfigs[n_rc:]), 180, "the reconfiguration")
+        after = coord.reconfigs[n_rc:]
+        rc = next(r for r in after if r.world_size == target)
+        lost = sum(r.steps_lost for r in after[:after.index(rc) + 1])
         step_times = sorted(m["step_time"] for m in coord.metrics_since(0))
-        return {"system": "elastron", "scenario": scenario, "event_to_first_step_s": first["time"] - t_event,
-                "decided_after_s": rc.detected - t_event, "steps_redone_or_lost": rc.steps_lost,
+        return {"system": "elastron", "scenario": scenario, "event_to_first_step_s": rc.first_step_time - t_event,
+                "decided_after_s": after[0].detected - t_event, "steps_redone_or_lost": lost,
+                "reconfigurations": [r.to_dict() for r in after],
                 "world_size_before": before, "world_size_after": rc.world_size,
                 "workers_started": rc.started, "workers_stopped": rc.stopped,
                 "step_time_s": step_times[len(step_times) // 2]}

@@ -357,8 +357,10 @@ def measure_raytrain(*, cluster, model_steps: int, ckpt_every: int, scenario: st
             added.append(cluster.add_node(num_cpus=1))
             t_event = time.time()
         else:
-            # The node hosting the highest rank: a worker node that is not rank 0's.
-            starts = sorted(steplog.starts(old_attempt), key=lambda r: r["rank"])
+            # The node hosting the highest rank that is not the node this driver is attached to (all
+            # simulated nodes share one IP, so the driver may sit on any raylet; losing it kills the driver).
+            me = ray.get_runtime_context().get_node_id()
+            starts = [r for r in sorted(steplog.starts(old_attempt), key=lambda r: r["rank"]) if r["node_id"] != me]
             victim = starts[-1]["node_id"]
             node = _node_of(cluster, victim)
             if node is None:
