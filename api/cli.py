@@ -66,6 +66,12 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from api.app import serve
+
+    return serve(args.address, args.host, args.port)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="elastron", description="Elastic 3D-parallel LLM training on Ray.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -110,6 +116,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out")
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(fn=_cmd_export)
+
+    from api.cli_client import add_client_commands
+
+    add_client_commands(sub)  # submit, jobs, status, events, resize, pause, resume, stop
+    p = sub.add_parser("serve", help="run the job control API and dashboard (jobs run on Ray)")
+    p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a private local Ray)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.set_defaults(fn=_cmd_serve)
     return ap
 
 

@@ -60,13 +60,14 @@ class JobRunner:
         try:
             self.coord.run()
         except Exception as e:
-            self.error = f"coordinator crashed: {type(e).__name__}: {e}"
+            error = f"coordinator crashed: {type(e).__name__}: {e}"
             logger.error("job %s: %s; the job is reported FAILED. See the traceback and events.jsonl in %s",
-                         self.job_id, self.error, self.coord.run_dir, exc_info=True)
+                         self.job_id, error, self.coord.run_dir, exc_info=True)
             try:
-                self.coord.sm.note("failure", reason=self.error, step=self.coord.step_done, cause="failure")
+                self.coord.sm.note("failure", reason=error, step=self.coord.step_done, cause="failure")
             except Exception:
                 logger.warning("job %s: could not record the crash as an event", self.job_id, exc_info=True)
+            self.error = error  # last: once status() says FAILED, the event above is there to be read
 
     # -- reads -------------------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:

@@ -1,0 +1,154 @@
+"""The job control service: `create_app()` builds the FastAPI app, `serve()` runs it with uvicorn
+(`elastron serve`).
+
+Nothing is created at import. `create_app(jobs=...)` takes a ready JobManager (tests: an in-process
+launcher); without one, the app's startup connects to Ray and builds the default manager (SQLite store
+under the runs root, coordinators as detached Ray actors). Startup re-attaches to the jobs' coordinators
+(`JobManager.start`); shutdown stops only the syncing: the jobs keep running.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse
+from fastapi.staticfiles import StaticFiles
+
+from api.deps import Settings
+from api.routes import api_router, ops_router
+from api.routes.dashboard import STATIC_DIR
+from api.routes.ops import make_registry
+from service.jobs import JobConflict, JobManager, JobNotFound, JobUnavailable, SpecError
+
+logger = logging.getLogger("elastron.api")
+
+
+def default_manager(settings: Settings) -> JobManager:
+    """SQLite store + Ray launcher, connecting to Ray first."""
+    from api.run import connect_ray
+    from api.store import JobStore
+    from service.job_actor import RayLauncher
+
+    try:
+        connect_ray(settings.ray_address)
+    except Exception as e:  # ConnectionError, TimeoutError, RuntimeError from ray.init
+        where = settings.ray_address or os.environ.get("RAY_ADDRESS") or "a new local Ray"
+        raise RuntimeError(f"cannot connect to Ray at {where}: "
+                           f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    return JobManager(JobStore(settings.store_url), RayLauncher(), runs_root=settings.runs_root,
+                      sync_interval_s=settings.sync_interval_s, stop_timeout_s=settings.stop_timeout_s)
+
+
+class BodyLimit:
+    """413 for request bodies over `max_bytes`: at once from Content-Length, or while a chunked body is read."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None:
+            if not length.isdigit():
+                return await JSONResponse({"detail": "invalid Content-Length"}, 400)(scope, receive, send)
+            if int(length) > self.max_bytes:
+                return await self._too_large()(scope, receive, send)
+            return await self.app(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            msg = await receive()
+            seen += len(msg.get("body", b""))
+            if seen > self.max_bytes:
+                raise HTTPException(413, self._detail())
+            return msg
+
+        return await self.app(scope, counted, send)
+
+    def _detail(self) -> str:
+        return f"request body is larger than the server's limit of {self.max_bytes} bytes"
+
+    def _too_large(self) -> JSONResponse:
+        return JSONResponse({"detail": self._detail()}, 413)
+
+
+def create_app(*, jobs: JobManager | None = None, settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings.from_env()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if getattr(app.state, "jobs", None) is None:
+            app.state.jobs = await run_in_threadpool(default_manager, settings)
+            app.state.registry = make_registry(app.state.jobs)
+        await run_in_threadpool(app.state.jobs.start)
+        try:
+            yield
+        finally:
+            await run_in_threadpool(app.state.jobs.close)
+
+    app = FastAPI(title="Elastron job control", version="1",
+                  description="Submit, watch and steer elastic training jobs. Mutating endpoints need "
+                              "`Authorization: Bearer TOKEN` when the server has ELASTRON_API_TOKEN set.",
+                  lifespan=lifespan)
+    app.state.settings = settings
+    app.state.jobs = jobs
+    app.state.registry = make_registry(jobs) if jobs is not None else None
+    app.include_router(api_router)
+    app.include_router(ops_router)
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+
+    @app.exception_handler(JobNotFound)
+    async def _not_found(request: Request, e: JobNotFound):
+        return JSONResponse({"detail": str(e)}, 404)
+
+    @app.exception_handler(JobConflict)
+    async def _conflict(request: Request, e: JobConflict):
+        return JSONResponse({"detail": str(e)}, 409)
+
+    @app.exception_handler(SpecError)
+    async def _spec(request: Request, e: SpecError):
+        return JSONResponse({"detail": [{"loc": ["body", *e.loc], "msg": e.msg, "type": "value_error"}]}, 422)
+
+    @app.exception_handler(JobUnavailable)
+    async def _unavailable(request: Request, e: JobUnavailable):
+        return JSONResponse({"detail": str(e)}, 503, headers={"Retry-After": "1"})
+
+    return app
+
+
+def _is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def serve(address: str | None = None, host: str = "127.0.0.1", port: int = 8000) -> int:
+    """`elastron serve`: the API on host:port (loopback by default), jobs on the Ray cluster at `address`."""
+    import uvicorn
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = Settings.from_env(ray_address=address)
+    Path(settings.runs_root).mkdir(parents=True, exist_ok=True)
+    if _is_loopback(host):
+        logger.info("binding %s:%d: loopback only, other machines cannot reach it (use --host 0.0.0.0 to "
+                    "expose it, with ELASTRON_API_TOKEN set)", host, port)
+    elif settings.token is None:
+        logger.warning("binding %s:%d with no ELASTRON_API_TOKEN: anyone who can reach it can submit and stop "
+                       "jobs; set ELASTRON_API_TOKEN", host, port)
+    else:
+        logger.info("binding %s:%d; mutating endpoints need the bearer token", host, port)
+    logger.info("runs root %s, store %s, auth %s", settings.runs_root.resolve(), settings.store_url,
+                "on" if settings.token else "off")
+    try:  # in the main thread, before binding: a Ray that cannot be reached is one clear line
+        jobs = default_manager(settings)
+    except Exception as e:
+        logger.error("cannot start: %s", e)
+        return 1
+    uvicorn.run(create_app(jobs=jobs, settings=settings), host=host, port=port, log_level="info")
+    return 0

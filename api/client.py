@@ -1,0 +1,127 @@
+"""A small HTTP client for the job API (httpx), used by the `elastron` client commands and usable from
+notebooks. Every failure is an `APIError` whose message is one line fit to show a person."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # httpx is imported when a client is made, so `elastron --help` stays instant
+    import httpx
+
+DEFAULT_SERVER = "http://127.0.0.1:8000"
+
+
+class APIError(Exception):
+    """The server answered with an error (status >= 400), or did not answer (status None)."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+class ServerUnreachable(APIError):
+    pass
+
+
+def error_text(r: httpx.Response) -> str:
+    """One line from an error response: the detail string, or each field error as `field.path: message`."""
+    try:
+        detail = r.json().get("detail")
+    except (ValueError, AttributeError):
+        detail = None
+    if isinstance(detail, list):
+        parts = []
+        for e in detail:
+            loc = [str(x) for x in (e.get("loc") or []) if x != "body"] if isinstance(e, dict) else []
+            msg = e.get("msg", e) if isinstance(e, dict) else e
+            parts.append(f"{'.'.join(loc)}: {msg}" if loc else str(msg))
+        text = "; ".join(parts)
+    elif detail is not None:
+        text = str(detail)
+    else:
+        text = r.text.strip() or r.reason_phrase
+    return f"{r.status_code} {' '.join(text.split())}"
+
+
+class Client:
+    def __init__(self, server: str | None = None, token: str | None = None, *, timeout: float = 60.0,
+                 transport: httpx.BaseTransport | None = None):
+        import httpx
+
+        self.server = (server or os.environ.get("ELASTRON_SERVER") or DEFAULT_SERVER).rstrip("/")
+        token = token if token is not None else os.environ.get("ELASTRON_API_TOKEN")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(base_url=self.server, headers=headers, timeout=timeout, transport=transport)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _request(self, method: str, path: str, **kw) -> Any:
+        import httpx
+
+        try:
+            r = self._http.request(method, path, **kw)
+        except httpx.TimeoutException:
+            raise ServerUnreachable(f"the Elastron server at {self.server} did not answer in time") from None
+        except httpx.TransportError as e:
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ServerUnreachable(f"cannot reach the Elastron server at {self.server} ({why}); is `elastron serve` "
+                                    "running? (set --server or ELASTRON_SERVER)") from None
+        if r.status_code >= 400:
+            raise APIError(error_text(r), r.status_code)
+        try:
+            return r.json()
+        except ValueError:
+            raise APIError(f"{r.status_code} the server at {self.server} answered with non-JSON "
+                           f"({r.headers.get('content-type', 'no content type')}); is it an Elastron server?",
+                           r.status_code) from None
+
+    # -- jobs --------------------------------------------------------------------------------------------
+    def submit(self, spec: dict, *, steps: int | None = None, workers: int | None = None,
+               run_dir: str | None = None) -> dict:
+        body = {"spec": spec, **{k: v for k, v in (("steps", steps), ("workers", workers), ("run_dir", run_dir))
+                                 if v is not None}}
+        return self._request("POST", "/api/v1/jobs", json=body)
+
+    def jobs(self) -> list[dict]:
+        return self._request("GET", "/api/v1/jobs")
+
+    def job(self, job_id: str) -> dict:
+        return self._request("GET", f"/api/v1/jobs/{job_id}")
+
+    def events(self, job_id: str, since: int = 0) -> list[dict]:
+        return self._request("GET", f"/api/v1/jobs/{job_id}/events", params={"since": since})
+
+    def metrics(self, job_id: str, since: int = 0) -> list[dict]:
+        return self._request("GET", f"/api/v1/jobs/{job_id}/metrics", params={"since": since})
+
+    def checkpoints(self, job_id: str) -> dict:
+        return self._request("GET", f"/api/v1/jobs/{job_id}/checkpoints")
+
+    def resize(self, job_id: str, *, workers: int | None = None, min_workers: int | None = None,
+               max_workers: int | None = None) -> dict:
+        body = {k: v for k, v in (("workers", workers), ("min_workers", min_workers), ("max_workers", max_workers))
+                if v is not None}
+        return self._request("POST", f"/api/v1/jobs/{job_id}/resize", json=body)
+
+    def pause(self, job_id: str) -> dict:
+        return self._request("POST", f"/api/v1/jobs/{job_id}/pause")
+
+    def resume(self, job_id: str) -> dict:
+        return self._request("POST", f"/api/v1/jobs/{job_id}/resume")
+
+    def stop(self, job_id: str) -> dict:
+        return self._request("POST", f"/api/v1/jobs/{job_id}/stop")
+
+    def delete(self, job_id: str) -> dict:
+        return self._request("DELETE", f"/api/v1/jobs/{job_id}")
+
+    def cluster(self) -> dict:
+        return self._request("GET", "/api/v1/cluster")

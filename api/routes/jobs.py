@@ -1,0 +1,96 @@
+"""/api/v1/jobs: submit, list, inspect, command and forget jobs."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Response, status
+
+from api.deps import AuthDep, JobsDep
+from api.schemas import (MAX_STEPS, ActionResult, Checkpoints, Deleted, ErrorBody, EventOut, JobCreated, JobDetail,
+                         JobSubmit, JobSummary, MetricRow, ResizeRequest, ValidationErrorBody)
+
+router = APIRouter(prefix="/jobs", tags=["jobs"])
+
+NOT_FOUND = {404: {"model": ErrorBody, "description": "No job with that id."}}
+CONFLICT = {409: {"model": ErrorBody, "description": "The action does not fit the job's state; the detail says why."}}
+INVALID = {422: {"model": ValidationErrorBody, "description": "Invalid request; each error names its field."}}
+AUTH = {401: {"model": ErrorBody, "description": "No bearer token (server has ELASTRON_API_TOKEN set)."},
+        403: {"model": ErrorBody, "description": "Wrong bearer token."}}
+UNAVAILABLE = {503: {"model": ErrorBody, "description": "The job's coordinator did not answer; retry."}}
+Since = Annotated[int, Query(ge=0, le=MAX_STEPS, description="Only rows after this step.")]
+
+
+@router.post("", status_code=status.HTTP_201_CREATED, response_model=JobCreated, dependencies=[AuthDep],
+             responses={**INVALID, **AUTH, **CONFLICT, 413: {"model": ErrorBody, "description": "Body too large."}})
+def submit_job(body: JobSubmit, jobs: JobsDep, response: Response) -> JobCreated:
+    """Validate the spec as `elastron run` would (422 names the bad field) and start the job."""
+    job_id = jobs.submit(body.spec_dict(), steps=body.steps, workers=body.workers, run_dir=body.run_dir)
+    response.headers["Location"] = f"/api/v1/jobs/{job_id}"
+    return JobCreated(id=job_id, run_dir=jobs.record(job_id)["run_dir"])
+
+
+@router.get("", response_model=list[JobSummary])
+def list_jobs(jobs: JobsDep) -> list[dict]:
+    return jobs.list()
+
+
+@router.get("/{job_id}", response_model=JobDetail, responses=NOT_FOUND)
+def get_job(job_id: str, jobs: JobsDep) -> dict:
+    """State, layout, world size, step, loss, tokens/s, last committed checkpoint, and the reason for the
+    state (why it is waiting, why it failed)."""
+    return jobs.get(job_id)
+
+
+@router.get("/{job_id}/metrics", response_model=list[MetricRow], responses=NOT_FOUND)
+def job_metrics(job_id: str, jobs: JobsDep, since: Since = 0,
+                limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000) -> list[dict]:
+    """Per-step metrics after step `since`, oldest first (poll with the last step you have)."""
+    return jobs.metrics(job_id, since, limit)
+
+
+@router.get("/{job_id}/events", response_model=list[EventOut], responses=NOT_FOUND)
+def job_events(job_id: str, jobs: JobsDep,
+               since: Annotated[int, Query(ge=0, le=MAX_STEPS, description="Index of the first event.")] = 0
+               ) -> list[dict]:
+    """The job's events (transitions, resizes, preemption notices, failures, checkpoints) from index `since`."""
+    return jobs.events(job_id, since)
+
+
+@router.get("/{job_id}/checkpoints", response_model=Checkpoints, responses=NOT_FOUND)
+def job_checkpoints(job_id: str, jobs: JobsDep) -> dict:
+    """Entries of the job's checkpoints directory (read-only)."""
+    return jobs.checkpoints(job_id)
+
+
+def _action(code: int = status.HTTP_202_ACCEPTED):
+    return dict(status_code=code, response_model=ActionResult, dependencies=[AuthDep],
+                responses={**NOT_FOUND, **CONFLICT, **AUTH, **UNAVAILABLE})
+
+
+@router.post("/{job_id}/resize", **_action())
+def resize_job(job_id: str, body: ResizeRequest, jobs: JobsDep) -> dict:
+    """Queue a resize; the coordinator checkpoints and re-forms at its next iteration."""
+    return jobs.resize(job_id, workers=body.workers, min_workers=body.min_workers, max_workers=body.max_workers)
+
+
+@router.post("/{job_id}/pause", **_action())
+def pause_job(job_id: str, jobs: JobsDep) -> dict:
+    return jobs.pause(job_id)
+
+
+@router.post("/{job_id}/resume", **_action())
+def resume_job(job_id: str, jobs: JobsDep) -> dict:
+    return jobs.resume(job_id)
+
+
+@router.post("/{job_id}/stop", **_action())
+def stop_job(job_id: str, jobs: JobsDep) -> dict:
+    return jobs.stop(job_id)
+
+
+@router.delete("/{job_id}", response_model=Deleted, dependencies=[AuthDep],
+               responses={**NOT_FOUND, **AUTH})
+def delete_job(job_id: str, jobs: JobsDep) -> dict:
+    """Stop the job (after its final checkpoint) and forget it. Its run directory and checkpoints stay."""
+    return jobs.delete(job_id)

@@ -1,0 +1,75 @@
+"""/healthz and /metrics (Prometheus exposition, read from the job store at scrape time)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from api.deps import JobsDep
+from api.schemas import Health
+from service.jobs import JobManager
+
+router = APIRouter(tags=["ops"])
+
+STATES = ("PENDING", "STARTING", "RUNNING", "RESIZING", "RECOVERING", "WAITING_FOR_CAPACITY", "PAUSED",
+          "SUCCEEDED", "FAILED", "STOPPED")
+
+
+class JobCollector:
+    """One sample per job and metric, labelled job (id) and name. Finished jobs stay until deleted, so a
+    job's last values remain visible."""
+
+    def __init__(self, jobs: JobManager):
+        self.jobs = jobs
+
+    def collect(self):
+        labels = ["job", "name"]
+        g = {k: GaugeMetricFamily(f"elastron_job_{k}", doc, labels=labels) for k, doc in (
+            ("step", "Last completed optimizer step."),
+            ("loss", "Training loss at the last step."),
+            ("tokens_per_second", "Training throughput at the last step."),
+            ("world_size", "Workers in the current worker group (0 when none)."),
+            ("committed_step", "Step of the last committed checkpoint."),
+        )}
+        degree = GaugeMetricFamily("elastron_job_parallel_degree", "Degree of each parallel axis (dp, tp, pp) of "
+                                   "the current layout.", labels=labels + ["axis"])
+        state = GaugeMetricFamily("elastron_job_state", "1 for the job's current state.", labels=labels + ["state"])
+        reconf = CounterMetricFamily("elastron_job_reconfigurations", "Reconfigurations by cause (planned start, "
+                                     "grow, preemption, failure, user).", labels=labels + ["cause"])
+        lost = CounterMetricFamily("elastron_job_steps_lost", "Steps redone after unplanned failures.", labels=labels)
+        by_state = {s: 0 for s in STATES}
+        for j in self.jobs.list():
+            lv = [j["id"], j["name"]]
+            by_state[j["state"]] = by_state.get(j["state"], 0) + 1
+            for key, src in (("step", "step"), ("loss", "loss"), ("tokens_per_second", "tokens_per_s"),
+                             ("world_size", "world_size"), ("committed_step", "committed_step")):
+                if isinstance(j.get(src), (int, float)):
+                    g[key].add_metric(lv, float(j[src]))
+            for axis, v in (j.get("degrees") or {}).items():
+                degree.add_metric(lv + [axis], float(v))
+            state.add_metric(lv + [j["state"]], 1.0)
+            for cause, n in (j.get("reconfigurations") or {}).items():
+                reconf.add_metric(lv + [cause], float(n))
+            lost.add_metric(lv, float(j.get("steps_lost") or 0))
+        jobs = GaugeMetricFamily("elastron_jobs", "Jobs known to the server, by state.", labels=["state"])
+        for s, n in by_state.items():
+            jobs.add_metric([s], float(n))
+        yield from (*g.values(), degree, state, reconf, lost, jobs)
+
+
+def make_registry(jobs: JobManager) -> CollectorRegistry:
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(JobCollector(jobs))
+    return reg
+
+
+@router.get("/healthz", response_model=Health)
+def healthz(jobs: JobsDep) -> Health:
+    return Health(status="ok", jobs=len(jobs.list()))
+
+
+@router.get("/metrics", response_class=Response,
+            responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text exposition."}})
+def prometheus(request: Request) -> Response:
+    return Response(generate_latest(request.app.state.registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,248 @@
+"""Request and response models of the HTTP API.
+
+The job spec models are *derived* from the job YAML's dataclasses (workers.config), field by field, with
+their types, defaults and docstrings, so the OpenAPI schema documents exactly what a job YAML may say
+and cannot drift from it. They check shape (unknown fields, types) strictly, as JobConfig.from_dict
+does; the rules between fields (tp must divide the heads, min_workers <= max_workers, ...) stay in
+JobConfig and the job manager, whose errors the API reports in the same 422 format.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import textwrap
+import typing
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+
+from workers.config import JobConfig
+
+MAX_WORKERS = 100_000
+MAX_STEPS = 10**12
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings (a string literal right after the field), as the config module writes them."""
+    try:
+        body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    except (OSError, TypeError, SyntaxError, IndexError, AttributeError):
+        return {}
+    docs = {}
+    for a, b in zip(body, body[1:]):
+        if (isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr)
+                and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str)):
+            docs[a.target.id] = " ".join(b.value.value.split())
+    return docs
+
+
+def _class_doc(cls: type) -> str | None:
+    doc = (cls.__doc__ or "").strip()
+    return None if not doc or doc.startswith(cls.__name__ + "(") else doc  # not the dataclass's signature
+
+
+def _spec_model(cls: type, name: str) -> type[BaseModel]:
+    hints = typing.get_type_hints(cls)
+    docs = _field_docs(cls)
+    fields: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        tp, doc = hints[f.name], docs.get(f.name)
+        if dataclasses.is_dataclass(tp):
+            sub = _spec_model(tp, tp.__name__)
+            fields[f.name] = (sub, Field(default_factory=sub, description=doc or _class_doc(tp)))
+        elif f.default is not dataclasses.MISSING:
+            fields[f.name] = (tp, Field(default=f.default, description=doc))
+        else:
+            fields[f.name] = (tp, Field(default_factory=f.default_factory, description=doc))
+    cfg = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, title=name)
+    return create_model(name, __config__=cfg, __doc__=_class_doc(cls), **fields)
+
+
+JobSpec = _spec_model(JobConfig, "JobSpec")
+"""The job YAML as a model: `JobSpec.model_validate(yaml.safe_load(open("job.yaml")))`."""
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+# -- requests ------------------------------------------------------------------------------------------------
+
+class JobSubmit(BaseModel):
+    """A job to run: its spec (the job YAML, as a mapping) and optional overrides."""
+
+    model_config = ConfigDict(extra="forbid")
+    spec: JobSpec = Field(description="The job YAML's content (sections model, data, train, parallel, ...).")
+    steps: int | None = Field(None, ge=1, le=MAX_STEPS, description="Total optimizer steps (default: train.steps).")
+    workers: int | None = Field(None, ge=1, le=MAX_WORKERS, description="Run on at most this many workers.")
+    run_dir: str | None = Field(None, min_length=1, max_length=255,
+                                description="Run directory, relative to the server's runs root (default: NAME-ID).")
+
+    def spec_dict(self) -> dict:
+        """The spec as the user wrote it (fields they did not give stay out, so defaults stay defaults)."""
+        return self.spec.model_dump(exclude_unset=True)
+
+
+class ResizeRequest(BaseModel):
+    """Either `workers` (run on at most N), or `min_workers` and/or `max_workers` (a new range)."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{"workers": 2},
+                                                                               {"min_workers": 1, "max_workers": 4}]})
+    workers: int | None = Field(None, ge=1, le=MAX_WORKERS)
+    min_workers: int | None = Field(None, ge=1, le=MAX_WORKERS)
+    max_workers: int | None = Field(None, ge=1, le=MAX_WORKERS)
+
+    @model_validator(mode="after")
+    def _one_form(self) -> "ResizeRequest":
+        if self.workers is None and self.min_workers is None and self.max_workers is None:
+            raise ValueError("give workers, or min_workers and/or max_workers")
+        if self.workers is not None and (self.min_workers is not None or self.max_workers is not None):
+            raise ValueError("give workers, or min_workers/max_workers, not both")
+        if self.min_workers is not None and self.max_workers is not None and self.min_workers > self.max_workers:
+            raise ValueError(f"min_workers={self.min_workers} is greater than max_workers={self.max_workers}")
+        return self
+
+
+# -- responses -----------------------------------------------------------------------------------------------
+
+class Layout(_Out):
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp: int
+
+
+class Degrees(_Out):
+    dp: int
+    tp: int
+    pp: int
+
+
+class JobCreated(BaseModel):
+    id: str
+    run_dir: str
+
+
+class JobSummary(BaseModel):
+    id: str
+    name: str
+    state: str = Field(description="PENDING, STARTING, RUNNING, RESIZING, RECOVERING, WAITING_FOR_CAPACITY, "
+                                   "PAUSED, SUCCEEDED, FAILED or STOPPED.")
+    reason: str | None = Field(None, description="Why the job is in its state (waiting, failed, ...).")
+    step: int | None = None
+    total_steps: int | None = None
+    world_size: int = 0
+    loss: float | None = None
+    tokens_per_s: float | None = None
+    layout: Layout | None = None
+    degrees: Degrees | None = None
+    run_dir: str
+    created: float
+    updated: float
+
+
+class JobDetail(JobSummary):
+    model_config = ConfigDict(extra="allow")
+    cause: str | None = None
+    since: float | None = Field(None, description="When the current state was entered (unix seconds).")
+    committed_step: int | None = Field(None, description="Step of the last committed checkpoint.")
+    min_workers: int | None = None
+    max_workers: int | None = None
+    reconfigurations: dict[str, int] = Field(default_factory=dict, description="Reconfigurations by cause.")
+    steps_lost: int = 0
+    spec: dict[str, Any]
+    steps: int | None = None
+    workers: int | None = None
+    running: bool | None = Field(None, description="Whether the coordinator's loop is alive.")
+    error: str | None = None
+
+
+class MetricRow(_Out):
+    step: int
+    loss: float | None = None
+    tokens_per_s: float | None = None
+    time: float | None = None
+    world_size: int | None = None
+
+
+class EventOut(_Out):
+    time: float
+    job_id: str
+    kind: str
+    from_state: str | None = None
+    to_state: str | None = None
+    reason: str = ""
+    old_layout: dict | None = None
+    new_layout: dict | None = None
+    step: int | None = None
+    cause: str | None = None
+    details: dict = Field(default_factory=dict)
+
+
+class ActionResult(BaseModel):
+    id: str
+    action: str
+    accepted: bool
+    state: str = Field(description="The state when the command was queued; it takes effect at the next iteration.")
+
+
+class Deleted(BaseModel):
+    id: str
+    state: str
+    deleted: bool
+    run_dir: str
+
+
+class CheckpointEntry(BaseModel):
+    name: str
+    step: int | None
+    is_dir: bool
+    committed: bool = Field(description="manifest.json present: the checkpoint was committed.")
+    bytes: int
+    modified: float
+
+
+class Checkpoints(BaseModel):
+    dir: str
+    latest: str | None
+    entries: list[CheckpointEntry]
+    note: str | None = None
+
+
+class Node(BaseModel):
+    node_id: str
+    alive: bool
+    cpus: float
+    gpus: float
+    draining: bool
+    drain_deadline: float | None
+    seconds_left: float | None = Field(description="Until the drain deadline, when there is one.")
+    is_head: bool
+    death_reason: str | None
+
+
+class Cluster(BaseModel):
+    time: float
+    nodes: list[Node]
+    usable_workers: int
+
+
+class Health(BaseModel):
+    status: str
+    jobs: int
+
+
+class ErrorBody(BaseModel):
+    detail: str
+
+
+class FieldError(BaseModel):
+    loc: list[str | int]
+    msg: str
+    type: str
+
+
+class ValidationErrorBody(BaseModel):
+    detail: list[FieldError]

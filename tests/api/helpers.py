@@ -1,0 +1,134 @@
+"""Shared pieces of the API tests: an in-process coordinator over the fake worker group and fake cluster
+of tests/service/test_coordinator.py, a JobManager on an in-process launcher, and polling with deadlines."""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+
+import uvicorn
+
+from api.app import create_app
+from api.deps import Settings
+from api.store import JobStore
+from service.coordinator import Coordinator
+from service.job_actor import LocalLauncher
+from service.jobs import JobManager
+from tests.service.test_coordinator import Disk, FakeCluster, FakeGroup
+
+SPEC = {
+    "name": "tiny",
+    "data": {"source": "synthetic", "seq_len": 16},
+    "train": {"steps": 20, "global_batch_size": 8, "micro_batch_size": 2},
+    "parallel": {"min_workers": 1, "max_workers": 4},
+    "checkpoint": {"interval_steps": 5},
+}
+
+
+class Gate:
+    """How far fake training may go: `allow(n)` lets the group reach step n; None means no limit."""
+
+    def __init__(self, limit: int | None = None):
+        self.limit = limit
+        self.cond = threading.Condition()
+
+    def allow(self, n: int | None) -> None:
+        with self.cond:
+            self.limit = n
+            self.cond.notify_all()
+
+    def wait_for(self, step: int, timeout: float) -> bool:
+        with self.cond:
+            return self.cond.wait_for(lambda: self.limit is None or step <= self.limit, timeout)
+
+
+class GatedGroup(FakeGroup):
+    """FakeGroup whose next step waits for the gate (up to 0.05 s) and takes step_s seconds."""
+
+    gate: Gate | None = None
+    step_s: float = 0.0
+
+    def run(self, *, until_step, should_abort=lambda: False, **kw):
+        # A closed gate returns no rows after a short wait, as a real group does when its chunk ends.
+        if self.gate is not None and not self.gate.wait_for(self.step + 1, 0.05):
+            return []
+        if self.step_s:
+            time.sleep(self.step_s)  # simulated training time, so a browser can watch the chart grow
+        rows = super().run(until_step=until_step, should_abort=should_abort, **kw)
+        for r in rows:
+            r["tokens_per_s"] = 1000.0 + 10 * r["step"]
+        return rows
+
+
+class PollingCoordinator(Coordinator):
+    """Reads the fake cluster at every iteration (the real one has a watcher thread for that)."""
+
+    def step(self):
+        self.watcher.poll()
+        return super().step()
+
+
+def fake_factory(cluster: FakeCluster, *, gate: Gate | None = None, step_s: float = 0.0):
+    """A coordinator factory for JobRunner: fake group on `cluster`, no settle time, short chunks."""
+
+    def factory(cfg, *, run_dir, total_steps, job_id, workers, options):
+        group = type("G", (GatedGroup,), {"disk": Disk(cfg.checkpoint.interval_steps), "cluster": cluster,
+                                          "fail_next": [], "gate": gate, "step_s": step_s})
+        c = PollingCoordinator(cfg, run_dir=run_dir, total_steps=total_steps, job_id=job_id, workers=workers,
+                               options=replace(options, settle_seconds=0.0, chunk_seconds=0.05),
+                               watcher=cluster.watcher())
+        c.worker_group_cls = group
+        return c
+
+    return factory
+
+
+def make_launcher(nodes: dict[str, int] | None = None, **kw) -> tuple[LocalLauncher, FakeCluster]:
+    cluster = FakeCluster(nodes if nodes is not None else {"a": 2, "b": 2})
+    return LocalLauncher(coordinator_factory=fake_factory(cluster, **kw), cluster_fn=cluster.watcher().poll), cluster
+
+
+def make_app(tmp_path: Path, launcher: LocalLauncher, *, token: str | None = None, db: Path | None = None,
+             **settings):
+    s = Settings(runs_root=tmp_path / "runs", store_url=str(db or tmp_path / "jobs.db"), token=token,
+                 sync_interval_s=0.05, stop_timeout_s=10.0, **settings)
+    mgr = JobManager(JobStore(s.store_url), launcher, runs_root=s.runs_root, sync_interval_s=s.sync_interval_s,
+                     stop_timeout_s=s.stop_timeout_s)
+    return create_app(jobs=mgr, settings=s)
+
+
+def stop_all(launcher: LocalLauncher) -> None:
+    """End every coordinator thread the launcher still holds (test teardown)."""
+    for job_id in launcher.job_ids():
+        launcher.release(job_id, timeout_s=10.0)
+
+
+@contextmanager
+def live_server(app):
+    """Serve `app` with uvicorn on 127.0.0.1 (a free port) in a thread; yields the base URL."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: server.started or not thread.is_alive(), timeout=30, what="uvicorn start")
+        assert server.started, "uvicorn did not start (see its log above)"
+        port = server.servers[0].sockets[0].getsockname()[1]
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(15)
+
+
+def wait_for(fn, *, timeout: float = 20.0, interval: float = 0.02, what: str = "condition"):
+    """Poll fn() until it returns something truthy; return it. Fails with the last value at the deadline."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = fn()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"{what} not reached within {timeout} s; last value: {last!r}")

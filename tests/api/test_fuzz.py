@@ -1,0 +1,57 @@
+"""Schema-driven fuzzing of the API (schemathesis over /openapi.json): requests generated from the schema,
+valid ones and deliberately invalid ones, never get a 5xx, and valid ones get responses that match the
+documented schema."""
+
+from __future__ import annotations
+
+import pytest
+
+schemathesis = pytest.importorskip("schemathesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402  (schemathesis brings hypothesis)
+from schemathesis import GenerationMode  # noqa: E402
+from schemathesis.checks import not_a_server_error  # noqa: E402
+from schemathesis.specs.openapi.checks import response_schema_conformance  # noqa: E402
+
+from api.app import create_app  # noqa: E402
+from api.deps import Settings  # noqa: E402
+from tests.api.helpers import make_app, make_launcher, stop_all  # noqa: E402
+
+# The operations, read from an app that is never started (create_app has no side effects). Invalid
+# requests can only be made where some input has a shape to break (a body, a numeric query parameter;
+# any string is a valid job id).
+_PATHS = create_app(settings=Settings()).openapi()["paths"]
+OPERATIONS = [f"{m.upper()} {p}" for p, ops in _PATHS.items() for m in ops]
+CASES = [(f"{m.upper()} {p}", mode) for p, ops in _PATHS.items() for m, op in ops.items()
+         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)
+         if mode is GenerationMode.POSITIVE or op.get("requestBody")
+         or any(q["in"] == "query" for q in op.get("parameters", []))]
+
+
+@pytest.fixture(scope="module")
+def api_schema(tmp_path_factory):
+    launcher, _ = make_launcher(nodes={})  # jobs that pass validation wait for capacity: cheap
+    app = make_app(tmp_path_factory.mktemp("fuzz"), launcher)
+    yield schemathesis.openapi.from_asgi("/openapi.json", app)
+    stop_all(launcher)
+
+
+def test_every_operation_is_fuzzed():
+    assert len(OPERATIONS) >= 14 and "POST /api/v1/jobs" in OPERATIONS
+
+
+@pytest.mark.parametrize("label,mode", CASES, ids=[f"{lb} {m.value}" for lb, m in CASES])
+def test_no_request_gets_a_server_error(api_schema, label, mode):
+    op = api_schema.find_operation_by_label(label)
+    checks = [not_a_server_error] + ([response_schema_conformance] if mode is GenerationMode.POSITIVE else [])
+    seen = []
+
+    @given(case=op.as_strategy(generation_mode=mode))
+    @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
+              database=None)
+    def run(case):
+        response = case.call()
+        seen.append(response.status_code)
+        case.validate_response(response, checks=checks)
+
+    run()
+    assert seen and max(seen) < 500

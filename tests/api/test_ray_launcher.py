@@ -1,0 +1,69 @@
+"""The coordinator as a named detached Ray actor: found again by name by a new job manager (an API
+restart), commanded through it, released when finished; a killed actor's job ends FAILED with the
+state its events.jsonl last recorded. The fake worker group keeps it to one local Ray and no torch ranks."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from api.store import JobStore
+from service.job_actor import NAMESPACE, RayLauncher, actor_name
+from service.jobs import JobManager
+from tests.api.helpers import SPEC, fake_factory, wait_for
+from tests.service.test_coordinator import FakeCluster
+
+ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.e2e
+ROOT = str(Path(__file__).resolve().parents[2])
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}})
+    yield
+    ray.shutdown()
+
+
+def manager(tmp_path) -> JobManager:
+    # The actor's coordinator runs the fake group over a fixed fake cluster, 0.03 s a step.
+    launcher = RayLauncher(coordinator_factory=fake_factory(FakeCluster({"a": 2, "b": 2}), step_s=0.03),
+                           timeout_s=60)
+    return JobManager(JobStore(tmp_path / "jobs.db"), launcher, runs_root=tmp_path / "runs", sync_interval_s=0.1)
+
+
+def test_a_detached_job_actor_survives_its_manager_and_is_found_by_name(local_ray, tmp_path):
+    first = manager(tmp_path)
+    first.start()
+    job_id = first.submit(SPEC, steps=40)
+    wait_for(lambda: first.get(job_id)["step"] >= 3, timeout=90, what="the actor trains")
+    first.close()
+    actor = ray.get_actor(actor_name(job_id), namespace=NAMESPACE)
+    assert ray.get(actor.ping.remote()) == job_id
+
+    second = manager(tmp_path)  # a restarted API: new store object, new launcher, same names
+    second.start()
+    try:
+        step = second.get(job_id)["step"]
+        assert second.get(job_id)["state"] == "RUNNING" and step >= 3
+        second.resize(job_id, workers=2)
+        j = wait_for(lambda: (x := second.get(job_id))["degrees"]["dp"] == 2 and x, timeout=30, what="resized")
+        assert j["world_size"] == 2
+        j = wait_for(lambda: (x := second.get(job_id))["state"] == "SUCCEEDED" and x, timeout=60, what="done")
+        assert [m["step"] for m in second.metrics(job_id)] == list(range(1, 41))
+        assert j["reconfigurations"] == {"planned": 1, "user": 1} and j["steps_lost"] == 0
+        with pytest.raises(ValueError):  # released once its final state was stored
+            ray.get_actor(actor_name(job_id), namespace=NAMESPACE)
+
+        doomed = second.submit(SPEC, steps=10_000)
+        wait_for(lambda: second.get(doomed)["step"] >= 2, timeout=90, what="second job trains")
+        ray.kill(ray.get_actor(actor_name(doomed), namespace=NAMESPACE), no_restart=True)
+        j = wait_for(lambda: (x := second.get(doomed))["state"] == "FAILED" and x, timeout=30, what="FAILED")
+        assert "coordinator is gone" in j["reason"] and "last recorded state RUNNING" in j["reason"]
+    finally:
+        second.close()
