@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -30,33 +34,42 @@ def _port() -> int:
 
 
 def _up(url: str) -> bool:
+    """The dashboard answers HTTP (Ray 2.60 enables token auth by default, so 401 counts as up)."""
     try:
         with urllib.request.urlopen(url, timeout=2) as r:
             return r.status == 200
+    except urllib.error.HTTPError as e:
+        return e.code in (401, 403)
     except OSError:
         return False
 
 
 @pytest.fixture
-def ray_head(tmp_path):
+def ray_head():
+    # A short temp dir: Ray's Unix socket paths under pytest's long tmp_path exceed the 108-byte limit.
+    tmp = tempfile.mkdtemp(prefix="rjs", dir="/tmp")
     gcs, dash = _port(), _port()
-    env = {**os.environ, "PATH": f"{BIN}:{os.environ.get('PATH', '')}", "RAY_USAGE_STATS_ENABLED": "0"}
+    # Ray 2.60 heads use token authentication; give the head and the client the same token explicitly
+    # (what `ray get-auth-token --generate` would put in ~/.ray/auth_token), so the test does not
+    # depend on that file.
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ.get('PATH', '')}", "RAY_USAGE_STATS_ENABLED": "0",
+           "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     proc = subprocess.Popen(
         [str(BIN / "ray"), "start", "--head", "--block", f"--port={gcs}", f"--dashboard-port={dash}",
-         "--dashboard-host=127.0.0.1", "--num-cpus=2", f"--temp-dir={tmp_path / 'ray'}"],
+         "--dashboard-host=127.0.0.1", "--num-cpus=2", f"--temp-dir={tmp}"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     url = f"http://127.0.0.1:{dash}"
     deadline = time.monotonic() + 90
     while not _up(f"{url}/api/version"):
-        assert proc.poll() is None, "ray start --head exited"
+        assert proc.poll() is None, f"ray start --head exited with {proc.returncode}"
         assert time.monotonic() < deadline, "Ray dashboard did not come up in 90 s"
         time.sleep(0.5)
     yield url, env
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+    # SIGKILL: on SIGTERM Ray drains for 30 s. Its daemons carry the temp dir on their command line.
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    subprocess.run(["pkill", "-9", "-f", tmp], check=False)
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_ray_job_submit_runs_an_elastron_job(ray_head, tmp_path):
