@@ -26,6 +26,8 @@ def _candidates(path: str, storage_options: dict[str, Any]) -> tuple[Storage, li
     """Checkpoint directories `path` may mean, preferred first."""
     storage = open_storage(path, **storage_options)
     root = storage.root
+    if not storage.exists(root):  # checked first: a missing path must not pass for a step directory
+        raise CheckpointError(f"{root} does not exist")
     if storage.exists(storage.join(root, MANIFEST_NAME)) or parse_step(os.path.basename(root.rstrip("/"))) is not None:
         return storage, [root]
     names = [n for _, n in list_step_dirs(storage)]

@@ -169,8 +169,6 @@ def test_missing_path_is_one_line_not_a_traceback(argv, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.xfail(strict=True, reason="offline._candidates accepts any path named step-NNNNNNNN without checking "
-                   "that it exists, so inspect reports a made-up step 99 'that did not commit' (exit 1, 6 lines)")
 def test_missing_step_dir_is_one_line(run_dir, capsys):
     missing = f"{run_dir}/checkpoints/step-00000099"
     assert main(["ckpt", "inspect", missing]) != 0
