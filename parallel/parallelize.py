@@ -1,33 +1,44 @@
-"""Apply a Layout to a (meta-device) model: pipeline split, TP, FSDP2/HSDP, then materialise weights.
+"""Apply a Layout to a (meta-device) model: pipeline split, TP, activation checkpointing, compile,
+FSDP2/HSDP, then materialise weights.
 
 Order matters: split the stage first (so no rank allocates layers it does not own), then TP (parameters
-become DTensors on the tp axis), then FSDP2 (adds the dp axes), and only then materialise, so that each
-rank allocates just its own shard. Initial values come from `models.llama.init_value`, which depends
-only on the seed and the canonical name: every layout starts from the same global weights.
+become DTensors on the tp axis), then activation checkpointing and torch.compile per block (torchtitan's
+order: both see the TP-sharded block, and FSDP2's hooks stay outside them), then FSDP2 (adds the dp
+axes), and only then materialise, so that each rank allocates just its own shard. Initial values come
+from `models.llama.init_value`, which depends only on the seed and the canonical name: every layout
+starts from the same global weights. Nothing here renames a parameter: checkpointing replaces a block's
+`forward` and compile uses `nn.Module.compile()`, neither of which inserts a wrapper module
+(`_checkpoint_wrapped_module.`, `_orig_mod.`) into the names that initialisation and checkpoints key on.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Callable
+from typing import Callable, Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from models.llama import init_value
 from parallel.layout import Layout, MeshAxis
 from parallel.pipeline import split_stage
+from parallel.precision import PrecisionPolicy
 from parallel.tensor_parallel import apply_tp
 
 
-def dp_mesh(mesh: DeviceMesh, layout: Layout) -> DeviceMesh | None:
-    """The mesh FSDP2 shards over: 1-D dp_shard, or 2-D (dp_replicate, dp_shard) for HSDP/replication."""
+ACMode = Literal["none", "full", "selective"]
+AC_MODES: tuple[str, ...] = ("none", "full", "selective")
+
+
+def dp_mesh(mesh: DeviceMesh, layout: Layout, *, single_rank: bool = False) -> DeviceMesh | None:
+    """The mesh FSDP2 shards over: 1-D dp_shard, or 2-D (dp_replicate, dp_shard) for HSDP/replication.
+    With dp == 1 there is none, unless `single_rank` asks for the size-1 dp_shard axis (mixed precision)."""
     if layout.dp == 1:
-        return None
+        return mesh[MeshAxis.DP_SHARD.value] if single_rank else None
     if layout.dp_replicate == 1:
         return mesh[MeshAxis.DP_SHARD.value]
     return mesh[(MeshAxis.DP_REPLICATE.value, MeshAxis.DP_SHARD.value)]
@@ -40,22 +51,130 @@ def parallelize(
     mesh: DeviceMesh,
     sequence_parallel: bool = False,
     loss_parallel: bool = True,
-    param_dtype: torch.dtype | None = None,
+    precision: PrecisionPolicy | None = None,
+    activation_checkpointing: ACMode = "none",
+    compile: bool = False,
 ) -> nn.Module:
-    """Turn the full meta-device model into this rank's part of it under `layout` (in place)."""
+    """Turn the full meta-device model into this rank's part of it under `layout` (in place).
+
+    `precision` comes from `parallel.precision.select_precision` (default: fp32, today's behaviour);
+    `activation_checkpointing` and `compile` apply per transformer block."""
+    precision = precision or PrecisionPolicy(param_dtype=None)
     if layout.pp_enabled:
         split_stage(model, mesh.get_local_rank(MeshAxis.PP.value), layout.pp)
     if layout.tp_enabled:
         apply_tp(model, mesh[MeshAxis.TP.value], sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
-    fsdp = dp_mesh(mesh, layout)
+    apply_ac(model, activation_checkpointing)
+    if compile:
+        apply_compile(model)
+    fsdp = dp_mesh(mesh, layout, single_rank=precision.shard_single_rank)
     if fsdp is not None:
-        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        mp = precision.mp_policy()
         # With PP every microbatch runs forward and backward separately; keeping parameters unsharded
-        # between them avoids an all-gather per microbatch (torchtitan does the same).
+        # between them avoids an all-gather per microbatch (torchtitan does the same). On a single dp
+        # rank "resharding" would only drop the bf16 copy and recast it in backward.
+        reshard = not layout.pp_enabled and layout.dp > 1
         for block in model.layers.values():
-            fully_shard(block, mesh=fsdp, mp_policy=mp, reshard_after_forward=not layout.pp_enabled)
-        fully_shard(model, mesh=fsdp, mp_policy=mp, reshard_after_forward=not layout.pp_enabled)
+            fully_shard(block, mesh=fsdp, mp_policy=mp, reshard_after_forward=reshard)
+        fully_shard(model, mesh=fsdp, mp_policy=mp, reshard_after_forward=reshard)
     return model
+
+
+# -- activation checkpointing ------------------------------------------------------------------------
+
+def _selective_policy():
+    """Selective (op-level) checkpointing: keep the outputs of matmuls, attention and TP collectives,
+    recompute the cheap memory-bound rest (norms, RoPE, SiLU x gate, residual adds, casts). Roughly
+    Korthikanti et al.'s trade: most activation memory of a block is in those elementwise results, most
+    of its FLOPs (and all of its communication) in what is kept."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    aten, c10d = torch.ops.aten, torch.ops._c10d_functional
+    save = {aten.mm.default, aten.addmm.default, aten.bmm.default,
+            c10d.all_reduce.default, c10d.reduce_scatter_tensor.default, c10d.all_gather_into_tensor.default}
+    for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                 "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"):
+        if hasattr(aten, name):
+            save.add(getattr(aten, name).default)
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def _checkpoint_block(block: nn.Module, mode: str) -> None:
+    """Recompute `block`'s forward in backward. The block's own `forward` is replaced by a checkpointed
+    call of the original, so no wrapper module enters the parameter names."""
+    from functools import partial
+
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    inner = block.forward
+    context_fn = {}
+    if mode == "selective":
+        context_fn = {"context_fn": partial(create_selective_checkpoint_contexts, _selective_policy())}
+
+    def forward(*args, **kwargs):
+        # The model has no dropout, so there is no RNG state to replay.
+        return checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=False, **context_fn, **kwargs)
+
+    block.forward = forward
+
+
+def apply_ac(model: nn.Module, mode: str) -> None:
+    """Activation checkpointing per transformer block: none, full (keep only each block's input) or
+    selective (see `_selective_policy`)."""
+    if mode not in AC_MODES:
+        raise ValueError(f"activation checkpointing must be one of {AC_MODES}, got {mode!r}")
+    if mode == "none":
+        return
+    for block in model.layers.values():
+        _checkpoint_block(block, mode)
+
+
+# -- torch.compile -----------------------------------------------------------------------------------
+
+def compile_unavailable_reason(device_type: str) -> str | None:
+    """Why torch.compile (inductor) cannot run on `device_type` here, or None if it can: on CPU inductor
+    builds C++ kernels and needs a C++ compiler; on CUDA it generates Triton kernels."""
+    if device_type == "cpu":
+        try:
+            from torch._inductor.cpp_builder import get_cpp_compiler
+
+            get_cpp_compiler()
+        except Exception as e:  # InvalidCxxCompiler, or a private API that moved
+            return (f"torch.compile on CPU needs a C++ compiler (g++ or clang++, or set CXX) and none was "
+                    f"found ({type(e).__name__}); install one or set train.compile: false")
+        return None
+    if device_type == "cuda":
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            return ("torch.compile on CUDA needs Triton, which is not installed; install triton or set "
+                    "train.compile: false")
+        return None
+    return f"torch.compile is not supported on device type {device_type!r}"
+
+
+def apply_compile(model: nn.Module) -> None:
+    """Compile each transformer block (not the whole model: blocks are identical, so one graph is
+    reused, and pipeline stages hold different blocks). `nn.Module.compile()` compiles in place, so
+    parameter names do not gain `_orig_mod.`."""
+    for block in model.layers.values():
+        block.compile(fullgraph=True)
+    if model.tok_embeddings is not None:
+        model.tok_embeddings.register_forward_hook(_wait_async_output)
+
+
+def _wait_async_output(module: nn.Module, args, out):
+    """Under TP the embedding's output redistribution is asynchronous and hands the first block an
+    AsyncCollectiveTensor. Fed straight into a compiled block, its gradient comes back as a plain tensor
+    where DTensor's Redistribute backward wants a DTensor (torch 2.13, CPU and gloo at least), so it is
+    waited for here; `clone()` (not `wait()`) keeps the autograd edge to the embedding."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return out.clone() if isinstance(out, AsyncCollectiveTensor) else out
 
 
 @torch.no_grad()

@@ -114,7 +114,16 @@ class TrainConfig:
     seed: int = 0
     """Seeds initial weights, data order and dropout-free RNG state."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter/compute dtype (bfloat16 uses FSDP2 mixed precision with fp32 master weights)."""
+    """Compute dtype. bfloat16: FSDP2 mixed precision (bf16 parameters and activations in forward and
+    backward; fp32 master weights, optimizer state, gradient reduction and loss), under every layout,
+    dp=1 included. See parallel/precision.py."""
+    compile: bool = False
+    """Compile each transformer block with torch.compile (inductor). Needs a C++ compiler on CPU and
+    Triton on CUDA; the first step is slow while kernels compile (they are cached on disk)."""
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    """Recompute activations in backward, per transformer block, to save memory: none; full (keep only
+    each block's input); selective (keep matmul, attention and TP-collective outputs, recompute norms,
+    RoPE and pointwise ops). Results are unchanged; parameter names (and checkpoints) too."""
 
     def __post_init__(self) -> None:
         _positive("train", self, "steps", "global_batch_size", "micro_batch_size", "lr", "decay_steps")
@@ -129,6 +138,9 @@ class TrainConfig:
             raise ConfigError(f"train.beta1/beta2 must be in [0, 1), got {self.beta1}, {self.beta2}")
         if self.min_lr_ratio > 1:
             raise ConfigError(f"train.min_lr_ratio must be <= 1, got {self.min_lr_ratio}")
+        if self.activation_checkpointing not in ("none", "full", "selective"):
+            raise ConfigError("train.activation_checkpointing must be one of none, full, selective, "
+                              f"got {self.activation_checkpointing!r}")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -29,6 +29,7 @@ from parallel.checkpoint.state import capture_rng, restore_rng
 from parallel.layout import Layout, MeshAxis
 from parallel.parallelize import (
     clip_grad_norm_,
+    compile_unavailable_reason,
     cross_entropy,
     materialize,
     param_groups,
@@ -37,9 +38,11 @@ from parallel.parallelize import (
 )
 from parallel.pipeline import build_schedule
 from parallel.planner import micro_batch_for
-from workers.config import JobConfig
+from parallel.precision import select_precision
+from workers.config import ConfigError, JobConfig
 from workers.data import Batch, DataLoader, build_source
 from workers.lr import lr_at
+from workers.mfu import mfu, peak_flops
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +63,9 @@ class StepMetrics:
     time: float
     step_time: float
     tokens_per_s: float
+    mfu: float | None = None
+    """Model FLOPs utilisation of the whole job for this step (0..1); None where the device's peak is
+    unknown (CPUs, unlisted GPUs). See workers/mfu.py."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -91,6 +97,17 @@ class Trainer:
     # -- construction ------------------------------------------------------------------------------
     def build(self) -> "Trainer":
         cfg, layout = self.cfg, self.layout
+        # Checks every rank makes alike, before any collective: a bad option fails fast, never hangs.
+        t = cfg.train
+        cuda = self.device.type == "cuda"
+        try:
+            precision = select_precision(
+                t.dtype, self.device.type, layout, bf16_supported=not cuda or torch.cuda.is_bf16_supported()
+            )
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if t.compile and (why := compile_unavailable_reason(self.device.type)):
+            raise ConfigError(f"train.compile: {why}")
         self.model_cfg = cfg.model.build()
         self.mesh = layout.build_mesh(self.device.type)
         coords = layout.coords(self.rank)
@@ -99,7 +116,6 @@ class Trainer:
         self.is_first_stage = self.pp_rank == 0
         self.is_last_stage = self.pp_rank == layout.pp - 1
 
-        dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else None
         model = build_model(self.model_cfg)
         parallelize(
             model,
@@ -107,12 +123,15 @@ class Trainer:
             mesh=self.mesh,
             sequence_parallel=cfg.parallel.sequence_parallel,
             loss_parallel=True,
-            param_dtype=dtype,
+            precision=precision,
+            activation_checkpointing=t.activation_checkpointing,
+            compile=t.compile,
         )
         materialize(model, seed=cfg.train.seed, device=self.device)
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
-        t = cfg.train
+        self.flops_per_token = self.model_cfg.flops_per_token(cfg.data.seq_len)
+        self.peak_flops = peak_flops(torch.cuda.get_device_name(self.device) if cuda else None, t.dtype)
         self.optimizer = torch.optim.AdamW(
             param_groups(self.params), lr=lr_at(0, t), betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay,
             foreach=True,
@@ -224,13 +243,19 @@ class Trainer:
     def _loss_ctx(self):
         return loss_parallel() if self.layout.tp_enabled else contextlib.nullcontext()
 
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """Host batch to the device; on CUDA through pinned memory, so the copy is asynchronous."""
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
+
     def _forward_backward(self, batch: Batch) -> torch.Tensor:
         """Accumulate gradients of the mean loss over this rank's samples; return the summed
         per-microbatch mean losses on ranks that compute the loss (zero elsewhere)."""
         total = torch.zeros((), device=self.device)
         if self.schedule is not None:
             x, y = batch.stacked()
-            x, y = x.to(self.device), y.to(self.device)
+            x, y = self._to_device(x), self._to_device(y)
             losses: list[torch.Tensor] = []
             with self._loss_ctx():
                 if self.is_first_stage:
@@ -246,7 +271,7 @@ class Trainer:
         for i, (x, y) in enumerate(zip(batch.inputs, batch.targets)):
             set_grad_sync(self.model, i == n - 1)
             with self._loss_ctx():
-                loss = cross_entropy(self.model(x.to(self.device)), y.to(self.device))
+                loss = cross_entropy(self.model(self._to_device(x)), self._to_device(y))
                 (loss / n).backward()
             total += _scalar(loss).detach().float()
         return total
@@ -273,10 +298,12 @@ class Trainer:
         loss = loss.item() / (self.layout.dp * self.layout.tp)
         dt = time.perf_counter() - t0
         tokens_step = self.cfg.train.global_batch_size * self.cfg.data.seq_len
+        tokens_per_s = tokens_step / dt if dt > 0 else 0.0
         m = StepMetrics(
             step=self.step, loss=loss, lr=lr, grad_norm=float(grad_norm), tokens=self.loader.position.consumed_samples * self.cfg.data.seq_len,
             layout=self.layout.to_dict(), world_size=self.layout.world_size, time=time.time(), step_time=dt,
-            tokens_per_s=tokens_step / dt if dt > 0 else 0.0,
+            tokens_per_s=tokens_per_s,
+            mfu=mfu(tokens_per_s, self.flops_per_token, self.layout.world_size, self.peak_flops),
         )
         if self.rank == 0 and self.run_dir is not None:
             self.run_dir.mkdir(parents=True, exist_ok=True)
