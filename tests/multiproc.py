@@ -74,7 +74,20 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kwa
 
 
 def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 240.0, **kwargs: Any) -> list[Any]:
-    """Run `fn(*args, **kwargs)` on `world_size` ranks; return the results ordered by rank."""
+    """Run `fn(*args, **kwargs)` on `world_size` ranks; return the results ordered by rank.
+
+    The rendezvous port is picked free and released before rank 0 binds it, so another process can
+    take it in between (EADDRINUSE); only that error relaunches, on a new port, up to 3 times."""
+    for attempt in range(3):
+        try:
+            return _run_once(world_size, fn, args, kwargs, timeout)
+        except RuntimeError as e:
+            if "EADDRINUSE" not in str(e) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_once(world_size: int, fn: Callable, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()
