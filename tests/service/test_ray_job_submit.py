@@ -59,17 +59,19 @@ def ray_head():
          "--dashboard-host=127.0.0.1", "--num-cpus=2", f"--temp-dir={tmp}"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     url = f"http://127.0.0.1:{dash}"
-    deadline = time.monotonic() + 90
-    while not _up(f"{url}/api/version"):
-        assert proc.poll() is None, f"ray start --head exited with {proc.returncode}"
-        assert time.monotonic() < deadline, "Ray dashboard did not come up in 90 s"
-        time.sleep(0.5)
-    yield url, env
-    # SIGKILL: on SIGTERM Ray drains for 30 s. Its daemons carry the temp dir on their command line.
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
-    subprocess.run(["pkill", "-9", "-f", tmp], check=False)
-    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not _up(f"{url}/api/version"):
+            assert proc.poll() is None, f"ray start --head exited with {proc.returncode}"
+            assert time.monotonic() < deadline, "Ray dashboard did not come up in 90 s"
+            time.sleep(0.5)
+        yield url, env
+    finally:  # also when the head never came up: nothing may outlive the test
+        # SIGKILL: on SIGTERM Ray drains for 30 s. Its daemons carry the temp dir on their command line.
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        subprocess.run(["pkill", "-9", "-f", tmp], check=False)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_ray_job_submit_runs_an_elastron_job(ray_head, tmp_path):
