@@ -213,10 +213,7 @@ class Coordinator:
         if pending is None or not hasattr(self.group, "prewarm"):
             return
         try:
-            p = self._plan(pending[0])
-            r = self.cfg.resources
-            slots = {n.node_id: n.workers_fit(r.cpus_per_worker, r.gpus_per_worker) for n in self._usable_nodes(snap)}
-            nodes = assign_nodes(p.world_size, slots, prefer=self.group.nodes(), tp=p.layout.tp)
+            nodes = self._assign(self._plan(pending[0]), snap)
         except (PlanError, ValueError):
             return
         extra = list((Counter(nodes) - self.group.nodes()).elements())
@@ -290,10 +287,7 @@ class Coordinator:
         t0 = t0 or time.time()
         try:
             p = self._plan(workers)
-            slots = {n.node_id: n.workers_fit(self.cfg.resources.cpus_per_worker, self.cfg.resources.gpus_per_worker)
-                     for n in self._usable_nodes(snap)}
-            nodes = assign_nodes(p.world_size, slots, prefer=self.group.nodes() if self.group else None,
-                                 tp=p.layout.tp)
+            nodes = self._assign(p, snap)
         except (PlanError, ValueError) as e:
             self._fail(f"cannot plan {workers} workers: {e}")
             return
@@ -413,9 +407,18 @@ class Coordinator:
                           if now - t < self.opts.suspect_seconds and (snap.node(n) is not None and snap.node(n).alive)}
         return [n for n in snap.usable_nodes(self.opts.include_head) if n.node_id not in self._suspects]
 
-    def _usable(self, snap: ClusterSnapshot) -> int:
+    def _slots(self, snap: ClusterSnapshot) -> dict[str, int]:
+        """Workers that fit on each usable node (alive, not draining, not a suspect)."""
         r = self.cfg.resources
-        return sum(n.workers_fit(r.cpus_per_worker, r.gpus_per_worker) for n in self._usable_nodes(snap))
+        return {n.node_id: n.workers_fit(r.cpus_per_worker, r.gpus_per_worker) for n in self._usable_nodes(snap)}
+
+    def _usable(self, snap: ClusterSnapshot) -> int:
+        return sum(self._slots(snap).values())
+
+    def _assign(self, p: Plan, snap: ClusterSnapshot) -> list[str]:
+        """Node of each rank of plan `p`, keeping current members where they are."""
+        return assign_nodes(p.world_size, self._slots(snap), prefer=self.group.nodes() if self.group else None,
+                            tp=p.layout.tp)
 
     def _our_nodes_dead(self, snap: ClusterSnapshot | None) -> bool:
         if snap is None or self.group is None:
