@@ -72,11 +72,37 @@ def nodes(cluster):
             pass
 
 
-def start(tmp_path, *, settle=1000.0, steps=STEPS, **cfg_over) -> tuple[Coordinator, threading.Thread]:
+class Hold:
+    """Keeps the coordinator's loop from training past `at_step` until the test says go (`release()`),
+    then, while `slow_until` is false, lets it train only one chunk per `pace_s`.
+
+    Tiny-model steps take tens of milliseconds; adding a Ray node takes seconds. Without a hold the job
+    can finish before the cluster change it is meant to see (CI saw exactly that). The hold only delays
+    the loop between chunks; what the coordinator decides and what the workers compute are unchanged.
+    """
+
+    def __init__(self, at_step: int, *, pace_s: float = 0.0, slow_until=lambda coord: True):
+        self.at_step, self.pace_s, self.slow_until = at_step, pace_s, slow_until
+        self._go = threading.Event()
+
+    def release(self) -> None:
+        self._go.set()
+
+    def __call__(self, coord: Coordinator) -> None:  # Coordinator.run(on_tick=...)
+        if coord.step_done < self.at_step:
+            return
+        if not self._go.wait(timeout=240):
+            raise TimeoutError(f"the test never released the hold at step {self.at_step}")
+        if not self.slow_until(coord):
+            time.sleep(self.pace_s)
+
+
+def start(tmp_path, *, settle=1000.0, steps=STEPS, hold: Hold | None = None,
+          **cfg_over) -> tuple[Coordinator, threading.Thread]:
     d = {**CFG, **cfg_over}
     coord = Coordinator(JobConfig.from_dict(d), run_dir=tmp_path, total_steps=steps,
                         options=CoordinatorOptions(settle_seconds=settle, chunk_seconds=0.2, poll_interval_s=0.2))
-    t = threading.Thread(target=coord.run, daemon=True)
+    t = threading.Thread(target=coord.run, kwargs={"on_tick": hold}, daemon=True)
     t.start()
     return coord, t
 
@@ -142,7 +168,8 @@ def test_preemption_notice_checkpoints_just_in_time_and_loses_nothing(cluster, n
 
 def test_failure_without_notice_resumes_from_last_commit_and_waits_for_capacity(cluster, nodes, reference, tmp_path):
     added = nodes(2)
-    coord, t = start(tmp_path, parallel={"min_workers": 2, "max_workers": 2})
+    hold = Hold(9)  # the node goes at step 9: keep the job from finishing before it does
+    coord, t = start(tmp_path, parallel={"min_workers": 2, "max_workers": 2}, hold=hold)
     wait_for(coord, running_at(coord, 3), "step 3")
     # 1) SIGKILL one worker process: same capacity, restart from the last committed checkpoint.
     import ray
@@ -154,6 +181,7 @@ def test_failure_without_notice_resumes_from_last_commit_and_waits_for_capacity(
     wait_for(coord, running_at(coord, 9), "step 9")
     victim = next(n for n in added if n.node_id in not_driver(coord.group.nodes()))
     cluster.remove_node(victim, allow_graceful=False)
+    hold.release()
     wait_for(coord, lambda: str(coord.sm.state) == "WAITING_FOR_CAPACITY", "WAITING_FOR_CAPACITY")
     assert "min_workers=2" in coord.status()["reason"]
     nodes(1)
@@ -167,9 +195,13 @@ def test_failure_without_notice_resumes_from_last_commit_and_waits_for_capacity(
 
 def test_grow_after_settle_redoes_no_steps(cluster, nodes, reference, tmp_path):
     nodes(1)
-    coord, t = start(tmp_path, settle=1.0, steps=LONG)
+    # Hold at step 3 while the node registers, then train slowly until the grow has happened, so that
+    # the 1 s settle plus the new worker's start always fit before the last step.
+    hold = Hold(3, pace_s=0.3, slow_until=lambda c: len(c.reconfigs) >= 2)
+    coord, t = start(tmp_path, settle=1.0, steps=LONG, hold=hold)
     wait_for(coord, running_at(coord, 3), "step 3")
     nodes(1)
+    hold.release()
     (rc,) = finish(coord, t, reference)
     assert rc.cause == "grow" and rc.steps_lost == 0 and rc.world_size == 2
     assert rc.started == 1 and rc.stopped == 0
