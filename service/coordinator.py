@@ -14,6 +14,7 @@ Flows:
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
@@ -82,7 +83,7 @@ class Coordinator:
             lo, hi = min(lo, workers), workers
         if self.forced is not None:
             lo = hi = self.forced.world_size
-        self.events = EventLog(self.run_dir / "events.jsonl")
+        self.events = _load_events(self.run_dir / "events.jsonl", self.job_id)
         self.sm = StateMachine(self.job_id, sink=self.events.append)
         self.policy = ScalingPolicy(self._policy_config(lo, hi), size_for=self._size_for)
         self.watcher = watcher or ClusterWatcher(interval_s=self.opts.poll_interval_s)
@@ -99,6 +100,24 @@ class Coordinator:
         self._user_resize = False
         self._suspects: dict[str, float] = {}  # node id -> when a probe found it unresponsive
         self._lock = threading.RLock()
+        if len(self.events):
+            self._resume_after_restart()
+
+    def _resume_after_restart(self) -> None:
+        """This job's events are already in the run directory: an earlier coordinator of the same job
+        died (its actor was restarted by Ray, or the job was started again by hand). Its workers died
+        with it; the next group resumes from the last committed checkpoint, and this reconfiguration
+        is recorded as a failure whose steps lost run from the last step the old group logged."""
+        prior = self.events.events
+        last_step = max([e.step for e in prior if e.step is not None] + [_last_logged_step(self.run_dir)])
+        last_state = next((e.to_state for e in reversed(prior) if e.kind == "transition"), None)
+        layout = next((e.new_layout for e in reversed(prior) if e.new_layout), None)
+        why = (f"the coordinator restarted (its previous process was lost in state {last_state} at step "
+               f"{last_step}); resuming from the last committed checkpoint")
+        self.failures.append(Failure(time=time.time(), kind="coordinator", error=why))
+        self.sm.note("failure", reason=why, step=last_step, cause="failure",
+                     details={"kind": "coordinator_restart", "previous_events": len(prior)})
+        self._open = Reconfig(cause="failure", detected=time.time(), step_before=last_step, old_layout=layout)
 
     # -- outside interface (thread-safe) ------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -428,3 +447,26 @@ class Coordinator:
             if node is None or not node.alive:
                 return True
         return False
+
+
+def _load_events(path: Path, job_id: str) -> EventLog:
+    """The job's event log, continuing this job's events already in `path` (a restarted coordinator)
+    and ignoring those of other jobs that ran in the same directory before."""
+    log = EventLog.load(path)
+    mine = [e for e in log.events if e.job_id == job_id]
+    return log if len(mine) == len(log) else EventLog(path, mine)
+
+
+def _last_logged_step(run_dir: Path) -> int:
+    """The step of the last complete line of RUN_DIR/metrics.jsonl (rank 0 writes one per step), or 0."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    for line in reversed(path.read_text(errors="replace").splitlines()):
+        try:
+            step = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            continue  # a torn last line
+        if isinstance(step, int):
+            return step
+    return 0

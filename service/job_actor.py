@@ -10,6 +10,7 @@ class into the Ray actor that `service.jobs.RayLauncher` starts as ``elastron-jo
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -77,7 +78,7 @@ class JobRunner:
             job_id=self.job_id, degrees=degrees(st.get("layout")), run_dir=str(self.coord.run_dir),
             reconfigurations=dict(Counter(r["cause"] for r in recs)),
             steps_lost=sum(r["steps_lost"] for r in recs), events=len(self.coord.events),
-            running=self._thread.is_alive(), error=self.error,
+            running=self._thread.is_alive(), error=self.error, pid=os.getpid(),
         )
         if self.error and not self.coord.sm.state.is_terminal:
             # The loop is gone, so whatever state it was in will never change again.
@@ -118,14 +119,19 @@ class JobRunner:
 
 _actor_cls = None
 
+MAX_RESTARTS = 3
+"""How often Ray restarts a job's coordinator actor whose process died. A restarted coordinator finds
+the job's events in the run directory and resumes from the last committed checkpoint."""
+
 
 def job_actor_class():
-    """`JobRunner` as a Ray actor class (made on first use so importing this module needs no Ray)."""
+    """`JobRunner` as a Ray actor class (made on first use so importing this module needs no Ray).
+    Calls are not retried: a command sent to a dying coordinator fails, and the caller sees that."""
     global _actor_cls
     if _actor_cls is None:
         import ray
 
-        _actor_cls = ray.remote(num_cpus=0, max_restarts=0)(JobRunner)
+        _actor_cls = ray.remote(num_cpus=0, max_restarts=MAX_RESTARTS, max_task_retries=0)(JobRunner)
     return _actor_cls
 
 
@@ -185,8 +191,8 @@ class RayHandle:
     """Calls on one job actor, with a timeout, turning Ray's errors into JobGone / JobUnavailable (and a
     ValueError raised by the coordinator back into a plain ValueError)."""
 
-    def __init__(self, actor, job_id: str, timeout_s: float):
-        self.actor, self.job_id, self.timeout_s = actor, job_id, timeout_s
+    def __init__(self, actor, job_id: str, timeout_s: float, namespace: str = NAMESPACE):
+        self.actor, self.job_id, self.timeout_s, self.namespace = actor, job_id, timeout_s, namespace
 
     def _call(self, method: str, *args, **kwargs):
         import ray
@@ -202,8 +208,22 @@ class RayHandle:
             raise JobUnavailable(f"job {self.job_id}: coordinator actor {actor_name(self.job_id)} did not answer "
                                  f"{method} within {self.timeout_s:.0f} s") from None
         except RayActorError as e:
+            if self._restarting():
+                raise JobUnavailable(f"job {self.job_id}: coordinator actor {actor_name(self.job_id)} is "
+                                     "restarting after its process died") from None
             raise JobGone(f"coordinator actor {actor_name(self.job_id)} died: "
                           f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+
+    def _restarting(self) -> bool:
+        """Whether Ray is bringing the actor back: a named actor keeps its name while it restarts and
+        loses it only once it is dead for good."""
+        import ray
+
+        try:
+            ray.get_actor(actor_name(self.job_id), namespace=self.namespace)
+        except ValueError:
+            return False
+        return True
 
     def status(self) -> dict:
         return self._call("status")
@@ -236,8 +256,10 @@ class RayLauncher:
     API process only on a Ray cluster that outlives it (``ray start --head``, then ``--address``)."""
 
     def __init__(self, *, namespace: str = NAMESPACE, timeout_s: float = 10.0, options: dict | None = None,
-                 pin_to_this_node: bool = True, coordinator_factory: CoordinatorFactory | None = None):
+                 pin_to_this_node: bool = True, coordinator_factory: CoordinatorFactory | None = None,
+                 max_restarts: int = MAX_RESTARTS):
         self.namespace, self.timeout_s, self.options = namespace, timeout_s, dict(options or {})
+        self.max_restarts = max_restarts
         self.pin_to_this_node = pin_to_this_node
         self.coordinator_factory = coordinator_factory
 
@@ -245,7 +267,7 @@ class RayLauncher:
         import ray
 
         opts: dict[str, Any] = dict(name=actor_name(job_id), namespace=self.namespace, lifetime="detached",
-                                    num_cpus=0, max_concurrency=4)
+                                    num_cpus=0, max_concurrency=4, max_restarts=self.max_restarts)
         if self.pin_to_this_node:
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -254,7 +276,7 @@ class RayLauncher:
         actor = job_actor_class().options(**opts).remote(
             job_id, spec, run_dir=run_dir, steps=steps, workers=workers, options=self.options,
             coordinator_factory=self.coordinator_factory)
-        return RayHandle(actor, job_id, self.timeout_s)
+        return RayHandle(actor, job_id, self.timeout_s, self.namespace)
 
     def attach(self, job_id: str) -> RayHandle | None:
         import ray
@@ -263,7 +285,7 @@ class RayLauncher:
             actor = ray.get_actor(actor_name(job_id), namespace=self.namespace)
         except ValueError:  # no live actor by that name
             return None
-        return RayHandle(actor, job_id, self.timeout_s)
+        return RayHandle(actor, job_id, self.timeout_s, self.namespace)
 
     def release(self, job_id: str, timeout_s: float = 10.0) -> None:
         import ray
