@@ -59,7 +59,9 @@ class CoordinatorOptions:
     probe_timeout_s: float = 2.0
     """After a failure, a node that cannot place a tiny bundle within this long is left out of plans."""
     suspect_seconds: float = 60.0
-    """How long such a node stays out (unless Ray confirms it dead first)."""
+    """How long such a node stays out (unless Ray confirms it dead first, or a later probe reaches it)."""
+    reprobe_interval_s: float = 3.0
+    """While the job waits or starts with suspects left out, how often they are probed again."""
 
 
 class Coordinator:
@@ -99,6 +101,7 @@ class Coordinator:
         self._commands: queue.Queue = queue.Queue()
         self._user_resize = False
         self._suspects: dict[str, float] = {}  # node id -> when a probe found it unresponsive
+        self._last_reprobe = 0.0
         self._lock = threading.RLock()
         if len(self.events):
             self._resume_after_restart()
@@ -190,6 +193,7 @@ class Coordinator:
 
     # -- states --------------------------------------------------------------------------------------------
     def _start_or_wait(self, snap: ClusterSnapshot) -> None:
+        self._reprobe(snap)  # before starting small or waiting: a suspect may just have been slow
         d = self.policy.decide(time.time(), current_workers=0, usable_workers=self._usable(snap),
                                draining=snap.draining(), failures=self.failures)
         if isinstance(d, Fail):
@@ -329,6 +333,7 @@ class Coordinator:
             resumed = formed["step"]
             rc = self._open if self._open is not None else Reconfig(cause=cause, detected=t0, step_before=self.step_done,
                                                                     old_layout=old)
+            cause = rc.cause  # a recovery re-forms through a "planned" start: the event says why it happened
             rc.formed(new_layout=p.layout.to_dict(), resumed_step=resumed, started=started, stopped=stopped,
                       world_size=p.world_size)
             self._open = rc
@@ -415,10 +420,27 @@ class Coordinator:
         if not nodes or self.group_probe is None:
             return set()
         dead = set(nodes) - self.group_probe(nodes, timeout_s=self.opts.probe_timeout_s)
-        now = time.time()
+        now = self._last_reprobe = time.time()
         for nid in dead:
             self._suspects[nid] = now
         return dead
+
+    def _reprobe(self, snap: ClusterSnapshot) -> None:
+        """Probe the suspects again (at most every `reprobe_interval_s`): a raylet that was only slow,
+        e.g. on a loaded machine, places work again and its node is usable again at once instead of
+        after `suspect_seconds`."""
+        now = time.time()
+        self._usable_nodes(snap)  # drops suspects that expired or that Ray confirmed dead
+        if not self._suspects or self.group_probe is None or now - self._last_reprobe < self.opts.reprobe_interval_s:
+            return
+        self._last_reprobe = now
+        back = self.group_probe(sorted(self._suspects), timeout_s=self.opts.probe_timeout_s)
+        for nid in back:
+            del self._suspects[nid]
+        if back:
+            self.sm.note("capacity", reason=f"{len(back)} node(s) place work again after a failed probe: "
+                                            f"{', '.join(n[:8] for n in sorted(back))}",
+                         step=self.step_done, details={"nodes": sorted(back)})
 
     def _usable_nodes(self, snap: ClusterSnapshot) -> list:
         now = time.time()

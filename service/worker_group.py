@@ -118,7 +118,11 @@ class WorkerGroup:
         warm = self._take_spares(missing)
         for m in warm:
             missing.remove(m.node_id)
-        started = warm + (self._start(missing) if missing else [])
+        try:
+            started = warm + (self._start(missing) if missing else [])
+        except WorkerFailure:
+            self._stop(warm)  # taken from the spares, not yet members: nobody else would release them
+            raise
         for m in started:  # placement targets a node softly: group by where the actor really runs
             pool[m.node_id].append(m)
         order = list(dict.fromkeys(nodes)) + [nid for nid in pool if nid not in want]
@@ -148,7 +152,11 @@ class WorkerGroup:
         except GetTimeoutError:
             self._stop([Member(a, pg, nid, "") for nid, a, pg, _ in launched])
             raise WorkerFailure("start", f"could not place {len(nodes)} worker(s) within {self.start_timeout_s:.0f}s")
-        infos = self._get([ref for *_, ref in launched], "start", timeout=self.start_timeout_s + 60)
+        try:
+            infos = self._get([ref for *_, ref in launched], "start", timeout=self.start_timeout_s + 60)
+        except WorkerFailure:  # none of them is a member yet: release all, or their CPUs stay held
+            self._stop([Member(a, pg, nid, "") for nid, a, pg, _ in launched])
+            raise
         return [Member(a, pg, i["node_id"], i["ip"]) for (_, a, pg, _), i in zip(launched, infos)]
 
     def prewarm(self, nodes: list[str]) -> int:

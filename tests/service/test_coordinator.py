@@ -159,6 +159,24 @@ def test_a_node_the_watcher_still_calls_alive_is_left_out_after_a_failed_probe(t
     assert fail["details"]["unresponsive_nodes"] == ["b"]
 
 
+def test_a_suspect_that_answers_a_later_probe_is_used_again_at_once(tmp_path):
+    """A probe that timed out on a merely slow raylet must not keep its node out for suspect_seconds:
+    while the job cannot start (min_workers=4 needs both nodes) it probes the suspect again."""
+    c, cluster, G = make(tmp_path, {"a": 2, "b": 2}, interval=5, min_workers=4, reprobe_interval_s=0.0)
+    advance(c, lambda c: c.step_done >= 6)
+    slow = {"b"}
+    c.group_probe = lambda nodes, timeout_s: {n for n in nodes if n not in slow}
+    G.fail_next.append("died")
+    advance(c, lambda c: str(c.sm.state) == "WAITING_FOR_CAPACITY")
+    assert "min_workers=4" in c.sm.reason
+    slow.clear()  # b answers again
+    advance(c, lambda c: len(changes(c)) == 1 and str(c.sm.state) == "RUNNING")
+    (rc,) = changes(c)
+    assert rc.cause == "failure" and rc.world_size == 4 and rc.resumed_step == 5
+    back = [e for e in c.events_since(0) if e["kind"] == "capacity"]
+    assert back and back[-1]["details"]["nodes"] == ["b"]
+
+
 def test_node_death_resumes_from_last_commit_on_what_is_left(tmp_path):
     c, cluster, _ = make(tmp_path, {"a": 2, "b": 2}, interval=5)
     advance(c, lambda c: c.step_done >= 8)
