@@ -2,8 +2,9 @@
 (`elastron serve`).
 
 Nothing is created at import. `create_app(jobs=...)` takes a ready JobManager (tests: an in-process
-launcher); without one, the app's startup connects to Ray and builds the default manager (SQLite store
-under the runs root, coordinators as detached Ray actors). Startup re-attaches to the jobs' coordinators
+launcher); without one, the app's startup connects to Ray and builds the default manager (the job store
+at ELASTRON_STORE, a SQLAlchemy URL, by default SQLite under the runs root; coordinators as detached Ray
+actors). Startup re-attaches to the jobs' coordinators
 (`JobManager.start`); shutdown stops only the syncing: the jobs keep running.
 """
 
@@ -23,25 +24,30 @@ from api.deps import Settings
 from api.routes import api_router, ops_router
 from api.routes.dashboard import STATIC_DIR
 from api.routes.ops import make_registry
-from service.jobs import JobConflict, JobManager, JobNotFound, JobUnavailable, SpecError
+from service.job_actor import JobUnavailable
+from service.job_manager import JobConflict, JobManager, JobNotFound
+from service.specs import SpecError
 
 logger = logging.getLogger("elastron.api")
 
 
 def default_manager(settings: Settings) -> JobManager:
-    """SQLite store + Ray launcher, connecting to Ray first."""
+    """The job store at settings.store_url (a SQLAlchemy URL), then the Ray launcher, connecting to Ray."""
     from api.run import connect_ray
     from api.store import JobStore
     from service.job_actor import RayLauncher
 
+    store = JobStore(settings.store_url)  # first: a wrong store URL should not cost a Ray start
     try:
         connect_ray(settings.ray_address)
     except Exception as e:  # ConnectionError, TimeoutError, RuntimeError from ray.init
+        store.close()
         where = settings.ray_address or os.environ.get("RAY_ADDRESS") or "a new local Ray"
         raise RuntimeError(f"cannot connect to Ray at {where}: "
                            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-    return JobManager(JobStore(settings.store_url), RayLauncher(), runs_root=settings.runs_root,
-                      sync_interval_s=settings.sync_interval_s, stop_timeout_s=settings.stop_timeout_s)
+    return JobManager(store, RayLauncher(), runs_root=settings.runs_root,
+                      data_roots=settings.data_roots, sync_interval_s=settings.sync_interval_s,
+                      stop_timeout_s=settings.stop_timeout_s)
 
 
 class BodyLimit:
@@ -128,12 +134,15 @@ def _is_loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
-def serve(address: str | None = None, host: str = "127.0.0.1", port: int = 8000) -> int:
-    """`elastron serve`: the API on host:port (loopback by default), jobs on the Ray cluster at `address`."""
+def serve(address: str | None = None, host: str = "127.0.0.1", port: int = 8000, store: str | None = None) -> int:
+    """`elastron serve`: the API on host:port (loopback by default), jobs on the Ray cluster at `address`,
+    the job store at `store` (a SQLAlchemy URL or SQLite file path; default ELASTRON_STORE)."""
     import uvicorn
 
+    from api.store import redact
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    settings = Settings.from_env(ray_address=address)
+    settings = Settings.from_env(ray_address=address, store_url=store)
     Path(settings.runs_root).mkdir(parents=True, exist_ok=True)
     if _is_loopback(host):
         logger.info("binding %s:%d: loopback only, other machines cannot reach it (use --host 0.0.0.0 to "
@@ -143,7 +152,7 @@ def serve(address: str | None = None, host: str = "127.0.0.1", port: int = 8000)
                        "jobs; set ELASTRON_API_TOKEN", host, port)
     else:
         logger.info("binding %s:%d; mutating endpoints need the bearer token", host, port)
-    logger.info("runs root %s, store %s, auth %s", settings.runs_root.resolve(), settings.store_url,
+    logger.info("runs root %s, store %s, auth %s", settings.runs_root.resolve(), redact(settings.store_url),
                 "on" if settings.token else "off")
     try:  # in the main thread, before binding: a Ray that cannot be reached is one clear line
         jobs = default_manager(settings)

@@ -69,7 +69,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from api.app import serve
 
-    return serve(args.address, args.host, args.port)
+    return serve(args.address, args.host, args.port, store=args.store)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -124,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a private local Ray)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: this machine only)")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--store", help="job store: a SQLAlchemy URL (sqlite:///PATH, postgresql+psycopg://USER:PASSWORD@"
+                                   "HOST/DB) or a SQLite file path (default: ELASTRON_STORE, else RUNS_ROOT/elastron.db)")
     p.set_defaults(fn=_cmd_serve)
     return ap
 

@@ -12,7 +12,7 @@ from typing import Annotated
 from fastapi import Depends, HTTPException, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from service.jobs import JobManager
+from service.job_manager import JobManager
 
 
 @dataclass(kw_only=True, slots=True)
@@ -20,7 +20,10 @@ class Settings:
     runs_root: Path = Path("runs")
     """Every job's run directory lies under this; requests cannot name a path outside it."""
     store_url: str = "runs/elastron.db"
-    """SQLite file (or sqlite:///PATH) holding specs, statuses, events and metrics."""
+    """Job store (specs, statuses, events, metrics): a SQLAlchemy URL (sqlite:///PATH,
+    postgresql+psycopg://USER:PASSWORD@HOST/DB), or a SQLite file path."""
+    data_roots: tuple[Path, ...] | None = None
+    """Directories a job's data.path may lie under; None: the runs root only."""
     token: str | None = None
     """When set, mutating endpoints need `Authorization: Bearer TOKEN`."""
     max_body_bytes: int = 1 << 20
@@ -34,6 +37,8 @@ class Settings:
 
     def __post_init__(self) -> None:
         self.runs_root = Path(self.runs_root)
+        if self.data_roots is not None:
+            self.data_roots = tuple(Path(r) for r in self.data_roots)
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if self.token is not None and not self.token.strip():
@@ -41,13 +46,19 @@ class Settings:
 
     @classmethod
     def from_env(cls, **overrides) -> "Settings":
-        """ELASTRON_RUNS_ROOT, ELASTRON_STORE, ELASTRON_API_TOKEN, ELASTRON_MAX_BODY_BYTES, then `overrides`."""
+        """ELASTRON_RUNS_ROOT, ELASTRON_STORE, ELASTRON_API_TOKEN, ELASTRON_MAX_BODY_BYTES,
+        ELASTRON_DATA_ROOTS (os.pathsep-separated), then `overrides`."""
         env = os.environ
         root = env.get("ELASTRON_RUNS_ROOT", "runs")
         kw: dict = {"runs_root": Path(root), "store_url": env.get("ELASTRON_STORE", str(Path(root) / "elastron.db")),
                     "token": env.get("ELASTRON_API_TOKEN") or None}
         if "ELASTRON_MAX_BODY_BYTES" in env:
-            kw["max_body_bytes"] = int(env["ELASTRON_MAX_BODY_BYTES"])
+            v = env["ELASTRON_MAX_BODY_BYTES"]
+            if not v.strip().isdigit():
+                raise ValueError(f"ELASTRON_MAX_BODY_BYTES must be a whole number of bytes, got {v!r}")
+            kw["max_body_bytes"] = int(v)
+        if env.get("ELASTRON_DATA_ROOTS"):
+            kw["data_roots"] = tuple(Path(r) for r in env["ELASTRON_DATA_ROOTS"].split(os.pathsep) if r)
         kw.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**kw)
 

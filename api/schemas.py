@@ -136,6 +136,8 @@ class JobSummary(BaseModel):
     world_size: int = 0
     loss: float | None = None
     tokens_per_s: float | None = None
+    mfu: float | None = Field(None, description="Model FLOPs utilisation of the whole job at the last step "
+                                                "(0..1); null where the device's peak is unknown (e.g. CPUs).")
     layout: Layout | None = None
     degrees: Degrees | None = None
     run_dir: str
@@ -163,6 +165,7 @@ class MetricRow(_Out):
     step: int
     loss: float | None = None
     tokens_per_s: float | None = None
+    mfu: float | None = Field(None, description="Model FLOPs utilisation of the step (0..1); null where unknown.")
     time: float | None = None
     world_size: int | None = None
 

@@ -1,4 +1,7 @@
-"""The job store: specs, last statuses, events and metrics in SQLite (stdlib sqlite3).
+"""The job store: specs, last statuses, events and metrics behind a SQLAlchemy URL (SQLAlchemy Core).
+
+SQLite is the embedded default (a file path, ``sqlite:///PATH`` or ``:memory:``); PostgreSQL works with
+``postgresql+psycopg://USER:PASSWORD@HOST/DB`` (``postgresql://`` means the same driver).
 
 Schema (version 1):
   jobs(id PK, name, spec JSON, steps, workers, run_dir, created, updated, state, reason, status JSON, released)
@@ -9,155 +12,230 @@ Schema (version 1):
   metrics(job_id, step, time, data JSON)      PK (job_id, step): a redone step (after a failure) replaces
                                               the row; the chart shows the run as it stands
   meta(key PK, value)                          schema_version
+JSON is stored as text, so every dialect holds the same bytes (NaN and infinities become null).
 
-One connection, serialised by a lock, in WAL mode: the API's request threads and its sync thread share
-it, and a second server over the same file (a restart) can read while the first still writes.
+SQLite: one writer at a time, serialised by a lock, in WAL mode for files, so the API's request threads
+and its sync thread share it and a second server over the same file (a restart) can read while the
+first still writes. PostgreSQL: the engine's connection pool; each call is one transaction.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-import sqlite3
 import threading
 import time
 from pathlib import Path
 
+from sqlalchemy import (BigInteger, Column, Double, Integer, MetaData, Table, Text, create_engine,
+                        event, func, select, update)
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import URL, Engine, make_url
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError
+from sqlalchemy.pool import StaticPool
+
 SCHEMA_VERSION = 1
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    id TEXT PRIMARY KEY, name TEXT NOT NULL, spec TEXT NOT NULL, steps INTEGER, workers INTEGER,
-    run_dir TEXT NOT NULL, created REAL NOT NULL, updated REAL NOT NULL, state TEXT NOT NULL,
-    reason TEXT NOT NULL DEFAULT '', status TEXT NOT NULL, released INTEGER NOT NULL DEFAULT 0
-);
-CREATE TABLE IF NOT EXISTS events (
-    job_id TEXT NOT NULL, idx INTEGER NOT NULL, time REAL NOT NULL, kind TEXT NOT NULL, data TEXT NOT NULL,
-    PRIMARY KEY (job_id, idx)
-);
-CREATE TABLE IF NOT EXISTS metrics (
-    job_id TEXT NOT NULL, step INTEGER NOT NULL, time REAL, data TEXT NOT NULL, PRIMARY KEY (job_id, step)
-);
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-"""
+_md = MetaData()
+_jobs = Table(
+    "jobs", _md,
+    Column("id", Text, primary_key=True), Column("name", Text, nullable=False),
+    Column("spec", Text, nullable=False), Column("steps", BigInteger), Column("workers", Integer),
+    Column("run_dir", Text, nullable=False), Column("created", Double, nullable=False),
+    Column("updated", Double, nullable=False), Column("state", Text, nullable=False),
+    Column("reason", Text, nullable=False, server_default=""), Column("status", Text, nullable=False),
+    Column("released", Integer, nullable=False, server_default="0"),
+)
+_events = Table(
+    "events", _md,
+    Column("job_id", Text, primary_key=True), Column("idx", BigInteger, primary_key=True),
+    Column("time", Double, nullable=False), Column("kind", Text, nullable=False), Column("data", Text, nullable=False),
+)
+_metrics = Table(
+    "metrics", _md,
+    Column("job_id", Text, primary_key=True), Column("step", BigInteger, primary_key=True),
+    Column("time", Double), Column("data", Text, nullable=False),
+)
+_meta = Table("meta", _md, Column("key", Text, primary_key=True), Column("value", Text, nullable=False))
+
+_INSERT = {"sqlite": sqlite.insert, "postgresql": postgresql.insert}
+_HINT = "use a file path, sqlite:///PATH or postgresql+psycopg://USER:PASSWORD@HOST/DB"
 
 
-def _path_of(url: str | Path) -> str:
+def store_url(url: str | Path) -> URL:
+    """`url` as a SQLAlchemy URL: a bare path or ``:memory:`` becomes a SQLite URL, ``postgresql://``
+    (and ``postgres://``) gets the psycopg driver. ValueError (one line) for anything else."""
     s = str(url)
-    if s.startswith("sqlite:///"):
-        return s[len("sqlite:///"):] or ":memory:"
-    if "://" in s:
-        raise ValueError(f"unsupported store URL {s!r}: use a file path or sqlite:///PATH")
-    return s
+    if not s.strip():
+        raise ValueError(f"store URL must not be empty; {_HINT}")
+    if s == ":memory:":
+        return make_url("sqlite://")
+    if "://" not in s:
+        return URL.create("sqlite", database=s)
+    try:
+        u = make_url(s)
+    except (ArgumentError, ValueError) as e:  # ValueError: e.g. a port that is not a number
+        raise ValueError(f"store URL {s.split('://')[0]}://... cannot be parsed ({type(e).__name__}); {_HINT}") from None
+    if u.drivername in ("postgresql", "postgres"):
+        u = u.set(drivername="postgresql+psycopg")
+    if u.get_backend_name() not in _INSERT:
+        raise ValueError(f"unsupported store URL {redact(u)!r}: only SQLite and PostgreSQL are supported; {_HINT}")
+    return u
+
+
+def redact(url: str | Path | URL) -> str:
+    """The URL with its password hidden, for logs and messages."""
+    if isinstance(url, URL):
+        return url.render_as_string(hide_password=True)
+    try:
+        return store_url(url).render_as_string(hide_password=True)
+    except ValueError:
+        return str(url).split("://")[0] + "://..." if "://" in str(url) else str(url)
+
+
+def _engine(u: URL) -> Engine:
+    if u.get_backend_name() != "sqlite":
+        return create_engine(u, pool_pre_ping=True)
+    memory = u.database in (None, "", ":memory:")
+    if memory:  # one shared connection: each new one would be a new, empty database
+        eng = create_engine(u, poolclass=StaticPool, connect_args={"check_same_thread": False})
+    else:
+        Path(u.database).parent.mkdir(parents=True, exist_ok=True)
+        eng = create_engine(u, connect_args={"check_same_thread": False, "timeout": 30})
+
+    @event.listens_for(eng, "connect")
+    def _pragmas(dbapi_conn, _record):
+        cur = dbapi_conn.cursor()
+        if not memory:
+            cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA busy_timeout=30000")
+        cur.close()
+
+    return eng
 
 
 class JobStore:
-    """Thread-safe. `url` is a file path, ``sqlite:///PATH`` or ``:memory:``."""
+    """Thread-safe. `url`: a SQLAlchemy URL (SQLite or PostgreSQL), a file path, or ``:memory:``."""
 
     def __init__(self, url: str | Path):
-        path = _path_of(url)
-        if path != ":memory:":
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-        self.path = path
-        self._lock = threading.Lock()
-        self._db = sqlite3.connect(path, check_same_thread=False, timeout=30, isolation_level=None)
-        self._db.row_factory = sqlite3.Row
-        with self._lock:
-            if path != ":memory:":
-                self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA busy_timeout=30000")
-            self._db.executescript(_SCHEMA)
-            row = self._db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-            if row is None:
-                self._db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-            elif int(row[0]) > SCHEMA_VERSION:
-                raise RuntimeError(f"store {path} has schema version {row[0]}, newer than this server's "
-                                   f"{SCHEMA_VERSION}; upgrade Elastron")
+        u = store_url(url)
+        self.url = redact(u)
+        self.dialect = u.get_backend_name()
+        try:
+            self._engine = _engine(u)
+        except (ImportError, NoSuchModuleError) as e:
+            raise ValueError(f"store URL {self.url!r} needs a database driver that is not installed ({e}); "
+                             f"{_HINT}") from None
+        # SQLite allows one writer: serialise here rather than wait on its file lock.
+        self._lock = threading.Lock() if self.dialect == "sqlite" else contextlib.nullcontext()
+        try:
+            with self._tx() as c:
+                _md.create_all(c)
+                c.execute(self._insert(_meta).values(key="schema_version", value=str(SCHEMA_VERSION))
+                          .on_conflict_do_nothing(index_elements=["key"]))
+                found = c.execute(select(_meta.c.value).where(_meta.c.key == "schema_version")).scalar_one()
+        except OperationalError as e:
+            self._engine.dispose()
+            why = str(e.orig).strip().splitlines()[0] if e.orig is not None and str(e.orig).strip() else type(e).__name__
+            raise RuntimeError(f"cannot open the job store {self.url}: {why}") from None
+        if int(found) > SCHEMA_VERSION:
+            self._engine.dispose()
+            raise RuntimeError(f"store {self.url} has schema version {found}, newer than this server's "
+                               f"{SCHEMA_VERSION}; upgrade Elastron")
 
     def close(self) -> None:
         with self._lock:
-            self._db.close()
+            self._engine.dispose()
+
+    @contextlib.contextmanager
+    def _tx(self):
+        """One transaction, committed on success."""
+        with self._lock, self._engine.begin() as conn:
+            yield conn
+
+    def _insert(self, table: Table):
+        return _INSERT[self.dialect](table)
+
+    def _upsert(self, table: Table, keys: list[str], rows: list[dict]) -> None:
+        ins = self._insert(table)
+        stmt = ins.on_conflict_do_update(index_elements=keys,
+                                         set_={c.name: ins.excluded[c.name] for c in table.c if c.name not in keys})
+        with self._tx() as c:
+            c.execute(stmt, rows)
 
     # -- jobs --------------------------------------------------------------------------------------------
     def create(self, job: dict) -> None:
         st = job["status"]
-        with self._lock:
-            self._db.execute(
-                "INSERT INTO jobs (id, name, spec, steps, workers, run_dir, created, updated, state, reason, status)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (job["id"], job["name"], _dumps(job["spec"]), job.get("steps"), job.get("workers"),
-                 job["run_dir"], job["created"], job["created"], st["state"], st.get("reason") or "",
-                 _dumps(st)))
+        with self._tx() as c:
+            c.execute(_jobs.insert().values(
+                id=_text(job["id"]), name=_text(job["name"]), spec=_dumps(job["spec"]), steps=job.get("steps"),
+                workers=job.get("workers"), run_dir=_text(job["run_dir"]), created=job["created"],
+                updated=job["created"], state=_text(st["state"]), reason=_text(st.get("reason") or ""),
+                status=_dumps(st)))
 
     def get(self, job_id: str) -> dict | None:
-        with self._lock:
-            row = self._db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        with self._tx() as c:
+            row = c.execute(select(_jobs).where(_jobs.c.id == _text(job_id))).mappings().first()
         return None if row is None else _job(row)
 
     def list(self) -> list[dict]:
-        with self._lock:
-            rows = self._db.execute("SELECT * FROM jobs ORDER BY created, id").fetchall()
+        with self._tx() as c:
+            rows = c.execute(select(_jobs).order_by(_jobs.c.created, _jobs.c.id)).mappings().all()
         return [_job(r) for r in rows]
 
     def set_status(self, job_id: str, status: dict) -> None:
-        with self._lock:
-            self._db.execute("UPDATE jobs SET status = ?, state = ?, reason = ?, updated = ? WHERE id = ?",
-                             (_dumps(status), status["state"], status.get("reason") or "",
-                              time.time(), job_id))
+        with self._tx() as c:
+            c.execute(update(_jobs).where(_jobs.c.id == _text(job_id)).values(
+                status=_dumps(status), state=_text(status["state"]), reason=_text(status.get("reason") or ""),
+                updated=time.time()))
 
     def mark_released(self, job_id: str) -> None:
-        with self._lock:
-            self._db.execute("UPDATE jobs SET released = 1 WHERE id = ?", (job_id,))
+        with self._tx() as c:
+            c.execute(update(_jobs).where(_jobs.c.id == _text(job_id)).values(released=1))
 
     def delete(self, job_id: str) -> None:
-        with self._lock:
-            self._db.execute("BEGIN")
-            for table, col in (("events", "job_id"), ("metrics", "job_id"), ("jobs", "id")):
-                self._db.execute(f"DELETE FROM {table} WHERE {col} = ?", (job_id,))
-            self._db.execute("COMMIT")
+        with self._tx() as c:
+            for table, col in ((_events, _events.c.job_id), (_metrics, _metrics.c.job_id), (_jobs, _jobs.c.id)):
+                c.execute(table.delete().where(col == _text(job_id)))
 
     # -- events and metrics ------------------------------------------------------------------------------
     def add_events(self, job_id: str, start: int, events: list[dict]) -> None:
-        if not events:
-            return
-        with self._lock:
-            self._db.executemany(
-                "INSERT OR REPLACE INTO events (job_id, idx, time, kind, data) VALUES (?, ?, ?, ?, ?)",
-                [(job_id, start + i, e.get("time") or 0.0, e.get("kind") or "", _dumps(e))
-                 for i, e in enumerate(events)])
+        if events:
+            self._upsert(_events, ["job_id", "idx"], [
+                {"job_id": _text(job_id), "idx": start + i, "time": e.get("time") or 0.0, "kind": _text(e.get("kind") or ""),
+                 "data": _dumps(e)} for i, e in enumerate(events)])
 
     def events(self, job_id: str, since: int = 0) -> list[dict]:
-        with self._lock:
-            rows = self._db.execute("SELECT data FROM events WHERE job_id = ? AND idx >= ? ORDER BY idx",
-                                    (job_id, max(0, since))).fetchall()
-        return [json.loads(r[0]) for r in rows]
+        q = (select(_events.c.data).where(_events.c.job_id == _text(job_id), _events.c.idx >= max(0, since))
+             .order_by(_events.c.idx))
+        with self._tx() as c:
+            return [json.loads(d) for d in c.execute(q).scalars()]
 
     def event_count(self, job_id: str) -> int:
-        with self._lock:
-            return self._db.execute("SELECT COUNT(*) FROM events WHERE job_id = ?", (job_id,)).fetchone()[0]
+        with self._tx() as c:
+            return c.execute(select(func.count()).select_from(_events).where(_events.c.job_id == _text(job_id))).scalar_one()
 
     def add_metrics(self, job_id: str, rows: list[dict]) -> None:
-        if not rows:
-            return
-        with self._lock:
-            self._db.executemany(
-                "INSERT OR REPLACE INTO metrics (job_id, step, time, data) VALUES (?, ?, ?, ?)",
-                [(job_id, int(m["step"]), m.get("time"), _dumps(m)) for m in rows])
+        if rows:
+            self._upsert(_metrics, ["job_id", "step"], [
+                {"job_id": _text(job_id), "step": int(m["step"]), "time": m.get("time"), "data": _dumps(m)} for m in rows])
 
     def metrics(self, job_id: str, since: int = 0, limit: int | None = None) -> list[dict]:
-        q = "SELECT data FROM metrics WHERE job_id = ? AND step > ? ORDER BY step"
-        args: tuple = (job_id, since)
-        if limit is not None:
-            q += " LIMIT ?"
-            args += (limit,)
-        with self._lock:
-            rows = self._db.execute(q, args).fetchall()
-        return [json.loads(r[0]) for r in rows]
+        q = (select(_metrics.c.data).where(_metrics.c.job_id == _text(job_id), _metrics.c.step > since)
+             .order_by(_metrics.c.step).limit(limit))
+        with self._tx() as c:
+            return [json.loads(d) for d in c.execute(q).scalars()]
 
     def last_step(self, job_id: str) -> int:
-        with self._lock:
-            v = self._db.execute("SELECT MAX(step) FROM metrics WHERE job_id = ?", (job_id,)).fetchone()[0]
+        with self._tx() as c:
+            v = c.execute(select(func.max(_metrics.c.step)).where(_metrics.c.job_id == _text(job_id))).scalar()
         return v or 0
+
+
+def _text(s: str) -> str:
+    """PostgreSQL text cannot hold NUL: every dialect stores U+FFFD instead (JSON columns escape it)."""
+    return s.replace("\x00", "\ufffd") if isinstance(s, str) else s
 
 
 def _finite(v):
@@ -175,7 +253,7 @@ def _dumps(v) -> str:
     return json.dumps(_finite(v), default=str)
 
 
-def _job(row: sqlite3.Row) -> dict:
+def _job(row) -> dict:
     d = dict(row)
     d["spec"] = json.loads(d["spec"])
     d["status"] = json.loads(d["status"])

@@ -8,7 +8,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from api.deps import JobsDep
 from api.schemas import Health
-from service.jobs import JobManager
+from service.job_manager import JobManager
 
 router = APIRouter(tags=["ops"])
 
@@ -29,6 +29,7 @@ class JobCollector:
             ("step", "Last completed optimizer step."),
             ("loss", "Training loss at the last step."),
             ("tokens_per_second", "Training throughput at the last step."),
+            ("mfu", "Model FLOPs utilisation (0..1) at the last step; no sample where unknown (e.g. on CPUs)."),
             ("world_size", "Workers in the current worker group (0 when none)."),
             ("committed_step", "Step of the last committed checkpoint."),
         )}
@@ -43,8 +44,8 @@ class JobCollector:
             lv = [j["id"], j["name"]]
             by_state[j["state"]] = by_state.get(j["state"], 0) + 1
             for key, src in (("step", "step"), ("loss", "loss"), ("tokens_per_second", "tokens_per_s"),
-                             ("world_size", "world_size"), ("committed_step", "committed_step")):
-                if isinstance(j.get(src), (int, float)):
+                             ("mfu", "mfu"), ("world_size", "world_size"), ("committed_step", "committed_step")):
+                if isinstance(j.get(src), (int, float)) and not isinstance(j.get(src), bool):
                     g[key].add_metric(lv, float(j[src]))
             for axis, v in (j.get("degrees") or {}).items():
                 degree.add_metric(lv + [axis], float(v))

@@ -37,6 +37,7 @@ async function api(path, opts = {}) {
 
 // -- formatting ---------------------------------------------------------------------------------------
 const fmt = (v, digits = 4) => (v === null || v === undefined ? "–" : (typeof v === "number" ? +v.toFixed(digits) : v));
+const pct = (v) => (typeof v === "number" ? `${(100 * v).toFixed(1)}%` : "–");
 function layoutText(lay, ws) {
   if (!lay) return "–";
   const dp = (lay.dp_replicate || 1) * (lay.dp_shard || 1);
@@ -123,6 +124,7 @@ function showJob(j) {
   $("step").textContent = `${j.step ?? 0} / ${j.total_steps ?? "?"}`;
   $("loss").textContent = fmt(j.loss);
   $("tps").textContent = fmt(j.tokens_per_s, 0);
+  $("mfu").textContent = pct(j.mfu);
   $("committed").textContent = j.committed_step ? `step ${j.committed_step}` : "none yet";
   const showReason = !["RUNNING", "SUCCEEDED"].includes(j.state) || j.error;
   $("reason").textContent = showReason ? (j.error || j.reason || "") : "";

@@ -16,7 +16,7 @@ from api.deps import Settings
 from api.store import JobStore
 from service.coordinator import Coordinator
 from service.job_actor import LocalLauncher
-from service.jobs import JobManager
+from service.job_manager import JobManager
 from tests.service.test_coordinator import Disk, FakeCluster, FakeGroup
 
 SPEC = {
@@ -46,10 +46,12 @@ class Gate:
 
 
 class GatedGroup(FakeGroup):
-    """FakeGroup whose next step waits for the gate (up to 0.05 s) and takes step_s seconds."""
+    """FakeGroup whose next step waits for the gate (up to 0.05 s) and takes step_s seconds. Its rows
+    carry tokens/s and, unless mfu_per_step is None (a CPU: no known peak), an MFU of mfu_per_step * step."""
 
     gate: Gate | None = None
     step_s: float = 0.0
+    mfu_per_step: float | None = 0.001
 
     def run(self, *, until_step, should_abort=lambda: False, **kw):
         # A closed gate returns no rows after a short wait, as a real group does when its chunk ends.
@@ -60,6 +62,7 @@ class GatedGroup(FakeGroup):
         rows = super().run(until_step=until_step, should_abort=should_abort, **kw)
         for r in rows:
             r["tokens_per_s"] = 1000.0 + 10 * r["step"]
+            r["mfu"] = None if self.mfu_per_step is None else self.mfu_per_step * r["step"]
         return rows
 
 
@@ -71,12 +74,14 @@ class PollingCoordinator(Coordinator):
         return super().step()
 
 
-def fake_factory(cluster: FakeCluster, *, gate: Gate | None = None, step_s: float = 0.0):
+def fake_factory(cluster: FakeCluster, *, gate: Gate | None = None, step_s: float = 0.0,
+                 mfu_per_step: float | None = 0.001):
     """A coordinator factory for JobRunner: fake group on `cluster`, no settle time, short chunks."""
 
     def factory(cfg, *, run_dir, total_steps, job_id, workers, options):
         group = type("G", (GatedGroup,), {"disk": Disk(cfg.checkpoint.interval_steps), "cluster": cluster,
-                                          "fail_next": [], "gate": gate, "step_s": step_s})
+                                          "fail_next": [], "gate": gate, "step_s": step_s,
+                                          "mfu_per_step": mfu_per_step})
         c = PollingCoordinator(cfg, run_dir=run_dir, total_steps=total_steps, job_id=job_id, workers=workers,
                                options=replace(options, settle_seconds=0.0, chunk_seconds=0.05),
                                watcher=cluster.watcher())
@@ -91,12 +96,12 @@ def make_launcher(nodes: dict[str, int] | None = None, **kw) -> tuple[LocalLaunc
     return LocalLauncher(coordinator_factory=fake_factory(cluster, **kw), cluster_fn=cluster.watcher().poll), cluster
 
 
-def make_app(tmp_path: Path, launcher: LocalLauncher, *, token: str | None = None, db: Path | None = None,
+def make_app(tmp_path: Path, launcher: LocalLauncher, *, token: str | None = None, db: Path | str | None = None,
              **settings):
     s = Settings(runs_root=tmp_path / "runs", store_url=str(db or tmp_path / "jobs.db"), token=token,
                  sync_interval_s=0.05, stop_timeout_s=10.0, **settings)
-    mgr = JobManager(JobStore(s.store_url), launcher, runs_root=s.runs_root, sync_interval_s=s.sync_interval_s,
-                     stop_timeout_s=s.stop_timeout_s)
+    mgr = JobManager(JobStore(s.store_url), launcher, runs_root=s.runs_root, data_roots=s.data_roots,
+                     sync_interval_s=s.sync_interval_s, stop_timeout_s=s.stop_timeout_s)
     return create_app(jobs=mgr, settings=s)
 
 

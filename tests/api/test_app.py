@@ -334,7 +334,7 @@ def test_serve_binds_loopback_by_default_and_says_so(tmp_path, monkeypatch, capl
     import api.app as app_module
     from api.store import JobStore
     from service.job_actor import LocalLauncher
-    from service.jobs import JobManager
+    from service.job_manager import JobManager
 
     runs: list[dict] = []
     monkeypatch.setenv("ELASTRON_RUNS_ROOT", str(tmp_path / "runs"))

@@ -11,7 +11,8 @@ from fastapi.testclient import TestClient
 
 from api.store import JobStore
 from service.job_actor import LocalLauncher
-from service.jobs import JobManager, SpecError, config_error_loc
+from service.job_manager import JobManager
+from service.specs import SpecError, config_error_loc
 from tests.api.helpers import SPEC, Gate, fake_factory, make_app, make_launcher, stop_all, wait_for
 from tests.service.test_coordinator import FakeCluster
 
@@ -180,7 +181,7 @@ def test_config_error_messages_map_to_field_paths(msg, loc):
 
 
 def test_spec_errors_name_request_fields():
-    from service.jobs import validate_spec
+    from service.specs import validate_spec
 
     with pytest.raises(SpecError) as e:
         validate_spec(SPEC, workers=0)

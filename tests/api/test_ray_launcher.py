@@ -11,7 +11,7 @@ import pytest
 
 from api.store import JobStore
 from service.job_actor import NAMESPACE, RayLauncher, actor_name
-from service.jobs import JobManager
+from service.job_manager import JobManager
 from tests.api.helpers import SPEC, fake_factory, wait_for
 from tests.service.test_coordinator import FakeCluster
 

@@ -1,0 +1,81 @@
+"""What a job's run directory tells the job manager when it cannot ask the coordinator: the final state
+from events.jsonl, the metrics from metrics.jsonl, and the checkpoints directory's entries. Read-only."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+from service.events import read_events
+from service.job_actor import degrees
+
+logger = logging.getLogger(__name__)
+
+TERMINAL = frozenset({"SUCCEEDED", "FAILED", "STOPPED"})
+
+
+def read_job_events(path: Path, job_id: str) -> list[dict]:
+    """The job's events from events.jsonl ([] when missing or unreadable: its final state is unknown)."""
+    if not path.exists():
+        return []
+    try:
+        return [e.to_dict() for e in read_events(path) if e.job_id == job_id]
+    except (OSError, ValueError):
+        logger.warning("job %s: cannot read %s; its final state is unknown", job_id, path, exc_info=True)
+        return []
+
+
+def final_status(status: dict, events: list[dict], *, why: str, now: float) -> dict:
+    """The job's last status given the events its coordinator wrote before it went away. A job whose
+    events do not end in a finished state is FAILED, with `why` the coordinator is gone."""
+    st = dict(status)
+    last = next((e for e in reversed(events) if e["kind"] == "transition"), None)
+    if last is not None:
+        st.update(state=last["to_state"], reason=last["reason"], cause=last["cause"], since=last["time"],
+                  layout=last["new_layout"], degrees=degrees(last["new_layout"]))
+    if events and events[-1]["step"] is not None:
+        st["step"] = events[-1]["step"]
+    if st["state"] not in TERMINAL:
+        st.update(reason=f"the coordinator is gone ({why}); last recorded state {st['state']} at step "
+                         f"{st.get('step') or 0}", state="FAILED", since=now)
+    st.update(world_size=0, running=False)
+    return st
+
+
+def read_metrics(path: Path, *, after: int) -> list[dict]:
+    """Rows of metrics.jsonl after step `after` (a torn last line is skipped)."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            m = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(m, dict) and isinstance(m.get("step"), int) and m["step"] > after:
+            out.append(m)
+    return out
+
+
+def list_checkpoints(ck: str | None, run_dir: str) -> dict:
+    """The checkpoints directory's entries (a remote checkpoint.dir is not listed)."""
+    if ck and "://" in ck and not ck.lower().startswith("file://"):
+        return {"dir": ck, "latest": None, "entries": [], "note": "remote checkpoint dirs are not listed"}
+    d = Path(ck[len("file://"):] if ck and "://" in ck else ck) if ck else Path(run_dir) / "checkpoints"
+    entries = []
+    latest = None
+    if d.is_dir():
+        for p in sorted(d.iterdir()):
+            if p.name == "latest" and p.is_file():
+                latest = p.read_text(errors="replace").strip() or None
+                continue
+            m = re.fullmatch(r"step-(\d+)", p.name)
+            entries.append({
+                "name": p.name, "step": int(m.group(1)) if m else None, "is_dir": p.is_dir(),
+                "committed": p.is_dir() and (p / "manifest.json").is_file(),
+                "bytes": sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.is_dir() else p.stat().st_size,
+                "modified": p.stat().st_mtime,
+            })
+    return {"dir": str(d), "latest": latest, "entries": entries}

@@ -1,0 +1,228 @@
+"""Job requests checked before anything runs: the spec (JobConfig rules plus a layout that can fit), and
+every path the server would resolve (run_dir, checkpoint.dir, data.path) kept inside the roots it was
+given. Errors are SpecError with the request field they concern, so the API can name it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from workers.config import JobConfig
+
+__all__ = ["MAX_GLOBAL_BATCH", "MAX_WORKERS", "REMOTE_SCHEMES", "SpecError", "check_paths", "config_error_loc",
+           "resolve_run_dir", "safe_name", "validate_spec"]
+
+MAX_WORKERS = 100_000
+"""Largest worker count a request may name (keeps the layout check below a few milliseconds)."""
+MAX_GLOBAL_BATCH = 1 << 24
+
+REMOTE_SCHEMES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "hdfs", "memory"})
+"""fsspec URL schemes a checkpoint.dir may use: object stores the server does not resolve on its disk.
+file:// is a local path (checked like one); others (zip::, simplecache::, sftp://, ...) are refused."""
+
+
+class SpecError(ValueError):
+    """A job request that cannot run. `loc` is the field path in the request body, e.g.
+    ("spec", "train", "steps") or ("run_dir",)."""
+
+    def __init__(self, loc: Iterable[str | int], msg: str):
+        super().__init__(msg)
+        self.loc, self.msg = tuple(loc), msg
+
+
+# -- the spec ------------------------------------------------------------------------------------------------
+
+_TOP = ("name", "model", "data", "train", "parallel", "checkpoint", "resources")
+_PATH = re.compile(r"^([A-Za-z_]\w*(?:\.[A-Za-z_]\w*|\[\d+\])*)")
+
+
+def config_error_loc(msg: str) -> tuple[str | int, ...]:
+    """The spec field a ConfigError message names, as a path ("train.steps must be > 0" -> (train, steps))."""
+    m = _PATH.match(msg)
+    loc: list[str | int] = []
+    if m and m.group(1).split(".")[0].split("[")[0] in _TOP:
+        for part in re.findall(r"[A-Za-z_]\w*|\[\d+\]", m.group(1)):
+            loc.append(int(part[1:-1]) if part.startswith("[") else part)
+    if unknown := re.search(r"unknown field '([^']+)'", msg):
+        loc.append(unknown.group(1))
+    elif loc == ["model"] and "preset" in msg:
+        loc.append("preset")
+    elif loc == ["model"]:
+        loc.append("overrides")
+    return tuple(loc)
+
+
+def validate_spec(spec: Any, *, steps: int | None = None, workers: int | None = None) -> JobConfig:
+    """The JobConfig of `spec`, or SpecError naming the field: the YAML rules (JobConfig.from_dict), plus
+    what would only fail once the job runs: a readable data path and a layout that fits the model on
+    the allowed worker counts (e.g. a tp that does not divide the heads)."""
+    try:
+        cfg = JobConfig.from_dict(spec)
+    except ValueError as e:  # ConfigError, or a ValueError from a check deeper down (e.g. a NUL in a path)
+        raise SpecError(("spec", *config_error_loc(str(e))), str(e)) from None
+    except OSError as e:  # data.path that cannot even be looked at (name too long, ...)
+        raise SpecError(("spec", "data", "path"), f"data.path cannot be checked: {e.strerror or e}") from None
+    for name, v in (("steps", steps), ("workers", workers)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise SpecError((name,), f"{name} must be an integer >= 1, got {v!r}")
+    d = cfg.data
+    if d.path is not None and d.source != "synthetic":
+        p = Path(d.path).expanduser()
+        if not os.access(p, os.R_OK | (os.X_OK if p.is_dir() else 0)):
+            raise SpecError(("spec", "data", "path"), f"data.path {d.path!r} is not readable by the server")
+    _check_layout(cfg, workers)
+    return cfg
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
+
+
+def _check_layout(cfg: JobConfig, workers: int | None) -> None:
+    """Some worker count the job may run on must have a valid layout. Candidates are the sizes dp*tp*pp
+    with dp dividing the global batch, tp the head/vocab/ffn sizes and pp <= layers and <= the samples
+    per rank (what the planner can accept at all), largest first; the planner judges the first few. Catches
+    a tp that does not divide the heads, a forced layout that does not fit the model or batch, and ranges
+    with no usable size."""
+    from parallel.layout import Layout
+    from parallel.planner import plan
+    from workers.train import constraints_for
+
+    pc, mc, gbs = cfg.parallel, cfg.model.build(), cfg.train.global_batch_size
+    if gbs > MAX_GLOBAL_BATCH:
+        raise SpecError(("spec", "train", "global_batch_size"),
+                        f"train.global_batch_size={gbs} is more than this server accepts ({MAX_GLOBAL_BATCH})")
+    if pc.layout:
+        lay = Layout.parse(pc.layout, dp_mode=pc.dp_mode)
+        loc, lo, hi, tps, pp_max = ("spec", "parallel", "layout"), lay.world_size, lay.world_size, [lay.tp], None
+        forced = {"tp": lay.tp, "pp": lay.pp}
+    else:
+        hi = workers or pc.max_workers
+        lo = min(pc.min_workers, hi)
+        loc = ("spec", "parallel") + (("tp",) if pc.tp else ("pp",) if pc.pp else ("max_workers",))
+        tp_ok = math.gcd(mc.n_heads, mc.n_kv_heads, mc.vocab_size, mc.ffn_hidden)
+        tps = [pc.tp] if pc.tp else [t for t in _divisors(tp_ok) if pc.max_tp is None or t <= pc.max_tp]
+        pp_max, forced = pc.max_pp, {"tp": pc.tp, "pp": pc.pp}
+    if hi > MAX_WORKERS:
+        raise SpecError(loc, f"{hi} workers is more than this server accepts ({MAX_WORKERS})")
+    sizes: set[int] = set()
+    for dp in _divisors(gbs):
+        for tp in tps:
+            if forced["pp"]:
+                pps = [forced["pp"]]
+            else:
+                # a pipeline of pp stages needs >= pp microbatches of the gbs // dp samples per rank
+                pps = range(1, min(mc.n_layers, pp_max or mc.n_layers, hi // (dp * tp), gbs // dp) + 1)
+            sizes.update(w for pp in pps if lo <= (w := dp * tp * pp) <= hi)
+    if not sizes:
+        raise SpecError(loc, f"no worker count from {lo} to {hi} can be split as dp x tp x pp with dp dividing "
+                             f"train.global_batch_size={gbs}, tp in {tps} and pp <= n_layers={mc.n_layers}")
+    why = ""
+    for w in sorted(sizes, reverse=True)[:16]:
+        try:
+            plan(w, mc, constraints_for(cfg, min_workers=w, max_workers=w,
+                                        **{k: v for k, v in forced.items() if v}))
+            return
+        except ValueError as e:  # PlanError is a ValueError
+            why = str(e)
+    raise SpecError(loc, f"no parallel layout can run this job: {why}")
+
+
+# -- paths ---------------------------------------------------------------------------------------------------
+
+def _field(loc: Sequence[str]) -> str:
+    return ".".join(x for x in loc if x != "spec")
+
+
+def _plain(path: str, loc: Sequence[str]) -> Path:
+    """`path` as a Path, refused when blank, with a NUL byte, or with a '..' part."""
+    if not path.strip() or "\x00" in path:
+        raise SpecError(loc, f"{_field(loc)} {path!r} must be a non-blank path without NUL bytes")
+    p = Path(path)
+    if ".." in p.parts:
+        raise SpecError(loc, f"{_field(loc)} {path!r} must not contain '..'")
+    return p
+
+
+def _resolve(p: Path, loc: Sequence[str]) -> Path:
+    try:
+        return p.resolve()
+    except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop
+        raise SpecError(loc, f"{_field(loc)} {str(p)!r} cannot be resolved: {e}") from None
+
+
+def _inside(full: Path, roots: Sequence[Path], *, or_root: bool = False) -> bool:
+    return any(r in full.parents or (or_root and full == r) for r in roots)
+
+
+def resolve_run_dir(run_dir: str | None, *, runs_root: Path, default_name: str, loc=("run_dir",)) -> Path:
+    """`run_dir` (relative to runs_root, or absolute inside it) as an absolute path inside runs_root.
+    '..', NUL bytes and symlinks that lead out are rejected: the API must not write outside the root it
+    was given."""
+    root = Path(runs_root).resolve()
+    if run_dir is None:
+        return root / default_name
+    p = _plain(str(run_dir), loc)
+    full = _resolve(p if p.is_absolute() else root / p, loc)
+    if not _inside(full, [root]):
+        raise SpecError(loc, f"{_field(loc)} {run_dir!r} must be a directory inside the runs root {root}")
+    return full
+
+
+def check_checkpoint_dir(ck: str, *, runs_root: Path) -> None:
+    """checkpoint.dir: an absolute path (or file:// URL) inside the runs root, or a remote fsspec URL."""
+    loc = ("spec", "checkpoint", "dir")
+    if "\x00" in ck:
+        raise SpecError(loc, f"checkpoint.dir {ck!r} must not contain NUL bytes")
+    if "://" in ck:
+        scheme = ck.split("://", 1)[0].lower()
+        if scheme != "file":
+            if scheme not in REMOTE_SCHEMES:  # zip::, simplecache::file://, local://, sftp:// ... reach this disk
+                raise SpecError(loc, f"checkpoint.dir {ck!r}: a URL's scheme must be one of "
+                                     f"{', '.join(sorted(REMOTE_SCHEMES))} (or give a path inside the runs root)")
+            return
+        ck = ck[len("file://"):]
+    if not Path(ck).is_absolute():
+        raise SpecError(loc, f"checkpoint.dir {ck!r} must be a URL or an absolute path inside the runs root "
+                             f"{Path(runs_root).resolve()}")
+    resolve_run_dir(ck, runs_root=runs_root, default_name="", loc=loc)
+
+
+def check_data_path(path: str, *, data_roots: Sequence[Path]) -> None:
+    """data.path: an absolute path inside (or equal to) one of `data_roots`. Checked before the path is
+    looked at, so a request cannot probe what exists elsewhere on the server."""
+    loc = ("spec", "data", "path")
+    p = _plain(path, loc)
+    roots = [Path(r).resolve() for r in data_roots]
+    where = " or ".join(str(r) for r in roots) or "(none configured)"
+    if not p.is_absolute():
+        raise SpecError(loc, f"data.path {path!r} must be an absolute path inside a data root: {where}")
+    if not _inside(_resolve(p, loc), roots, or_root=True):
+        raise SpecError(loc, f"data.path {path!r} is outside the server's data roots: {where} "
+                             "(the server's ELASTRON_DATA_ROOTS)")
+
+
+def check_paths(spec: Any, *, run_dir: str | None, runs_root: Path, data_roots: Sequence[Path]) -> None:
+    """Every path of a request that the server would resolve, checked on the raw request (before
+    JobConfig looks at the disk): run_dir, checkpoint.dir, data.path."""
+    if run_dir is not None:
+        resolve_run_dir(run_dir, runs_root=runs_root, default_name="")
+    if not isinstance(spec, dict):
+        return  # validate_spec reports the shape
+    ckpt = spec.get("checkpoint") if isinstance(spec.get("checkpoint"), dict) else {}
+    if isinstance(ckpt.get("dir"), str):
+        check_checkpoint_dir(ckpt["dir"], runs_root=runs_root)
+    data = spec.get("data") if isinstance(spec.get("data"), dict) else {}
+    if isinstance(data.get("path"), str) and data.get("source", "corpus") != "synthetic":
+        check_data_path(data["path"], data_roots=data_roots)
+
+
+def safe_name(name: str) -> str:
+    """`name` usable as one directory name."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name).strip(".")[:64] or "job"
