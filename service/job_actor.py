@@ -247,22 +247,22 @@ class RayHandle:
         self._call("stop")
 
 
-def home_node() -> str:
-    """Where a coordinator should live: the head node (it holds the GCS, so it is never a spot
-    instance, and losing it ends the cluster anyway), else the caller's node."""
+HEAD_RESOURCE = "node:__internal_head__"
+"""A resource only Ray's head node has (1.0 of it)."""
+
+
+def _has_head() -> bool:
     import ray
 
-    head = next((n["NodeID"] for n in ray.nodes() if n.get("Alive") and "node:__internal_head__" in n.get("Resources", {})),
-                None)
-    return head or ray.get_runtime_context().get_node_id()
+    return any(n.get("Alive") and HEAD_RESOURCE in n.get("Resources", {}) for n in ray.nodes())
 
 
 class RayLauncher:
     """Starts each job's runner as a named detached actor (``elastron-job-{id}`` in namespace ``elastron``,
     num_cpus=0), and finds it again by name after an API restart. Needs `ray.init` done by the caller.
 
-    The actor is placed on the head node when it can be (soft affinity, `home_node`): not on a worker
-    node that may be preempted, and next to the API as it is usually deployed, so the run directory it
+    The actor is placed on the head node when there is one: not on a worker node that may be
+    preempted, and next to the API as it is usually deployed, so the run directory it
     writes events.jsonl to is the one the API reads when the actor is gone. Detached actors outlive the
     API process only on a Ray cluster that outlives it (``ray start --head``, then ``--address``)."""
 
@@ -279,10 +279,16 @@ class RayLauncher:
 
         opts: dict[str, Any] = dict(name=actor_name(job_id), namespace=self.namespace, lifetime="detached",
                                     num_cpus=0, max_concurrency=4, max_restarts=self.max_restarts)
-        if self.pin_to_this_node:
+        if self.pin_to_this_node and _has_head():
+            # The head holds the GCS, so it is never a spot instance and losing it ends the cluster anyway.
+            # A resource only the head has, rather than soft node affinity: Ray 2.60 ignores soft
+            # affinity for detached actors (measured: they land on any node).
+            opts["resources"] = {HEAD_RESOURCE: 0.001}
+        elif self.pin_to_this_node:
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(home_node(), soft=True)
+            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
+                                                                         soft=True)
         actor = job_actor_class().options(**opts).remote(
             job_id, spec, run_dir=run_dir, steps=steps, workers=workers, options=self.options,
             coordinator_factory=self.coordinator_factory)

@@ -58,11 +58,16 @@ def probe_nodes(node_ids: list[str], *, timeout_s: float = 2.0) -> set[str]:
 
     After an unplanned failure the GCS can list a killed node as alive for many seconds (until its
     health checks time out). Planning onto it would hang a placement until a start-up timeout, which is
-    how Ray Train's elastic mode loses a minute. A healthy raylet places a 0.001-CPU bundle in
-    milliseconds; one that does not answer within `timeout_s` is left out of the next plan."""
+    how Ray Train's elastic mode loses a minute. A healthy raylet places a tiny bundle in milliseconds;
+    one that does not answer within `timeout_s` is left out of the next plan."""
     from ray.util import placement_group_table
 
-    pgs = {nid: placement_group([{"CPU": 0.001}], strategy="STRICT_PACK", _soft_target_node_id=nid)
+    # The bundle asks for a sliver of the node's own `node:IP` resource, not CPU: right after a failure
+    # the node's CPUs can still be held by the placement groups being removed, and a CPU bundle would
+    # then land elsewhere (the target is soft) and make a healthy node look dead.
+    ips = {n["NodeID"]: n.get("NodeManagerAddress") for n in ray.nodes()}
+    pgs = {nid: placement_group([{f"node:{ips[nid]}": 0.001} if ips.get(nid) else {"CPU": 0.001}],
+                                strategy="STRICT_PACK", _soft_target_node_id=nid)
            for nid in node_ids}
     alive: set[str] = set()
     deadline = time.monotonic() + timeout_s

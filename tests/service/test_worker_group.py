@@ -46,3 +46,19 @@ def test_a_failed_start_releases_its_placement_groups_and_cpus(local_ray, tmp_pa
             break
         time.sleep(0.1)
     assert deadline_ok, ray.available_resources()
+
+
+def test_the_probe_finds_a_node_alive_while_all_its_cpus_are_reserved(local_ray):
+    """Right after a failure the node's CPUs may still be held by placement groups being removed; the
+    probe must not take that for a dead raylet."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from service.worker_group import probe_nodes
+
+    me = ray.get_runtime_context().get_node_id()
+    full = placement_group([{"CPU": 2}], strategy="STRICT_PACK")
+    ray.get(full.ready(), timeout=30)
+    try:
+        assert probe_nodes([me], timeout_s=5) == {me}
+    finally:
+        remove_placement_group(full)
