@@ -292,11 +292,13 @@ class Coordinator:
             return
         self._reform(workers, self.watcher.latest or snap, cause=cause, reason=reason, t0=t0)
 
-    def _recover(self, err: WorkerFailure) -> None:
+    def _recover(self, err: WorkerFailure, *, tried: list[str] = ()) -> None:
+        """`tried`: the nodes a failed re-form was placing workers on (not members yet, but just as
+        likely to be the dead ones: e.g. a node killed right after the probe of the previous failure)."""
         t0 = time.time()
         with self._lock:
             self.failures.append(Failure(time=t0, kind=err.kind, error=str(err)))
-        nodes = list(self.group.nodes()) if self.group is not None else []
+        nodes = sorted(set(self.group.nodes() if self.group is not None else ()) | set(tried))
         self._shutdown_group()
         dead = self._probe(nodes)
         self.sm.note("failure", reason=str(err), step=self.step_done, cause="failure",
@@ -326,7 +328,7 @@ class Coordinator:
             started, stopped = self.group.scale_to(nodes)
             formed = self.group.form(p.layout.to_dict())
         except WorkerFailure as e:
-            self._recover(e)
+            self._recover(e, tried=nodes)
             return
         with self._lock:
             self.plan = p

@@ -159,6 +159,34 @@ def test_a_node_the_watcher_still_calls_alive_is_left_out_after_a_failed_probe(t
     assert fail["details"]["unresponsive_nodes"] == ["b"]
 
 
+def test_a_node_that_dies_just_after_the_probe_is_caught_when_the_restart_fails_on_it(tmp_path):
+    """Two faults in quick succession: a worker dies, the probe finds every node fine, then a node
+    dies. The re-form onto that node fails; the nodes it was placing on are probed too, so the next
+    re-form leaves the dead node out instead of failing on it again."""
+    c, cluster, G = make(tmp_path, {"a": 2, "b": 2}, interval=5)
+    advance(c, lambda c: c.step_done >= 6)
+    gone: set[str] = set()
+
+    def probe(nodes, timeout_s):
+        alive = {n for n in nodes if n not in gone}
+        gone.add("b")  # b dies right after the first probe
+        return alive
+    c.group_probe = probe
+    start = G.scale_to
+
+    def scale_to(self, nodes):
+        if set(nodes) & gone:
+            raise WorkerFailure("died", "a worker died during start")
+        return start(self, nodes)
+    G.scale_to = scale_to
+    G.fail_next.append("died")
+    advance(c, lambda c: len(changes(c)) == 1)
+    (rc,) = changes(c)
+    assert rc.cause == "failure" and rc.world_size == 2 and "b" not in c.group.nodes()
+    fails = [e for e in c.events_since(0) if e["kind"] == "failure"]
+    assert [f["details"]["unresponsive_nodes"] for f in fails] == [[], ["b"]]
+
+
 def test_a_suspect_that_answers_a_later_probe_is_used_again_at_once(tmp_path):
     """A probe that timed out on a merely slow raylet must not keep its node out for suspect_seconds:
     while the job cannot start (min_workers=4 needs both nodes) it probes the suspect again."""
