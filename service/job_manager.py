@@ -308,7 +308,7 @@ class JobManager:
                 logger.info("job %s: %s; showing the last known status", job_id, e)
                 return row
             self.store.add_events(job_id, self.store.event_count(job_id), events)
-            self.store.add_metrics(job_id, rows)
+            self.store.add_metrics(job_id, self._fill_gap(row, rows))
             if "mfu" not in st:  # the coordinator reports loss and tokens/s of the last step, not MFU
                 st = {**st, "mfu": self._mfu_at(job_id, st.get("step"))}
             self.store.set_status(job_id, st)
@@ -317,6 +317,20 @@ class JobManager:
                 self._handles.pop(job_id, None)
                 self.store.mark_released(job_id)
             return self._row(job_id)
+
+    def _fill_gap(self, row: dict, rows: list[dict]) -> list[dict]:
+        """`rows` from the coordinator, preceded by the steps between the store's last one and the
+        first of `rows`, read from RUN_DIR/metrics.jsonl. A gap appears when a coordinator dies after
+        its workers trained steps the store had not pulled yet, and its successor resumes from a
+        checkpoint at or after them (it does not train them again, so it never reports them)."""
+        last = self.store.last_step(row["id"])
+        if not rows or rows[0]["step"] <= last + 1:
+            return rows
+        logged: dict[int, dict] = {}
+        for m in read_metrics(Path(row["run_dir"]) / "metrics.jsonl", after=last):
+            if m["step"] < rows[0]["step"]:
+                logged[m["step"]] = m  # the last time a step was trained is the run as it stands
+        return [logged[s] for s in sorted(logged)] + rows
 
     def _finalize_from_run_dir(self, row: dict, why: str) -> dict:
         """The coordinator is gone: take the final state from the events it wrote."""
