@@ -126,8 +126,14 @@ class Coordinator:
     def status(self) -> dict[str, Any]:
         with self._lock:
             last = self.metrics.get(self.step_done, {})
-            return {**self.sm.snapshot(), "step": self.step_done, "total_steps": self.total_steps,
-                    "world_size": self.group.size if self.group else 0, "loss": last.get("loss"),
+            snap = self.sm.snapshot()
+            # Layout and world size from one plan, the one the group runs (set under this lock once the
+            # group has formed): never a new layout with the old size, or the size of a group half re-formed.
+            running = self.group is not None and self.plan is not None
+            if running:
+                snap["layout"] = self.plan.layout.to_dict()
+            return {**snap, "step": self.step_done, "total_steps": self.total_steps,
+                    "world_size": self.plan.world_size if running else 0, "loss": last.get("loss"),
                     "tokens_per_s": last.get("tokens_per_s"), "committed_step": self.committed_step,
                     "min_workers": self.policy.config.min_workers, "max_workers": self.policy.config.max_workers}
 

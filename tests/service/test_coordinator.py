@@ -270,3 +270,24 @@ def test_bad_resize_is_rejected_in_the_callers_thread(tmp_path):
     c, _, _ = make(tmp_path, {"a": 2})
     with pytest.raises(ValueError, match="max_workers=1 is less than min_workers=2"):
         c.resize(min_workers=2, max_workers=1)
+
+
+def test_status_reports_layout_and_world_size_of_one_plan_while_a_group_re_forms(tmp_path):
+    """Polled from another thread mid-resize, status must not pair the new group's size with the old
+    layout (or the other way round)."""
+    c, cluster, G = make(tmp_path, {"a": 2, "b": 2})
+    advance(c, lambda c: c.step_done >= 3)
+    seen = []
+    start = G.scale_to
+
+    def scale_to(self, nodes):
+        out = start(self, nodes)
+        seen.append(c.status())  # members changed, plan not yet: what an API poll would see now
+        return out
+    G.scale_to = scale_to
+    c.resize(workers=2)
+    advance(c, lambda c: c.group.size == 2 and c.plan.world_size == 2 and c.step_done >= 5)
+    assert seen
+    for st in seen + [c.status()]:
+        lay = st["layout"]
+        assert lay["dp_replicate"] * lay["dp_shard"] * lay["tp"] * lay["pp"] == st["world_size"], st
