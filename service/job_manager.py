@@ -22,6 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -86,6 +87,10 @@ class Store(Protocol):
 
 # -- the manager -------------------------------------------------------------------------------------------
 
+SYNC_THREADS = 8
+"""Coordinators synced at the same time."""
+
+
 class JobManager:
     def __init__(self, store: Store, launcher: Launcher, *, runs_root: str | Path, sync_interval_s: float = 0.5,
                  stop_timeout_s: float = 10.0, clock: Callable[[], float] = time.time,
@@ -101,13 +106,16 @@ class JobManager:
         self._submit_lock = threading.Lock()  # run_dir check + insert, atomically
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._inflight: dict[str, Future] = {}
 
     # -- lifecycle -----------------------------------------------------------------------------------------
     def start(self) -> None:
         """Re-attach to the coordinators of unfinished jobs (or record how they ended), then keep syncing."""
-        for row in self.store.list():
-            if row["state"] not in TERMINAL or not row["released"]:
-                self._sync_quietly(row["id"])
+        self._pool = ThreadPoolExecutor(max_workers=SYNC_THREADS, thread_name_prefix="JobManager-sync")
+        self._sync_round()
+        for f in list(self._inflight.values()):
+            f.result()
         self._stop.clear()
         self._thread = threading.Thread(target=self._loop, name="JobManager-sync", daemon=True)
         self._thread.start()
@@ -118,14 +126,24 @@ class JobManager:
         if self._thread is not None:
             self._thread.join(10)
             self._thread = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
 
     def _loop(self) -> None:
         while not self._stop.wait(self.sync_interval_s):
-            for row in self.store.list():
-                if self._stop.is_set():
-                    return
-                if row["state"] not in TERMINAL or not row["released"]:
-                    self._sync_quietly(row["id"])
+            self._sync_round()
+
+    def _sync_round(self) -> None:
+        """Sync every unfinished job, each on a pool thread, so that one coordinator that answers slowly
+        (up to the launcher's timeout) does not hold up the others; a job whose last sync is still
+        running is skipped this round."""
+        for row in self.store.list():
+            if self._stop.is_set():
+                return
+            busy = self._inflight.get(row["id"])
+            if (row["state"] not in TERMINAL or not row["released"]) and (busy is None or busy.done()):
+                self._inflight[row["id"]] = self._pool.submit(self._sync_quietly, row["id"])
 
     def _sync_quietly(self, job_id: str) -> None:
         try:

@@ -67,3 +67,41 @@ def test_steps_only_the_dead_coordinator_trained_come_from_metrics_jsonl(tmp_pat
     got = mgr.metrics(job_id)
     assert [m["step"] for m in got] == list(range(1, 9))
     assert {m["step"]: m["loss"] for m in got}[5] == 4.5  # the replay: the run as it stands
+
+
+def test_a_slow_coordinator_does_not_hold_up_the_other_jobs(tmp_path):
+    import threading
+    import time
+
+    class Slow(Handle):
+        hang = threading.Event()
+        release = threading.Event()
+
+        def status(self):
+            if self.hang.is_set():
+                self.release.wait(30)  # a coordinator that stops answering (until released)
+            return super().status()
+
+    handles = iter([Slow(), Handle()])
+
+    class Two(Launcher):
+        def launch(self, job_id, spec, *, run_dir, steps, workers):
+            return next(handles)
+
+    mgr = JobManager(JobStore(tmp_path / "jobs.db"), Two(), runs_root=tmp_path / "runs", sync_interval_s=0.05)
+    slow_id, fast_id = mgr.submit(SPEC), mgr.submit(SPEC)
+    slow, fast = mgr._handles[slow_id], mgr._handles[fast_id]
+    mgr.start()
+    try:
+        slow.rows = [row(1, 9.0)]
+        slow.hang.set()
+        time.sleep(0.2)  # the slow job's sync is now stuck
+        fast.rows = [row(1, 9.0), row(2, 8.0)]
+        deadline = time.monotonic() + 5
+        while mgr.record(fast_id)["step"] != 2:
+            assert time.monotonic() < deadline, "the fast job was not synced while the slow one hung"
+            time.sleep(0.02)
+        assert mgr.record(slow_id)["step"] == 0  # its sync is still waiting for an answer
+    finally:
+        slow.release.set()
+        mgr.close()
