@@ -19,7 +19,7 @@ AdamW (foreach) with grad clipping at 1.0, fp32, constant LR, for every variant:
     ddp               torchrun-style `DistributedDataParallel` (defaults; `no_sync()` on all but the last
                       micro-batch), each rank its half of the global batch
     fsdp              Elastron dp_shard=2 (FSDP2)                                            target >= 0.95x
-    replicate         Elastron dp_replicate=2                                                target >= 0.95x
+    replicate         Elastron dp_replicate=2 (fp32, so DDP via composable `replicate()`)    target >= 0.95x
     tp, pp            Elastron tp=2 and pp=2 (1F1B), for information (ratios to ddp)
 
 Every rank runs with OMP_NUM_THREADS=1 (tests.multiproc.run_ranks), so a world-size-2 run uses both
@@ -336,7 +336,7 @@ LABELS = {
     "elastron+metrics": "Elastron Trainer, run_dir (metrics.jsonl)",
     "elastron+ckpt": "Elastron Trainer, run_dir (metrics + async ckpt every block)",
     "ddp": "DDP, 2 gloo ranks (torchrun-style)", "fsdp": "Elastron dp_shard=2 (FSDP2)",
-    "replicate": "Elastron dp_replicate=2", "tp": "Elastron tp=2", "pp": "Elastron pp=2 (1F1B)",
+    "replicate": "Elastron dp_replicate=2 (DDP)", "tp": "Elastron tp=2", "pp": "Elastron pp=2 (1F1B)",
 }
 
 

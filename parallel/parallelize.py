@@ -9,6 +9,11 @@ from `models.llama.init_value`, which depends only on the seed and the canonical
 starts from the same global weights. Nothing here renames a parameter: checkpointing replaces a block's
 `forward` and compile uses `nn.Module.compile()`, neither of which inserts a wrapper module
 (`_checkpoint_wrapped_module.`, `_orig_mod.`) into the names that initialisation and checkpoints key on.
+
+Pure replication in fp32 (dp_replicate > 1, nothing else) is DDP rather than FSDP2 on a (dp_replicate, 1)
+mesh: the composable `replicate()` keeps the model's class and names, builds its DDP reducer lazily at
+the first forward (so after `materialize`, which DDP needs: it broadcasts rank 0's values), and buckets
+gradients into a few all-reduces per step, where FSDP2 issues one per unit inside backward.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from typing import Callable, Literal
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._composable.replicate import DDP as ReplicatedModule
+from torch.distributed._composable.replicate import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -44,6 +51,27 @@ def dp_mesh(mesh: DeviceMesh, layout: Layout, *, single_rank: bool = False) -> D
     return mesh[(MeshAxis.DP_REPLICATE.value, MeshAxis.DP_SHARD.value)]
 
 
+def uses_ddp(layout: Layout, precision: PrecisionPolicy) -> bool:
+    """Whether `parallelize` replicates with DDP instead of FSDP2: data parallelism by replication only,
+    no TP or PP, fp32. bf16 needs FSDP2's MixedPrecisionPolicy (`parallel.precision`); DDP cannot take
+    TP's DTensor parameters without localising them, and PP stages sync their own gradients."""
+    return (layout.dp_replicate > 1 and layout.dp_shard == 1 and not layout.tp_enabled
+            and not layout.pp_enabled and not precision.mixed)
+
+
+def reshard_after_forward(layout: Layout, device_type: str) -> bool:
+    """Whether FSDP2 frees the unsharded parameters after a unit's forward (and gathers them again for
+    its backward).
+
+    Not with PP: every microbatch runs forward and backward separately, and keeping parameters unsharded
+    between them avoids an all-gather per microbatch (torchtitan does the same). Not on a single dp rank:
+    "resharding" would only drop the bf16 copy and recast it in backward. Not on CPU: gloo collectives
+    block and overlap nothing, so the second gather costs a unit's all-gather plus copy-in/out in every
+    backward (measured: 20 all-gathers per step instead of 5, docs/benchmarks.md), while the memory it
+    saves, P * (1 - 1/dp_shard) * bytes per parameter at the peak, matters little on a CPU host."""
+    return not layout.pp_enabled and layout.dp > 1 and device_type != "cpu"
+
+
 def parallelize(
     model: nn.Module,
     *,
@@ -67,13 +95,17 @@ def parallelize(
     apply_ac(model, activation_checkpointing)
     if compile:
         apply_compile(model)
+    if uses_ddp(layout, precision):
+        # Lazy: the DDP reducer (and its broadcast of rank 0's parameters) is built at the first forward,
+        # after materialize(). No buffers are synced per forward: the only ones, the RoPE tables, are
+        # computed identically on every rank (and DDP is built over the parameters only anyway).
+        replicate(model, process_group=mesh[MeshAxis.DP_REPLICATE.value].get_group(),
+                  forward_sync_buffers=False)
+        return model
     fsdp = dp_mesh(mesh, layout, single_rank=precision.shard_single_rank)
     if fsdp is not None:
         mp = precision.mp_policy()
-        # With PP every microbatch runs forward and backward separately; keeping parameters unsharded
-        # between them avoids an all-gather per microbatch (torchtitan does the same). On a single dp
-        # rank "resharding" would only drop the bf16 copy and recast it in backward.
-        reshard = not layout.pp_enabled and layout.dp > 1
+        reshard = reshard_after_forward(layout, mesh.device_type)
         for block in model.layers.values():
             fully_shard(block, mesh=fsdp, mp_policy=mp, reshard_after_forward=reshard)
         fully_shard(model, mesh=fsdp, mp_policy=mp, reshard_after_forward=reshard)
@@ -217,8 +249,17 @@ def param_groups(params: list[nn.Parameter]) -> list[dict]:
 
 
 def set_grad_sync(model: nn.Module, sync: bool) -> None:
-    """Skip FSDP gradient reduction on all but the last microbatch of an accumulation."""
+    """Skip gradient reduction on all but the last microbatch of an accumulation (FSDP2 or DDP).
+
+    On CPU, FSDP2 units also keep their parameters unsharded from one microbatch to the next instead of
+    gathering them again: there they are not resharded after forward either
+    (`reshard_after_forward`), so holding them through backward adds nothing to the peak. On GPUs it
+    would hold the whole model unsharded through the accumulation, so they reshard as usual."""
     if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(sync)
+        if next(model.parameters()).device.type == "cpu":
+            model.set_reshard_after_backward(sync)
+    elif isinstance(model, ReplicatedModule):
         model.set_requires_gradient_sync(sync)
 
 
