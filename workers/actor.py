@@ -62,13 +62,16 @@ class Worker:
         self.rank = rank
         return {"step": self.trainer.step, "pg_s": t1 - t0, "build_s": time.perf_counter() - t1}
 
-    def leave(self) -> None:
-        """Drop the trainer and the process group; the process stays warm for the next layout."""
+    def leave(self, *, save_timeout_s: float = 60.0) -> None:
+        """Drop the trainer and the process group; the process stays warm for the next layout.
+        `save_timeout_s`: how long a checkpoint save in flight may take to commit first (after a
+        failure its peers may be dead, so the coordinator passes a short one; an abandoned save was
+        never committed and is never loaded)."""
         from workers.runtime import destroy_process_group
 
         if self.trainer is not None:
             try:
-                self.trainer.close()
+                self.trainer.close(timeout_s=save_timeout_s)
             finally:
                 self.trainer = None
         destroy_process_group()
