@@ -29,8 +29,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_train(args: argparse.Namespace) -> int:
     from workers.config import load_config
     from workers.local import launch_local
+    from workers.train import check_run_dir, resolve_layout
 
-    load_config(args.config)  # fail fast, with one line, before starting any rank
+    # Fail fast, with one line, before starting any rank: the checks every rank would make.
+    cfg = load_config(args.config)
+    if args.nproc < 1:
+        raise CLIError(f"--nproc must be >= 1, got {args.nproc}")
+    if args.steps is not None and args.steps < 1:
+        raise CLIError(f"--steps must be >= 1, got {args.steps}")
+    resolve_layout(cfg, args.layout, args.nproc)
+    check_run_dir(cfg, args.run_dir)
     return launch_local(args.config, nproc=args.nproc, run_dir=args.run_dir, layout=args.layout, steps=args.steps)
 
 
@@ -55,7 +63,13 @@ def _cmd_ckpt_inspect(args: argparse.Namespace) -> int:
         total = sum(f.get("size", 0) for f in files.values())
         print(f"  files: {len(files)}, {total / 2**20:.1f} MiB")
         print("  valid: yes" if info.get("valid") else "  valid: NO — " + "; ".join(info.get("problems", [])))
-    return 0 if info.get("valid") else 1
+    if info.get("valid"):
+        return 0
+    problems = info.get("problems") or ["unknown problem"]
+    more = f" (+{len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+    print(f"elastron: error: checkpoint {info['path']} cannot be loaded: {problems[0]}{more}; a resumed run "
+          "skips it and falls back to an older checkpoint", file=sys.stderr)
+    return 1
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
@@ -137,8 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except (CLIError, ValueError, FileNotFoundError, FileExistsError, PermissionError) as e:
-        # ConfigError, PlanError and CheckpointError are ValueError/RuntimeError subclasses with clear text.
+    except (CLIError, ValueError, OSError) as e:
+        # ConfigError, PlanError and CheckpointError are ValueError/RuntimeError subclasses with clear text;
+        # OSError: a path that is missing, not a directory, not writable, ...
         print(f"elastron: error: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:

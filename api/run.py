@@ -4,22 +4,56 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from pathlib import Path
 
 from api.progress import Progress, reconfig_table
 
+RAY_CONNECT_TIMEOUT_S = 10.0
+"""How long the address of a Ray cluster may take to accept a connection (ELASTRON_RAY_CONNECT_TIMEOUT_S)."""
+
+RAY_CONNECT_ATTEMPTS = "3"
+"""Attempts ray.init makes to reach a GCS at an address that accepts connections (Ray's own default is 20,
+about 40 s each when what listens there is not a GCS); RAY_gcs_server_port_wait_time_s overrides it."""
+
+
+def probe_address(address: str, timeout_s: float | None = None) -> None:
+    """Raise ConnectionError unless something accepts a TCP connection at `address` ("host:port" or
+    "ray://host:port") within `timeout_s`: ray.init retries an address that does not answer for
+    minutes. Other forms ("auto", ...) are left to Ray."""
+    if timeout_s is None:
+        timeout_s = float(os.environ.get("ELASTRON_RAY_CONNECT_TIMEOUT_S", RAY_CONNECT_TIMEOUT_S))
+    hostport = address.removeprefix("ray://")
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit() or "://" in hostport or "/" in hostport:
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        why = f"no answer within {timeout_s:g} s" if isinstance(e, TimeoutError) else e.strerror or str(e)
+        raise ConnectionError(f"nothing answers there ({why}); start the Ray head (`ray start --head` prints "
+                              "its address) or fix the address") from None
+
 
 def connect_ray(address: str | None, *, num_cpus: int | None = None) -> None:
     """Attach to `address`, or to the cluster `ray job submit` put us in (RAY_ADDRESS), or start a
-    private local Ray (never a stale session left in /tmp/ray)."""
+    private local Ray (never a stale session left in /tmp/ray). An address that does not answer fails
+    within ELASTRON_RAY_CONNECT_TIMEOUT_S (see probe_address)."""
     import ray
 
     if ray.is_initialized():
         return
-    if address:
-        ray.init(address=address, log_to_driver=False)
-    elif os.environ.get("RAY_ADDRESS"):
-        ray.init(log_to_driver=False)
+    target = address or os.environ.get("RAY_ADDRESS")
+    if target:
+        probe_address(target)
+        bounded = "RAY_gcs_server_port_wait_time_s" not in os.environ
+        if bounded:  # read by ray.init only while it connects to the GCS (ray/_private/node.py)
+            os.environ["RAY_gcs_server_port_wait_time_s"] = RAY_CONNECT_ATTEMPTS
+        try:
+            ray.init(address=address, log_to_driver=False) if address else ray.init(log_to_driver=False)
+        finally:
+            if bounded:
+                os.environ.pop("RAY_gcs_server_port_wait_time_s", None)
     else:
         ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
                  log_to_driver=False)
@@ -28,19 +62,27 @@ def connect_ray(address: str | None, *, num_cpus: int | None = None) -> None:
 def run_job(config: str, *, address: str | None = None, workers: int | None = None, layout: str | None = None,
             steps: int | None = None, run_dir: str | None = None, settle_seconds: float = 10.0,
             json_path: str | None = None) -> int:
+    from parallel.layout import Layout
     from service.coordinator import Coordinator, CoordinatorOptions
-    from workers.config import load_config
+    from workers.config import layout_problem, load_config
+    from workers.train import check_run_dir
 
     cfg = load_config(config)
     if workers is not None and layout is not None:
         raise ValueError("give --workers or --layout, not both")
     if steps is not None and steps < 1:
         raise ValueError(f"--steps must be >= 1, got {steps}")
+    if layout is not None:
+        lay = Layout.parse(layout, dp_mode=cfg.parallel.dp_mode)
+        if why := layout_problem(lay, cfg.model.build(), cfg.train):
+            raise ValueError(f"--layout {layout}: {why}")
     rd = Path(run_dir or Path("runs") / cfg.name)
+    check_run_dir(cfg, rd)  # before Ray: a run that cannot write its events must not start
     try:
         connect_ray(address)
     except Exception as e:  # ConnectionError, TimeoutError, RuntimeError from ray.init
-        raise RuntimeError(f"cannot connect to Ray at {address or os.environ.get('RAY_ADDRESS')}: "
+        where = address or os.environ.get("RAY_ADDRESS") or "a new local Ray"
+        raise RuntimeError(f"cannot connect to Ray at {where}: "
                            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     coord = Coordinator(cfg, run_dir=rd, total_steps=steps, workers=workers, layout=layout,
                         options=CoordinatorOptions(settle_seconds=settle_seconds))

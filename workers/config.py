@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -81,6 +82,20 @@ class DataConfig:
                 raise ConfigError(f"data.path {self.path!r} must be a directory for source 'corpus'")
             if not want_dir and not p.is_file():
                 raise ConfigError(f"data.path {self.path!r} must be a file for source 'tokens'")
+            if not os.access(p, os.R_OK | (os.X_OK if want_dir else 0)):
+                raise ConfigError(f"data.path {self.path!r} is not readable by this user; fix its permissions")
+            if want_dir and not _has_file(p, tuple(self.suffixes)):
+                raise ConfigError(f"data.path {self.path!r} holds no readable file ending with {self.suffixes} "
+                                  "(see data.suffixes)")
+
+
+def _has_file(root: Path, suffixes: tuple[str, ...]) -> bool:
+    """Whether the corpus under `root` has a readable file ending with `suffixes` (stops at the first)."""
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            if name.endswith(suffixes) and os.access(os.path.join(dirpath, name), os.R_OK):
+                return True
+    return False
 
 
 @dataclass(kw_only=True, slots=True)
@@ -232,6 +247,12 @@ class JobConfig:
             raise ConfigError(f"data.seq_len={self.data.seq_len} exceeds model max_seq_len={mc.max_seq_len}")
         if self.data.source == "corpus" and mc.vocab_size < 256:
             raise ConfigError(f"byte-level corpus needs model vocab_size >= 256, got {mc.vocab_size}")
+        if self.parallel.layout is not None:
+            from parallel.layout import Layout
+
+            why = layout_problem(Layout.parse(self.parallel.layout, dp_mode=self.parallel.dp_mode), mc, self.train)
+            if why:
+                raise ConfigError(f"parallel.layout {self.parallel.layout!r}: {why}")
 
     @classmethod
     def from_dict(cls, d: Any) -> "JobConfig":
@@ -244,6 +265,27 @@ class JobConfig:
         """Stable hash of the config (stored in checkpoints)."""
         blob = json.dumps(self.to_dict(), sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def layout_problem(layout, model: ModelConfig, train: TrainConfig) -> str | None:
+    """Why `layout` (a parallel.layout.Layout) cannot train `model` with `train`'s batch, or None: the rules
+    the planner applies to the layouts it picks, bar its memory estimate (a forced layout overrides that).
+    tp must divide the heads, KV heads, vocab and FFN sizes; pp <= n_layers; dp must divide the global
+    batch and leave each DP rank >= pp microbatches (a pipeline needs one per stage)."""
+    from parallel.planner import micro_batch_sizes
+
+    for name in ("n_heads", "n_kv_heads", "vocab_size", "ffn_hidden"):
+        if getattr(model, name) % layout.tp:
+            return f"tp={layout.tp} does not divide the model's {name}={getattr(model, name)}; use a tp that does"
+    if layout.pp > model.n_layers:
+        return f"pp={layout.pp} exceeds the model's n_layers={model.n_layers}"
+    gbs = train.global_batch_size
+    if gbs % layout.dp:
+        return f"dp={layout.dp} does not divide train.global_batch_size={gbs}; use a dp that does, or another batch"
+    if not micro_batch_sizes(gbs // layout.dp, train.micro_batch_size, min_microbatches=layout.pp):
+        return (f"pp={layout.pp} needs >= {layout.pp} microbatches per step but dp={layout.dp} leaves "
+                f"{gbs // layout.dp} samples per DP rank; raise train.global_batch_size or lower dp or pp")
+    return None
 
 
 def load_config(path: str | Path) -> JobConfig:

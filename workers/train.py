@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
 from parallel.checkpoint.manifest import CheckpointError
 from parallel.layout import Layout
-from workers.config import ConfigError, JobConfig, load_config
-from workers.runtime import destroy_process_group, env_world, init_process_group, pick_device
+from workers.config import ConfigError, JobConfig, layout_problem, load_config
 
 
 def resolve_layout(cfg: JobConfig, text: str | None, world_size: int) -> Layout:
@@ -29,6 +29,8 @@ def resolve_layout(cfg: JobConfig, text: str | None, world_size: int) -> Layout:
     if text:
         layout = Layout.parse(text, dp_mode=cfg.parallel.dp_mode)
         layout.check_world_size(world_size)
+        if why := layout_problem(layout, cfg.model.build(), cfg.train):
+            raise ValueError(f"layout {layout}: {why}")
         return layout
     from parallel.planner import plan
 
@@ -53,6 +55,26 @@ def constraints_for(cfg: JobConfig, **overrides):
     return Constraints(**kw)
 
 
+def check_run_dir(cfg: JobConfig, run_dir: str | Path) -> None:
+    """The run directory (and a local checkpoint.dir) must be a directory this process can write, or one
+    it can create: checked up front, creating nothing, so that a path that cannot hold metrics or
+    checkpoints fails here in one line rather than after the first interval of training."""
+    dirs = [("run directory", str(run_dir), "--run-dir")]
+    ck = cfg.checkpoint.dir
+    if ck and ("://" not in ck or ck.startswith("file://")):
+        dirs.append(("checkpoint.dir", ck.removeprefix("file://"), "checkpoint.dir"))
+    for what, d, where in dirs:
+        near = Path(d).expanduser().absolute()
+        while not near.exists() and near != near.parent:
+            near = near.parent  # the nearest existing ancestor: where the directory would be created
+        if not near.is_dir():
+            raise ValueError(f"{what} {d!r} cannot be created: {str(near)!r} is not a directory; "
+                             f"pick another path ({where})")
+        if not os.access(near, os.W_OK | os.X_OK):
+            raise ValueError(f"{what} {d!r} is not writable: permission denied on {str(near)!r}; "
+                             f"pick another path ({where}) or fix its permissions")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m workers.train", description="Train one rank of an Elastron job.")
     ap.add_argument("config", help="job config YAML")
@@ -64,6 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # torch is imported here, not at module level: `elastron train` runs the checks above without it.
+    from workers.runtime import destroy_process_group, env_world, init_process_group, pick_device
+
     args = parse_args(argv)
     rank, world_size = env_world()
     logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
@@ -73,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         steps = args.steps if args.steps is not None else cfg.train.steps
         if steps < 1:
             raise ConfigError(f"--steps must be >= 1, got {steps}")
+        if rank == 0:
+            check_run_dir(cfg, args.run_dir)
         device = pick_device(cfg.resources.device)
     except (ConfigError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -98,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         # Every rank reaches the same verdict on the checkpoints, so every rank exits here.
         print(f"error: {e}", file=sys.stderr)
         return 3
+    except ConfigError as e:  # found while building (e.g. a corpus with too little text): the same on every rank
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     finally:
         destroy_process_group()
     return 0

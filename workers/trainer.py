@@ -142,7 +142,10 @@ class Trainer:
             t.global_batch_size, layout.dp, t.micro_batch_size, min_microbatches=layout.pp
         )
         self.n_microbatches = per_rank // self.micro_batch_size
-        source = build_source(cfg.data, seed=t.seed, vocab_size=self.model_cfg.vocab_size)
+        try:
+            source = build_source(cfg.data, seed=t.seed, vocab_size=self.model_cfg.vocab_size)
+        except ValueError as e:  # e.g. a corpus with too little text: the same verdict on every rank
+            raise ConfigError(f"data: {e}") from None
         self.loader = DataLoader(
             source, seed=t.seed, global_batch_size=t.global_batch_size,
             micro_batch_size=self.micro_batch_size, dp_rank=self.dp_rank, dp_size=layout.dp,

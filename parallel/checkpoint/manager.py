@@ -51,6 +51,11 @@ from parallel.checkpoint.validate import (
 log = logging.getLogger(__name__)
 
 
+def _first(problems: list[str]) -> str:
+    """The first problem, and how many more: one readable line even for a 40-tensor shape mismatch."""
+    return problems[0] + (f" (+{len(problems) - 1} more problem(s))" if len(problems) > 1 else "")
+
+
 def _describe(e: BaseException) -> str:
     """One line per failure. DCP's CheckpointException (a BaseException, not an Exception: an
     `except Exception` does not catch it) carries each failed rank's exception plus a traceback."""
@@ -128,6 +133,7 @@ class CheckpointManager:
             self._remove_stale_staging()
         self._comm.barrier()
         self._stager = state_mod.Stager()
+        self._unloadable: set[str] = set()  # step directories skipped by load_latest that could not be set aside
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.last_saved_step: int | None = None
@@ -304,14 +310,15 @@ class CheckpointManager:
         uncommitted step directories older than the newest committed one (leftovers of failed saves)."""
         st = self.storage
         dirs = list_step_dirs(st)
-        committed = [(s, n) for s, n in dirs if st.exists(st.join(st.root, n, MANIFEST_NAME))]
+        committed = [(s, n) for s, n in dirs
+                     if n not in self._unloadable and st.exists(st.join(st.root, n, MANIFEST_NAME))]
         if not committed:
             return
         keep = {n for _, n in committed[: self.keep_last]}
         newest_step = committed[0][0]
         committed_names = {n for _, n in committed}
         for s, n in dirs:
-            if n in keep or (n not in committed_names and s >= newest_step):
+            if n in keep or n in self._unloadable or (n not in committed_names and s >= newest_step):
                 continue
             log.info("checkpoint retention: removing %s", st.join(st.root, n))
             st.remove_tree(st.join(st.root, n))
@@ -326,14 +333,16 @@ class CheckpointManager:
     def load_latest(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
                     expected: dict[str, tuple[tuple[int, ...], str]] | None = None) -> Manifest | None:
         """Load the newest checkpoint that passes every check into `model` and `optimizer` (any layout),
-        and return its manifest; None if there is no checkpoint at all. A checkpoint that fails is
-        skipped with a warning naming it and the reason; if none is left, CheckpointError lists them.
-        `expected` (canonical name -> (global shape, dtype)) lets the check reject another model's
-        checkpoint before anything is read."""
+        and return its manifest; None if there is no checkpoint at all. Checkpoints that fail are skipped:
+        once an older one loads, each is logged with its reason and, if it was committed, set aside
+        (`Storage.set_aside`) so that it is kept for inspection but never replaced by a new save of its step
+        nor counted by retention. If none loads, CheckpointError names each one and its first problem, and
+        nothing is moved. `expected` (canonical name -> (global shape, dtype)) lets the check reject
+        another model's checkpoint before anything is read."""
         self.flush()
         comm, st = self._comm, self.storage
         names = comm.broadcast(list_step_dirs(st) if self.rank == 0 else None)
-        skipped: list[str] = []
+        skipped: list[tuple[str, list[str], bool]] = []  # (path, problems, committed)
         for _, name in names:
             path = st.join(st.root, name)
             text, why = comm.broadcast(read_manifest_text(st, path) if self.rank == 0 else (None, None))
@@ -355,14 +364,34 @@ class CheckpointManager:
                 errs = [e for e in comm.all_gather(err) if e]
                 if not errs:
                     if skipped and self.rank == 0:
+                        self._set_aside(skipped)
                         log.warning("resumed from %s after skipping %d newer checkpoint(s)", path, len(skipped))
                     return manifest
                 check.problems = [f"loading failed: {errs[0]}"]
-            reason = "; ".join(check.problems)
-            if self.rank == 0:
-                log.warning("checkpoint %s cannot be loaded: %s; falling back to the previous checkpoint",
-                            path, reason)
-            skipped.append(f"{path}: {reason}")
+            skipped.append((path, check.problems, text is not None))
         if skipped:
-            raise CheckpointError(f"no loadable checkpoint under {st.root}: " + " | ".join(skipped))
+            raise CheckpointError(
+                f"no loadable checkpoint under {st.root}: "
+                + "; ".join(f"{p.rstrip('/').rsplit('/', 1)[-1]}: {_first(problems)}" for p, problems, _ in skipped)
+                + ". To resume, use the job config these checkpoints were saved with (see `elastron ckpt "
+                  "inspect`) or restore a good one; to start over, use a new run directory")
         return None
+
+    def _set_aside(self, skipped: list[tuple[str, list[str], bool]]) -> None:
+        """Rank 0, after a fallback: log each skipped checkpoint and set the committed ones aside."""
+        st = self.storage
+        for path, problems, committed in skipped:
+            note = ""
+            if committed:
+                try:
+                    moved = st.set_aside(path)
+                except OSError:
+                    log.warning("could not set %s aside", path, exc_info=True)
+                    moved = None
+                if moved is None:
+                    self._unloadable.add(path.rstrip("/").rsplit("/", 1)[-1])
+                    note = "; kept in place until its step is saved again"
+                else:
+                    note = f"; moved to {moved} for inspection (delete it when done)"
+            log.warning("checkpoint %s cannot be loaded: %s%s; falling back to an older checkpoint",
+                        path, _first(problems), note)

@@ -201,23 +201,24 @@ class Manifest:
 
     def model_problems(self, expected: dict[str, tuple[tuple[int, ...], str]]) -> list[str]:
         """Differences between the checkpoint's model tensors and the model about to receive them
-        (`expected`: canonical name -> (global shape, dtype name))."""
+        (`expected`: canonical name -> (global shape, dtype name)). Shape mismatches come first: they show
+        both shapes, the clearest sign of a different model when only the first problem is shown."""
         have = self.model_tensors()
-        problems = []
+        shapes, others = [], []
         for name, (shape, dtype) in sorted(expected.items()):
             t = have.get(name)
             if t is None:
-                problems.append(f"model parameter {name} is missing from the checkpoint")
+                others.append(f"model parameter {name} is missing from the checkpoint")
             elif tuple(t.shape) != tuple(shape):
-                problems.append(f"model parameter {name} has shape {list(t.shape)} in the checkpoint but "
-                                f"{list(shape)} in the model (different model shape)")
+                shapes.append(f"model parameter {name} has shape {list(t.shape)} in the checkpoint but "
+                              f"{list(shape)} in the model (different model shape)")
             elif t.dtype != dtype:
-                problems.append(f"model parameter {name} is {t.dtype} in the checkpoint but {dtype} in the model")
+                others.append(f"model parameter {name} is {t.dtype} in the checkpoint but {dtype} in the model")
         extra = sorted(set(have) - set(expected))
         if extra:
-            problems.append(f"checkpoint has {len(extra)} parameter(s) the model does not, e.g. {extra[0]} "
-                            "(different model shape)")
-        return problems
+            others.append(f"checkpoint has {len(extra)} parameter(s) the model does not, e.g. {extra[0]} "
+                          "(different model shape)")
+        return shapes + others
 
 
 def _is_int(v: Any) -> bool:

@@ -82,6 +82,12 @@ class Storage:
         """DCP writer for the shards of the checkpoint being written at `path`."""
         raise NotImplementedError
 
+    def set_aside(self, path: str) -> str | None:
+        """Move the checkpoint directory `path` to a free name that is not a step directory (so it is
+        neither loaded, counted by retention, nor replaced by a new save of its step); return the new
+        path, or None where storage cannot rename cheaply (it then stays where it is)."""
+        return None
+
     def read_bytes(self, path: str) -> bytes:
         with self.open(path) as f:
             return f.read()
@@ -149,7 +155,8 @@ class LocalStorage(Storage):
                 os.fsync(f.fileno())
         _fsync_dir(staging)
         if os.path.exists(final):
-            # Only reachable when a run fell back past a bad checkpoint and is saving that step again.
+            # A run fell back past a step directory that could not be set aside (see set_aside) and
+            # is saving that step again.
             old = self.staging_path(final).replace(".tmp", ".old.tmp")
             self.remove_tree(old)
             os.rename(final, old)
@@ -158,6 +165,15 @@ class LocalStorage(Storage):
         else:
             os.rename(staging, final)
         _fsync_dir(os.path.dirname(final))
+
+    def set_aside(self, path: str) -> str | None:
+        new, n = f"{path}.unloadable", 1
+        while os.path.lexists(new):
+            n += 1
+            new = f"{path}.unloadable-{n}"
+        os.rename(path, new)
+        _fsync_dir(os.path.dirname(path))
+        return new
 
     def writer(self, path: str) -> "ShardWriter":
         from parallel.checkpoint.writer import ShardWriter
