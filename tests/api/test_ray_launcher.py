@@ -4,30 +4,17 @@ state its events.jsonl last recorded. The fake worker group keeps it to one loca
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 
 from api.store import JobStore
 from service.job_actor import NAMESPACE, RayLauncher, actor_name
 from service.job_manager import JobManager
 from tests.api.helpers import SPEC, fake_factory, wait_for
+from tests.ray_local import local_ray  # noqa: F401  (a fixture)
 from tests.service.test_coordinator import FakeCluster
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.e2e
-ROOT = str(Path(__file__).resolve().parents[2])
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}})
-    yield
-    ray.shutdown()
 
 
 def manager(tmp_path) -> JobManager:

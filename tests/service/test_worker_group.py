@@ -3,26 +3,15 @@ failed start leaking its placement groups, so that the next start could not plac
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
+import time
 
 import pytest
 
 from service.worker_group import WorkerFailure, WorkerGroup
+from tests.ray_local import local_ray  # noqa: F401  (a fixture)
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.e2e
-ROOT = str(Path(__file__).resolve().parents[2])
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}})
-    yield
-    ray.shutdown()
 
 
 def test_a_failed_start_releases_its_placement_groups_and_cpus(local_ray, tmp_path):
@@ -37,15 +26,10 @@ def test_a_failed_start_releases_its_placement_groups_and_cpus(local_ray, tmp_pa
     assert g.size == 0
     states = [pg["state"] for pg in placement_group_table().values()]
     assert states and all(s == "REMOVED" for s in states), states
-    deadline_ok = False
-    import time
-
-    for _ in range(100):  # resource release is asynchronous
-        if ray.available_resources().get("CPU") == 2.0:
-            deadline_ok = True
-            break
+    deadline = time.monotonic() + 10  # resource release is asynchronous
+    while ray.available_resources().get("CPU") != 2.0:
+        assert time.monotonic() < deadline, ray.available_resources()
         time.sleep(0.1)
-    assert deadline_ok, ray.available_resources()
 
 
 def test_the_probe_finds_a_node_alive_while_all_its_cpus_are_reserved(local_ray):
