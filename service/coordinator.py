@@ -60,9 +60,6 @@ class CoordinatorOptions:
     """After a failure, a node that cannot place a tiny bundle within this long is left out of plans."""
     suspect_seconds: float = 60.0
     """How long such a node stays out (unless Ray confirms it dead first, or a later probe reaches it)."""
-    salvage_timeout_s: float = 10.0
-    """After a failure, how long surviving workers get to leave the broken process group and be reused;
-    those that do not (stuck in a collective with a dead peer) are stopped and replaced."""
     reprobe_interval_s: float = 3.0
     """While the job waits or starts with suspects left out, how often they are probed again."""
 
@@ -94,7 +91,6 @@ class Coordinator:
         self.watcher = watcher or ClusterWatcher(interval_s=self.opts.poll_interval_s)
         self._own_watcher = watcher is None
         self.group: WorkerGroup | None = None
-        self._formed = False  # the group's members train together (False: none, or survivors of a failure)
         self.plan: Plan | None = None
         self.step_done = 0
         self.committed_step = 0
@@ -133,7 +129,7 @@ class Coordinator:
             snap = self.sm.snapshot()
             # Layout and world size from one plan, the one the group runs (set under this lock once the
             # group has formed): never a new layout with the old size, or the size of a group half re-formed.
-            running = self.group is not None and self._formed and self.plan is not None
+            running = self.group is not None and self.plan is not None
             if running:
                 snap["layout"] = self.plan.layout.to_dict()
             return {**snap, "step": self.step_done, "total_steps": self.total_steps,
@@ -193,7 +189,7 @@ class Coordinator:
         snap = self.watcher.latest or self.watcher.poll()
         if state is S.PENDING:
             self.sm.transition(S.STARTING, reason="starting", step=self.step_done, cause="planned")
-        if self.group is None or not self._formed:
+        if self.group is None:
             self._start_or_wait(snap)
         elif self.step_done >= self.total_steps:
             self._finish()
@@ -309,10 +305,10 @@ class Coordinator:
         with self._lock:
             self.failures.append(Failure(time=t0, kind=err.kind, error=str(err)))
         nodes = sorted(set(self.group.nodes() if self.group is not None else ()) | set(tried))
-        kept = self._salvage_group()
+        self._shutdown_group()
         dead = self._probe(nodes)
         self.sm.note("failure", reason=str(err), step=self.step_done, cause="failure",
-                     details={"kind": err.kind, "unresponsive_nodes": sorted(dead), "workers_kept": kept})
+                     details={"kind": err.kind, "unresponsive_nodes": sorted(dead)})
         if self.sm.can(S.RECOVERING):
             self.sm.transition(S.RECOVERING, reason=str(err), step=self.step_done, cause="failure")
         self._open = Reconfig(cause="failure", detected=t0, step_before=self.step_done,
@@ -342,7 +338,6 @@ class Coordinator:
             return
         with self._lock:
             self.plan = p
-            self._formed = True
             resumed = formed["step"]
             rc = self._open if self._open is not None else Reconfig(cause=cause, detected=t0, step_before=self.step_done,
                                                                     old_layout=old)
@@ -370,22 +365,7 @@ class Coordinator:
         self._shutdown_group()
         self.sm.transition(S.FAILED, reason=reason, step=self.step_done)
 
-    def _salvage_group(self) -> int:
-        """Keep the workers that survived a failure (see WorkerGroup.salvage); returns how many. The
-        group object stays, so the next re-form reuses them; with none left it is dropped."""
-        self._formed = False
-        if self.group is None:
-            return 0
-        if not hasattr(self.group, "salvage"):
-            self._shutdown_group()
-            return 0
-        kept, _ = self.group.salvage(timeout_s=self.opts.salvage_timeout_s)
-        if not kept:
-            self._shutdown_group()
-        return kept
-
     def _shutdown_group(self) -> None:
-        self._formed = False
         if self.group is not None:
             self.group.shutdown()
             self.group = None
@@ -408,7 +388,7 @@ class Coordinator:
                 if not self.sm.can(target):  # e.g. pause while STARTING: apply once it is running
                     deferred.append(cmd)
                     continue
-                if self.group is not None and self._formed:
+                if self.group is not None:
                     try:
                         self.committed_step = self.group.checkpoint()
                     except WorkerFailure as e:

@@ -202,28 +202,6 @@ class WorkerGroup:
             except Exception:
                 logger.debug("placement group removal failed", exc_info=True)
 
-    def salvage(self, *, timeout_s: float = 10.0, save_timeout_s: float = 2.0) -> tuple[int, int]:
-        """After a failure: keep the members that are alive and leave their broken process group within
-        `timeout_s`; stop the others (dead, or stuck in a collective with a dead peer). A kept worker
-        keeps its process and imported torch, so the restart only re-forms the group and reloads the
-        last committed checkpoint instead of starting a process per rank. Returns (kept, stopped)."""
-        refs = [m.actor.leave.remote(save_timeout_s=save_timeout_s) for m in self.members]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
-        done = set(ready)
-        keep, stop = [], []
-        for m, ref in zip(self.members, refs):
-            ok = False
-            if ref in done:
-                try:
-                    ray.get(ref, timeout=0)
-                    ok = True
-                except RayError:
-                    pass
-            (keep if ok else stop).append(m)
-        self._stop(stop)
-        self.members = keep
-        return len(keep), len(stop)
-
     def shutdown(self) -> None:
         self._stop(self.members + [Member(a, pg, nid, "") for nid, a, pg, _ in self.spares])
         self.members, self.spares = [], []

@@ -62,16 +62,13 @@ class Worker:
         self.rank = rank
         return {"step": self.trainer.step, "pg_s": t1 - t0, "build_s": time.perf_counter() - t1}
 
-    def leave(self, *, save_timeout_s: float = 60.0) -> None:
-        """Drop the trainer and the process group; the process stays warm for the next layout.
-        `save_timeout_s`: how long a checkpoint save in flight may take to commit first (after a
-        failure its peers may be dead, so the coordinator passes a short one; an abandoned save was
-        never committed and is never loaded)."""
+    def leave(self) -> None:
+        """Drop the trainer and the process group; the process stays warm for the next layout."""
         from workers.runtime import destroy_process_group
 
         if self.trainer is not None:
             try:
-                self.trainer.close(timeout_s=save_timeout_s)
+                self.trainer.close()
             finally:
                 self.trainer = None
         destroy_process_group()

@@ -191,7 +191,6 @@ def test_failure_without_notice_resumes_from_last_commit_and_waits_for_capacity(
         assert 0 <= rc.steps_lost <= INTERVAL and rc.steps_lost == rc.step_before - rc.resumed_step
         assert rc.resumed_step % INTERVAL == 0  # a committed periodic checkpoint
     assert kill.world_size == 2 and node.world_size == 2
-    assert kill.started == 1 and kill.stopped == 0  # the surviving worker was reused, only the dead one replaced
 
 
 def test_grow_after_settle_redoes_no_steps(cluster, nodes, reference, tmp_path):
