@@ -73,23 +73,24 @@ def nodes(cluster):
 
 
 class Hold:
-    """Keeps the coordinator's loop from training past `at_step` until the test says go (`release()`),
-    then, while `slow_until` is false, lets it train only one chunk per `pace_s`.
+    """Keeps the coordinator's loop from training past `at_step` (once `armed`) until the test says go
+    (`release()`), then, while `slow_until` is false, lets it train only one chunk per `pace_s`.
 
     Tiny-model steps take tens of milliseconds; adding a Ray node takes seconds. Without a hold the job
     can finish before the cluster change it is meant to see (CI saw exactly that). The hold only delays
     the loop between chunks; what the coordinator decides and what the workers compute are unchanged.
     """
 
-    def __init__(self, at_step: int, *, pace_s: float = 0.0, slow_until=lambda coord: True):
-        self.at_step, self.pace_s, self.slow_until = at_step, pace_s, slow_until
+    def __init__(self, at_step: int, *, pace_s: float = 0.0, slow_until=lambda coord: True,
+                 armed=lambda coord: True):
+        self.at_step, self.pace_s, self.slow_until, self.armed = at_step, pace_s, slow_until, armed
         self._go = threading.Event()
 
     def release(self) -> None:
         self._go.set()
 
     def __call__(self, coord: Coordinator) -> None:  # Coordinator.run(on_tick=...)
-        if coord.step_done < self.at_step:
+        if coord.step_done < self.at_step or not self.armed(coord):
             return
         if not self._go.wait(timeout=240):
             raise TimeoutError(f"the test never released the hold at step {self.at_step}")
@@ -136,15 +137,27 @@ def not_driver(node_ids):
     return sorted(n for n in node_ids if n != me)
 
 
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting to be reaped counts as gone)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def running_at(coord, step):
     return lambda: coord.step_done >= step and str(coord.sm.state) == "RUNNING"
 
 
 def test_planned_resize_redoes_no_steps(cluster, nodes, reference, tmp_path):
     nodes(2)
-    coord, t = start(tmp_path)
+    hold = Hold(4)  # a chunk of steps could otherwise reach the last step before the request is queued
+    coord, t = start(tmp_path, hold=hold)
     wait_for(coord, running_at(coord, 4), "step 4")
     coord.resize(workers=1)
+    hold.release()
     (rc,) = finish(coord, t, reference)
     assert rc.cause == "user" and rc.steps_lost == 0 and rc.resumed_step == rc.step_before
     assert rc.old_layout["dp_shard"] == 2 and rc.world_size == 1
@@ -155,10 +168,14 @@ def test_preemption_notice_checkpoints_just_in_time_and_loses_nothing(cluster, n
     from service.cluster import drain_node
 
     nodes(3)
-    coord, t = start(tmp_path)
+    # Hold at step 5 while the drain is requested, then train slowly until the job has shrunk: the
+    # watcher sees the drain on its next poll, and the job must not finish before that.
+    hold = Hold(5, pace_s=0.3, slow_until=lambda c: len(c.reconfigs) >= 2)
+    coord, t = start(tmp_path, hold=hold)
     wait_for(coord, running_at(coord, 5), "step 5")
     victim = not_driver(coord.group.nodes())[0]
     drain_node(victim, message="test: spot reclaim", deadline_remaining_s=60)
+    hold.release()
     (rc,) = finish(coord, t, reference)
     assert rc.cause == "preemption" and rc.steps_lost == 0
     assert rc.world_size == 2 and rc.started == 0
@@ -168,7 +185,8 @@ def test_preemption_notice_checkpoints_just_in_time_and_loses_nothing(cluster, n
 
 def test_failure_without_notice_resumes_from_last_commit_and_waits_for_capacity(cluster, nodes, reference, tmp_path):
     added = nodes(2)
-    hold = Hold(9)  # the node goes at step 9: keep the job from finishing before it does
+    # The node goes at step 9 (after the kill's recovery): keep the job from finishing before it does.
+    hold = Hold(9, armed=lambda c: len(c.reconfigs) >= 2)
     coord, t = start(tmp_path, parallel={"min_workers": 2, "max_workers": 2}, hold=hold)
     wait_for(coord, running_at(coord, 3), "step 3")
     # 1) SIGKILL one worker process: same capacity, restart from the last committed checkpoint.
@@ -180,7 +198,14 @@ def test_failure_without_notice_resumes_from_last_commit_and_waits_for_capacity(
     # 2) Remove a node: below min_workers, so the job waits with the reason visible, then resumes.
     wait_for(coord, running_at(coord, 9), "step 9")
     victim = next(n for n in added if n.node_id in not_driver(coord.group.nodes()))
+    doomed = [ray.get(m.actor.info.remote())["pid"] for m in coord.group.members if m.node_id == victim.node_id]
     cluster.remove_node(victim, allow_graceful=False)
+    # A worker outlives its killed raylet by a moment and could still finish the last steps: release
+    # the hold once the node's workers are gone, as they would be on a machine that vanished.
+    deadline = time.monotonic() + 60
+    while any(_alive(pid) for pid in doomed):
+        assert time.monotonic() < deadline, f"workers {doomed} still alive 60 s after their node was removed"
+        time.sleep(0.05)
     hold.release()
     wait_for(coord, lambda: str(coord.sm.state) == "WAITING_FOR_CAPACITY", "WAITING_FOR_CAPACITY")
     assert "min_workers=2" in coord.status()["reason"]
