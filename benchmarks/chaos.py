@@ -194,28 +194,42 @@ class ChaosRun:
             rec.recovery_s, rec.steps_lost = 0.0, 0
             rec.resumed_step = row["step"]
             return
-        kinds = rec.expect.split("|")
 
         def reformed():
-            evs = [e for e in self.api("events", self.job_id) if e["time"] >= rec.injected - 1.0]
-            seen = next((e for e in evs if e["kind"] in kinds), None)
-            resizes = [e for e in evs if e["kind"] == "resize"]
-            if seen is None or not resizes or self.job()["state"] != "RUNNING":
+            if self.job()["state"] != "RUNNING":
                 return None
-            last = resizes[-1]
-            row = next((r for r in logged_rows(self.run_dir) if r["time"] > last["time"]), None)
-            return row and (evs, last, row)
-        evs, last, row = wait(reformed, 240, f"the job to recover from {rec.kind}", interval=0.2)
-        rec.recovery_s = round(row["time"] - rec.injected, 2)
-        rec.resumed_step = last["details"].get("resumed_step")
-        lost = [e["details"].get("steps_lost") or 0 for e in evs if e["kind"] == "resize"]
-        rec.steps_lost = max(lost) if lost else None
+            return recovery(rec, self.api("events", self.job_id), logged_rows(self.run_dir))
+        rec.recovery_s, rec.steps_lost, rec.resumed_step = wait(reformed, 240, f"the job to recover from {rec.kind}",
+                                                                interval=0.2)
 
     def _regrow(self) -> None:
         """Replace lost nodes and wait for the job to grow back to its starting size."""
         if self.env.restore_nodes():
             wait(lambda: (j := self.job())["state"] == "RUNNING" and j["world_size"] >= self.world_size, 240,
                  f"the job to grow back to {self.world_size} workers", interval=0.2)
+
+
+def recovery(rec: FaultRecord, events: list[dict], rows: list[dict], *,
+             until: float = float("inf")) -> tuple[float, int, int] | None:
+    """(recovery seconds, steps lost, step resumed from) once the job re-formed after fault `rec` and
+    trained a step, from its events and metrics.jsonl rows; None before that. Only what follows the
+    injection (and comes before `until`, the next injection) counts: the fault's failure/preemption
+    event, the re-forms it caused (not the growth back onto replaced nodes), then the first step trained
+    after the last of those re-forms."""
+    kinds = (rec.expect or "").split("|")
+    after = [e for e in events if rec.injected <= e["time"] < until]
+    seen = next((e for e in after if e["kind"] in kinds), None)
+    if seen is None:
+        return None
+    resizes = [e for e in after if e["kind"] == "resize" and e["time"] >= seen["time"] and e.get("cause") != "grow"]
+    if not resizes:
+        return None
+    last = resizes[-1]
+    row = next((r for r in rows if r["time"] > last["time"]), None)
+    if row is None:
+        return None
+    lost = max(e["details"].get("steps_lost") or 0 for e in resizes)
+    return round(row["time"] - rec.injected, 2), lost, last["details"].get("resumed_step")
 
 
 # -- checks --------------------------------------------------------------------------------------------------
