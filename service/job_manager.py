@@ -113,9 +113,10 @@ class JobManager:
     def start(self) -> None:
         """Re-attach to the coordinators of unfinished jobs (or record how they ended), then keep syncing."""
         self._pool = ThreadPoolExecutor(max_workers=SYNC_THREADS, thread_name_prefix="JobManager-sync")
+        self._inflight = {}  # futures of an earlier start() were cancelled by its close()
         self._sync_round()
         for f in list(self._inflight.values()):
-            f.result()
+            f.result()  # _sync_quietly logs and swallows a job's sync errors
         self._stop.clear()
         self._thread = threading.Thread(target=self._loop, name="JobManager-sync", daemon=True)
         self._thread.start()
@@ -129,6 +130,7 @@ class JobManager:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
+        self._inflight = {}
 
     def _loop(self) -> None:
         while not self._stop.wait(self.sync_interval_s):

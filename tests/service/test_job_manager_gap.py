@@ -105,3 +105,33 @@ def test_a_slow_coordinator_does_not_hold_up_the_other_jobs(tmp_path):
     finally:
         slow.release.set()
         mgr.close()
+
+
+def test_a_manager_can_be_started_again_after_close(tmp_path, monkeypatch):
+    """An app whose lifespan runs twice (tests, reloads) starts the same manager again; a sync that
+    close() cancelled before it ran must not break the second start() (a CI-like run saw every request
+    of the fuzz test fail with CancelledError)."""
+    import time
+
+    import service.job_manager as jm
+
+    class Slow(Handle):
+        def status(self):
+            time.sleep(0.2)
+            return super().status()
+
+    class Two(Launcher):
+        def launch(self, job_id, spec, *, run_dir, steps, workers):
+            return Slow()
+
+    monkeypatch.setattr(jm, "SYNC_THREADS", 1)  # one sync at a time: the second job's waits in the queue
+    mgr = JobManager(JobStore(tmp_path / "jobs.db"), Two(), runs_root=tmp_path / "runs", sync_interval_s=0.01)
+    ids = [mgr.submit(SPEC), mgr.submit(SPEC)]
+    mgr.start()
+    time.sleep(0.3)  # a round is under way: one sync running, the other queued
+    mgr.close()  # cancels the queued one
+    mgr.start()
+    try:
+        assert [mgr.get(i)["state"] for i in ids] == ["RUNNING", "RUNNING"]
+    finally:
+        mgr.close()
