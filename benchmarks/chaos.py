@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.chaos_audit import CheckpointAudit  # noqa: E402
 from benchmarks.chaos_env import ChaosEnv, wait  # noqa: E402
 from benchmarks.chaos_faults import FAULTS, Ctx, schedule  # noqa: E402
+from service.run_files import read_metrics  # noqa: E402
 
 KEEP_LAST = 3
 TOL = 1e-4
@@ -85,16 +86,7 @@ class FaultRecord:
 
 def logged_rows(run_dir: Path) -> list[dict]:
     """RUN_DIR/metrics.jsonl: one row per step trained, replays included, in order."""
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            pass  # a torn last line
-    return rows
+    return read_metrics(run_dir / "metrics.jsonl", after=0)
 
 
 class ChaosRun:

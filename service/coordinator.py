@@ -14,7 +14,6 @@ Flows:
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
@@ -489,14 +488,7 @@ def _load_events(path: Path, job_id: str) -> EventLog:
 
 def _last_logged_step(run_dir: Path) -> int:
     """The step of the last complete line of RUN_DIR/metrics.jsonl (rank 0 writes one per step), or 0."""
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return 0
-    for line in reversed(path.read_text(errors="replace").splitlines()):
-        try:
-            step = json.loads(line).get("step")
-        except (ValueError, AttributeError):
-            continue  # a torn last line
-        if isinstance(step, int):
-            return step
-    return 0
+    from service.run_files import read_metrics  # not at the top: run_files -> job_actor -> coordinator
+
+    rows = read_metrics(run_dir / "metrics.jsonl", after=0)
+    return rows[-1]["step"] if rows else 0
