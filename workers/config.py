@@ -211,9 +211,14 @@ class CheckpointConfig:
     """Where checkpoints go (path or fsspec URL); default RUN_DIR/checkpoints."""
     async_save: bool = True
     """Write in the background; the loop blocks only while state is staged."""
+    checksum: Literal["xxh3-128", "blake3", "sha256", "none"] = "xxh3-128"
+    """Checksum of every written block, verified as it is read back: xxh3-128 (fast), blake3
+    (cryptographic), sha256, or none (scratch runs only: corruption then goes unnoticed)."""
+    io_threads: int = 2
+    """Files each rank writes, and reads, in parallel."""
 
     def __post_init__(self) -> None:
-        _positive("checkpoint", self, "interval_steps", "keep_last")
+        _positive("checkpoint", self, "interval_steps", "keep_last", "io_threads")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -160,7 +160,8 @@ class Trainer:
         ckpt_dir = self.checkpoint_dir()
         if ckpt_dir is not None:
             c = cfg.checkpoint
-            self.checkpointer = CheckpointManager(ckpt_dir, keep_last=c.keep_last, async_save=c.async_save)
+            self.checkpointer = CheckpointManager(ckpt_dir, keep_last=c.keep_last, async_save=c.async_save,
+                                                  checksum=c.checksum, io_threads=c.io_threads)
             self.resume()
         return self
 

@@ -5,7 +5,7 @@ On disk, one directory per step under the checkpoints root::
     checkpoints/
       latest                      "step-00000020" (moved only after a commit)
       step-00000010/
-        shard-00001-model-00001-of-00001.safetensors   one file per rank that owns data (DCP HF storage)
+        shard-r00000-00.safetensors   one or more files per rank that writes data (writer.py)
         ...
         manifest.json             written last: the commit marker (see manifest.py)
       step-00000020/

@@ -1,44 +1,54 @@
 """CheckpointManager: save (async), commit atomically, keep the last K, and load the newest good one.
 
-Async design. `save()` blocks only to stage: the model and AdamW tensors are copied into reusable CPU
-buffers (`Stager`), then a daemon thread writes them and commits. The thread talks to the other ranks
-on a gloo group of its own, created collectively when the manager is built, so its collectives never
-interleave with the training loop's (gloo, or NCCL on GPUs) on the default group. We do not use
-`dcp.async_save`: its future ends when the shards are written, but our commit (gather checksums,
-manifest, rename, `latest`, retention) is itself collective and must follow the write on every rank;
-running save + commit as one function on one thread keeps that ordering trivially and gives one place
-to catch errors. At most one save is in flight: the next `save()` (or `flush()`) waits for it.
+Save. `save()` collects each rank's boxes of every tensor, agrees with the other ranks which rank
+writes each box (replicas write once, `state.assign_writers`), and, for an async save, copies the boxes
+it writes into a host buffer pool allocated once (`state.Stager`): that copy is all the caller waits
+for. A daemon thread then streams the boxes into safetensors files (`writer.ShardWriter`: header, then
+each tensor's bytes from host memory in large writes, hashed as they go out, several files in parallel)
+and commits. The heavy work (os.write, hashing) runs in native code that releases the GIL, and an async
+writer thread lowers its own CPU priority, so it runs on idle cores and yields to training on busy ones.
+The thread talks to the other ranks on a gloo group of its own, created collectively when the manager is
+built, so its collectives never interleave with the training loop's (gloo, or NCCL on GPUs) on the
+default group. At most one save is in flight: the next `save()` (or `flush()`) waits for it.
 
 Commit protocol, every rank in the writer thread:
   1. rank 0 empties the staging directory;                       broadcast (errors abort everywhere)
-  2. `dcp.save` writes one safetensors file per rank (HuggingFace storage, distributed mode);
-     each rank sizes, checksums and reads back the header of the files it wrote;  gather to rank 0
+  2. each rank writes its files and reports sizes, header digests and per-block digests (no read-back:
+     the digests were computed over the bytes as they were written);               gather to rank 0
   3. rank 0 builds and checks the manifest, writes it last, commits the directory, moves `latest`,
      applies retention;                                          broadcast the outcome
 A failure anywhere leaves the previous checkpoints and the `latest` pointer untouched.
+
+Load. Each rank reads only the blocks of the files that overlap its boxes, files in parallel, verifying
+each block against the manifest before copying it into the live shards (`tensor_io.read_into`); a
+mismatch fails the load on every rank and the previous checkpoint is tried. Format-1 checkpoints
+(whole-file sha256) are verified completely first, as before.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import os
 import threading
 import time
 import warnings
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 
 from parallel.checkpoint import state as state_mod
+from parallel.checkpoint.checksum import DEFAULT as DEFAULT_CHECKSUM
+from parallel.checkpoint.checksum import check_algorithm
 from parallel.checkpoint.manifest import MANIFEST_NAME, CheckpointError, Chunk, FileEntry, Manifest, TensorEntry
 from parallel.checkpoint.storage import Storage, open_storage
-from parallel.checkpoint.tensor_io import ManifestReader, dtype_name, read_header, saved_offsets
+from parallel.checkpoint.tensor_io import dtype_name, read_into
+from parallel.checkpoint.writer import MIN_FILE_BYTES, Piece, ShardWriter, WrittenFile, split_files
 from parallel.checkpoint.validate import (
     LATEST_NAME,
     check_manifest,
@@ -51,27 +61,47 @@ from parallel.checkpoint.validate import (
 log = logging.getLogger(__name__)
 
 
+def _lower_priority() -> None:
+    """Let the calling (writer) thread yield the CPU to training threads: on Linux the nice value is per
+    thread, and threads it starts inherit it."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass
+
+
 def _first(problems: list[str]) -> str:
     """The first problem, and how many more: one readable line even for a 40-tensor shape mismatch."""
     return problems[0] + (f" (+{len(problems) - 1} more problem(s))" if len(problems) > 1 else "")
 
 
 def _describe(e: BaseException) -> str:
-    """One line per failure. DCP's CheckpointException (a BaseException, not an Exception: an
-    `except Exception` does not catch it) carries each failed rank's exception plus a traceback."""
-    if isinstance(e, CheckpointException):
-        return "; ".join(f"rank {r}: {_describe(f[0] if isinstance(f, tuple) else f)}"
-                         for r, f in sorted(e.failures.items()))
+    """One line per failure."""
+    if isinstance(e, CheckpointError):
+        return str(e)[:1000]
     return f"{type(e).__name__}: {str(e)[:1000]}"
 
 
 @dataclass(slots=True)
 class _SaveJob:
     step: int
-    tensors: dict[str, torch.Tensor]
+    pieces: list[Piece]
     shapes: dict[str, tuple[list[int], str]]
     optimizer_steps: dict[str, int]
     state: dict[str, Any]
+    background: bool
+
+
+@dataclass(slots=True)
+class Timings:
+    """Where the last save or load spent its time on this rank (seconds; `bytes` written or read). A
+    public seam for benchmarks and logs."""
+
+    phases: dict[str, float] = field(default_factory=dict)
+    bytes: int = 0
+
+    def add(self, name: str, seconds: float) -> None:
+        self.phases[name] = self.phases.get(name, 0.0) + seconds
 
 
 class _Comm:
@@ -121,12 +151,18 @@ class CheckpointManager:
     `load_latest`: every rank calls them in the same order."""
 
     def __init__(self, root: str, *, keep_last: int = 3, async_save: bool = True,
-                 storage_options: dict[str, Any] | None = None, timeout_s: float = 600.0) -> None:
+                 storage_options: dict[str, Any] | None = None, timeout_s: float = 600.0,
+                 checksum: str = DEFAULT_CHECKSUM, io_threads: int = 2) -> None:
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 (the newest checkpoint is always kept), got {keep_last}")
+        if io_threads < 1:
+            raise ValueError(f"io_threads must be >= 1, got {io_threads}")
         self.storage: Storage = open_storage(root, **(storage_options or {}))
         self.keep_last = keep_last
         self.async_save = async_save
+        self.checksum = check_algorithm(checksum)
+        self.io_threads = io_threads
+        """Files written (per rank) and read in parallel."""
         self._comm = _Comm(timeout_s)
         self.rank = self._comm.rank
         if self.rank == 0:
@@ -144,6 +180,10 @@ class CheckpointManager:
         """Seconds the last `save()` call blocked its caller (waiting for the previous save + staging)."""
         self.write_s = 0.0
         """Seconds the last background write + commit took."""
+        self.save_timings = Timings()
+        """Phases of the last save on this rank: collect, plan, stage (caller); write, commit (writer)."""
+        self.load_timings = Timings()
+        """Phases of the last `load_latest` on this rank: check, read (of the checkpoint that loaded)."""
 
     @property
     def root(self) -> str:
@@ -159,17 +199,35 @@ class CheckpointManager:
         if blocking is None:
             blocking = not self.async_save
         self.flush()
+        tm = self.save_timings = Timings()
+        t = time.perf_counter()
         tensors, opt_steps = state_mod.collect(model, optimizer)
         shapes = {k: (list(t.shape), dtype_name(t.dtype)) for k, t in tensors.items()}
-        if not blocking:
-            tensors = self._stager.stage(tensors)  # a blocking save writes from the live tensors: no copy
-        job = _SaveJob(step=step, tensors=tensors, shapes=shapes, optimizer_steps=opt_steps, state=dict(state))
+        local = state_mod.pieces(tensors)
+        tm.add("collect", time.perf_counter() - t)
+        t = time.perf_counter()
+        mine = self._my_pieces(local)
+        tm.add("plan", time.perf_counter() - t)
+        t = time.perf_counter()
+        if not blocking or any(p.data.is_cuda for p in mine):
+            mine = self._stager.stage(mine)  # a blocking save on CPU writes from the live tensors: no copy
+        tm.add("stage", time.perf_counter() - t)
+        tm.bytes = sum(p.nbytes for p in mine)
+        job = _SaveJob(step=step, pieces=mine, shapes=shapes, optimizer_steps=opt_steps, state=dict(state),
+                       background=not blocking)
         self._thread = threading.Thread(target=self._run, args=(job,), name=f"ckpt-save-{step}", daemon=True)
         self._thread.start()
         self.last_saved_step = step
         if blocking:
             self.flush()
         self.blocked_s = time.perf_counter() - t0
+
+    def _my_pieces(self, local: list[Piece]) -> list[Piece]:
+        """The boxes this rank writes: every rank's boxes are gathered (small metadata) and each distinct
+        box is given to one of its holders."""
+        plan = [(p.key, tuple(p.offsets), tuple(p.data.shape), p.nbytes) for p in local]
+        mine = state_mod.assign_writers(self._comm.all_gather(plan))[self.rank]
+        return [p for p in local if (p.key, tuple(p.offsets)) in mine]
 
     def flush(self) -> None:
         """Wait for the save in flight, if any; raise CheckpointError if it failed."""
@@ -201,6 +259,8 @@ class CheckpointManager:
 
     def _run(self, job: _SaveJob) -> None:
         t0 = time.perf_counter()
+        if job.background:
+            _lower_priority()
         try:
             self._write(job)
             self.last_committed_step = job.step
@@ -224,16 +284,15 @@ class CheckpointManager:
         if err:
             raise CheckpointError(f"checkpoint {final} was not saved: {err}")
 
-        report: dict[str, Any] = {"error": None, "files": {}, "shapes": job.shapes,
+        report: dict[str, Any] = {"error": None, "files": [], "shapes": job.shapes,
                                   "optimizer_steps": job.optimizer_steps}
-        writer = st.writer(staging)
+        t = time.perf_counter()
         try:
-            dcp.save(job.tensors, storage_writer=writer, process_group=comm.group)
-            report["files"] = self._describe_files(staging, writer.written)
-        except (Exception, CheckpointException) as e:
-            # DCP already names the failed ranks, and raises the same error on every rank.
-            own = isinstance(e, CheckpointException)
-            report["error"] = _describe(e) if own else f"rank {self.rank}: {_describe(e)}"
+            report["files"] = self.write_shards(staging, job.pieces)
+        except Exception as e:
+            report["error"] = f"rank {self.rank}: {_describe(e)}"
+        self.save_timings.add("write", time.perf_counter() - t)
+        t = time.perf_counter()
         reports = comm.gather(report)
 
         outcome = None
@@ -249,22 +308,22 @@ class CheckpointManager:
                     log.warning("could not remove the uncommitted checkpoint %s; it is ignored by loaders and "
                                 "removed by the next run", staging, exc_info=True)
         outcome = comm.broadcast(outcome)
+        self.save_timings.add("commit", time.perf_counter() - t)
         if outcome:
             raise CheckpointError(f"checkpoint {final} was not committed: {outcome}")
 
-    def _describe_files(self, staging: str, names: list[str]) -> dict[str, dict[str, Any]]:
-        """Size, sha256 and chunk list of each file this rank wrote (read back from storage)."""
-        out = {}
-        for n in names:
-            path = self.storage.join(staging, n)
-            size = self.storage.size(path)
-            with self.storage.open(path) as f:
-                header, _ = read_header(f, file_size=size, where=path)
-            offsets = saved_offsets(header)
-            tensors = {k: (offsets.get(k, [0] * len(v["shape"])), list(v["shape"]))
-                       for k, v in header.items() if k != "__metadata__"}
-            out[n] = {"size": size, "sha256": self.storage.sha256(path), "tensors": tensors}
-        return out
+    def write_shards(self, directory: str, pieces: list[Piece]) -> list[WrittenFile]:
+        """Write this rank's pieces as one or more safetensors files into `directory` (one writer thread
+        per file; a rank's shard is split only when each file still gets MIN_FILE_BYTES)."""
+        if not pieces:
+            return []
+        total = sum(p.nbytes for p in pieces)
+        n = max(1, min(self.io_threads, math.ceil(total / MIN_FILE_BYTES)))
+        files = {f"shard-r{self.rank:05d}-{i:02d}.safetensors": group
+                 for i, group in enumerate(split_files(pieces, n))}
+        writer = ShardWriter(self.storage, directory, algorithm=self.checksum,
+                             sync=self.storage.atomic_rename)
+        return writer.write(files, threads=self.io_threads)
 
     def _commit(self, job: _SaveJob, staging: str, final: str, reports: list[dict]) -> str | None:
         """Rank 0: build the manifest from every rank's report and commit; an error string if not."""
@@ -282,12 +341,14 @@ class CheckpointManager:
             for k, v in r["optimizer_steps"].items():
                 if steps.setdefault(k, v) != v:
                     return f"ranks disagree on the optimizer step of {k}: {steps[k]} vs {v}"
-            for fname, info in r["files"].items():
-                if fname in files:
-                    return f"two ranks wrote {fname}"
-                files[fname] = FileEntry(size=info["size"], sha256=info["sha256"])
-                for key, (offsets, sizes) in info["tensors"].items():
-                    chunks[key].append(Chunk(file=fname, offsets=tuple(offsets), sizes=tuple(sizes)))
+            for wf in r["files"]:
+                if wf.name in files:
+                    return f"two ranks wrote {wf.name}"
+                files[wf.name] = FileEntry(size=wf.size, digest=wf.header_digest, algorithm=self.checksum,
+                                           blockwise=True)
+                for key, c in wf.chunks.items():
+                    chunks[key].append(Chunk(file=wf.name, offsets=tuple(c.offsets), sizes=tuple(c.sizes),
+                                             block_rows=c.block_rows, digests=tuple(c.digests)))
         tensors = {k: TensorEntry(shape=tuple(shape), dtype=dtype,
                                   chunks=tuple(sorted(chunks[k], key=lambda c: c.offsets)))
                    for k, (shape, dtype) in shapes.items()}
@@ -341,33 +402,44 @@ class CheckpointManager:
         another model's checkpoint before anything is read."""
         self.flush()
         comm, st = self._comm, self.storage
+        tm = self.load_timings = Timings()
         names = comm.broadcast(list_step_dirs(st) if self.rank == 0 else None)
         skipped: list[tuple[str, list[str], bool]] = []  # (path, problems, committed)
         for _, name in names:
             path = st.join(st.root, name)
             text, why = comm.broadcast(read_manifest_text(st, path) if self.rank == 0 else (None, None))
+            t = time.perf_counter()
             check = check_manifest(path, text, why, expected)
             if check.manifest is not None and not check.problems:
-                # Checksums read every byte: share the files out across ranks, then agree on the union.
+                # Sizes (truncation) and presence; format-1 checksums too, since they cover whole files and
+                # must pass before any byte is used. Shared out across ranks, then the union agreed on.
+                blockwise = all(f.blockwise for f in check.manifest.files.values())
                 mine = sorted(check.manifest.files)[self.rank::comm.world]
-                local = file_problems(st, path, check.manifest, mine)
+                local = file_problems(st, path, check.manifest, mine, checksums=not blockwise)
                 check.problems = sorted({p for ps in comm.all_gather(local) for p in ps})
+            tm.phases["check"] = time.perf_counter() - t
             if not check.problems:
                 manifest = check.manifest
                 err = None
+                t = time.perf_counter()
                 try:
-                    state_mod.load(model, optimizer, lambda targets: dcp.load(
-                        targets, storage_reader=ManifestReader(st, path, manifest), process_group=comm.group),
-                        manifest.optimizer_steps)
-                except (Exception, CheckpointException) as e:
-                    err = _describe(e)
+                    def read(targets):
+                        tm.bytes = read_into(st, path, manifest, targets, threads=self.io_threads,
+                                             verify=blockwise)
+
+                    state_mod.load(model, optimizer, read, manifest.optimizer_steps)
+                except CheckpointError as e:  # names the file and what is wrong with it
+                    err = str(e)[:1000]
+                except Exception as e:
+                    err = f"loading failed: {_describe(e)}"
+                tm.phases["read"] = time.perf_counter() - t
                 errs = [e for e in comm.all_gather(err) if e]
                 if not errs:
                     if skipped and self.rank == 0:
                         self._set_aside(skipped)
                         log.warning("resumed from %s after skipping %d newer checkpoint(s)", path, len(skipped))
                     return manifest
-                check.problems = [f"loading failed: {errs[0]}"]
+                check.problems = [errs[0]]
             skipped.append((path, check.problems, text is not None))
         if skipped:
             raise CheckpointError(

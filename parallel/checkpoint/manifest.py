@@ -1,8 +1,13 @@
 """The checkpoint manifest: the JSON file that makes a checkpoint directory self-describing.
 
 It is written last, so its presence is the commit marker; it names every tensor with its global shape,
-dtype and the chunks (file, offsets, sizes) that tile it, and every file with its size and sha256, so a
-loader can check a checkpoint completely before touching a parameter. Everything that is not a tensor
+dtype and the chunks (file, offsets, sizes) that tile it, and every file with its size and checksums, so
+a loader can verify every byte it reads before that byte reaches a parameter.
+
+Checksums (format 2): each file records its algorithm and the digest of its header; each chunk records
+the digests of its row blocks (`block_rows` rows of the chunk each, the last one shorter). Together they
+cover every byte of the file, and a rank that needs only some rows of a chunk (a resharding load) reads
+and verifies only the blocks holding them. Format 1 (still read) had one sha256 per whole file. Everything that is not a tensor
 (step, layout, LR schedule, data position, RNG states, AdamW step counters) lives here too, as JSON:
 the load path never unpickles.
 
@@ -17,8 +22,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from parallel.checkpoint.checksum import ALGORITHMS
+
 FORMAT = "elastron-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 
 MODEL_PREFIX = "model."
@@ -51,6 +58,18 @@ class Chunk:
     file: str
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
+    block_rows: int = 0
+    """Rows (along dim 0) per checksummed block; 0 in format 1, which checksummed whole files."""
+    digests: tuple[str, ...] = ()
+    """One digest per block of `block_rows` rows, in order (empty when the file's algorithm is none)."""
+
+    @property
+    def rows(self) -> int:
+        return self.sizes[0] if self.sizes else 1
+
+    @property
+    def n_blocks(self) -> int:
+        return -(-self.rows // self.block_rows) if self.block_rows else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +84,16 @@ class TensorEntry:
 @dataclass(frozen=True, slots=True)
 class FileEntry:
     size: int
-    sha256: str
+    digest: str
+    """Format 2 (`blockwise`): digest of the header bytes; format 1: sha256 of the whole file."""
+    algorithm: str = "sha256"
+    blockwise: bool = False
+    """True: the data bytes are covered by the chunks' block digests (format 2)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        if not self.blockwise:
+            return {"size": self.size, "sha256": self.digest}
+        return {"size": self.size, "algorithm": self.algorithm, "header_digest": self.digest}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -110,11 +138,10 @@ class Manifest:
             "optimizer": {"name": self.optimizer_name, "steps": dict(sorted(self.optimizer_steps.items()))},
             "tensors": {
                 k: {"shape": list(t.shape), "dtype": t.dtype,
-                    "chunks": [{"file": c.file, "offsets": list(c.offsets), "sizes": list(c.sizes)}
-                               for c in t.chunks]}
+                    "chunks": [_chunk_dict(c) for c in t.chunks]}
                 for k, t in sorted(self.tensors.items())
             },
-            "files": {k: {"size": f.size, "sha256": f.sha256} for k, f in sorted(self.files.items())},
+            "files": {k: f.to_dict() for k, f in sorted(self.files.items())},
         }
 
     def to_json(self) -> str:
@@ -192,6 +219,7 @@ class Manifest:
                 covered += math.prod(c.sizes)
                 if c.file in in_file:
                     in_file[c.file] += math.prod(c.sizes) * ITEMSIZE[t.dtype]
+                problems += _block_problems(key, c, self.files.get(c.file))
             if covered != math.prod(t.shape):
                 problems.append(f"tensor {key}: chunks cover {covered} of {math.prod(t.shape)} elements")
         for name, nbytes in sorted(in_file.items()):
@@ -221,6 +249,24 @@ class Manifest:
         return shapes + others
 
 
+def _chunk_dict(c: Chunk) -> dict[str, Any]:
+    d: dict[str, Any] = {"file": c.file, "offsets": list(c.offsets), "sizes": list(c.sizes)}
+    if c.block_rows:
+        d["block_rows"] = c.block_rows
+        d["digests"] = list(c.digests)
+    return d
+
+
+def _block_problems(key: str, c: Chunk, f: FileEntry | None) -> list[str]:
+    if f is None or not f.blockwise:
+        return []
+    if c.block_rows < 1:
+        return [f"tensor {key}: chunk in {c.file} has no checksum blocks"]
+    if f.algorithm != "none" and len(c.digests) != c.n_blocks:
+        return [f"tensor {key}: chunk in {c.file} has {len(c.digests)} block digests, expected {c.n_blocks}"]
+    return []
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -245,15 +291,25 @@ def _tensor(key: Any, v: Any) -> TensorEntry:
     for c in v["chunks"]:
         if not isinstance(c, dict) or not isinstance(c.get("file"), str):
             raise ManifestError(f"manifest tensor {key!r} has a malformed chunk {c!r}")
+        block_rows, digests = c.get("block_rows", 0), c.get("digests", [])
+        if not _is_int(block_rows) or block_rows < 0 or not isinstance(digests, list) or not all(
+                isinstance(x, str) for x in digests):
+            raise ManifestError(f"manifest tensor {key!r} has malformed chunk checksums")
         chunks.append(Chunk(file=c["file"], offsets=_ints(c.get("offsets"), f"tensor {key!r} chunk offsets"),
-                            sizes=_ints(c.get("sizes"), f"tensor {key!r} chunk sizes")))
+                            sizes=_ints(c.get("sizes"), f"tensor {key!r} chunk sizes"),
+                            block_rows=block_rows, digests=tuple(digests)))
     return TensorEntry(shape=_ints(v.get("shape"), f"tensor {key!r} shape"), dtype=v["dtype"], chunks=tuple(chunks))
 
 
 def _file(key: Any, v: Any) -> FileEntry:
-    if not isinstance(v, dict) or not _is_int(v.get("size")) or not isinstance(v.get("sha256"), str):
-        raise ManifestError(f"manifest file {key!r} needs an integer size and a sha256 string")
     if "/" in str(key) or "\\" in str(key) or str(key) in ("", ".", ".."):
         # Names are joined to the checkpoint directory: never let a manifest point outside it.
         raise ManifestError(f"manifest file name {key!r} is not a plain file name")
-    return FileEntry(size=v["size"], sha256=v["sha256"])
+    if not isinstance(v, dict) or not _is_int(v.get("size")):
+        raise ManifestError(f"manifest file {key!r} needs an integer size and a checksum")
+    if isinstance(v.get("sha256"), str):  # format 1
+        return FileEntry(size=v["size"], digest=v["sha256"])
+    if v.get("algorithm") not in ALGORITHMS or not isinstance(v.get("header_digest"), str):
+        raise ManifestError(f"manifest file {key!r} needs a checksum algorithm (one of {', '.join(ALGORITHMS)}) "
+                            "and a header_digest string")
+    return FileEntry(size=v["size"], digest=v["header_digest"], algorithm=v["algorithm"], blockwise=True)

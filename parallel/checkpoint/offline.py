@@ -43,7 +43,7 @@ def _candidates(path: str, storage_options: dict[str, Any]) -> tuple[Storage, li
 
 def inspect(path: str | os.PathLike[str], *, checksums: bool = True, **storage_options: Any) -> dict[str, Any]:
     """What a checkpoint holds and whether it is loadable: step, layout, tensors (global shape, dtype),
-    files (size, sha256), `valid` and `problems` (empty when valid). Raises CheckpointError only when
+    files (size, checksum algorithm, digest), `valid` and `problems` (empty when valid). Raises CheckpointError only when
     `path` holds no checkpoint at all; a broken one is reported, not raised."""
     storage, paths = _candidates(os.fspath(path), storage_options)
     ckpt = paths[0]
@@ -63,7 +63,8 @@ def inspect(path: str | os.PathLike[str], *, checksums: bool = True, **storage_o
         "lr_schedule": m.state.get("lr_schedule") if m else None,
         "created": m.created if m else None,
         "tensors": {k: {"shape": list(t.shape), "dtype": t.dtype} for k, t in sorted(m.tensors.items())} if m else {},
-        "files": {k: {"size": f.size, "sha256": f.sha256} for k, f in sorted(m.files.items())} if m else {},
+        "files": {k: {"size": f.size, "algorithm": f.algorithm, "digest": f.digest}
+                  for k, f in sorted(m.files.items())} if m else {},
     }
     out["total_bytes"] = sum(f["size"] for f in out["files"].values())
     return out

@@ -1,8 +1,10 @@
 """Turning a rank's model and optimizer into the flat tensor dict a checkpoint stores, and back.
 
-Keys are layout-free: ``model.<canonical name>`` and ``optim.<state>.<canonical name>`` (DCP's
-`get_state_dict` keys optimizer state by parameter FQN, and pipeline stages keep canonical names), and
-values are this rank's DTensor shards or plain tensors, so DCP can reshard them on load into any layout.
+Keys are layout-free: ``model.<canonical name>`` and ``optim.<state>.<canonical name>`` (optimizer
+state is keyed by the FQN of its parameter, and pipeline stages keep canonical names), and each rank
+stores the box of the global tensor it holds (its DTensor shard, or the whole plain tensor) with its
+offsets, so a load into any layout intersects boxes (tensor_io). No torch.distributed.checkpoint: its
+planner, its collectives and its zero-LR optimizer step are not needed for boxes.
 Only tensors with at least one dimension go into the files: AdamW's 0-d `step` counters are returned
 separately and stored in the manifest (FACTS.md: non-tensor leaves corrupt HF safetensors files, and
 consolidation zeroes 0-d tensors).
@@ -17,89 +19,198 @@ from typing import Any, Callable
 import numpy as np
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.optim.optimizer import _get_scalar_dtype
 
 from parallel.checkpoint.manifest import MODEL_PREFIX, OPTIM_PREFIX, CheckpointError
+from parallel.checkpoint.tensor_io import Target
+from parallel.checkpoint.writer import Piece
 
 
 def _optim_key(state_name: str, fqn: str) -> str:
     return f"{OPTIM_PREFIX}{state_name}.{fqn}"
 
 
+def _named(model: nn.Module) -> dict[str, torch.Tensor]:
+    # state_dict (not named_parameters): FSDP2's hooks hand out the sharded parameters, and persistent
+    # buffers are included; keep_vars keeps the very objects the optimizer's state is keyed by.
+    return dict(model.state_dict(keep_vars=True))
+
+
 def collect(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
     """(tensors by checkpoint key, optimizer step counters by canonical name). The tensors are the live
-    parameters and optimizer buffers (no copy): stage them before training continues."""
-    msd, osd = get_state_dict(model, optimizer)
+    parameters and optimizer buffers (no copy; DTensors stay DTensors): stage them before training
+    continues."""
+    named = _named(model)
     tensors: dict[str, torch.Tensor] = {}
-    for name, t in msd.items():
+    for name, t in named.items():
         if not isinstance(t, torch.Tensor):
             raise CheckpointError(f"model state {name!r} is a {type(t).__name__}, not a tensor")
         tensors[MODEL_PREFIX + name] = t
+    fqns = {id(t): n for n, t in named.items()}
     steps: dict[str, int] = {}
-    for fqn, st in osd.get("state", {}).items():
-        for sname, v in st.items():
-            if sname == "step":
-                steps[fqn] = int(v.item() if isinstance(v, torch.Tensor) else v)
-            elif isinstance(v, torch.Tensor) and v.dim() > 0:
-                tensors[_optim_key(sname, fqn)] = v
-            else:
-                raise CheckpointError(f"optimizer state {sname!r} of {fqn} is not a tensor with dimensions; "
-                                      "only AdamW-style state (tensors plus a step counter) is supported")
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            st = optimizer.state.get(p)
+            if not st:
+                continue
+            fqn = fqns.get(id(p))
+            if fqn is None:
+                raise CheckpointError("the optimizer holds a parameter that is not in the model's state dict")
+            for sname, v in st.items():
+                if sname == "step":
+                    steps[fqn] = int(v.item() if isinstance(v, torch.Tensor) else v)
+                elif isinstance(v, torch.Tensor) and v.dim() > 0:
+                    tensors[_optim_key(sname, fqn)] = v
+                else:
+                    raise CheckpointError(f"optimizer state {sname!r} of {fqn} is not a tensor with dimensions; "
+                                          "only AdamW-style state (tensors plus a step counter) is supported")
     return tensors, steps
 
 
+def local_box(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """(this rank's part of `t`, detached, and its offsets in the global tensor). A DTensor's box comes
+    from its mesh and placements (uneven FSDP shards and TP-inside-FSDP strided shards included)."""
+    if isinstance(t, DTensor):
+        shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        local = t.to_local().detach()
+        if tuple(local.shape) != tuple(shape):
+            raise CheckpointError(f"a DTensor's local shard is {list(local.shape)}, its placements say {list(shape)}")
+        return local, tuple(int(o) for o in offsets)
+    return t.detach(), (0,) * t.dim()
+
+
+def pieces(tensors: dict[str, torch.Tensor]) -> list[Piece]:
+    """This rank's non-empty boxes of every tensor, as writer pieces over the live memory."""
+    out = []
+    for key, t in tensors.items():
+        local, offsets = local_box(t)
+        if local.numel():
+            out.append(Piece(key=key, data=local, offsets=offsets))
+    return out
+
+
+def assign_writers(plans: list[list[tuple[str, tuple[int, ...], tuple[int, ...], int]]]) -> list[set[tuple[str, tuple[int, ...]]]]:
+    """Which rank writes which chunk. `plans[r]` lists rank r's boxes as (key, offsets, sizes, bytes);
+    a box held by several ranks (data-parallel replicas, TP-replicated norms) is written once, by the
+    holder with the fewest bytes so far (largest boxes first), so replicas share the writing. Pure and
+    deterministic: every rank computes the same answer from the same gathered plans."""
+    holders: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[int]] = {}
+    nbytes: dict[tuple[str, tuple[int, ...], tuple[int, ...]], int] = {}
+    for r, plan in enumerate(plans):
+        for key, offsets, sizes, n in plan:
+            item = (key, tuple(offsets), tuple(sizes))
+            holders.setdefault(item, []).append(r)
+            nbytes[item] = n
+    load = [0] * len(plans)
+    out: list[set[tuple[str, tuple[int, ...]]]] = [set() for _ in plans]
+    for item in sorted(holders, key=lambda i: (-nbytes[i], i)):
+        r = min(holders[item], key=lambda r: (load[r], r))
+        load[r] += nbytes[item]
+        out[r].add((item[0], item[1]))
+    return out
+
+
 class Stager:
-    """Copies state off the compute buffers into reusable CPU buffers: the only part of an async save
-    that blocks training. Buffers are allocated on first use and kept, so later saves are pure copies
-    (pinned memory on CUDA, so the copy overlaps nothing else and runs at full PCIe bandwidth)."""
+    """Copies the pieces a rank writes off the compute buffers into one host buffer, allocated once and
+    reused while the pieces keep their shapes: the only part of an async save that blocks training. On
+    CUDA the buffer is pinned and the copies run on a side stream, so they go at full PCIe bandwidth."""
+
+    _ALIGN = 64
 
     def __init__(self) -> None:
-        self._buffers: dict[str, torch.Tensor] = {}
+        self._pool: torch.Tensor | None = None
+        self._signature: tuple | None = None
+        self._views: list[torch.Tensor] = []
+        self._stream = None
 
-    def stage(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
-        cuda = False
+    def stage(self, items: list[Piece]) -> list[Piece]:
+        signature = tuple((p.key, tuple(p.data.shape), p.data.dtype, p.data.is_cuda) for p in items)
+        cuda = any(p.data.is_cuda for p in items)
+        if signature != self._signature:
+            self._allocate(items, pin=cuda)
+            self._signature = signature
+        if cuda and self._stream is None:
+            self._stream = torch.cuda.Stream()
         with torch.no_grad():
-            for key, t in tensors.items():
-                local = t.to_local() if isinstance(t, DTensor) else t
-                buf = self._buffers.get(key)
-                if buf is None or buf.shape != local.shape or buf.dtype != local.dtype:
-                    buf = torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=local.is_cuda)
-                    self._buffers[key] = buf
-                buf.copy_(local.detach(), non_blocking=local.is_cuda)
-                cuda = cuda or local.is_cuda
-                if isinstance(t, DTensor):
-                    # Same mesh and placements: DCP computes this shard's global offsets from them.
-                    out[key] = DTensor.from_local(buf, t.device_mesh, t.placements, run_check=False,
-                                                  shape=t.shape, stride=t.stride())
-                else:
-                    out[key] = buf
-        if cuda:
-            torch.cuda.synchronize()
-        return out
+            if cuda:
+                self._stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(self._stream):
+                    for p, buf in zip(items, self._views):
+                        buf.copy_(p.data, non_blocking=True)
+                self._stream.synchronize()
+            else:
+                for p, buf in zip(items, self._views):
+                    buf.copy_(p.data)
+        return [Piece(key=p.key, data=buf, offsets=p.offsets) for p, buf in zip(items, self._views)]
+
+    def _allocate(self, items: list[Piece], *, pin: bool) -> None:
+        self._pool = None
+        self._views = []
+        starts, pos = [], 0
+        for p in items:
+            starts.append(pos)
+            pos += -(-p.nbytes // self._ALIGN) * self._ALIGN
+        self._pool = torch.empty(max(pos, 1), dtype=torch.uint8, pin_memory=pin)
+        for p, a in zip(items, starts):
+            self._views.append(self._pool[a:a + p.nbytes].view(p.data.dtype).view(p.data.shape))
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._pool is None else self._pool.numel()
 
 
-def load(model: nn.Module, optimizer: torch.optim.Optimizer, read: Callable[[dict[str, torch.Tensor]], None],
+def ensure_optimizer_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+    """Create AdamW's state (zero step, zero moments) for each of `params` that has none yet, exactly as
+    AdamW's first step would, so a fresh trainer can be loaded into without a dummy optimizer step."""
+    missing = [p for p in params if not optimizer.state.get(p)]
+    if not missing:
+        return
+    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        raise CheckpointError(f"cannot create the state of a {type(optimizer).__name__} before loading; "
+                              "only Adam/AdamW are supported")
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    for p in missing:
+        group = group_of[id(p)]
+        fused, capturable = bool(group.get("fused")), bool(group.get("capturable"))
+        st: dict[str, Any] = {
+            "step": (torch.zeros((), dtype=_get_scalar_dtype(is_fused=fused), device=p.device)
+                     if fused or capturable else torch.tensor(0.0, dtype=_get_scalar_dtype())),
+            "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+            "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+        }
+        if group.get("amsgrad"):
+            st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        optimizer.state[p] = st
+
+
+def load(model: nn.Module, optimizer: torch.optim.Optimizer, read: Callable[[dict[str, Target]], Any],
          optimizer_steps: dict[str, int]) -> None:
-    """Fill `model` and `optimizer` in place: `read(targets)` copies the checkpoint into the given
-    (sharded) tensors; step counters come from the manifest. Optimizer state is created first (DCP's
-    `get_state_dict` runs a zero-LR step for that), so every target exists with its final sharding."""
-    msd, osd = get_state_dict(model, optimizer)
-    targets = {MODEL_PREFIX + k: v for k, v in msd.items()}
-    for fqn, st in osd["state"].items():
-        for sname, v in st.items():
-            if sname == "step":
-                if fqn not in optimizer_steps:
-                    raise CheckpointError(f"checkpoint has no optimizer step counter for {fqn}")
-                if isinstance(v, torch.Tensor):
-                    v.fill_(optimizer_steps[fqn])
-                else:
-                    st[sname] = optimizer_steps[fqn]
-            elif isinstance(v, torch.Tensor) and v.dim() > 0:
-                targets[_optim_key(sname, fqn)] = v
-    read(targets)
-    set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
+    """Fill `model` and `optimizer` in place: `read(targets)` copies the checkpoint into this rank's boxes
+    of every tensor (the live shards themselves, so nothing is written back afterwards). A parameter has
+    optimizer state after the load exactly when the checkpoint has a step counter for it: missing state is
+    created (`ensure_optimizer_state`), state the checkpoint does not have (saved before the first step)
+    is dropped."""
+    fqns = {id(t): n for n, t in _named(model).items()}
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    unknown = [p for p in params if id(p) not in fqns]
+    if unknown:
+        raise CheckpointError("the optimizer holds a parameter that is not in the model's state dict")
+    with_state = [p for p in params if fqns[id(p)] in optimizer_steps]
+    for p in params:
+        if fqns[id(p)] not in optimizer_steps:
+            optimizer.state.pop(p, None)
+    ensure_optimizer_state(optimizer, with_state)
+    for p in with_state:
+        st = optimizer.state[p]
+        n = optimizer_steps[fqns[id(p)]]
+        if isinstance(st.get("step"), torch.Tensor):
+            st["step"].fill_(n)
+        else:
+            st["step"] = n
+    tensors, _ = collect(model, optimizer)
+    read({k: Target(*local_box(t)) for k, t in tensors.items()})
 
 
 # -- RNG ---------------------------------------------------------------------------------------------

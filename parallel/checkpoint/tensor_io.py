@@ -1,36 +1,33 @@
-"""Reading tensor chunks out of the checkpoint's safetensors files, without pickle and without DCP's
-metadata file.
+"""Reading the checkpoint's safetensors files into a rank's shards: one pass, verified as it reads.
 
-DCP's own readers are unsuitable on the load path: `FileSystemReader` unpickles `.metadata`, and
-`HuggingFaceStorageReader` builds its metadata by listing every *.safetensors file in the directory
-(stray files join the checkpoint) and reads through `safe_open`, which needs a local path. Instead
-`ManifestReader` takes the tensor layout from the validated JSON manifest and reads byte ranges with
-plain `open`/fsspec, so the same code serves local disks and object stores. A safetensors file is an
-8-byte little-endian header length, a JSON header, then raw little-endian tensor bytes.
+The tensor layout comes from the validated JSON manifest (never from pickle, never from a directory
+listing). For every target (this rank's box of a tensor: a DTensor shard or a plain tensor) the reader
+intersects the box with the saved chunks, so any layout loads any other. Each needed block of rows of a
+chunk is read once into a reusable host buffer, hashed, compared with its manifest digest, and only then
+copied into every target box it overlaps: a corrupt byte never reaches a parameter. Files are read in
+parallel (one thread per file, sequential within a file) with plain `open`/fsspec, so the same code
+serves local disks and object stores. A safetensors file is an 8-byte little-endian header length, a
+JSON header, then raw little-endian tensor bytes.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import struct
+import threading
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import IO, Any
 
 import torch
-from torch.distributed.checkpoint import StorageReader
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.planner import LoadItemType
-from torch.futures import Future
 
-from parallel.checkpoint.manifest import CheckpointError, Chunk, Manifest
-from parallel.checkpoint.storage import Storage
+from parallel.checkpoint.checksum import new_hasher
+from parallel.checkpoint.manifest import CheckpointError, Chunk, FileEntry, Manifest
+from parallel.checkpoint.storage import LocalStorage, Storage
+from parallel.checkpoint.writer import DEFAULT_BLOCK_BYTES, block_rows_for
 
 _MAX_HEADER = 100 << 20  # the safetensors library's own limit
 
@@ -53,17 +50,27 @@ def torch_dtype(name: str) -> torch.dtype:
     return dt
 
 
-def read_header(f: IO[bytes], *, file_size: int, where: str) -> tuple[dict[str, Any], int]:
+def read_header(f: IO[bytes], *, file_size: int, where: str, entry: FileEntry | None = None
+                ) -> tuple[dict[str, Any], int]:
     """(header, offset of the data section). Checks that the header is sane and that every tensor's
-    byte range lies inside the file, so a truncated or corrupted file fails here with its name."""
+    byte range lies inside the file, so a truncated or corrupted file fails here with its name; with a
+    format-2 `entry`, the header bytes must also match its digest."""
     raw = f.read(8)
     if len(raw) != 8:
         raise CheckpointError(f"{where}: truncated before the safetensors header")
     (n,) = struct.unpack("<Q", raw)
     if n > _MAX_HEADER or 8 + n > file_size:
         raise CheckpointError(f"{where}: safetensors header length {n} does not fit the file ({file_size} bytes)")
+    text = f.read(n)
+    if entry is not None and entry.blockwise and entry.algorithm != "none":
+        h = new_hasher(entry.algorithm)
+        h.update(raw)
+        h.update(text)
+        if h.hexdigest() != entry.digest:
+            raise CheckpointError(f"file {where.rsplit('/', 1)[-1]} fails its {entry.algorithm} checksum "
+                                  "(corrupted header)")
     try:
-        header = json.loads(f.read(n))
+        header = json.loads(text)
     except (ValueError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{where}: safetensors header is not JSON ({e})") from None
     if not isinstance(header, dict):
@@ -83,155 +90,164 @@ def read_header(f: IO[bytes], *, file_size: int, where: str) -> tuple[dict[str, 
     return header, start
 
 
-def saved_offsets(header: dict[str, Any]) -> dict[str, list[int]]:
-    """Chunk offsets that DCP's HuggingFace writer stores in the header metadata (DCP_SHARDING_INFO)."""
-    meta = header.get("__metadata__") or {}
-    info = json.loads(meta.get("DCP_SHARDING_INFO", "{}"))
-    return {k: list(v["saved_offsets"]) for k, v in info.items()}
 
 
-def _read_exact(f: IO[bytes], offset: int, nbytes: int, where: str) -> torch.Tensor:
-    buf = torch.empty(nbytes, dtype=torch.uint8)
-    view = memoryview(buf.numpy())
+@dataclass(slots=True)
+class Target:
+    """Where one tensor's bytes go on this rank: `local` (any device) is the box of the global tensor
+    that starts at `offsets`."""
+
+    local: torch.Tensor
+    offsets: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class _Copy:
+    rows: tuple[int, int]
+    """Rows [a, b) of the chunk."""
+    src: tuple[slice, ...]
+    """Trailing-dim slices of the chunk."""
+    dst: torch.Tensor
+    """The view of the target that receives them."""
+
+
+def _overlaps(chunk: Chunk, target: Target) -> list[_Copy]:
+    lo = [max(c, t) for c, t in zip(chunk.offsets, target.offsets)]
+    hi = [min(c + n, t + m) for c, n, t, m in zip(chunk.offsets, chunk.sizes, target.offsets, target.local.shape)]
+    if any(a >= b for a, b in zip(lo, hi)):
+        return []
+    if not lo:  # 0-d
+        return [_Copy(rows=(0, 1), src=(), dst=target.local)]
+    dst = target.local[tuple(slice(a - t, b - t) for a, b, t in zip(lo, hi, target.offsets))]
+    src = tuple(slice(a - c, b - c) for a, b, c in zip(lo[1:], hi[1:], chunk.offsets[1:]))
+    return [_Copy(rows=(lo[0] - chunk.offsets[0], hi[0] - chunk.offsets[0]), src=src, dst=dst)]
+
+
+@dataclass(slots=True)
+class _ChunkRead:
+    key: str
+    chunk: Chunk
+    dtype: torch.dtype
+    copies: list[_Copy]
+
+
+def _readinto(f: IO[bytes], offset: int, view: memoryview, where: str) -> None:
     f.seek(offset)
     got = 0
-    while got < nbytes:
+    while got < len(view):
         n = f.readinto(view[got:])
         if not n:
-            raise CheckpointError(f"{where}: file ends {nbytes - got} bytes early (truncated)")
+            raise CheckpointError(f"{where}: file ends {len(view) - got} bytes early (truncated)")
         got += n
-    return buf
 
 
-def read_slab(f: IO[bytes], header: dict, data_start: int, key: str, chunk: Chunk, *,
-              rows: tuple[int, int] | None, where: str) -> torch.Tensor:
-    """Tensor `key` of one file, or only rows [r0, r1) of it: dim-0 slabs are contiguous on disk, so a
-    resharded load reads just the bytes it needs along the first dimension."""
-    info = header.get(key)
-    if info is None:
-        raise CheckpointError(f"{where}: tensor {key!r} is not in the file")
-    shape = [int(s) for s in info["shape"]]
-    if tuple(shape) != chunk.sizes:
-        raise CheckpointError(f"{where}: tensor {key!r} is {shape} in the file, {list(chunk.sizes)} in the manifest")
-    dt = SAFETENSORS_DTYPES[info["dtype"]]
-    a = int(info["data_offsets"][0])
-    if rows is not None and shape:
-        row_bytes = math.prod(shape[1:]) * dt.itemsize
-        a += rows[0] * row_bytes
-        shape = [rows[1] - rows[0], *shape[1:]]
-    nbytes = math.prod(shape) * dt.itemsize
-    return _read_exact(f, data_start + a, nbytes, where).view(dt).reshape(shape)
+class _Scratch:
+    """One reusable host buffer per reading thread (pinned when the targets live on a GPU)."""
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self.buf: torch.Tensor | None = None
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        if self.buf is None or self.buf.numel() < nbytes:
+            self.buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=self.pin)
+        return self.buf[:nbytes]
 
 
-class _OpenFiles:
-    """Open handles and parsed headers of the files one read touches."""
-
-    def __init__(self, storage: Storage, ckpt: str, manifest: Manifest) -> None:
-        self.storage, self.ckpt, self.manifest = storage, ckpt, manifest
-        self._open: dict[str, tuple[IO[bytes], dict, int]] = {}
-
-    def get(self, name: str) -> tuple[IO[bytes], dict, int]:
-        if name not in self._open:
-            entry = self.manifest.files.get(name)
-            if entry is None:
-                raise CheckpointError(f"{self.ckpt}: file {name!r} is not listed in the manifest")
-            f = self.storage.open(self.storage.join(self.ckpt, name))
-            header, start = read_header(f, file_size=entry.size, where=f"{self.ckpt}/{name}")
-            self._open[name] = (f, header, start)
-        return self._open[name]
-
-    def close(self) -> None:
-        for f, _, _ in self._open.values():
-            f.close()
-        self._open.clear()
-
-
-class ManifestReader(StorageReader):
-    """A DCP StorageReader whose metadata is the JSON manifest and whose reads are byte ranges of the
-    safetensors shards. DCP's planner does the resharding: it intersects each target shard (DTensor or
-    plain tensor) with the saved chunks and asks for exactly those pieces."""
-
-    def __init__(self, storage: Storage, ckpt: str, manifest: Manifest) -> None:
-        super().__init__()
-        self.storage, self.ckpt, self.manifest = storage, ckpt, manifest
-        self._chunks: dict[MetadataIndex, Chunk] = {}
-
-    def reset(self, checkpoint_id=None) -> None:
-        pass
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        md: dict[str, TensorStorageMetadata] = {}
-        self._chunks = {}
-        for key, t in self.manifest.tensors.items():
-            md[key] = TensorStorageMetadata(
-                properties=TensorProperties(dtype=torch_dtype(t.dtype)),
-                size=torch.Size(t.shape),
-                chunks=[ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes))
-                        for c in t.chunks],
-            )
-            for c in t.chunks:
-                self._chunks[MetadataIndex(key, c.offsets)] = c
-        return Metadata(state_dict_metadata=md, storage_data=dict(self._chunks))
-
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self._chunks = metadata.storage_data
-
-    def prepare_local_plan(self, plan):
-        return plan
-
-    def prepare_global_plan(self, plans):
-        return plans
-
-    def read_data(self, plan, planner) -> Future:
-        by_file: dict[str, list] = defaultdict(list)
-        for req in plan.items:
-            if req.type == LoadItemType.BYTE_IO:
-                raise CheckpointError(f"{self.ckpt}: non-tensor item {req.dest_index.fqn!r} requested; "
-                                      "this format stores only tensors")
-            by_file[self._chunks[req.storage_index].file].append(req)
-        files = _OpenFiles(self.storage, self.ckpt, self.manifest)
+def _open(storage: Storage, path: str) -> IO[bytes]:
+    if isinstance(storage, LocalStorage):
+        f = open(path, "rb", buffering=0)
         try:
-            for name, reqs in sorted(by_file.items()):
-                f, header, start = files.get(name)
-                for req in reqs:
-                    chunk = self._chunks[req.storage_index]
-                    so, ln = list(req.storage_offsets), list(req.lengths)
-                    rows = (so[0], so[0] + ln[0]) if so else None
-                    slab = read_slab(f, header, start, req.storage_index.fqn, chunk, rows=rows,
-                                     where=f"{self.ckpt}/{name}")
-                    if so:
-                        slab = slab[(slice(None), *(slice(o, o + n) for o, n in zip(so[1:], ln[1:])))]
-                    target = planner.resolve_tensor(req).detach()
-                    if target.shape != slab.shape:
-                        raise CheckpointError(f"{self.ckpt}: read {list(slab.shape)} for {req.dest_index.fqn} "
-                                              f"but the target slice is {list(target.shape)}")
-                    target.copy_(slab)
-                    planner.commit_tensor(req, target)
-        finally:
-            files.close()
-        fut: Future = Future()
-        fut.set_result(None)
-        return fut
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        except (AttributeError, OSError):
+            pass
+        return f
+    return storage.open(path)
 
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
-        return False
+
+def _read_file(storage: Storage, ckpt: str, name: str, entry: FileEntry, reads: list[_ChunkRead],
+               scratch: _Scratch, verify: bool) -> int:
+    """Read the blocks of file `name` that `reads` need, verify each, copy it out; returns bytes read."""
+    where = f"{ckpt}/{name}"
+    check = verify and entry.blockwise and entry.algorithm != "none"
+    nread = 0
+    with torch.no_grad(), _open(storage, storage.join(ckpt, name)) as f:  # grad mode is per thread
+        header, start = read_header(f, file_size=entry.size, where=where, entry=entry if verify else None)
+        todo = []
+        for r in reads:
+            info = header.get(r.key)
+            if info is None:
+                raise CheckpointError(f"{where}: tensor {r.key!r} is not in the file")
+            if tuple(int(s) for s in info["shape"]) != r.chunk.sizes:
+                raise CheckpointError(f"{where}: tensor {r.key!r} is {info['shape']} in the file, "
+                                      f"{list(r.chunk.sizes)} in the manifest")
+            todo.append((start + int(info["data_offsets"][0]), r))
+        for base, r in sorted(todo, key=lambda x: x[0]):
+            c = r.chunk
+            shape = c.sizes
+            itemsize = r.dtype.itemsize
+            row_bytes = math.prod(shape[1:]) * itemsize if shape else itemsize
+            block = c.block_rows or block_rows_for(shape, itemsize, DEFAULT_BLOCK_BYTES)
+            needed = sorted({b for cp in r.copies for b in range(cp.rows[0] // block, -(-cp.rows[1] // block))})
+            for b in needed:
+                a, z = b * block, min((b + 1) * block, c.rows)
+                buf = scratch.get((z - a) * row_bytes)
+                _readinto(f, base + a * row_bytes, memoryview(buf.numpy()), where)
+                nread += buf.numel()
+                if check:
+                    h = new_hasher(entry.algorithm)
+                    h.update(memoryview(buf.numpy()))
+                    if b >= len(c.digests) or h.hexdigest() != c.digests[b]:
+                        raise CheckpointError(f"file {name} fails its {entry.algorithm} checksum (corrupted: "
+                                              f"rows {a}-{z} of {r.key})")
+                rows = buf.view(r.dtype).reshape((z - a, *shape[1:])) if shape else buf.view(r.dtype).reshape(())
+                for cp in r.copies:
+                    lo, hi = max(cp.rows[0], a), min(cp.rows[1], z)
+                    if lo >= hi:
+                        continue
+                    if not shape:
+                        cp.dst.copy_(rows)
+                        continue
+                    src = rows[(slice(lo - a, hi - a), *cp.src)]
+                    cp.dst[lo - cp.rows[0]:hi - cp.rows[0]].copy_(src)
+    return nread
+
+
+def read_into(storage: Storage, ckpt: str, manifest: Manifest, targets: dict[str, Target], *,
+              threads: int = 4, verify: bool = True) -> int:
+    """Fill every target from the checkpoint at `ckpt` (resharding as needed); returns the bytes read.
+    Raises CheckpointError naming the file on a missing tensor, a short file or a checksum mismatch.
+    `verify=False` skips block digests (format 1, whose whole-file sha256 the caller checked first)."""
+    by_file: dict[str, list[_ChunkRead]] = defaultdict(list)
+    for key, target in targets.items():
+        entry = manifest.tensors.get(key)
+        if entry is None:
+            raise CheckpointError(f"{ckpt}: the checkpoint has no tensor {key}")
+        if tuple(entry.shape) and len(entry.shape) != target.local.dim():
+            raise CheckpointError(f"{ckpt}: tensor {key} has {len(entry.shape)} dims, the target {target.local.dim()}")
+        dtype = torch_dtype(entry.dtype)
+        for c in entry.chunks:
+            copies = _overlaps(c, target)
+            if copies:
+                by_file[c.file].append(_ChunkRead(key, c, dtype, copies))
+    pin = any(t.local.is_cuda for t in targets.values())
+    names = sorted(by_file)
+    if threads <= 1 or len(names) <= 1:
+        scratch = _Scratch(pin)
+        return sum(_read_file(storage, ckpt, n, manifest.files[n], by_file[n], scratch, verify) for n in names)
+    local = threading.local()
+
+    def one(n: str) -> int:
+        if not hasattr(local, "scratch"):
+            local.scratch = _Scratch(pin)
+        return _read_file(storage, ckpt, n, manifest.files[n], by_file[n], local.scratch, verify)
+
+    with ThreadPoolExecutor(max_workers=min(threads, len(names)), thread_name_prefix="ckpt-read") as pool:
+        return sum(pool.map(one, names))
 
 
 def assemble(storage: Storage, ckpt: str, manifest: Manifest, keys: list[str]) -> dict[str, torch.Tensor]:
     """Full (unsharded) tensors for `keys`, built in this process from their chunks: no process group."""
     out = {k: torch.empty(manifest.tensors[k].shape, dtype=torch_dtype(manifest.tensors[k].dtype)) for k in keys}
-    by_file: dict[str, list[tuple[str, Chunk]]] = defaultdict(list)
-    for k in keys:
-        for c in manifest.tensors[k].chunks:
-            by_file[c.file].append((k, c))
-    files = _OpenFiles(storage, ckpt, manifest)
-    try:
-        for name, items in sorted(by_file.items()):
-            f, header, start = files.get(name)
-            for k, c in items:
-                slab = read_slab(f, header, start, k, c, rows=None, where=f"{ckpt}/{name}")
-                out[k][tuple(slice(o, o + n) for o, n in zip(c.offsets, c.sizes))].copy_(slab)
-    finally:
-        files.close()
+    read_into(storage, ckpt, manifest, {k: Target(t, (0,) * t.dim()) for k, t in out.items()})
     return out

@@ -2,16 +2,24 @@
 
 A checkpoint is loadable only if its manifest parses, its chunks tile every tensor, its model tensors
 match the model (when the caller says what the model is), and every file it lists exists with the
-listed size and sha256. Each check returns human-readable problems rather than raising, so the loader
+listed size and checksums. Each check returns human-readable problems rather than raising, so the loader
 can log "checkpoint X: reason" and fall back to the previous one, and `inspect` can show them all.
+
+The training loader checks sizes here and verifies format-2 checksums while it reads (tensor_io); the
+full verification below (every byte, without torch) is for tools and for format-1 checkpoints, whose
+whole-file sha256 must be checked before their bytes are used.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import re
+import struct
 from dataclasses import dataclass, field
 
-from parallel.checkpoint.manifest import MANIFEST_NAME, Manifest, ManifestError
+from parallel.checkpoint.checksum import new_hasher
+from parallel.checkpoint.manifest import ITEMSIZE, MANIFEST_NAME, Manifest, ManifestError
 from parallel.checkpoint.storage import Storage
 
 LATEST_NAME = "latest"
@@ -101,11 +109,63 @@ def file_problems(storage: Storage, path: str, manifest: Manifest, names: list[s
             if size != entry.size:
                 problems.append(f"file {name} is {size} bytes, the manifest says {entry.size} (truncated or replaced)")
                 continue
-            if checksums and storage.sha256(fpath) != entry.sha256:
+            if not checksums or entry.algorithm == "none":
+                continue
+            if entry.blockwise:
+                problems += _block_problems(storage, fpath, name, manifest)
+            elif storage.sha256(fpath) != entry.digest:
                 problems.append(f"file {name} fails its sha256 checksum (corrupted)")
         except OSError as e:
             problems.append(f"file {name} cannot be read: {e}")
     return problems
+
+
+def _block_problems(storage: Storage, fpath: str, name: str, manifest: Manifest) -> list[str]:
+    """Verify a format-2 file completely: its header digest, then every block of every chunk it holds."""
+    entry = manifest.files[name]
+    bad = f"file {name} fails its {entry.algorithm} checksum"
+    with storage.open(fpath) as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            return [f"file {name} is truncated before its header"]
+        (n,) = struct.unpack("<Q", raw)
+        if 8 + n > entry.size:
+            return [f"{bad} (corrupted header length)"]
+        text = f.read(n)
+        h = new_hasher(entry.algorithm)
+        h.update(raw)
+        h.update(text)
+        if h.hexdigest() != entry.digest:
+            return [f"{bad} (corrupted header)"]
+        try:
+            header = json.loads(text)
+            starts = {k: int(v["data_offsets"][0]) for k, v in header.items() if k != "__metadata__"}
+        except (ValueError, TypeError, KeyError) as e:
+            return [f"file {name} has an unreadable header ({e})"]
+        chunks = sorted(((starts.get(k, -1), k, c, t.dtype) for k, t in manifest.tensors.items()
+                         for c in t.chunks if c.file == name), key=lambda x: x[0])
+        buf = bytearray()
+        for start, key, c, dtype in chunks:
+            if start < 0:
+                return [f"file {name} does not hold tensor {key}"]
+            row = math.prod(c.sizes[1:]) * ITEMSIZE[dtype] if c.sizes else ITEMSIZE[dtype]
+            f.seek(8 + n + start)
+            for b in range(c.n_blocks):
+                want = (min((b + 1) * c.block_rows, c.rows) - b * c.block_rows) * row
+                if len(buf) < want:
+                    buf = bytearray(want)
+                view = memoryview(buf)[:want]
+                got = 0
+                while got < want:
+                    k = f.readinto(view[got:])
+                    if not k:
+                        return [f"file {name} ends early (truncated)"]
+                    got += k
+                h = new_hasher(entry.algorithm)
+                h.update(view)
+                if b >= len(c.digests) or h.hexdigest() != c.digests[b]:
+                    return [f"{bad} (corrupted: block {b} of {key})"]
+    return []
 
 
 def check_checkpoint(storage: Storage, path: str, *, expected=None, checksums: bool = True) -> Check:

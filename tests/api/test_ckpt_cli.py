@@ -96,7 +96,7 @@ def test_inspect_flags_a_flipped_byte(ckpt, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "valid: yes" not in out
     (verdict,) = [line for line in out.splitlines() if "valid:" in line]
-    assert "valid: NO" in verdict and f"file {shard.name} fails its sha256 checksum" in verdict
+    assert "valid: NO" in verdict and f"file {shard.name} fails its xxh3-128 checksum" in verdict
 
     assert main(["ckpt", "inspect", str(bad), "--json"]) == 1
     info = json.loads(capsys.readouterr().out)

@@ -30,7 +30,7 @@ from parallel.parallelize import materialize
 from tests.chaos.test_bad_inputs import CFG, elastron, one_line, patched, tree, write_cfg
 
 STEP = "step-{:08d}"
-SHARD = "shard-00001-model-00001-of-00001.safetensors"  # one rank: one file per checkpoint
+SHARD = "shard-r00000-00.safetensors"  # one rank, small state: one file per checkpoint
 
 
 # The three ways a committed checkpoint goes bad on disk; each returns (what the problem says, shard name).
@@ -50,7 +50,7 @@ def flipped(data: bytes) -> bytes:
 
 def flip_bit(ckpt: Path) -> str:
     (ckpt / SHARD).write_bytes(flipped((ckpt / SHARD).read_bytes()))
-    return "fails its sha256 checksum"
+    return "fails its xxh3-128 checksum"
 
 
 def remove_shard(ckpt: Path) -> str:

@@ -191,7 +191,7 @@ def _corrupt(kind: str, root: str, step: int) -> None:
 
 CORRUPTIONS = [
     ("missing manifest", "no manifest.json"),
-    ("bit flip", "fails its sha256 checksum"),
+    ("bit flip", "fails its xxh3-128 checksum"),
     ("truncated shard", "truncated"),
     ("missing file", "is missing"),
 ]
@@ -311,13 +311,13 @@ def test_latest_moves_only_after_commit(run, monkeypatch):
 
 def test_kill_mid_save_leaves_previous_checkpoint(run, monkeypatch):
     root, model, opt, snaps = run
-    orig = ShardWriter.write_data
+    orig = ShardWriter.write
 
-    def dies_after_writing(self, plan, planner):
-        orig(self, plan, planner)  # the shards are on disk, the manifest is not
+    def dies_after_writing(self, files, **kw):
+        orig(self, files, **kw)  # the shards are on disk, the manifest is not
         raise RuntimeError("simulated kill")
 
-    monkeypatch.setattr(ShardWriter, "write_data", dies_after_writing)
+    monkeypatch.setattr(ShardWriter, "write", dies_after_writing)
     mgr = CheckpointManager(root, keep_last=5)
     train(model, opt, 1)
     mgr.save(5, model, opt, state={}, blocking=False)  # async: the failure surfaces at the next call...
@@ -332,7 +332,7 @@ def test_kill_mid_save_leaves_previous_checkpoint(run, monkeypatch):
     # A process killed outright leaves its staging directory behind: it is never loaded, and removed.
     stale = os.path.join(root, ".step-00000007.tmp")
     os.makedirs(stale)
-    open(os.path.join(stale, "shard-00001-model-00001-of-00001.safetensors"), "wb").write(b"partial")
+    open(os.path.join(stale, "shard-r00000-00.safetensors"), "wb").write(b"partial")
     monkeypatch.undo()
     fresh, fresh_opt = tiny(seed=5)
     assert CheckpointManager(root).load_latest(fresh, fresh_opt).step == 4
@@ -359,8 +359,8 @@ def test_inspect_and_full_model_state(run):
 
     _corrupt("bit flip", root, 4)
     bad = inspect(root)
-    assert not bad["valid"] and "sha256" in bad["problems"][0]
-    with pytest.raises(CheckpointError, match="sha256"):
+    assert not bad["valid"] and "xxh3-128 checksum" in bad["problems"][0]
+    with pytest.raises(CheckpointError, match="xxh3-128 checksum"):
         load_full_model_state(os.path.join(root, STEP_DIR.format(4)))
     full, manifest = load_full_model_state(root)  # a root falls back to the newest valid checkpoint
     assert manifest["step"] == 2 and torch.equal(full["output.weight"], snaps[2]["p.output.weight"])

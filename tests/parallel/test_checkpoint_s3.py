@@ -97,24 +97,24 @@ def test_corruption_and_interrupted_save_fall_back(s3, root, monkeypatch, caplog
     data[-10] ^= 0xFF
     s3.pipe_file(shard, bytes(data))
 
-    orig = ShardWriter.write_data
+    orig = ShardWriter.write
 
-    def dies_after_writing(self, plan, planner):
-        orig(self, plan, planner)
+    def dies_after_writing(self, files, **kw):
+        orig(self, files, **kw)
         raise RuntimeError("simulated kill")
 
-    monkeypatch.setattr(ShardWriter, "write_data", dies_after_writing)
+    monkeypatch.setattr(ShardWriter, "write", dies_after_writing)
     train(model, opt, 1)
     with pytest.raises(Exception, match="simulated kill"):
         mgr.save(3, model, opt, state={}, blocking=True)
     monkeypatch.undo()
     # A writer killed outright leaves shards and no manifest: never loaded.
-    s3.pipe_file(f"{root[len('s3://'):]}/step-00000004/shard-00001-model-00001-of-00001.safetensors", b"partial")
+    s3.pipe_file(f"{root[len('s3://'):]}/step-00000004/shard-r00000-00.safetensors", b"partial")
 
     fresh, fresh_opt = tiny(seed=7)
     with caplog.at_level(logging.WARNING, logger="parallel.checkpoint"):
         assert CheckpointManager(root).load_latest(fresh, fresh_opt).step == 1
     assert "step-00000004" in caplog.text and "no manifest.json" in caplog.text
-    assert "step-00000002" in caplog.text and "sha256" in caplog.text
+    assert "step-00000002" in caplog.text and "xxh3-128 checksum" in caplog.text
     assert_same(snapshot(fresh, fresh_opt), good)
     assert not inspect(f"{root}/step-00000002")["valid"]
