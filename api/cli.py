@@ -61,7 +61,8 @@ def _cmd_ckpt_inspect(args: argparse.Namespace) -> int:
             print(table(["tensor", "global shape", "dtype"], rows))
         files = info.get("files", {})
         total = sum(f.get("size", 0) for f in files.values())
-        print(f"  files: {len(files)}, {total / 2**20:.1f} MiB")
+        algos = sorted({f.get("algorithm", "?") for f in files.values()})
+        print(f"  files: {len(files)}, {total / 2**20:.1f} MiB, checksums: {', '.join(algos) or '-'}")
         print("  valid: yes" if info.get("valid") else "  valid: NO — " + "; ".join(info.get("problems", [])))
     if info.get("valid"):
         return 0

@@ -1,38 +1,40 @@
-"""Checkpoint save/load against the raw disk, and what an async save costs the training loop.
+"""Checkpoint save and load: Elastron against plain DCP and the raw disk, side by side in one run.
 
-    cd /work/main && .venv/bin/python benchmarks/checkpoint.py [--layers 28] [--save-layout tp=2]
-        [--load-layout dp=1] [--reps 5] [--dir DIR] [--json out.json]
+    .venv/bin/python benchmarks/checkpoint.py [--layers 28] [--save-layout tp=2] [--load-layout dp=2]
+        [--reps 5] [--dir DIR] [--json out.json]
+    # on a GPU machine: --preset 1b --layers 0 --save-layout dp=1 --load-layout dp=1 --device cuda
 
-State: the `small` preset with `--layers` blocks (28: 82.9M parameters, fp32 weights + AdamW exp_avg and
-exp_avg_sq = 0.99 GB), trained one step so the optimizer state exists. Phase 1 runs on the ranks of
-`--save-layout` (spawned gloo ranks, as in the tests); phase 2 on those of `--load-layout`. Each number
-is the median of `--reps` repetitions, interleaved with its baseline so drift on a shared box hits both:
+State: the `small` preset with `--layers` blocks (28: 82.9M parameters; fp32 weights + AdamW exp_avg and
+exp_avg_sq = 0.99 GB), trained one step so the optimizer state exists. Three phases, each on spawned
+gloo ranks (tests/multiproc.run_ranks, OMP_NUM_THREADS=1); every repetition runs the contenders in a
+rotating order so drift on a shared box hits them alike; the table shows medians.
 
-  (a) load:  `CheckpointManager.load_latest` (checksums + DCP resharding read) / a plain sequential
-             read (16 MiB `readinto`) of the same files, cold (posix_fadvise DONTNEED on every file
-             before each cold measurement) and warm;             target <= 1.25x raw read (cold)
-  (b) save:  bytes / `save(blocking=True)` time (write, fsync, checksums, manifest, commit) vs the same
-             per-rank byte counts written with os.write + fsync into the same directory, in parallel
-             on the same ranks;                                    target >= 70% of raw write
-  (c) async: what `save(blocking=False)` blocks its caller vs `save(blocking=True)` on the same state
-             (staging buffers already allocated; the first call is reported too);  target <= 5%
+  1. save, on the ranks of `--save-layout`: Elastron `save(blocking=True)` (write, fsync, checksums,
+     manifest, commit) | plain DCP `dcp.save(get_state_dict(...), FileSystemWriter)` of the same state |
+     raw os.write + fsync of the bytes each rank writes in Elastron's save. Slowest rank counts.
+  2. load, on the ranks of `--load-layout` (a resharding load): cold page cache before every load
+     (fsync + POSIX_FADV_DONTNEED on every file of both checkpoints). Elastron `load_latest` (checks,
+     verified read) | DCP `get_state_dict` + `dcp.load(FileSystemReader)` + `set_state_dict` | raw read
+     of Elastron's files, shared out across the ranks. The first load of each into a fresh trainer
+     (optimizer state created there) is reported apart. Both must end with the same values.
+  3. async, one rank (the other core free): the trainer's async save (`save_checkpoint(blocking=False)`:
+     staging overlapped with the next step) | `dcp.async_save` of the same state. Reported: what the
+     save blocks the training thread (the call plus the optimizer step's wait for staging) against a
+     blocking save, and the step time while the write is in flight against steps with nothing in flight.
 
-Where time goes is taken on rank 0 by wrapping (never changing) the functions the manager calls: the
-checksum pass, the DCP read/write, the read-back of written files, staging. Ranks are spawned with
-tests/multiproc.run_ranks (gloo, OMP_NUM_THREADS=1). Prints a markdown table and JSON.
+Phase timings come from `CheckpointManager.save_timings` / `load_timings` (its public seam).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -40,49 +42,27 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 _CHUNK = 16 << 20
-TARGETS = {"load_cold_ratio": 1.25, "save_fraction": 0.70, "async_block_fraction": 0.05}
+TARGETS = {"save_fraction": 0.70, "save_vs_dcp": 2.0, "load_cold_ratio": 1.3, "load_vs_dcp": 1.0,
+           "async_block_fraction": 0.02, "step_during_write_ratio": 1.15}
 
 
-def _cfg(layers: int) -> dict:
+def _cfg(preset: str, layers: int, root: str | None) -> dict:
+    model = {"preset": preset, **({"overrides": {"n_layers": layers}} if layers else {})}
     return {
-        "model": {"preset": "small", "overrides": {"n_layers": layers}},
-        "data": {"source": "corpus", "seq_len": 32, "max_bytes": 300_000},
-        "train": {"steps": 1000, "global_batch_size": 2, "micro_batch_size": 1, "warmup_steps": 0},
-        "checkpoint": {"interval_steps": 100_000, "keep_last": 2, "async_save": True},
+        "model": model,
+        "data": {"source": "synthetic", "seq_len": 32},
+        "train": {"steps": 100_000, "global_batch_size": 2, "micro_batch_size": 1, "warmup_steps": 0},
+        "checkpoint": {"interval_steps": 100_000, "keep_last": 2, "async_save": True,
+                       **({"dir": root} if root else {})},
     }
-
-
-# -- timing helpers ------------------------------------------------------------------------------------
-
-class _Timers:
-    """Seconds spent inside wrapped callables, summed per name since the last `reset()` (thread-safe:
-    the writer thread calls some of them)."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.acc: dict[str, float] = {}
-
-    def reset(self) -> dict[str, float]:
-        with self.lock:
-            out, self.acc = self.acc, {}
-        return out
-
-    def wrap(self, owner, attr: str, name: str) -> None:
-        fn = getattr(owner, attr)
-
-        def timed(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                with self.lock:
-                    self.acc[name] = self.acc.get(name, 0.0) + time.perf_counter() - t0
-
-        setattr(owner, attr, timed)
 
 
 def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
+
+
+def _files(d: str) -> list[str]:
+    return sorted(os.path.join(dp, n) for dp, _, ns in os.walk(d) for n in ns)
 
 
 def _drop_cache(paths: list[str]) -> None:
@@ -93,26 +73,6 @@ def _drop_cache(paths: list[str]) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
-
-
-def _resident_bytes(paths: list[str]) -> int | None:
-    """Bytes of `paths` in the page cache (util-linux fincore); None where it is unavailable."""
-    try:
-        r = subprocess.run(["fincore", "--bytes", "--raw", "--noheadings", "-o", "RES", *paths],
-                           capture_output=True, text=True, timeout=30, check=True)
-        return sum(int(x) for x in r.stdout.split())
-    except (OSError, subprocess.SubprocessError, ValueError):
-        return None
-
-
-def _raw_read(paths: list[str]) -> float:
-    buf = bytearray(_CHUNK)
-    t0 = time.perf_counter()
-    for p in paths:
-        with open(p, "rb", buffering=0) as f:
-            while f.readinto(buf):
-                pass
-    return time.perf_counter() - t0
 
 
 def _raw_write(path: str, nbytes: int, block: bytes) -> None:
@@ -126,352 +86,352 @@ def _raw_write(path: str, nbytes: int, block: bytes) -> None:
         os.close(fd)
 
 
-def _ckpt_files(root: str) -> tuple[str, list[str]]:
-    """(newest committed checkpoint directory, its files: shards first, manifest last)."""
-    from parallel.checkpoint.storage import LocalStorage
-    from parallel.checkpoint.validate import list_step_dirs
-
-    (_, name), *_ = list_step_dirs(LocalStorage(root))
-    d = os.path.join(root, name)
-    shards = sorted(os.path.join(d, n) for n in os.listdir(d) if n.endswith(".safetensors"))
-    return d, [*shards, os.path.join(d, "manifest.json")]
+def _raw_read(paths: list[str]) -> int:
+    buf, n = bytearray(_CHUNK), 0
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            while k := f.readinto(buf):
+                n += k
+    return n
 
 
-# -- phase 1: save (rank body) ---------------------------------------------------------------------------
-
-def save_body(cfg_dict: dict, layout: str, root: str, reps: int) -> dict:
+def _setup(cfg_dict: dict, layout: str, device: str, *, run_dir: str | None = None):
     import torch
+    import torch.distributed as dist
+
+    from parallel.layout import Layout
+    from workers.config import JobConfig
+    from workers.runtime import destroy_process_group, init_process_group
+    from workers.trainer import Trainer
+
+    if device == "cuda":  # run_ranks starts gloo only; the trainer on GPUs wants nccl beside it
+        destroy_process_group()
+        torch.cuda.set_device(dist.get_rank() if dist.is_initialized() else 0)
+        init_process_group(torch.device("cuda"))
+    cfg = JobConfig.from_dict(cfg_dict)
+    return Trainer(cfg, layout=Layout.parse(layout), device=torch.device(device), run_dir=run_dir).build()
+
+
+def _slowest(x: float) -> float:
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, x)
+    return max(out)
+
+
+def _timed(fn) -> float:
+    import torch.distributed as dist
+
+    dist.barrier()
+    t = time.perf_counter()
+    fn()
+    return _slowest(time.perf_counter() - t)
+
+
+def _dcp_state(trainer) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(trainer.model, trainer.optimizer)
+    return {"model": msd, "optim": osd}
+
+
+# -- phase 1: save ---------------------------------------------------------------------------------------
+
+def save_body(cfg_dict: dict, layout: str, work: str, reps: int, device: str) -> dict:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from parallel.checkpoint import state as state_mod
-    from parallel.layout import Layout
-    from workers.config import JobConfig
-    from workers.trainer import Trainer
-
-    cfg = JobConfig.from_dict({**cfg_dict, "checkpoint": {**cfg_dict["checkpoint"], "dir": root}})
-    rank, world = dist.get_rank(), dist.get_world_size()
-    trainer = Trainer(cfg, layout=Layout.parse(layout), device=torch.device("cpu")).build()
-    t0 = time.perf_counter()
+    trainer = _setup(cfg_dict, layout, device)
     trainer.train_step()  # creates the AdamW state
-    first_step_s = time.perf_counter() - t0
-    mgr = trainer.checkpointer
-    timers = _Timers()
-    timers.wrap(dcp, "save", "dcp_save")  # the manager looks dcp.save up at call time
-    timers.wrap(mgr, "_describe_files", "read_back_checksums")
-    timers.wrap(mgr, "_commit", "commit")
-    timers.wrap(mgr.storage, "commit_dir", "commit_dir")
-    timers.wrap(mgr.storage, "write_bytes", "manifest_and_latest")
-    timers.wrap(mgr, "_retain", "retention")
-    timers.wrap(state_mod, "collect", "collect")
-    timers.wrap(mgr._stager, "stage", "stage")
+    rank, mgr = dist.get_rank(), trainer.checkpointer
     state = trainer._checkpoint_state()
     step = [10_000]
+    dcp_dirs: list[str] = []
+    dcp_count = itertools.count()
 
-    def save(blocking: bool) -> float:
+    def elastron() -> None:
         step[0] += 1
-        dist.barrier()
-        t = time.perf_counter()
-        mgr.save(step[0], trainer.model, trainer.optimizer, state=state, blocking=blocking)
-        return time.perf_counter() - t
+        mgr.save(step[0], trainer.model, trainer.optimizer, state=state, blocking=True)
 
-    def slowest(x: float) -> float:
-        out = [None] * world
-        dist.all_gather_object(out, x)
-        return max(out)
+    def plain_dcp() -> None:
+        d = os.path.join(work, f"dcp-{next(dcp_count)}")
+        dcp.save(_dcp_state(trainer), storage_writer=dcp.FileSystemWriter(d))
+        dcp_dirs.append(d)
 
-    # Warm-up save (not counted): first-call costs of DCP and the gloo group; tells us the file sizes.
-    warm_s = slowest(save(True))
-    _, files = _ckpt_files(root)
-    shards = files[:-1]
-    sizes = [os.path.getsize(p) for p in shards]
-    total = sum(os.path.getsize(p) for p in files)
-    # Each rank writes what it wrote in the checkpoint (one shard per rank in distributed mode).
-    mine = sizes[rank] if len(sizes) == world else total // world
+    elastron()  # warm-up (not counted): first-call costs; tells us how many bytes this rank writes
+    plain_dcp()
+    mine = mgr.save_timings.bytes
     block = os.urandom(_CHUNK)
-    timers.reset()
+    raw_path = os.path.join(work, f"raw-{rank}.bin")
 
-    rows: dict[str, list[float]] = {k: [] for k in (
-        "raw_write_s", "sync_save_s", "async_block_s", "async_write_s", "step_s", "step_during_write_s")}
+    def raw() -> None:
+        _raw_write(raw_path, mine, block)
+
+    runs: dict[str, list[float]] = {"elastron": [], "dcp": [], "raw": []}
     parts: dict[str, list[float]] = {}
-    first_async = None
+    order = list(runs)
     for i in range(reps):
-        raw = os.path.join(root, f"raw-{rank}.bin")
-        dist.barrier()
-        t = time.perf_counter()
-        _raw_write(raw, mine, block)
-        dist.barrier()
-        rows["raw_write_s"].append(slowest(time.perf_counter() - t))
-        os.unlink(raw)
-
-        timers.reset()
-        rows["sync_save_s"].append(slowest(save(True)))
-        for k, v in timers.reset().items():
-            parts.setdefault(f"sync.{k}", []).append(v)
-
-        dist.barrier()
-        t = time.perf_counter()
-        trainer.train_step()
-        rows["step_s"].append(slowest(time.perf_counter() - t))
-
-        blocked = slowest(save(False))
-        if i == 0:
-            first_async = blocked  # this call allocated the staging buffers
-        else:
-            rows["async_block_s"].append(blocked)
-        for k, v in timers.reset().items():
-            if k in ("collect", "stage"):
-                parts.setdefault(f"async.{k}", []).append(v)
-        t = time.perf_counter()
-        trainer.train_step()  # runs while the write is in flight
-        rows["step_during_write_s"].append(slowest(time.perf_counter() - t))
-        mgr.flush()
-        rows["async_write_s"].append(slowest(mgr.write_s))
-        timers.reset()
-    return {
-        "rank": rank, "files": len(files), "bytes": total, "shard_bytes": sizes, "warmup_save_s": warm_s,
-        "first_train_step_s": first_step_s, "first_async_block_s": first_async,
-        "runs": rows, "parts": parts,
-    }
+        for name in order[i % 3:] + order[:i % 3]:
+            runs[name].append(_timed({"elastron": elastron, "dcp": plain_dcp, "raw": raw}[name]))
+            if name == "elastron":
+                for k, v in mgr.save_timings.phases.items():
+                    parts.setdefault(k, []).append(v)
+            dist.barrier()
+            if rank == 0:
+                if os.path.exists(raw_path):
+                    os.unlink(raw_path)
+                while len(dcp_dirs) > 1:  # keep the newest DCP checkpoint for the load phase
+                    shutil.rmtree(dcp_dirs.pop(0), ignore_errors=True)
+            if rank != 0 and os.path.exists(raw_path):
+                os.unlink(raw_path)
+            dist.barrier()
+    dcp_final = os.path.join(work, "dcp-final")
+    if rank == 0:
+        os.replace(dcp_dirs[-1], dcp_final)
+    dist.barrier()
+    ckpt = os.path.join(mgr.root, f"step-{step[0]:08d}")
+    return {"rank": rank, "runs": runs, "parts": parts, "bytes": sum(map(os.path.getsize, _files(ckpt))),
+            "dcp_bytes": sum(map(os.path.getsize, _files(dcp_final))), "files": len(_files(ckpt)),
+            "rank_bytes": mine, "ckpt": ckpt, "dcp_dir": dcp_final}
 
 
-# -- phase 2: load (rank body) ---------------------------------------------------------------------------
+# -- phase 2: load ---------------------------------------------------------------------------------------
 
-def load_body(cfg_dict: dict, layout: str, root: str, reps: int) -> dict:
+def load_body(cfg_dict: dict, layout: str, root: str, ckpt: str, dcp_dir: str, reps: int, device: str) -> dict:
     import torch
     import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    from parallel.checkpoint import manager as manager_mod
     from parallel.checkpoint.manager import CheckpointManager
-    from parallel.checkpoint.storage import LocalStorage
-    from parallel.checkpoint.tensor_io import ManifestReader
-    from parallel.layout import Layout
-    from workers.config import JobConfig
-    from workers.trainer import Trainer
 
-    cfg = JobConfig.from_dict(cfg_dict)  # no checkpoint dir: build() does not resume, we time the load
-    rank = dist.get_rank()
-    trainer = Trainer(cfg, layout=Layout.parse(layout), device=torch.device("cpu")).build()
+    ours = _setup(cfg_dict, layout, device)
+    theirs = _setup(cfg_dict, layout, device)  # a second fresh trainer for DCP's first load
+    rank, world = dist.get_rank(), dist.get_world_size()
     mgr = CheckpointManager(root, keep_last=2)
-    timers = _Timers()
-    timers.wrap(manager_mod, "file_problems", "checksums")
-    timers.wrap(ManifestReader, "read_data", "read_data")
-    ckpt, files = _ckpt_files(root)
-    expected = trainer._expected_tensors()
+    expected = ours._expected_tensors()
+    every = _files(ckpt) + _files(dcp_dir)
+    my_share = _files(ckpt)[rank::world]
 
-    checked = manager_mod.file_problems
-
-    def load(cold: bool, checksums: bool = True) -> tuple[float, dict[str, float]]:
-        if cold:
-            _drop_cache(files)
-        # Without checksums: what the DCP read path costs on its own, reading cold files itself.
-        manager_mod.file_problems = checked if checksums else (lambda *a, **k: [])
-        dist.barrier()
-        timers.reset()
-        t = time.perf_counter()
-        try:
-            m = mgr.load_latest(trainer.model, trainer.optimizer, expected=expected)
-        finally:
-            manager_mod.file_problems = checked
-        dt = time.perf_counter() - t
+    def elastron() -> None:
+        m = mgr.load_latest(ours.model, ours.optimizer, expected=expected)
         if m is None or m.step < 10_000:
             raise RuntimeError(f"loaded {m and m.step} from {root}, expected the benchmark's checkpoint")
-        out = [None] * dist.get_world_size()
-        dist.all_gather_object(out, dt)
-        return max(out), timers.reset()
 
-    # The first load goes into a freshly built trainer: AdamW state is created inside it (DCP's
-    # zero-LR step) and every target is touched for the first time, as in a real resume.
-    _drop_cache(files)
-    dropped = _resident_bytes(files)
-    first_s, first_parts = load(cold=True)
+    def plain_dcp() -> None:
+        sd = _dcp_state(theirs)
+        dcp.load(sd, storage_reader=dcp.FileSystemReader(dcp_dir))
+        set_state_dict(theirs.model, theirs.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
 
-    # Does the checksum pass leave the files in the page cache for the DCP read that follows?
-    _drop_cache(files)
-    storage = LocalStorage(root)
-    from parallel.checkpoint.manifest import Manifest
+    def raw() -> None:
+        _raw_read(my_share)
 
-    manifest = Manifest.from_json(Path(files[-1]).read_text())
-    from parallel.checkpoint.validate import file_problems  # the unwrapped original
+    fns = {"elastron": elastron, "dcp": plain_dcp, "raw": raw}
 
-    t = time.perf_counter()
-    problems = file_problems(storage, ckpt, manifest)
-    checksum_cold_s = time.perf_counter() - t
-    if problems:
-        raise RuntimeError(f"benchmark checkpoint is broken: {problems}")
-    after_checksums = _resident_bytes(files)
-    t = time.perf_counter()
-    file_problems(storage, ckpt, manifest)
-    checksum_warm_s = time.perf_counter() - t
+    def cold(name: str) -> float:
+        if rank == 0:
+            _drop_cache(every)
+        dist.barrier()
+        return _timed(fns[name])
 
-    rows: dict[str, list[float]] = {k: [] for k in ("raw_read_cold_s", "raw_read_warm_s", "load_cold_s",
-                                                    "load_warm_s", "load_cold_nochecksum_s")}
+    first = {"elastron": cold("elastron"), "dcp": cold("dcp")}
+    first_parts = dict(mgr.load_timings.phases)
+    runs: dict[str, list[float]] = {"elastron": [], "dcp": [], "raw": []}
     parts: dict[str, list[float]] = {}
-    for _ in range(reps):
-        _drop_cache(files)
-        rows["raw_read_cold_s"].append(_raw_read(files))
-        rows["raw_read_warm_s"].append(_raw_read(files))
-        for kind in ("cold", "warm"):
-            dt, p = load(cold=kind == "cold")
-            rows[f"load_{kind}_s"].append(dt)
-            for k, v in p.items():
-                parts.setdefault(f"{kind}.{k}", []).append(v)
-        dt, p = load(cold=True, checksums=False)
-        rows["load_cold_nochecksum_s"].append(dt)
-        parts.setdefault("cold_nochecksum.read_data", []).append(p.get("read_data", 0.0))
-    return {
-        "rank": rank, "bytes": sum(os.path.getsize(p) for p in files), "first_load_s": first_s,
-        "first_load_parts": first_parts, "resident_after_drop": dropped, "resident_after_checksums":
-        after_checksums, "checksum_cold_s": checksum_cold_s, "checksum_warm_s": checksum_warm_s,
-        "runs": rows, "parts": parts,
-    }
+    order = list(runs)
+    for i in range(reps):
+        for name in order[i % 3:] + order[:i % 3]:
+            runs[name].append(cold(name))
+            if name == "elastron":
+                for k, v in mgr.load_timings.phases.items():
+                    parts.setdefault(k, []).append(v)
+    # Both loaders must have put the same values into the same layout.
+    a = [t.detach() for t in ours.model.state_dict().values()]
+    b = [t.detach() for t in theirs.model.state_dict().values()]
+    same = all(torch.equal(x.full_tensor() if hasattr(x, "full_tensor") else x,
+                           y.full_tensor() if hasattr(y, "full_tensor") else y) for x, y in zip(a, b))
+    return {"rank": rank, "runs": runs, "parts": parts, "first": first, "first_parts": first_parts,
+            "bytes_read": mgr.load_timings.bytes, "same_values": _slowest(0.0 if same else 1.0) == 0.0}
+
+
+# -- phase 3: async saves while training (one rank) ------------------------------------------------------
+
+def async_body(cfg_dict: dict, work: str, reps: int, device: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    trainer = _setup(cfg_dict, "dp=1", device, run_dir=work)
+    for _ in range(2):
+        trainer.train_step()  # warm-up; creates the AdamW state
+    mgr = trainer.checkpointer
+
+    def steps(n: int) -> list[float]:
+        return [trainer.train_step().step_time for _ in range(n)]
+
+    def elastron() -> tuple[float, list[float]]:
+        wait0 = mgr.stage_wait_s
+        t = time.perf_counter()
+        trainer.save_checkpoint(blocking=False)
+        blocked = time.perf_counter() - t
+        during = []
+        while mgr.in_flight:
+            during.append(trainer.train_step().step_time)
+        mgr.flush()
+        return blocked + mgr.stage_wait_s - wait0, during
+
+    def plain_dcp(i: int) -> tuple[float, list[float]]:
+        t = time.perf_counter()
+        fut = dcp.async_save(_dcp_state(trainer), storage_writer=dcp.FileSystemWriter(os.path.join(work, f"dcp-a{i}")))
+        blocked = time.perf_counter() - t
+        during = []
+        while not fut.done():
+            during.append(trainer.train_step().step_time)
+        fut.result()
+        shutil.rmtree(os.path.join(work, f"dcp-a{i}"), ignore_errors=True)
+        return blocked, during
+
+    elastron()  # warm-up: allocates the staging pool
+    plain_dcp(-1)
+    out: dict[str, list[float]] = {k: [] for k in (
+        "normal_step", "blocking_save", "elastron_blocked", "elastron_step_during", "dcp_blocked", "dcp_step_during")}
+    for i in range(reps):
+        out["normal_step"] += steps(3)
+        t = time.perf_counter()
+        trainer.save_checkpoint(blocking=True)
+        out["blocking_save"].append(time.perf_counter() - t)
+        for name in (("elastron", "dcp") if i % 2 == 0 else ("dcp", "elastron")):
+            blocked, during = elastron() if name == "elastron" else plain_dcp(i)
+            out[f"{name}_blocked"].append(blocked)
+            out[f"{name}_step_during"] += during
+        out["normal_step"] += steps(3)
+    return out
 
 
 # -- report ----------------------------------------------------------------------------------------------
 
-def summarize(save: dict, load: dict, args: argparse.Namespace, load_avg: tuple) -> dict:
-    med = {k: _median(v) for k, v in {**save["runs"], **load["runs"]}.items()}
-    gb = 1e9
-    sb, lb = save["bytes"], load["bytes"]
+def summarize(save: dict, load: dict, asy: dict, args: argparse.Namespace, load_avg: tuple) -> dict:
+    s = {k: _median(v) for k, v in save["runs"].items()}
+    ld = {k: _median(v) for k, v in load["runs"].items()}
+    a = {k: _median(v) for k, v in asy.items()}
     r = {
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{os.cpu_count()} cores, no GPU",
-        "state_bytes": sb,
-        "save_layout": args.save_layout, "load_layout": args.load_layout, "reps": args.reps,
-        "load_cold_s": med["load_cold_s"], "raw_read_cold_s": med["raw_read_cold_s"],
-        "load_warm_s": med["load_warm_s"], "raw_read_warm_s": med["raw_read_warm_s"],
-        "first_load_s": load["first_load_s"], "load_cold_nochecksum_s": med["load_cold_nochecksum_s"],
-        "load_cold_ratio": med["load_cold_s"] / med["raw_read_cold_s"],
-        "load_warm_ratio": med["load_warm_s"] / med["raw_read_warm_s"],
-        "first_load_ratio": load["first_load_s"] / med["raw_read_cold_s"],
-        "load_cold_nochecksum_ratio": med["load_cold_nochecksum_s"] / med["raw_read_cold_s"],
-        "sync_save_s": med["sync_save_s"], "raw_write_s": med["raw_write_s"],
-        "save_gbps": sb / med["sync_save_s"] / gb, "raw_write_gbps": sb / med["raw_write_s"] / gb,
-        "save_fraction": med["raw_write_s"] / med["sync_save_s"],
-        "async_block_s": med["async_block_s"], "first_async_block_s": save["first_async_block_s"],
-        "async_block_fraction": med["async_block_s"] / med["sync_save_s"],
-        "async_write_s": med["async_write_s"],
-        "step_s": med["step_s"], "step_during_write_s": med["step_during_write_s"],
-        "load_parts": {k: _median(v) for k, v in load["parts"].items()},
-        "first_load_parts": load["first_load_parts"],
+        "date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} cores, device {args.device}",
+        "preset": args.preset, "layers": args.layers, "state_bytes": save["bytes"], "dcp_bytes": save["dcp_bytes"],
+        "files": save["files"], "save_layout": args.save_layout, "load_layout": args.load_layout, "reps": args.reps,
+        "save_s": s["elastron"], "dcp_save_s": s["dcp"], "raw_write_s": s["raw"],
+        "load_s": ld["elastron"], "dcp_load_s": ld["dcp"], "raw_read_s": ld["raw"],
+        "first_load_s": load["first"]["elastron"], "dcp_first_load_s": load["first"]["dcp"],
+        "bytes_read_rank0": load["bytes_read"], "same_values": load["same_values"],
         "save_parts": {k: _median(v) for k, v in save["parts"].items()},
-        "checksum_cold_s": load["checksum_cold_s"], "checksum_warm_s": load["checksum_warm_s"],
-        "resident_after_drop": load["resident_after_drop"],
-        "resident_after_checksums": load["resident_after_checksums"],
-        "warmup_save_s": save["warmup_save_s"], "load_avg_start_end": load_avg,
-        "runs": {**save["runs"], **load["runs"]},
+        "load_parts": {k: _median(v) for k, v in load["parts"].items()},
+        "first_load_parts": load["first_parts"],
+        **{f"async_{k}": v for k, v in a.items()}, "async_samples": {k: len(v) for k, v in asy.items()},
+        "load_avg_start_end": load_avg, "raw": {"save": save["runs"], "load": load["runs"], "async": asy},
     }
+    r["save_fraction"] = r["raw_write_s"] / r["save_s"]
+    r["save_vs_dcp"] = r["dcp_save_s"] / r["save_s"]
+    r["load_cold_ratio"] = r["load_s"] / r["raw_read_s"]
+    r["load_vs_dcp"] = r["dcp_load_s"] / r["load_s"]
+    r["async_block_fraction"] = a["elastron_blocked"] / a["blocking_save"]
+    r["dcp_async_block_fraction"] = a["dcp_blocked"] / a["blocking_save"]
+    r["step_during_write_ratio"] = a["elastron_step_during"] / a["normal_step"]
+    r["dcp_step_during_write_ratio"] = a["dcp_step_during"] / a["normal_step"]
     r["met"] = {
-        "load_cold_ratio": r["load_cold_ratio"] <= TARGETS["load_cold_ratio"],
         "save_fraction": r["save_fraction"] >= TARGETS["save_fraction"],
+        "save_vs_dcp": r["save_vs_dcp"] >= TARGETS["save_vs_dcp"],
+        "load_cold_ratio": r["load_cold_ratio"] <= TARGETS["load_cold_ratio"],
+        "load_vs_dcp": r["load_vs_dcp"] > TARGETS["load_vs_dcp"],
         "async_block_fraction": r["async_block_fraction"] <= TARGETS["async_block_fraction"],
+        "step_during_write_ratio": r["step_during_write_ratio"] <= TARGETS["step_during_write_ratio"],
     }
     return r
 
 
 def table(r: dict) -> str:
-    gib = r["state_bytes"] / 2**30
     yes = {True: "yes", False: "**no**"}
-    lines = [
-        f"State: {r['state_bytes'] / 1e9:.2f} GB ({gib:.2f} GiB) of fp32 weights + AdamW state; saved under "
-        f"{r['save_layout']}, loaded under {r['load_layout']}; medians of {r['reps']} runs; 1-min load "
-        f"average {r['load_avg_start_end'][0]:.1f} at the start, {r['load_avg_start_end'][1]:.1f} at the end.",
-        "",
-        "| measurement | Elastron | raw baseline | ratio | target | met |",
-        "|---|---|---|---|---|---|",
-        f"| (a) load, cold cache | {r['load_cold_s']:.2f} s | read {r['raw_read_cold_s']:.2f} s | "
-        f"{r['load_cold_ratio']:.2f}x | <= 1.25x | {yes[r['met']['load_cold_ratio']]} |",
-        f"| (a) load, warm cache | {r['load_warm_s']:.2f} s | read {r['raw_read_warm_s']:.2f} s | "
-        f"{r['load_warm_ratio']:.2f}x | - | - |",
-        f"| (a) first load into a fresh trainer, cold | {r['first_load_s']:.2f} s | read "
-        f"{r['raw_read_cold_s']:.2f} s | {r['first_load_ratio']:.2f}x | - | - |",
-        f"| (a) load, cold, checksum pass skipped (diagnostic) | {r['load_cold_nochecksum_s']:.2f} s | read "
-        f"{r['raw_read_cold_s']:.2f} s | {r['load_cold_nochecksum_ratio']:.2f}x | - | - |",
-        f"| (b) save (blocking), throughput | {r['save_gbps']:.2f} GB/s ({r['sync_save_s']:.2f} s) | "
-        f"write+fsync {r['raw_write_gbps']:.2f} GB/s ({r['raw_write_s']:.2f} s) | "
-        f"{100 * r['save_fraction']:.0f}% | >= 70% | {yes[r['met']['save_fraction']]} |",
-        f"| (c) caller blocked by save(blocking=False) | {1000 * r['async_block_s']:.0f} ms | "
-        f"save(blocking=True) {r['sync_save_s']:.2f} s | {100 * r['async_block_fraction']:.1f}% | <= 5% | "
-        f"{yes[r['met']['async_block_fraction']]} |",
-    ]
-    return "\n".join(lines)
-
-
-def breakdown(r: dict) -> str:
-    lp, sp = r["load_parts"], r["save_parts"]
-    rest_cold = r["load_cold_s"] - lp.get("cold.checksums", 0) - lp.get("cold.read_data", 0)
-    rest_sync = (r["sync_save_s"] - sp.get("sync.dcp_save", 0) - sp.get("sync.read_back_checksums", 0)
-                 - sp.get("sync.commit", 0))
-    first = r.get("first_async_block_s")
+    gb = r["state_bytes"] / 1e9
+    m = r["met"]
     return "\n".join([
-        "| where the time goes | s |",
-        "|---|---|",
-        f"| load cold: checksum pass (sha256 of every file) | {lp.get('cold.checksums', float('nan')):.2f} |",
-        f"| load cold: DCP read + copy into the model/optimizer | {lp.get('cold.read_data', float('nan')):.2f} |",
-        f"| load cold: rest (state-dict helpers, planning, manifest) | {rest_cold:.2f} |",
-        f"| load cold without checksums: DCP read + copy | "
-        f"{lp.get('cold_nochecksum.read_data', float('nan')):.2f} |",
-        f"| load warm: checksum pass / DCP read | {lp.get('warm.checksums', float('nan')):.2f} / "
-        f"{lp.get('warm.read_data', float('nan')):.2f} |",
-        f"| checksum pass alone, cold / warm | {r['checksum_cold_s']:.2f} / {r['checksum_warm_s']:.2f} |",
-        f"| page cache after drop / after the checksum pass | {_mib(r['resident_after_drop'])} / "
-        f"{_mib(r['resident_after_checksums'])} |",
-        f"| save: dcp.save (serialise, write, fsync) | {sp.get('sync.dcp_save', float('nan')):.2f} |",
-        f"| save: read back + sha256 of written files | {sp.get('sync.read_back_checksums', float('nan')):.2f} |",
-        f"| save: commit (manifest, fsync, rename, latest, retention) | {sp.get('sync.commit', float('nan')):.2f} |",
-        f"| save: of which fsync files + rename / manifest + latest / retention | "
-        f"{sp.get('sync.commit_dir', float('nan')):.2f} / {sp.get('sync.manifest_and_latest', float('nan')):.2f} / "
-        f"{sp.get('sync.retention', float('nan')):.2f} |",
-        f"| save: rest (collect, thread, collectives) | {rest_sync:.2f} |",
-        f"| async: collect / stage copy | {sp.get('async.collect', float('nan')):.3f} / "
-        f"{sp.get('async.stage', float('nan')):.3f} |",
-        f"| async: first call (allocates staging buffers) | {first if first is None else f'{first:.3f}'} |",
-        f"| async: background write + commit | {r['async_write_s']:.2f} |",
-        f"| train step alone / with the async write in flight | {r['step_s']:.2f} / {r['step_during_write_s']:.2f} |",
+        f"State: {gb:.2f} GB ({r['preset']}, {r['layers'] or 'preset'} layers, fp32 weights + AdamW), "
+        f"{r['files']} files; saved under {r['save_layout']}, loaded under {r['load_layout']}; medians of "
+        f"{r['reps']} interleaved runs; 1-min load average {r['load_avg_start_end'][0]:.1f} -> "
+        f"{r['load_avg_start_end'][1]:.1f}. Loads are cold (page cache dropped before each).",
+        "",
+        "| measurement | Elastron | plain DCP | raw disk | ratio | target | met |",
+        "|---|---|---|---|---|---|---|",
+        f"| save (blocking) | {r['save_s']:.2f} s ({gb / r['save_s']:.2f} GB/s) | {r['dcp_save_s']:.2f} s | "
+        f"write+fsync {r['raw_write_s']:.2f} s | {100 * r['save_fraction']:.0f}% of raw | >= 70% | "
+        f"{yes[m['save_fraction']]} |",
+        f"| save vs DCP | | | | {r['save_vs_dcp']:.2f}x faster | >= 2x | {yes[m['save_vs_dcp']]} |",
+        f"| load, cold | {r['load_s']:.2f} s | {r['dcp_load_s']:.2f} s | read {r['raw_read_s']:.2f} s | "
+        f"{r['load_cold_ratio']:.2f}x raw | <= 1.3x | {yes[m['load_cold_ratio']]} |",
+        f"| load vs DCP | | | | {r['load_vs_dcp']:.2f}x faster | > 1x | {yes[m['load_vs_dcp']]} |",
+        f"| first load into a fresh trainer, cold | {r['first_load_s']:.2f} s | {r['dcp_first_load_s']:.2f} s | "
+        f"read {r['raw_read_s']:.2f} s | {r['first_load_s'] / r['raw_read_s']:.2f}x raw | - | - |",
+        f"| async: training blocked per save (1 rank) | {1000 * r['async_elastron_blocked']:.0f} ms | "
+        f"`dcp.async_save` {1000 * r['async_dcp_blocked']:.0f} ms | | {100 * r['async_block_fraction']:.1f}% "
+        f"of a blocking save ({r['async_blocking_save']:.2f} s); DCP {100 * r['dcp_async_block_fraction']:.0f}% "
+        f"| <= 2% | {yes[m['async_block_fraction']]} |",
+        f"| async: step while the write is in flight (1 rank) | {r['async_elastron_step_during']:.3f} s | "
+        f"{r['async_dcp_step_during']:.3f} s | normal step {r['async_normal_step']:.3f} s | "
+        f"{r['step_during_write_ratio']:.2f}x (DCP {r['dcp_step_during_write_ratio']:.2f}x) | <= 1.15x | "
+        f"{yes[m['step_during_write_ratio']]} |",
+        "",
+        f"Same values loaded by Elastron and DCP: {r['same_values']}. Bytes read by rank 0: "
+        f"{r['bytes_read_rank0'] / 1e9:.2f} GB of {gb:.2f} GB.",
+        "Save phases (rank 0, s): " + ", ".join(f"{k} {v:.2f}" for k, v in r["save_parts"].items()),
+        "Load phases (rank 0, s): " + ", ".join(f"{k} {v:.2f}" for k, v in r["load_parts"].items())
+        + "; first load: " + ", ".join(f"{k} {v:.2f}" for k, v in r["first_load_parts"].items()),
     ])
-
-
-def _mib(x: int | None) -> str:
-    return "n/a" if x is None else f"{x / 2**20:.0f} MiB"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=28, help="blocks of the small preset (28: 0.99 GB of state)")
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--layers", type=int, default=28, help="blocks of the preset (0: the preset's own)")
     ap.add_argument("--save-layout", default="tp=2")
-    ap.add_argument("--load-layout", default="dp=1")
+    ap.add_argument("--load-layout", default="dp=2")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--skip-async", action="store_true", help="phases 1 and 2 only")
     ap.add_argument("--dir", help="where to write (default: a temporary directory under /tmp, removed after)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
-    if args.reps < 2:
-        ap.error("--reps must be >= 2 (the first async save allocates buffers and is reported apart)")
+    if args.reps < 1:
+        ap.error("--reps must be >= 1")
 
     from parallel.layout import Layout
     from tests.multiproc import run_ranks
 
     load_avg = [os.getloadavg()[0]]
     work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="elastron-ckpt-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
     root = str(work / "checkpoints")
-    cfg = _cfg(args.layers)
     try:
         t0 = time.perf_counter()
         n = Layout.parse(args.save_layout).world_size
-        saves = run_ranks(n, save_body, cfg, args.save_layout, root, args.reps, timeout=1200)
+        saves = run_ranks(n, save_body, _cfg(args.preset, args.layers, root), args.save_layout, str(work),
+                          args.reps, args.device, timeout=3600)
         print(f"save phase: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
         t0 = time.perf_counter()
         n = Layout.parse(args.load_layout).world_size
-        loads = run_ranks(n, load_body, cfg, args.load_layout, root, args.reps, timeout=1200)
+        loads = run_ranks(n, load_body, _cfg(args.preset, args.layers, None), args.load_layout, root,
+                          saves[0]["ckpt"], saves[0]["dcp_dir"], args.reps, args.device, timeout=3600)
         print(f"load phase: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(saves[0]["dcp_dir"], ignore_errors=True)
+        asy = {k: [float("nan")] for k in ("normal_step", "blocking_save", "elastron_blocked",
+                                           "elastron_step_during", "dcp_blocked", "dcp_step_during")}
+        if not args.skip_async:
+            t0 = time.perf_counter()
+            (asy,) = run_ranks(1, async_body, _cfg(args.preset, args.layers, None), str(work / "async"),
+                               args.reps, args.device, timeout=3600)
+            print(f"async phase: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     finally:
         if not args.dir:
             shutil.rmtree(work, ignore_errors=True)
     load_avg.append(os.getloadavg()[0])
-    r = summarize(saves[0], loads[0], args, tuple(load_avg))
+    r = summarize(saves[0], loads[0], asy, args, tuple(load_avg))
     print(table(r))
-    print()
-    print(breakdown(r))
-    print()
     print(json.dumps(r, indent=1, default=str))
     if args.json:
         Path(args.json).write_text(json.dumps(r, indent=1, default=str) + "\n")

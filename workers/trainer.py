@@ -229,8 +229,10 @@ class Trainer:
             if blocking:
                 self.checkpointer.flush()
             return
+        # The loop changes weights and AdamW state only in optimizer.step(): the staging copy of an async
+        # save can overlap the next forward/backward, and that step waits for it.
         self.checkpointer.save(self.step, self.model, self.optimizer, state=self._checkpoint_state(),
-                               blocking=blocking)
+                               blocking=blocking, overlap_staging=True)
 
     def flush_checkpoint(self) -> None:
         """Wait until the checkpoint in flight is committed (e.g. before a planned resize)."""

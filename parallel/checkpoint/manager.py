@@ -90,6 +90,9 @@ class _SaveJob:
     optimizer_steps: dict[str, int]
     state: dict[str, Any]
     background: bool
+    stage_after: Any = False
+    """False: `pieces` are ready to write; None or a CUDA event: the writer thread stages them first
+    (after that event on GPUs)."""
 
 
 @dataclass(slots=True)
@@ -180,6 +183,13 @@ class CheckpointManager:
         """Seconds the last `save()` call blocked its caller (waiting for the previous save + staging)."""
         self.write_s = 0.0
         """Seconds the last background write + commit took."""
+        self._staged = threading.Event()
+        self._staged.set()
+        self._committed = threading.Event()
+        self._committed.set()
+        self._hooked: tuple[torch.optim.Optimizer, Any] | None = None
+        self.stage_wait_s = 0.0
+        """Seconds optimizer steps have waited for deferred staging copies (`overlap_staging`), in total."""
         self.save_timings = Timings()
         """Phases of the last save on this rank: collect, plan, stage (caller); write, commit (writer)."""
         self.load_timings = Timings()
@@ -191,10 +201,15 @@ class CheckpointManager:
 
     # -- save --------------------------------------------------------------------------------------
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, *, state: dict[str, Any],
-             blocking: bool | None = None) -> None:
+             blocking: bool | None = None, overlap_staging: bool = False) -> None:
         """Checkpoint `model` and `optimizer` at `step` with JSON-able `state` (layout, data position, ...)
         in the manifest. Returns once the state is staged, or once it is committed if `blocking` (default:
-        not `async_save`). A failed background save raises from the next `save()` or `flush()`."""
+        not `async_save`). A failed background save raises from the next `save()` or `flush()`.
+
+        `overlap_staging` (async saves): return before the state is copied; the copy runs in the writer
+        thread while the caller goes on, and the optimizer's next `step()` waits for it (a step pre-hook).
+        Only for callers that change parameters and optimizer state through `optimizer.step()` alone, as a
+        training loop does: forward and backward then overlap the copy instead of waiting for it."""
         t0 = time.perf_counter()
         if blocking is None:
             blocking = not self.async_save
@@ -208,19 +223,44 @@ class CheckpointManager:
         t = time.perf_counter()
         mine = self._my_pieces(local)
         tm.add("plan", time.perf_counter() - t)
-        t = time.perf_counter()
-        if not blocking or any(p.data.is_cuda for p in mine):
-            mine = self._stager.stage(mine)  # a blocking save on CPU writes from the live tensors: no copy
-        tm.add("stage", time.perf_counter() - t)
         tm.bytes = sum(p.nbytes for p in mine)
         job = _SaveJob(step=step, pieces=mine, shapes=shapes, optimizer_steps=opt_steps, state=dict(state),
                        background=not blocking)
+        cuda = any(p.data.is_cuda for p in mine)
+        if overlap_staging and not blocking:
+            job.stage_after = torch.cuda.Event() if cuda else None
+            if job.stage_after is not None:
+                job.stage_after.record()  # the copies wait for the work queued so far, not for the host
+            self._staged.clear()
+            self._hook(optimizer)
+        elif not blocking or cuda:  # a blocking save on CPU writes from the live tensors: no copy
+            t = time.perf_counter()
+            job.pieces = self._stager.stage(mine)
+            tm.add("stage", time.perf_counter() - t)
+        self._committed.clear()
         self._thread = threading.Thread(target=self._run, args=(job,), name=f"ckpt-save-{step}", daemon=True)
         self._thread.start()
         self.last_saved_step = step
         if blocking:
-            self.flush()
+            self._committed.wait()  # committed (or failed); retention may still be running
+            if self._error is not None:
+                self.flush()
         self.blocked_s = time.perf_counter() - t0
+
+    def _hook(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make `optimizer.step()` wait until a deferred staging copy is done (registered once)."""
+        if self._hooked is not None and self._hooked[0] is optimizer:
+            return
+        if self._hooked is not None:
+            self._hooked[1].remove()
+
+        def wait_for_staging(*_: Any) -> None:
+            if not self._staged.is_set():
+                t = time.perf_counter()
+                self._staged.wait()
+                self.stage_wait_s += time.perf_counter() - t
+
+        self._hooked = (optimizer, optimizer.register_step_pre_hook(wait_for_staging))
 
     def _my_pieces(self, local: list[Piece]) -> list[Piece]:
         """The boxes this rank writes: every rank's boxes are gathered (small metadata) and each distinct
@@ -228,6 +268,11 @@ class CheckpointManager:
         plan = [(p.key, tuple(p.offsets), tuple(p.data.shape), p.nbytes) for p in local]
         mine = state_mod.assign_writers(self._comm.all_gather(plan))[self.rank]
         return [p for p in local if (p.key, tuple(p.offsets)) in mine]
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a save is still being staged, written or committed."""
+        return self._thread is not None and self._thread.is_alive()
 
     def flush(self) -> None:
         """Wait for the save in flight, if any; raise CheckpointError if it failed."""
@@ -262,12 +307,31 @@ class CheckpointManager:
         if job.background:
             _lower_priority()
         try:
+            if job.stage_after is not False:
+                t = time.perf_counter()
+                try:
+                    job.pieces = self._stager.stage(job.pieces, after=job.stage_after)
+                finally:
+                    self._staged.set()
+                self.save_timings.add("stage", time.perf_counter() - t)
             self._write(job)
             self.last_committed_step = job.step
         except BaseException as e:  # re-raised in the training thread by flush()
             self._error = e
+            return
         finally:
             self.write_s = time.perf_counter() - t0
+            self._committed.set()
+        if self.rank == 0:
+            # After the commit, so a blocking save returns without waiting for old checkpoints to be
+            # deleted; the next save (or flush) waits for it, as it waits for this thread.
+            t = time.perf_counter()
+            try:
+                self._retain()
+            except Exception:
+                log.warning("checkpoint retention under %s failed; old checkpoints were kept", self.storage.root,
+                            exc_info=True)
+            self.save_timings.add("retention", time.perf_counter() - t)
 
     def _write(self, job: _SaveJob) -> None:
         st, comm = self.storage, self._comm
@@ -357,13 +421,11 @@ class CheckpointManager:
         if problems:
             return "; ".join(problems[:5])
         st = self.storage
+        t = time.perf_counter()
         st.write_bytes(st.join(staging, MANIFEST_NAME), manifest.to_json().encode())
         st.commit_dir(staging, final)
         st.write_bytes(st.join(st.root, LATEST_NAME), (step_dir_name(job.step) + "\n").encode())
-        try:
-            self._retain()
-        except Exception:
-            log.warning("checkpoint retention under %s failed; old checkpoints were kept", st.root, exc_info=True)
+        self.save_timings.add("commit.files", time.perf_counter() - t)
         return None
 
     def _retain(self) -> None:

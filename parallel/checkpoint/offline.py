@@ -2,8 +2,9 @@
 `load_full_model_state` (for HF export and evaluation).
 
 Both accept a checkpoint directory (``.../checkpoints/step-00000100``) or a checkpoints root, which
-resolves to what `latest` names (else the newest step directory). Both verify checksums: they read every
-byte of the checkpoint once.
+resolves to what `latest` names (else the newest step directory). Both verify every byte of the
+checkpoint, model and optimizer alike, before answering: an export never comes from a checkpoint that a
+training run would refuse.
 """
 
 from __future__ import annotations

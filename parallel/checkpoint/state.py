@@ -125,7 +125,9 @@ class Stager:
         self._views: list[torch.Tensor] = []
         self._stream = None
 
-    def stage(self, items: list[Piece]) -> list[Piece]:
+    def stage(self, items: list[Piece], *, after: Any = None) -> list[Piece]:
+        """Copies of `items` in the pool; on CUDA the copies wait for the CUDA event `after` (if given)
+        instead of everything queued on the current stream."""
         signature = tuple((p.key, tuple(p.data.shape), p.data.dtype, p.data.is_cuda) for p in items)
         cuda = any(p.data.is_cuda for p in items)
         if signature != self._signature:
@@ -135,7 +137,10 @@ class Stager:
             self._stream = torch.cuda.Stream()
         with torch.no_grad():
             if cuda:
-                self._stream.wait_stream(torch.cuda.current_stream())
+                if after is not None:
+                    self._stream.wait_event(after)
+                else:
+                    self._stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(self._stream):
                     for p, buf in zip(items, self._views):
                         buf.copy_(p.data, non_blocking=True)

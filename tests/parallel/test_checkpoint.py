@@ -271,7 +271,8 @@ def test_retention_keeps_the_newest(tmp_path):
     assert sorted(n for n in os.listdir(root) if n.startswith("step-")) == [STEP_DIR.format(4), STEP_DIR.format(5)]
     assert open(os.path.join(root, "latest")).read().strip() == STEP_DIR.format(5)
     one = CheckpointManager(root, keep_last=1)
-    one.save(6, model, opt, state={}, blocking=True)
+    one.save(6, model, opt, state={}, blocking=True)  # returns once committed; retention runs after it
+    one.flush()
     assert sorted(n for n in os.listdir(root) if n.startswith("step-")) == [STEP_DIR.format(6)]
     with pytest.raises(ValueError, match="keep_last"):
         CheckpointManager(root, keep_last=0)

@@ -200,3 +200,34 @@ def test_written_bytes_match_the_tensors_bf16(tmp_path):
     read_into(st, d, m, {"w": Target(out, (0, 0))})
     assert torch.equal(out, t)
     assert writer_mod.ST_DTYPES[torch.bfloat16] == "BF16"
+
+
+def test_overlapped_staging_saves_the_state_before_the_next_optimizer_step(tmp_path, monkeypatch):
+    """With overlap_staging the copy runs in the writer thread; the next optimizer.step() waits for it, so
+    the checkpoint holds the state at save() time even though training went on at once."""
+    import threading
+
+    from parallel.checkpoint import state as state_mod
+
+    model, opt = tiny()
+    train(model, opt, 1)
+    before = snapshot(model, opt)
+    gate = threading.Event()
+    orig = state_mod.Stager.stage
+
+    def slow_stage(self, items, **kw):
+        gate.wait(10)  # hold the copy until the training thread is inside optimizer.step()
+        return orig(self, items, **kw)
+
+    monkeypatch.setattr(state_mod.Stager, "stage", slow_stage)
+    mgr = CheckpointManager(str(tmp_path), async_save=True)
+    mgr.save(1, model, opt, state={}, overlap_staging=True)
+    assert mgr.blocked_s < 5 and mgr.in_flight
+    threading.Timer(0.3, gate.set).start()
+    train(model, opt, 1)  # forward/backward run now; step() blocks until the copy is done
+    assert mgr.stage_wait_s > 0.1
+    mgr.flush()
+    m2, o2 = tiny(seed=5)
+    CheckpointManager(str(tmp_path)).load_latest(m2, o2)
+    assert_same(snapshot(m2, o2), before)
+    assert not torch.equal(snapshot(model, opt)["p.output.weight"], before["p.output.weight"])
