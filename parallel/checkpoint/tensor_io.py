@@ -27,7 +27,7 @@ import torch
 from parallel.checkpoint.checksum import new_hasher
 from parallel.checkpoint.manifest import CheckpointError, Chunk, FileEntry, Manifest
 from parallel.checkpoint.storage import LocalStorage, Storage
-from parallel.checkpoint.writer import DEFAULT_BLOCK_BYTES, block_rows_for
+from parallel.checkpoint.writer import DEFAULT_BLOCK_BYTES, IO_BYTES, block_rows_for
 
 _MAX_HEADER = 100 << 20  # the safetensors library's own limit
 
@@ -189,17 +189,20 @@ def _read_file(storage: Storage, ckpt: str, name: str, entry: FileEntry, reads: 
             row_bytes = math.prod(shape[1:]) * itemsize if shape else itemsize
             block = c.block_rows or block_rows_for(shape, itemsize, DEFAULT_BLOCK_BYTES)
             needed = sorted({b for cp in r.copies for b in range(cp.rows[0] // block, -(-cp.rows[1] // block))})
-            for b in needed:
-                a, z = b * block, min((b + 1) * block, c.rows)
+            for first, last in _runs(needed, max(1, IO_BYTES // max(block * row_bytes, 1))):
+                a, z = first * block, min((last + 1) * block, c.rows)
                 buf = scratch.get((z - a) * row_bytes)
                 _readinto(f, base + a * row_bytes, memoryview(buf.numpy()), where)
                 nread += buf.numel()
                 if check:
-                    h = new_hasher(entry.algorithm)
-                    h.update(memoryview(buf.numpy()))
-                    if b >= len(c.digests) or h.hexdigest() != c.digests[b]:
-                        raise CheckpointError(f"file {name} fails its {entry.algorithm} checksum (corrupted: "
-                                              f"rows {a}-{z} of {r.key})")
+                    view = memoryview(buf.numpy())
+                    for b in range(first, last + 1):
+                        lo = (b * block - a) * row_bytes
+                        h = new_hasher(entry.algorithm)
+                        h.update(view[lo:lo + block * row_bytes])
+                        if b >= len(c.digests) or h.hexdigest() != c.digests[b]:
+                            raise CheckpointError(f"file {name} fails its {entry.algorithm} checksum (corrupted: "
+                                                  f"rows {b * block}-{min((b + 1) * block, c.rows)} of {r.key})")
                 rows = buf.view(r.dtype).reshape((z - a, *shape[1:])) if shape else buf.view(r.dtype).reshape(())
                 for cp in r.copies:
                     lo, hi = max(cp.rows[0], a), min(cp.rows[1], z)
@@ -211,6 +214,17 @@ def _read_file(storage: Storage, ckpt: str, name: str, entry: FileEntry, reads: 
                     src = rows[(slice(lo - a, hi - a), *cp.src)]
                     cp.dst[lo - cp.rows[0]:hi - cp.rows[0]].copy_(src)
     return nread
+
+
+def _runs(blocks: list[int], most: int) -> list[tuple[int, int]]:
+    """Consecutive block numbers grouped into (first, last) runs of at most `most` blocks: one read each."""
+    out: list[tuple[int, int]] = []
+    for b in blocks:
+        if out and b == out[-1][1] + 1 and b - out[-1][0] < most:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((b, b))
+    return out
 
 
 def read_into(storage: Storage, ckpt: str, manifest: Manifest, targets: dict[str, Target], *,

@@ -231,3 +231,10 @@ def test_overlapped_staging_saves_the_state_before_the_next_optimizer_step(tmp_p
     CheckpointManager(str(tmp_path)).load_latest(m2, o2)
     assert_same(snapshot(m2, o2), before)
     assert not torch.equal(snapshot(model, opt)["p.output.weight"], before["p.output.weight"])
+
+
+def test_runs_group_consecutive_blocks_up_to_a_limit():
+    from parallel.checkpoint.tensor_io import _runs
+
+    assert _runs([0, 1, 2, 5, 6, 9], 2) == [(0, 1), (2, 2), (5, 6), (9, 9)]
+    assert _runs([], 4) == [] and _runs([3, 4, 5], 10) == [(3, 5)]
