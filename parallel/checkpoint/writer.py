@@ -38,6 +38,7 @@ DEFAULT_BLOCK_BYTES = 1 << 20
 """Checksum granularity: small enough that a resharding load that needs half the rows of a few-MB chunk
 reads about half of it (a load must read whole blocks to verify them), large enough that the digests
 add ~32 bytes of manifest per MiB of state."""
+MIN_BLOCK_BYTES = 64 << 10
 IO_BYTES = 16 << 20
 """Bytes per write or read call: several blocks at a time, so the syscall count stays low."""
 MIN_FILE_BYTES = 256 << 20
@@ -75,9 +76,12 @@ class WrittenFile:
 
 
 def block_rows_for(shape: tuple[int, ...] | torch.Size, itemsize: int, block_bytes: int) -> int:
-    """Rows of dim 0 per checksummed block: as many as fit in `block_bytes`, at least one."""
+    """Rows of dim 0 per checksummed block: about 1/16 of the chunk (at least 64 KiB, at most
+    `block_bytes`), so a load that needs part of a chunk reads little beyond it; at least one row."""
     row = math.prod(shape[1:]) * itemsize if len(shape) else itemsize
-    return max(1, block_bytes // max(row, 1))
+    total = row * (shape[0] if len(shape) else 1)
+    target = min(block_bytes, max(MIN_BLOCK_BYTES, total // 16))
+    return max(1, target // max(row, 1))
 
 
 def header_bytes(pieces: list[Piece]) -> bytes:
