@@ -486,16 +486,20 @@ class CheckpointManager:
                 t = time.perf_counter()
                 try:
                     def read(targets):
+                        t_read = time.perf_counter()
                         tm.bytes = read_into(st, path, manifest, targets, threads=self.io_threads,
                                              verify=blockwise)
+                        tm.phases["read"] = time.perf_counter() - t_read
 
                     state_mod.load(model, optimizer, read, manifest.optimizer_steps)
                 except CheckpointError as e:  # names the file and what is wrong with it
                     err = str(e)[:1000]
                 except Exception as e:
                     err = f"loading failed: {_describe(e)}"
-                tm.phases["read"] = time.perf_counter() - t
+                tm.phases["prepare"] = time.perf_counter() - t - tm.phases.get("read", 0.0)
+                t = time.perf_counter()
                 errs = [e for e in comm.all_gather(err) if e]
+                tm.phases["agree"] = time.perf_counter() - t
                 if not errs:
                     if skipped and self.rank == 0:
                         self._set_aside(skipped)

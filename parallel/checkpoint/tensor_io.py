@@ -24,7 +24,7 @@ from typing import IO, Any
 
 import torch
 
-from parallel.checkpoint.checksum import new_hasher
+from parallel.checkpoint.checksum import digest_fn, new_hasher
 from parallel.checkpoint.manifest import CheckpointError, Chunk, FileEntry, Manifest
 from parallel.checkpoint.storage import LocalStorage, Storage
 from parallel.checkpoint.writer import DEFAULT_BLOCK_BYTES, IO_BYTES, block_rows_for
@@ -170,6 +170,7 @@ def _read_file(storage: Storage, ckpt: str, name: str, entry: FileEntry, reads: 
     """Read the blocks of file `name` that `reads` need, verify each, copy it out; returns bytes read."""
     where = f"{ckpt}/{name}"
     check = verify and entry.blockwise and entry.algorithm != "none"
+    digest = digest_fn(entry.algorithm) if check else None
     nread = 0
     with torch.no_grad(), _open(storage, storage.join(ckpt, name)) as f:  # grad mode is per thread
         header, start = read_header(f, file_size=entry.size, where=where, entry=entry if verify else None)
@@ -198,9 +199,7 @@ def _read_file(storage: Storage, ckpt: str, name: str, entry: FileEntry, reads: 
                     view = memoryview(buf.numpy())
                     for b in range(first, last + 1):
                         lo = (b * block - a) * row_bytes
-                        h = new_hasher(entry.algorithm)
-                        h.update(view[lo:lo + block * row_bytes])
-                        if b >= len(c.digests) or h.hexdigest() != c.digests[b]:
+                        if b >= len(c.digests) or digest(view[lo:lo + block * row_bytes]) != c.digests[b]:
                             raise CheckpointError(f"file {name} fails its {entry.algorithm} checksum (corrupted: "
                                                   f"rows {b * block}-{min((b + 1) * block, c.rows)} of {r.key})")
                 rows = buf.view(r.dtype).reshape((z - a, *shape[1:])) if shape else buf.view(r.dtype).reshape(())

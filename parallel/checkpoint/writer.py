@@ -25,7 +25,7 @@ from typing import IO, Any
 
 import torch
 
-from parallel.checkpoint.checksum import new_hasher
+from parallel.checkpoint.checksum import digest_fn
 from parallel.checkpoint.storage import LocalStorage, Storage
 
 ST_DTYPES: dict[torch.dtype, str] = {
@@ -167,9 +167,8 @@ class ShardWriter:
 
     def write_file(self, name: str, pieces: list[Piece]) -> WrittenFile:
         head = header_bytes(pieces)
-        h = new_hasher(self.algorithm)
-        h.update(head)
-        out = WrittenFile(name=name, size=len(head), header_digest=h.hexdigest(), chunks={})
+        digest = digest_fn(self.algorithm)
+        out = WrittenFile(name=name, size=len(head), header_digest=digest(head), chunks={})
         sink = self._sink(self.storage.join(self.directory, name))
         ok = False
         try:
@@ -184,10 +183,7 @@ class ShardWriter:
                 for a in range(0, len(view), span):
                     out_view = view[a:a + span]
                     if self.algorithm != "none":
-                        for b in range(0, len(out_view), step):
-                            h = new_hasher(self.algorithm)
-                            h.update(out_view[b:b + step])
-                            chunk.digests.append(h.hexdigest())
+                        chunk.digests += [digest(out_view[b:b + step]) for b in range(0, len(out_view), step)]
                     sink.write(out_view)
                 out.chunks[p.key] = chunk
                 out.size += len(view)
