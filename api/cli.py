@@ -27,9 +27,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from workers.config import load_config
+    from workers.config import job_plan, load_config
     from workers.local import launch_local
-    from workers.train import check_run_dir, resolve_layout
+    from workers.train import check_run_dir
 
     # Fail fast, with one line, before starting any rank: the checks every rank would make.
     cfg = load_config(args.config)
@@ -37,7 +37,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         raise CLIError(f"--nproc must be >= 1, got {args.nproc}")
     if args.steps is not None and args.steps < 1:
         raise CLIError(f"--steps must be >= 1, got {args.steps}")
-    resolve_layout(cfg, args.layout, args.nproc)
+    job_plan(cfg, args.nproc, layout=args.layout)
     check_run_dir(cfg, args.run_dir)
     return launch_local(args.config, nproc=args.nproc, run_dir=args.run_dir, layout=args.layout, steps=args.steps)
 

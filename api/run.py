@@ -64,7 +64,7 @@ def run_job(config: str, *, address: str | None = None, workers: int | None = No
             json_path: str | None = None) -> int:
     from parallel.layout import Layout
     from service.coordinator import Coordinator, CoordinatorOptions
-    from workers.config import layout_problem, load_config
+    from workers.config import job_plan, load_config
     from workers.train import check_run_dir
 
     cfg = load_config(config)
@@ -72,10 +72,8 @@ def run_job(config: str, *, address: str | None = None, workers: int | None = No
         raise ValueError("give --workers or --layout, not both")
     if steps is not None and steps < 1:
         raise ValueError(f"--steps must be >= 1, got {steps}")
-    if layout is not None:
-        lay = Layout.parse(layout, dp_mode=cfg.parallel.dp_mode)
-        if why := layout_problem(lay, cfg.model.build(), cfg.train):
-            raise ValueError(f"--layout {layout}: {why}")
+    if layout is not None:  # the planner judges it now, before Ray starts
+        job_plan(cfg, Layout.parse(layout, dp_mode=cfg.parallel.dp_mode).world_size, layout=layout)
     rd = Path(run_dir or Path("runs") / cfg.name)
     check_run_dir(cfg, rd)  # before Ray: a run that cannot write its events must not start
     try:

@@ -1,4 +1,5 @@
-"""Choose a DP x TP x PP layout for the workers on offer. Pure: no torch import, runs in microseconds.
+"""Choose a DP x TP x PP layout for the workers on offer: the one judge of layouts, planned or forced.
+Pure: no torch import, runs in microseconds.
 
 Candidates are all (dp, tp, pp) with dp * tp * pp = w; dp goes to dp_shard (FSDP) or dp_replicate per
 `Constraints.dp_mode`. Valid: tp divides n_heads, n_kv_heads, vocab_size (vocab-parallel embedding and
@@ -7,6 +8,10 @@ pp <= max_pp; forced tp/pp match; dp divides global_batch_size; and some micro b
 global_batch_size / dp, <= micro_batch_size) gives grad_accum_steps >= pp when pp > 1 (1F1B needs a
 microbatch per stage) and an estimated peak within memory_budget_bytes.
 
+A forced layout (`Constraints.layout`: the job's parallel.layout or a --layout flag) is judged by the
+same rules, in words that name the fix. It fixes the worker count; the memory budget only picks its
+micro batch (the user's layout overrides the estimate, which is an upper bound).
+
 Preference order (the first difference decides):
   1. As many workers as possible: the largest w from min(world_size, max_workers) down to min_workers
      that has any valid layout.
@@ -14,30 +19,27 @@ Preference order (the first difference decides):
      per step while TP communicates inside every layer and PP adds a pipeline bubble. Memory is what
      pushes tp and pp up.
   3. The largest micro batch.
+The work is bounded by the worker count and the batch size, never by the model's sizes: counts on which
+no (dp, tp, pp) passes the rules other than memory are skipped without a look, and at most _MAX_SIZES of
+the others are judged, largest first.
 
-Memory estimate in bytes per device (`estimate_memory`), an upper bound for the busiest stage:
-  layers = ceil(n_layers / pp)
-  P      = (layers * layer_params + E) / tp, where E = embedding + output + final norm when pp == 1 and
-           one vocab table + final norm when pp > 1 (the first stage holds the embedding, the last the output)
-  state  = P * (param_bytes + 4 grad + 8 AdamW + 4 fp32 master if param_bytes < 4) / dp_shard
-  act    = layers * mb * seq_len * dim * 17 * param_bytes / tp
-           (34 bytes per hidden element at 16 bits, Korthikanti et al. 2022, with flash attention)
-  logits = mb * seq_len * vocab_size * 4 / tp   (fp32 logits for the loss)
-  total  = state + act + logits
-Each term is non-increasing in tp, pp and dp_shard. Left out: the extra microbatches 1F1B keeps in
-flight on early stages, FSDP all-gather buffers and allocator fragmentation; keep headroom in the budget.
+Memory is judged with `parallel.memory.estimate_memory` (formula there).
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
 from models.config import ModelConfig
 from parallel.layout import Layout
+from parallel.memory import estimate_memory
 
 _GIB = float(2**30)
+_MAX_SIZES = 64  # worker counts judged per plan; more than the planner tests sweep
 _HINTS = {  # failure kind -> what the user can change
     "forced": "change the forced tp/pp", "tp": "allow other tp degrees (max_tp, gpus_per_node)",
     "pp": "allow other pp degrees (max_pp)", "batch": "use a global_batch_size with more divisors",
@@ -60,17 +62,19 @@ class Constraints:
     """What the planner must respect besides the model shape."""
 
     global_batch_size: int
-    """Samples per optimizer step, fixed under every layout."""
+    """Samples per optimizer step (the job's train.global_batch_size), fixed under every layout."""
     micro_batch_size: int
     """Preferred (largest) samples per forward/backward per DP rank."""
     seq_len: int
     """Tokens per sample."""
     dp_mode: str = "shard"
     """"shard": dp goes to dp_shard (FSDP); "replicate": dp goes to dp_replicate."""
+    layout: Layout | None = None
+    """Force this exact layout. It fixes the worker count (min_workers and max_workers do not apply)."""
     tp: int | None = None
-    """Force this TP degree."""
+    """Force this TP degree (not with `layout`, which fixes it)."""
     pp: int | None = None
-    """Force this PP degree."""
+    """Force this PP degree (not with `layout`, which fixes it)."""
     max_tp: int | None = None
     """Upper bound on the TP degree."""
     max_pp: int | None = None
@@ -92,6 +96,10 @@ class Constraints:
         for name in ("tp", "pp", "max_tp", "max_pp", "gpus_per_node", "max_workers"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name))
+        if self.layout is not None and not isinstance(self.layout, Layout):
+            raise ValueError(f"layout must be a Layout, got {self.layout!r}")
+        if self.layout is not None and (self.tp is not None or self.pp is not None):
+            raise ValueError(f"a forced layout {self.layout} fixes tp and pp; do not force them as well")
         if self.dp_mode not in ("shard", "replicate"):
             raise ValueError(f"dp_mode must be 'shard' or 'replicate', got {self.dp_mode!r}")
         if self.memory_budget_bytes is not None and not self.memory_budget_bytes > 0:
@@ -106,7 +114,8 @@ class Constraints:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Plan:
-    """The chosen layout for one world size, and why."""
+    """The chosen layout for one world size, its micro batch, and why. The contract with the workers:
+    it crosses to every rank whole (`to_dict`/`from_dict`), and the trainer runs exactly this."""
 
     layout: Layout
     world_size: int
@@ -126,24 +135,12 @@ class Plan:
                 "micro_batch_size": self.micro_batch_size, "grad_accum_steps": self.grad_accum_steps,
                 "memory_bytes": self.memory_bytes, "reasons": list(self.reasons)}
 
-
-def estimate_memory(model: ModelConfig, layout: Layout, *, micro_batch_size: int, seq_len: int,
-                    param_bytes: int = 4) -> float:
-    """Estimated peak bytes per device for training `model` under `layout` (formula in the module doc)."""
-    for name, v in (("micro_batch_size", micro_batch_size), ("seq_len", seq_len), ("param_bytes", param_bytes)):
-        _check_int(name, v)
-    if layout.pp > model.n_layers:
-        raise ValueError(f"pp={layout.pp} exceeds n_layers={model.n_layers}")
-    table = model.vocab_size * model.dim
-    layer_params = (model.num_params(embedding=False) - table - model.dim) / model.n_layers
-    layers = -(-model.n_layers // layout.pp)
-    ends = (2 if layout.pp == 1 else 1) * table + model.dim
-    params = (layers * layer_params + ends) / layout.tp
-    per_param = param_bytes + 4 + 8 + (4 if param_bytes < 4 else 0)
-    tokens = micro_batch_size * seq_len
-    act = layers * tokens * model.dim * 17 * param_bytes / layout.tp
-    logits = tokens * model.vocab_size * 4 / layout.tp
-    return params * per_param / layout.dp_shard + act + logits
+    @classmethod
+    def from_dict(cls, d: dict) -> "Plan":
+        return cls(layout=Layout.from_dict(d["layout"]), world_size=int(d["world_size"]),
+                   available=int(d["available"]), micro_batch_size=int(d["micro_batch_size"]),
+                   grad_accum_steps=int(d["grad_accum_steps"]), memory_bytes=float(d["memory_bytes"]),
+                   reasons=tuple(d.get("reasons", ())))
 
 
 def _divisors(n: int) -> list[int]:
@@ -152,29 +149,24 @@ def _divisors(n: int) -> list[int]:
     return small + [n // d for d in reversed(small) if d * d != n]
 
 
-def micro_batch_sizes(per_rank: int, preferred: int, *, min_microbatches: int = 1) -> list[int]:
+def _divisors_upto(n: int, limit: int) -> list[int]:
+    """Divisors of n that are <= limit, ascending, in O(min(limit, sqrt n)): a huge n costs nothing more."""
+    if limit < math.isqrt(n):
+        return [d for d in range(1, limit + 1) if n % d == 0]
+    return [d for d in _divisors(n) if d <= limit]
+
+
+def _micro_batch_sizes(per_rank: int, preferred: int, *, min_microbatches: int = 1) -> list[int]:
     """Usable micro batch sizes for `per_rank` samples per DP rank, largest first: divisors of per_rank
     that are <= preferred and leave at least `min_microbatches` microbatches (pp for a 1F1B pipeline)."""
-    return [d for d in reversed(_divisors(per_rank)) if d <= preferred and per_rank // d >= min_microbatches]
+    return _divisors_upto(per_rank, min(preferred, per_rank // min_microbatches))[::-1]
 
 
-def micro_batch_for(global_batch_size: int, dp: int, preferred: int, *, min_microbatches: int = 1) -> int:
-    """The micro batch a layout with `dp` data-parallel ranks uses (the planner's choice, without a budget)."""
-    if global_batch_size % dp:
-        raise ValueError(f"global_batch_size={global_batch_size} is not divisible by dp={dp}")
-    sizes = micro_batch_sizes(global_batch_size // dp, preferred, min_microbatches=min_microbatches)
-    if not sizes:
-        raise ValueError(
-            f"{global_batch_size // dp} samples per DP rank cannot form {min_microbatches} microbatches "
-            f"(pp={min_microbatches} needs at least that many); raise global_batch_size or lower dp"
-        )
-    return sizes[0]
-
-
-def _tp_problem(tp: int, model: ModelConfig, c: Constraints) -> str | None:
+def _tp_problem(tp: int, model: ModelConfig, c: Constraints, forced: bool = False) -> str | None:
+    whose = "the model's " if forced else ""
     for name in ("n_heads", "n_kv_heads", "vocab_size", "ffn_hidden"):
         if getattr(model, name) % tp:
-            return f"tp={tp} does not divide {name}={getattr(model, name)}"
+            return f"tp={tp} does not divide {whose}{name}={getattr(model, name)}" + ("; use a tp that does" if forced else "")
     if c.max_tp is not None and tp > c.max_tp:
         return f"tp={tp} exceeds max_tp={c.max_tp}"
     if c.gpus_per_node is not None and c.gpus_per_node % tp:
@@ -182,9 +174,10 @@ def _tp_problem(tp: int, model: ModelConfig, c: Constraints) -> str | None:
     return None
 
 
-def _pp_problem(pp: int, model: ModelConfig, c: Constraints) -> str | None:
+def _pp_problem(pp: int, model: ModelConfig, c: Constraints, forced: bool = False) -> str | None:
+    whose = "the model's " if forced else ""
     if pp > model.n_layers:
-        return f"pp={pp} exceeds n_layers={model.n_layers}"
+        return f"pp={pp} exceeds {whose}n_layers={model.n_layers}"
     if c.max_pp is not None and pp > c.max_pp:
         return f"pp={pp} exceeds max_pp={c.max_pp}"
     return None
@@ -203,29 +196,40 @@ class _Choice(NamedTuple):
     mb_notes: tuple[str, ...]  # why mb is below the asked micro_batch_size
 
 
-def _evaluate(w: int, tp: int, pp: int, model: ModelConfig, c: Constraints) -> _Choice | _Fail:
-    """The best micro batch for one candidate, or (failure kind, message)."""
-    dp = w // (tp * pp)
-    if c.global_batch_size % dp:
-        return _Fail("batch", f"global_batch_size={c.global_batch_size} is not divisible by dp={dp}")
-    per_rank = c.global_batch_size // dp
-    dp_axis = "dp_shard" if c.dp_mode == "shard" else "dp_replicate"
-    layout = Layout(tp=tp, pp=pp, **{dp_axis: dp})
-    sizes = micro_batch_sizes(per_rank, c.micro_batch_size)
+def _evaluate(layout: Layout, model: ModelConfig, c: Constraints, forced: bool = False) -> _Choice | _Fail:
+    """The best micro batch for one candidate whose tp and pp passed, or why there is none. A forced
+    layout is never refused for memory: it gets the smallest micro batch, as the closest to fitting."""
+    dp, pp, gbs = layout.dp, layout.pp, c.global_batch_size
+    if gbs % dp:
+        return _Fail("batch", f"dp={dp} does not divide train.global_batch_size={gbs}; use a dp that does, or "
+                              "another batch" if forced else f"global_batch_size={gbs} is not divisible by dp={dp}")
+    per_rank = gbs // dp
+    sizes = _micro_batch_sizes(per_rank, c.micro_batch_size)
     notes = [f"the largest divisor of {per_rank} samples per DP rank"] if sizes[0] < c.micro_batch_size else []
-    legal = micro_batch_sizes(per_rank, c.micro_batch_size, min_microbatches=pp)
+    legal = _micro_batch_sizes(per_rank, c.micro_batch_size, min_microbatches=pp)
     if not legal:
-        return _Fail("accum", f"pp={pp} needs >= {pp} microbatches but dp={dp} leaves {per_rank} samples per rank")
+        return _Fail("accum", f"pp={pp} needs >= {pp} microbatches per step but dp={dp} leaves {per_rank} samples "
+                              "per DP rank; raise train.global_batch_size or lower dp or pp" if forced else
+                              f"pp={pp} needs >= {pp} microbatches but dp={dp} leaves {per_rank} samples per rank")
     if legal[0] < sizes[0]:
         notes.append(f"pp={pp} needs >= {pp} microbatches per step")
+
+    def mem(mb: int) -> float:
+        return estimate_memory(model, layout, micro_batch_size=mb, seq_len=c.seq_len, param_bytes=c.param_bytes)
+
+    budget, least = c.memory_budget_bytes, mem(legal[-1])
+    if budget is not None and least > budget:  # memory grows with mb: the smallest decides
+        if not forced:
+            return _Fail("memory", f"{layout.short()} needs {least / _GIB:.2f} GiB at micro_batch_size={legal[-1]} "
+                                   f"> budget {budget / _GIB:.2f} GiB", least)
+        return _Choice(layout, legal[-1], least, (*notes, "the smallest, still over the memory budget"))
     for mb in legal:
-        mem = estimate_memory(model, layout, micro_batch_size=mb, seq_len=c.seq_len, param_bytes=c.param_bytes)
-        if c.memory_budget_bytes is None or mem <= c.memory_budget_bytes:
+        m = least if mb == legal[-1] else mem(mb)
+        if budget is None or m <= budget:
             if mb < legal[0]:
                 notes.append("smaller to fit the memory budget")
-            return _Choice(layout, mb, mem, tuple(notes))
-    return _Fail("memory", f"{layout.short()} needs {mem / _GIB:.2f} GiB at micro_batch_size={legal[-1]} "
-                           f"> budget {c.memory_budget_bytes / _GIB:.2f} GiB", mem)
+            return _Choice(layout, mb, m, tuple(notes))
+    raise AssertionError("unreachable: the smallest micro batch fits")
 
 
 def _try_size(w: int, model: ModelConfig, c: Constraints) -> tuple[_Choice | None, list[_Fail]]:
@@ -235,6 +239,7 @@ def _try_size(w: int, model: ModelConfig, c: Constraints) -> tuple[_Choice | Non
         forced = " and ".join(f"{n}={v}" for n, v in (("tp", c.tp), ("pp", c.pp)) if v)
         return None, [_Fail("forced", f"{forced} (forced) needs a multiple of {need}")]
     fails: list[_Fail] = []
+    dp_axis = "dp_shard" if c.dp_mode == "shard" else "dp_replicate"
     for tp in _divisors(w) if c.tp is None else [c.tp]:
         if why := _tp_problem(tp, model, c):
             fails.append(_Fail("tp", why))
@@ -245,11 +250,38 @@ def _try_size(w: int, model: ModelConfig, c: Constraints) -> tuple[_Choice | Non
             if why := _pp_problem(pp, model, c):
                 fails.append(_Fail("pp", why))
                 continue
-            got = _evaluate(w, tp, pp, model, c)
+            got = _evaluate(Layout(tp=tp, pp=pp, **{dp_axis: w // (tp * pp)}), model, c)
             if isinstance(got, _Choice):
                 return got, fails
             fails.append(got)
     return None, fails
+
+
+def _tp_options(model: ModelConfig, c: Constraints, hi: int) -> list[int]:
+    """TP degrees <= hi that pass _tp_problem: divisors of the model sizes' gcd (and of gpus_per_node)."""
+    if c.tp is not None:
+        return [] if _tp_problem(c.tp, model, c) else [c.tp]
+    g = math.gcd(model.n_heads, model.n_kv_heads, model.vocab_size, model.ffn_hidden, c.gpus_per_node or 0)
+    return _divisors_upto(g, min(hi, c.max_tp or hi))
+
+
+def _sizes(model: ModelConfig, c: Constraints, lo: int, hi: int) -> Iterator[int]:
+    """Worker counts in [lo, hi], largest first, with some (dp, tp, pp) that passes every rule but memory:
+    dp divides the batch, tp is an option, pp passes _pp_problem and leaves >= pp samples per DP rank.
+    Each (dp, tp) gives the multiples dp * tp * pp; their descending runs are merged lazily."""
+    runs = []
+    for dp in _divisors_upto(c.global_batch_size, hi):
+        for tp in _tp_options(model, c, hi // dp):
+            m = dp * tp
+            k_hi = min(model.n_layers, c.max_pp or hi, c.global_batch_size // dp, hi // m, c.pp or hi)
+            k_lo = max(-(-lo // m), c.pp or 1)
+            if k_lo <= k_hi:
+                runs.append(range(k_hi * m, k_lo * m - 1, -m))
+    last = None
+    for w in heapq.merge(*runs, reverse=True):
+        if w != last:
+            yield w
+            last = w
 
 
 def _summary(fails: list[_Fail], limit: int = 2) -> str:
@@ -258,39 +290,90 @@ def _summary(fails: list[_Fail], limit: int = 2) -> str:
     return "; ".join(uniq[:limit]) + more
 
 
+def _budget(c: Constraints) -> str:
+    return "" if c.memory_budget_bytes is None else f" of a {c.memory_budget_bytes / _GIB:.2f} GiB budget"
+
+
+def _plan_forced(world_size: int, model: ModelConfig, c: Constraints) -> Plan:
+    lay = c.layout
+    if world_size < lay.world_size:
+        raise PlanError(f"forced layout {lay} needs {lay.world_size} workers, {world_size} offered")
+    why = _tp_problem(lay.tp, model, c, forced=True) or _pp_problem(lay.pp, model, c, forced=True)
+    got = _Fail("forced", why) if why else _evaluate(lay, model, c, forced=True)
+    if isinstance(got, _Fail):
+        raise PlanError(got.msg)
+    reasons = [f"using {lay.world_size} of {world_size} workers offered"] if world_size > lay.world_size else []
+    reasons.append(f"layout {lay} forced by the job; est. {got.memory / _GIB:.2f} GiB per device{_budget(c)}")
+    if got.mb_notes:
+        reasons.append(f"micro_batch_size={got.mb} (asked {c.micro_batch_size}): {', '.join(got.mb_notes)}")
+    return Plan(layout=lay, world_size=lay.world_size, available=world_size, micro_batch_size=got.mb,
+                grad_accum_steps=c.global_batch_size // (got.mb * lay.dp), memory_bytes=got.memory,
+                reasons=tuple(reasons))
+
+
+def _no_plan(world_size: int, top: int, model: ModelConfig, c: Constraints, shown: list[tuple[int, list[_Fail]]],
+             judged: dict, *, splits: int, truncated: bool) -> PlanError:
+    """One line: the first counts tried and why each fails, what rules out all, and what to change."""
+    detail = "; ".join(f"{s}: {_summary(f, 1)}" for s, f in shown)
+    every = [f for _, fs in judged.values() for f in fs]
+    if not splits and c.tp is not None and (why := _tp_problem(c.tp, model, c)):
+        detail += f"; {why}"
+        every.append(_Fail("tp", why))
+    elif not splits:
+        tps = _tp_options(model, c, top)
+        detail += (f"; no count splits as dp x tp x pp with dp dividing global_batch_size={c.global_batch_size}"
+                   f", tp in {tps[:8]}{'...' if len(tps) > 8 else ''} and pp <= n_layers={model.n_layers}")
+    elif truncated:
+        detail += f" (judged the {_MAX_SIZES} largest counts that split as dp x tp x pp)"
+    if mem := [f for f in every if f.kind == "memory"]:
+        detail += f"; least memory: {min(mem, key=lambda f: f.memory).msg}"
+    hints = ", or ".join(_HINTS[k] for k in dict.fromkeys(f.kind for f in every))
+    return PlanError(f"no valid layout on {top} down to {c.min_workers} workers (offered {world_size}, "
+                     f"min_workers={c.min_workers}): {detail}; to fix: {hints}")
+
+
 def plan(world_size: int, model: ModelConfig, constraints: Constraints) -> Plan:
-    """The preferred valid layout on at most `world_size` workers (see the module docstring)."""
+    """The preferred valid layout on at most `world_size` workers, or the forced one (module docstring)."""
     _check_int("world_size", world_size)
     if not isinstance(model, ModelConfig) or not isinstance(constraints, Constraints):
         raise ValueError("plan() needs a ModelConfig and a Constraints")
     c = constraints
     if c.seq_len > model.max_seq_len:
         raise ValueError(f"seq_len={c.seq_len} exceeds model max_seq_len={model.max_seq_len}")
+    if c.layout is not None:
+        return _plan_forced(world_size, model, c)
     if world_size < c.min_workers:
         raise PlanError(f"{world_size} workers offered but min_workers={c.min_workers}: "
                         "wait for more workers or lower min_workers")
     top = world_size if c.max_workers is None else min(world_size, c.max_workers)
-    skipped: list[tuple[int, list[_Fail]]] = []
-    for w in range(top, c.min_workers - 1, -1):
-        choice, fails = _try_size(w, model, c)
+    judged: dict[int, tuple[_Choice | None, list[_Fail]]] = {}
+
+    def judge(w: int) -> tuple[_Choice | None, list[_Fail]]:
+        if w not in judged:
+            judged[w] = _try_size(w, model, c)
+        return judged[w]
+
+    choice, splits = None, 0
+    sizes = _sizes(model, c, c.min_workers, top)
+    for w in itertools.islice(sizes, _MAX_SIZES):
+        splits += 1
+        choice, fails = judge(w)
         if choice is not None:
             break
-        skipped.append((w, fails))
-    else:
-        detail = "; ".join(f"{w}: {_summary(f, 1)}" for w, f in skipped[:3])
-        every = [f for _, fs in skipped for f in fs]
-        if mem := [f for f in every if f.kind == "memory"]:
-            detail += f"; least memory: {min(mem, key=lambda f: f.memory).msg}"
-        hints = ", or ".join(_HINTS[k] for k in dict.fromkeys(f.kind for f in every))
-        raise PlanError(f"no valid layout on {top} down to {c.min_workers} workers (offered {world_size}, "
-                        f"min_workers={c.min_workers}): {detail}; to fix: {hints}")
+    # Every count above the chosen one (all of them when none fits) has no valid layout: name a few.
+    skipped = range(top, choice.layout.world_size if choice else c.min_workers - 1, -1)
+    shown = [(s, judge(s)[1]) for s in skipped[:3]]
+    if choice is None:
+        truncated = splits == _MAX_SIZES and next(sizes, None) is not None
+        raise _no_plan(world_size, top, model, c, shown, judged, splits=splits, truncated=truncated)
 
+    w = choice.layout.world_size
     reasons: list[str] = []
     if top < world_size:
         reasons.append(f"{world_size} workers offered; max_workers={c.max_workers} caps the plan at {top}")
-    reasons += [f"{w} workers: {_summary(f)}" for w, f in skipped[:3]]
+    reasons += [f"{s} workers: {_summary(f)}" for s, f in shown]
     if len(skipped) > 3:
-        reasons.append(f"{len(skipped) - 3} more sizes down to {skipped[-1][0]} have no valid layout either")
+        reasons.append(f"{len(skipped) - 3} more sizes down to {skipped[-1]} have no valid layout either")
     if w < world_size:
         reasons.append(f"using {w} of {world_size} workers offered")
     lay = choice.layout
@@ -301,8 +384,7 @@ def plan(world_size: int, model: ModelConfig, constraints: Constraints) -> Plan:
         body = "model fits per device with pure data parallelism"
     else:
         body = "as much data parallelism as the forced degrees allow"
-    budget = "" if c.memory_budget_bytes is None else f" of a {c.memory_budget_bytes / _GIB:.2f} GiB budget"
-    reasons.append(f"{head}: {body}; est. {choice.memory / _GIB:.2f} GiB per device{budget}")
+    reasons.append(f"{head}: {body}; est. {choice.memory / _GIB:.2f} GiB per device{_budget(c)}")
     if choice.mb_notes:
         reasons.append(f"micro_batch_size={choice.mb} (asked {c.micro_batch_size}): {', '.join(choice.mb_notes)}")
     return Plan(layout=lay, world_size=w, available=world_size, micro_batch_size=choice.mb,

@@ -20,20 +20,18 @@ import threading
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from parallel.layout import Layout
-from parallel.planner import Plan, PlanError, estimate_memory, micro_batch_for, plan
+from parallel.planner import Plan, PlanError, plan
 from service.cluster import ClusterSnapshot, ClusterWatcher
 from service.events import EventLog
 from service.policy import Fail, Failure, PolicyConfig, Resize, ScalingPolicy, Wait
 from service.reconfig import Reconfig
 from service.state import JobState, StateMachine
 from service.worker_group import WorkerFailure, WorkerGroup, assign_nodes, probe_nodes
-from workers.config import JobConfig
-from workers.train import constraints_for
+from workers.config import JobConfig, job_constraints
 
 logger = logging.getLogger(__name__)
 S = JobState
@@ -77,8 +75,8 @@ class Coordinator:
         self.job_id = job_id or uuid.uuid4().hex[:12]
         self.total_steps = total_steps or cfg.train.steps
         self.opts = options or CoordinatorOptions()
-        self.forced = Layout.parse(layout or cfg.parallel.layout, dp_mode=cfg.parallel.dp_mode) \
-            if (layout or cfg.parallel.layout) else None
+        self.constraints = job_constraints(cfg, layout=layout)  # a forced layout (argument or config) in it
+        self.forced = self.constraints.layout
         lo, hi = cfg.parallel.min_workers, cfg.parallel.max_workers
         if workers is not None:
             lo, hi = min(lo, workers), workers
@@ -331,7 +329,7 @@ class Coordinator:
             if self.group.size:
                 self.group.leave()
             started, stopped = self.group.scale_to(nodes)
-            formed = self.group.form(p.layout.to_dict())
+            formed = self.group.form(p)
         except WorkerFailure as e:
             self._recover(e, tried=nodes)
             return
@@ -405,21 +403,12 @@ class Coordinator:
                             max_restarts=self.opts.max_restarts, restart_window_s=self.opts.restart_window_s)
 
     def _plan(self, workers: int) -> Plan:
-        if self.forced is None:
-            return plan(workers, self.model_cfg, constraints_for(self.cfg, min_workers=1, max_workers=workers))
-        lay, t = self.forced, self.cfg.train
-        if workers < lay.world_size:
-            raise PlanError(f"forced layout {lay} needs {lay.world_size} workers, {workers} offered")
-        mb = micro_batch_for(t.global_batch_size, lay.dp, t.micro_batch_size, min_microbatches=lay.pp)
-        return Plan(layout=lay, world_size=lay.world_size, available=workers, micro_batch_size=mb,
-                    grad_accum_steps=t.global_batch_size // (mb * lay.dp),
-                    memory_bytes=estimate_memory(self.model_cfg, lay, micro_batch_size=mb, seq_len=self.cfg.data.seq_len),
-                    reasons=(f"layout {lay} forced by the job",))
+        return plan(workers, self.model_cfg, replace(self.constraints, min_workers=1, max_workers=workers))
 
     def _size_for(self, offered: int) -> int | None:
         try:
             return self._plan(offered).world_size
-        except PlanError:
+        except ValueError:  # PlanError, or no worker offered at all (max_workers=0)
             return None
 
     def _probe(self, nodes: list[str]) -> set[str]:

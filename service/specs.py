@@ -5,14 +5,15 @@ given. Errors are SpecError with the request field they concern, so the API can 
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from workers.config import JobConfig
+from parallel.layout import Layout
+from parallel.planner import plan
+from workers.config import JobConfig, job_constraints
 
 __all__ = ["MAX_GLOBAL_BATCH", "MAX_WORKERS", "REMOTE_SCHEMES", "SpecError", "check_paths", "config_error_loc",
            "resolve_run_dir", "safe_name", "validate_spec"]
@@ -20,6 +21,7 @@ __all__ = ["MAX_GLOBAL_BATCH", "MAX_WORKERS", "REMOTE_SCHEMES", "SpecError", "ch
 MAX_WORKERS = 100_000
 """Largest worker count a request may name (keeps the layout check below a few milliseconds)."""
 MAX_GLOBAL_BATCH = 1 << 24
+"""Largest global batch a request may name (the planner's work grows with its square root)."""
 
 REMOTE_SCHEMES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "hdfs", "memory"})
 """fsspec URL schemes a checkpoint.dir may use: object stores the server does not resolve on its disk.
@@ -61,6 +63,11 @@ def validate_spec(spec: Any, *, steps: int | None = None, workers: int | None = 
     """The JobConfig of `spec`, or SpecError naming the field: the YAML rules (JobConfig.from_dict), plus
     what would only fail once the job runs: a readable data path and a layout that fits the model on
     the allowed worker counts (e.g. a tp that does not divide the heads)."""
+    train = spec.get("train") if isinstance(spec, dict) else None
+    gbs = train.get("global_batch_size") if isinstance(train, dict) else None
+    if isinstance(gbs, int) and gbs > MAX_GLOBAL_BATCH:  # before JobConfig plans a forced layout with it
+        raise SpecError(("spec", "train", "global_batch_size"),
+                        f"train.global_batch_size={gbs} is more than this server accepts ({MAX_GLOBAL_BATCH})")
     try:
         cfg = JobConfig.from_dict(spec)
     except ValueError as e:  # ConfigError, or a ValueError from a check deeper down (e.g. a NUL in a path)
@@ -79,59 +86,23 @@ def validate_spec(spec: Any, *, steps: int | None = None, workers: int | None = 
     return cfg
 
 
-def _divisors(n: int) -> list[int]:
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return small + [n // d for d in reversed(small) if d * d != n]
-
-
 def _check_layout(cfg: JobConfig, workers: int | None) -> None:
-    """Some worker count the job may run on must have a valid layout. Candidates are the sizes dp*tp*pp
-    with dp dividing the global batch, tp the head/vocab/ffn sizes and pp <= layers and <= the samples
-    per rank (what the planner can accept at all), largest first; the planner judges the first few. Catches
-    a tp that does not divide the heads, a forced layout that does not fit the model or batch, and ranges
-    with no usable size."""
-    from parallel.layout import Layout
-    from parallel.planner import plan
-    from workers.train import constraints_for
-
-    pc, mc, gbs = cfg.parallel, cfg.model.build(), cfg.train.global_batch_size
-    if gbs > MAX_GLOBAL_BATCH:
-        raise SpecError(("spec", "train", "global_batch_size"),
-                        f"train.global_batch_size={gbs} is more than this server accepts ({MAX_GLOBAL_BATCH})")
+    """Some worker count the job may run on must have a valid layout, as the planner judges it: a tp
+    that does not divide the heads, a forced layout that does not fit the model or batch, a range with
+    no usable size. The planner's work is bounded by the worker count and the batch, which MAX_WORKERS
+    and MAX_GLOBAL_BATCH keep small (model sizes do not count)."""
+    pc = cfg.parallel
     if pc.layout:
-        lay = Layout.parse(pc.layout, dp_mode=pc.dp_mode)
-        loc, lo, hi, tps, pp_max = ("spec", "parallel", "layout"), lay.world_size, lay.world_size, [lay.tp], None
-        forced = {"tp": lay.tp, "pp": lay.pp}
+        loc, hi = ("spec", "parallel", "layout"), Layout.parse(pc.layout, dp_mode=pc.dp_mode).world_size
     else:
-        hi = workers or pc.max_workers
-        lo = min(pc.min_workers, hi)
         loc = ("spec", "parallel") + (("tp",) if pc.tp else ("pp",) if pc.pp else ("max_workers",))
-        tp_ok = math.gcd(mc.n_heads, mc.n_kv_heads, mc.vocab_size, mc.ffn_hidden)
-        tps = [pc.tp] if pc.tp else [t for t in _divisors(tp_ok) if pc.max_tp is None or t <= pc.max_tp]
-        pp_max, forced = pc.max_pp, {"tp": pc.tp, "pp": pc.pp}
+        hi = workers or pc.max_workers
     if hi > MAX_WORKERS:
         raise SpecError(loc, f"{hi} workers is more than this server accepts ({MAX_WORKERS})")
-    sizes: set[int] = set()
-    for dp in _divisors(gbs):
-        for tp in tps:
-            if forced["pp"]:
-                pps = [forced["pp"]]
-            else:
-                # a pipeline of pp stages needs >= pp microbatches of the gbs // dp samples per rank
-                pps = range(1, min(mc.n_layers, pp_max or mc.n_layers, hi // (dp * tp), gbs // dp) + 1)
-            sizes.update(w for pp in pps if lo <= (w := dp * tp * pp) <= hi)
-    if not sizes:
-        raise SpecError(loc, f"no worker count from {lo} to {hi} can be split as dp x tp x pp with dp dividing "
-                             f"train.global_batch_size={gbs}, tp in {tps} and pp <= n_layers={mc.n_layers}")
-    why = ""
-    for w in sorted(sizes, reverse=True)[:16]:
-        try:
-            plan(w, mc, constraints_for(cfg, min_workers=w, max_workers=w,
-                                        **{k: v for k, v in forced.items() if v}))
-            return
-        except ValueError as e:  # PlanError is a ValueError
-            why = str(e)
-    raise SpecError(loc, f"no parallel layout can run this job: {why}")
+    try:
+        plan(hi, cfg.model.build(), job_constraints(cfg, min_workers=min(pc.min_workers, hi), max_workers=hi))
+    except ValueError as e:  # PlanError, or Constraints that contradict themselves (e.g. tp > max_tp)
+        raise SpecError(loc, f"no parallel layout can run this job: {e}") from None
 
 
 # -- paths ---------------------------------------------------------------------------------------------------

@@ -20,6 +20,8 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from parallel.planner import Plan
+
 logger = logging.getLogger(__name__)
 
 
@@ -207,14 +209,15 @@ class WorkerGroup:
         self.members, self.spares = [], []
 
     # -- collective operations ---------------------------------------------------------------------------
-    def form(self, layout: dict) -> dict:
-        """(Re-)form the process group over the current members for `layout`; every rank builds its
-        trainer and resumes from the latest committed checkpoint. Returns timings and the step."""
+    def form(self, plan: Plan) -> dict:
+        """(Re-)form the process group over the current members for `plan`, which every rank gets whole
+        (layout and micro batch); each builds its trainer and resumes from the latest committed
+        checkpoint. Returns timings and the step."""
         t0 = time.perf_counter()
         head = self.members[0]
         port = self._get([head.actor.free_port.remote()], "form")[0]
         refs = [m.actor.join.remote(rank=r, world_size=self.size, master_addr=head.ip, master_port=port,
-                                    layout=layout) for r, m in enumerate(self.members)]
+                                    plan=plan.to_dict()) for r, m in enumerate(self.members)]
         res = self._get(refs, "form", timeout=300)
         steps = {r["step"] for r in res}
         if len(steps) != 1:

@@ -34,3 +34,20 @@ def train_body(cfg_dict: dict, layout: str, steps: int, run_dir: str | None = No
     if return_params:
         out["params"] = full_params(trainer.model)
     return out
+
+
+def worker_plan_body(cfg_dict: dict, plan_dict: dict, run_dir: str) -> dict:
+    """Join a one-rank group through the worker actor's body with `plan_dict` (as WorkerGroup.form sends
+    it) and train one step; return the micro batches the trainer fed the model."""
+    from workers.actor import Worker
+    from workers.runtime import free_port
+
+    worker = Worker(cfg_dict, run_dir)
+    worker.join(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(), plan=plan_dict)
+    shapes: list[list[tuple[int, ...]]] = []
+    worker.trainer.on_batch = lambda b: shapes.append([tuple(x.shape) for x in b.inputs])
+    rows = worker.run(until_step=1, steps=1)
+    out = {"micro_batch_size": worker.trainer.micro_batch_size, "n_microbatches": worker.trainer.n_microbatches,
+           "shapes": shapes, "steps": [r["step"] for r in rows]}
+    worker.leave()
+    return out

@@ -42,11 +42,12 @@ class Worker:
             return s.getsockname()[1]
 
     # -- group membership ------------------------------------------------------------------------------
-    def join(self, *, rank: int, world_size: int, master_addr: str, master_port: int, layout: dict,
+    def join(self, *, rank: int, world_size: int, master_addr: str, master_port: int, plan: dict,
              timeout_s: float = 120.0) -> dict[str, Any]:
-        """Join a process group as `rank` and build the trainer for `layout` (resuming from the latest
-        committed checkpoint, if any). Returns the step training will continue from."""
-        from parallel.layout import Layout
+        """Join a process group as `rank` and build the trainer for `plan` (a Plan.to_dict(): layout and
+        micro batch, as the planner chose them), resuming from the latest committed checkpoint, if any.
+        Returns the step training will continue from."""
+        from parallel.planner import Plan
         from workers.runtime import init_process_group, pick_device
         from workers.trainer import Trainer
 
@@ -57,7 +58,7 @@ class Worker:
         device = pick_device(self.cfg.resources.device)
         init_process_group(device, timeout_s=timeout_s)
         t1 = time.perf_counter()
-        self.trainer = Trainer(self.cfg, layout=Layout.from_dict(layout), device=device,
+        self.trainer = Trainer(self.cfg, plan=Plan.from_dict(plan), device=device,
                                run_dir=self.run_dir).build()
         self.rank = rank
         return {"step": self.trainer.step, "pg_s": t1 - t0, "build_s": time.perf_counter() - t1}

@@ -19,6 +19,8 @@ from typing import Any, Literal
 import yaml
 
 from models.config import ModelConfig, model_config
+from parallel.layout import Layout
+from parallel.planner import Constraints, Plan, PlanError, plan
 
 
 class ConfigError(ValueError):
@@ -193,8 +195,6 @@ class ParallelConfig:
                 f"parallel.min_workers={self.min_workers} is greater than parallel.max_workers={self.max_workers}"
             )
         if self.layout is not None:
-            from parallel.layout import Layout
-
             try:
                 Layout.parse(self.layout, dp_mode=self.dp_mode)
             except ValueError as e:
@@ -253,11 +253,11 @@ class JobConfig:
         if self.data.source == "corpus" and mc.vocab_size < 256:
             raise ConfigError(f"byte-level corpus needs model vocab_size >= 256, got {mc.vocab_size}")
         if self.parallel.layout is not None:
-            from parallel.layout import Layout
-
-            why = layout_problem(Layout.parse(self.parallel.layout, dp_mode=self.parallel.dp_mode), mc, self.train)
-            if why:
-                raise ConfigError(f"parallel.layout {self.parallel.layout!r}: {why}")
+            c = job_constraints(self)
+            try:
+                plan(c.layout.world_size, mc, c)
+            except PlanError as e:
+                raise ConfigError(f"parallel.layout {self.parallel.layout!r}: {e}") from None
 
     @classmethod
     def from_dict(cls, d: Any) -> "JobConfig":
@@ -272,25 +272,39 @@ class JobConfig:
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def layout_problem(layout, model: ModelConfig, train: TrainConfig) -> str | None:
-    """Why `layout` (a parallel.layout.Layout) cannot train `model` with `train`'s batch, or None: the rules
-    the planner applies to the layouts it picks, bar its memory estimate (a forced layout overrides that).
-    tp must divide the heads, KV heads, vocab and FFN sizes; pp <= n_layers; dp must divide the global
-    batch and leave each DP rank >= pp microbatches (a pipeline needs one per stage)."""
-    from parallel.planner import micro_batch_sizes
+def job_constraints(cfg: JobConfig, *, layout: str | Layout | None = None, **overrides: Any) -> Constraints:
+    """What the planner must respect for `cfg`: the one place a job config becomes planner input.
+    `layout` (text or a Layout) replaces parallel.layout; a forced layout fixes tp and pp, so the
+    config's tp/pp do not go with it. `overrides` replace Constraints fields (e.g. max_workers)."""
+    pc = cfg.parallel
+    text = layout or pc.layout
+    forced = Layout.parse(text, dp_mode=pc.dp_mode) if isinstance(text, str) else text
+    kw: dict[str, Any] = dict(
+        global_batch_size=cfg.train.global_batch_size, micro_batch_size=cfg.train.micro_batch_size,
+        seq_len=cfg.data.seq_len, dp_mode=pc.dp_mode, layout=forced, tp=None if forced else pc.tp,
+        pp=None if forced else pc.pp, max_tp=pc.max_tp, max_pp=pc.max_pp, gpus_per_node=pc.gpus_per_node,
+        memory_budget_bytes=pc.memory_budget_gb * 2**30 if pc.memory_budget_gb else None,
+        min_workers=pc.min_workers, max_workers=pc.max_workers)
+    return Constraints(**{**kw, **overrides})
 
-    for name in ("n_heads", "n_kv_heads", "vocab_size", "ffn_hidden"):
-        if getattr(model, name) % layout.tp:
-            return f"tp={layout.tp} does not divide the model's {name}={getattr(model, name)}; use a tp that does"
-    if layout.pp > model.n_layers:
-        return f"pp={layout.pp} exceeds the model's n_layers={model.n_layers}"
-    gbs = train.global_batch_size
-    if gbs % layout.dp:
-        return f"dp={layout.dp} does not divide train.global_batch_size={gbs}; use a dp that does, or another batch"
-    if not micro_batch_sizes(gbs // layout.dp, train.micro_batch_size, min_microbatches=layout.pp):
-        return (f"pp={layout.pp} needs >= {layout.pp} microbatches per step but dp={layout.dp} leaves "
-                f"{gbs // layout.dp} samples per DP rank; raise train.global_batch_size or lower dp or pp")
-    return None
+
+def job_plan(cfg: JobConfig, world_size: int, *, layout: str | Layout | None = None) -> Plan:
+    """The plan for exactly `world_size` ranks (torchrun, a test, a benchmark): `layout`, else the
+    config's parallel.layout, else the planner's choice. ValueError, in one line, when none uses them all."""
+    c = job_constraints(cfg, layout=layout)
+    if c.layout is not None:
+        c.layout.check_world_size(world_size)
+    else:
+        c = dataclasses.replace(c, max_workers=world_size)
+    try:
+        p = plan(world_size, cfg.model.build(), c)
+    except PlanError as e:
+        if c.layout is None:
+            raise
+        raise PlanError(f"layout {c.layout}: {e}") from None
+    if p.world_size != world_size:
+        raise ValueError(f"cannot use all {world_size} ranks: {'; '.join(p.reasons)}; pass --layout")
+    return p
 
 
 def load_config(path: str | Path) -> JobConfig:

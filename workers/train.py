@@ -20,39 +20,7 @@ from pathlib import Path
 
 from parallel.checkpoint.manifest import CheckpointError
 from parallel.layout import Layout
-from workers.config import ConfigError, JobConfig, layout_problem, load_config
-
-
-def resolve_layout(cfg: JobConfig, text: str | None, world_size: int) -> Layout:
-    """--layout, else the config's forced layout, else the planner's choice for this world size."""
-    text = text or cfg.parallel.layout
-    if text:
-        layout = Layout.parse(text, dp_mode=cfg.parallel.dp_mode)
-        layout.check_world_size(world_size)
-        if why := layout_problem(layout, cfg.model.build(), cfg.train):
-            raise ValueError(f"layout {layout}: {why}")
-        return layout
-    from parallel.planner import plan
-
-    p = plan(world_size, cfg.model.build(), constraints_for(cfg, max_workers=world_size))
-    if p.world_size != world_size:
-        raise ValueError(f"cannot use all {world_size} ranks: {'; '.join(p.reasons)}; pass --layout")
-    return p.layout
-
-
-def constraints_for(cfg: JobConfig, **overrides):
-    from parallel.planner import Constraints
-
-    pc = cfg.parallel
-    kw = dict(
-        global_batch_size=cfg.train.global_batch_size, micro_batch_size=cfg.train.micro_batch_size,
-        seq_len=cfg.data.seq_len, dp_mode=pc.dp_mode, tp=pc.tp, pp=pc.pp, max_tp=pc.max_tp, max_pp=pc.max_pp,
-        gpus_per_node=pc.gpus_per_node,
-        memory_budget_bytes=pc.memory_budget_gb * 2**30 if pc.memory_budget_gb else None,
-        min_workers=pc.min_workers, max_workers=pc.max_workers,
-    )
-    kw.update(overrides)
-    return Constraints(**kw)
+from workers.config import ConfigError, JobConfig, job_plan, load_config
 
 
 def check_run_dir(cfg: JobConfig, run_dir: str | Path) -> None:
@@ -94,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
     try:
         cfg = load_config(args.config)
-        layout = resolve_layout(cfg, args.layout, world_size)
+        plan = job_plan(cfg, world_size, layout=args.layout)
+        layout = plan.layout
         steps = args.steps if args.steps is not None else cfg.train.steps
         if steps < 1:
             raise ConfigError(f"--steps must be >= 1, got {steps}")
@@ -109,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 
     init_process_group(device)
     try:
-        trainer = Trainer(cfg, layout=layout, device=device, run_dir=Path(args.run_dir)).build()
+        trainer = Trainer(cfg, plan=plan, device=device, run_dir=Path(args.run_dir)).build()
         if rank == 0 and trainer.resumed_from is not None:
             m = trainer.resumed_from
             print(f"resumed from {trainer.checkpoint_dir()} step {m.step} (saved under {_layout_text(m.layout)}, "

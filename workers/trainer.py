@@ -37,9 +37,9 @@ from parallel.parallelize import (
     set_grad_sync,
 )
 from parallel.pipeline import build_schedule
-from parallel.planner import micro_batch_for
+from parallel.planner import Plan
 from parallel.precision import select_precision
-from workers.config import ConfigError, JobConfig
+from workers.config import ConfigError, JobConfig, job_plan
 from workers.data import Batch, DataLoader, build_source
 from workers.lr import lr_at
 from workers.mfu import mfu, peak_flops
@@ -79,12 +79,22 @@ def _scalar(t: torch.Tensor) -> torch.Tensor:
 
 
 class Trainer:
-    """Trains one rank's share of the job under `layout`. Call `build()` once, then `train_step()`."""
+    """Trains one rank's share of the job as `plan` says (layout and micro batch). Call `build()` once,
+    then `train_step()`. Given only a `layout`, the planner plans it (as it would a forced layout)."""
 
-    def __init__(self, cfg: JobConfig, *, layout: Layout, device: torch.device, run_dir: str | Path | None = None):
-        layout.check_world_size(dist.get_world_size())
+    def __init__(self, cfg: JobConfig, *, plan: Plan | None = None, layout: Layout | None = None,
+                 device: torch.device, run_dir: str | Path | None = None):
+        if (plan is None) == (layout is None):
+            raise ValueError("Trainer needs exactly one of plan= and layout=")
+        plan = plan or job_plan(cfg, layout.world_size, layout=layout)
+        plan.layout.check_world_size(dist.get_world_size())
+        if plan.micro_batch_size * plan.grad_accum_steps * plan.layout.dp != cfg.train.global_batch_size:
+            raise ValueError(f"plan micro_batch_size={plan.micro_batch_size} x grad_accum_steps="
+                             f"{plan.grad_accum_steps} x dp={plan.layout.dp} is not train.global_batch_size="
+                             f"{cfg.train.global_batch_size}")
         self.cfg = cfg
-        self.layout = layout
+        self.plan = plan
+        self.layout = plan.layout
         self.device = device
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.rank = dist.get_rank()
@@ -137,11 +147,8 @@ class Trainer:
             foreach=True,
         )
 
-        per_rank = t.global_batch_size // layout.dp
-        self.micro_batch_size = micro_batch_for(
-            t.global_batch_size, layout.dp, t.micro_batch_size, min_microbatches=layout.pp
-        )
-        self.n_microbatches = per_rank // self.micro_batch_size
+        self.micro_batch_size = self.plan.micro_batch_size  # the planner's: it may be smaller to fit memory
+        self.n_microbatches = self.plan.grad_accum_steps
         try:
             source = build_source(cfg.data, seed=t.seed, vocab_size=self.model_cfg.vocab_size)
         except ValueError as e:  # e.g. a corpus with too little text: the same verdict on every rank

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -189,3 +190,22 @@ def test_spec_errors_name_request_fields():
     with pytest.raises(SpecError) as e:
         validate_spec({**SPEC, "parallel": {"max_workers": 10**9}})
     assert e.value.loc == ("spec", "parallel", "max_workers") and "more than this server accepts" in e.value.msg
+
+
+def test_spec_layout_check_is_the_planners_and_stays_fast_for_huge_sizes():
+    """The submit-time check calls plan(): huge model overrides cost nothing (it once factored their gcd),
+    and a huge batch is refused before a forced layout is planned with it."""
+    from service.specs import validate_spec
+
+    huge = {"preset": "tiny", "overrides": {"dim": 2**61, "n_heads": 2**60, "n_kv_heads": 2**60, "n_layers": 10**12,
+                                            "vocab_size": 2**60, "ffn_hidden": 2**60}}
+    t0 = time.perf_counter()
+    assert validate_spec({**SPEC, "model": huge}, workers=100_000).model.build().n_heads == 2**60
+    with pytest.raises(SpecError) as e:
+        validate_spec({**SPEC, "model": huge, "parallel": {"max_workers": 100_000, "memory_budget_gb": 1e-9}})
+    assert e.value.loc == ("spec", "parallel", "max_workers") and "no parallel layout can run this job" in e.value.msg
+    with pytest.raises(SpecError) as e:
+        validate_spec({**SPEC, "train": {"global_batch_size": 2**60, "micro_batch_size": 2**60},
+                       "parallel": {"layout": "dp=1"}})
+    assert e.value.loc == ("spec", "train", "global_batch_size")
+    assert time.perf_counter() - t0 < 5.0  # ~0.1 s

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from functools import cache
 from pathlib import Path
 
@@ -12,7 +13,8 @@ import pytest
 
 from models.config import PRESETS, ModelConfig
 from parallel.layout import Layout
-from parallel.planner import Constraints, Plan, PlanError, estimate_memory, plan
+from parallel.memory import estimate_memory
+from parallel.planner import Constraints, Plan, PlanError, plan
 
 GIB = 2**30
 ROOT = Path(__file__).resolve().parents[2]
@@ -229,6 +231,7 @@ def test_to_dict_is_json() -> None:
     d = json.loads(json.dumps(p.to_dict()))
     assert Layout.from_dict(d["layout"]) == p.layout
     assert d["world_size"] == 6 and d["grad_accum_steps"] == p.grad_accum_steps and d["reasons"] == list(p.reasons)
+    assert Plan.from_dict(d) == p  # what crosses to the workers is the whole plan
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -257,3 +260,111 @@ def test_plan_rejects_bad_input() -> None:
 def test_import_is_pure() -> None:
     code = "import sys, parallel.planner; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+# -- forced layouts: the same rules, judged by plan() ----------------------------------------------------------
+
+FORCED = [Layout(dp_shard=d, tp=t, pp=p) for d in (1, 2, 3, 4) for t in (1, 2, 3, 4) for p in (1, 2, 4, 8)] + [
+    Layout(dp_replicate=2, dp_shard=2), Layout(dp_replicate=2, tp=2, pp=2)]
+
+
+def _forced_oracle(m: ModelConfig, c: Constraints) -> int | None:
+    """Brute force: the micro batch a forced layout must get, or None when a rule refuses it."""
+    lay = c.layout
+    if any(v % lay.tp for v in (m.n_heads, m.n_kv_heads, m.vocab_size, m.ffn_hidden)) or lay.pp > m.n_layers:
+        return None
+    if c.global_batch_size % lay.dp:
+        return None
+    per_rank = c.global_batch_size // lay.dp
+    legal = [mb for mb in _divs(per_rank)[::-1] if mb <= c.micro_batch_size and per_rank // mb >= lay.pp]
+    if not legal:
+        return None
+    fits = [mb for mb in legal if c.memory_budget_bytes is None or c.memory_budget_bytes >= estimate_memory(
+        m, lay, micro_batch_size=mb, seq_len=c.seq_len)]
+    return fits[0] if fits else legal[-1]  # a forced layout is never refused for memory
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_forced_layouts_match_brute_force(name: str) -> None:
+    m = PRESETS[name]
+    budget = estimate_memory(m, Layout(dp_shard=2, tp=2), micro_batch_size=2, seq_len=_seq(m))
+    for lay in FORCED:
+        for gbs, mb, mem in ((16, 4, None), (24, 8, budget), (8, 8, None), (6, 2, budget)):
+            c = Constraints(global_batch_size=gbs, micro_batch_size=mb, seq_len=_seq(m), layout=lay,
+                            memory_budget_bytes=mem)
+            want = _forced_oracle(m, c)
+            if want is None:
+                with pytest.raises(PlanError):
+                    plan(lay.world_size + 1, m, c)
+                continue
+            p = plan(lay.world_size + 1, m, c)
+            assert (p.layout, p.world_size, p.available, p.micro_batch_size) == (lay, lay.world_size,
+                                                                                 lay.world_size + 1, want)
+            assert p.grad_accum_steps * p.micro_batch_size * lay.dp == gbs
+            assert f"using {lay.world_size} of {lay.world_size + 1} workers offered" in p.reasons
+            assert any(r.startswith(f"layout {lay} forced by the job") for r in p.reasons)
+
+
+@pytest.mark.parametrize("layout,kw,needle", [
+    ("tp=3", {}, "tp=3 does not divide the model's n_heads=4; use a tp that does"),
+    ("dp=3", {"global_batch_size": 4}, "dp=3 does not divide train.global_batch_size=4; use a dp that does, or "
+                                       "another batch"),
+    ("dp=2,pp=4", {"global_batch_size": 4}, "pp=4 needs >= 4 microbatches per step but dp=2 leaves 2 samples per "
+                                            "DP rank; raise train.global_batch_size or lower dp or pp"),
+    ("pp=8", {}, "pp=8 exceeds the model's n_layers=4"),
+    ("tp=2", {"max_tp": 1}, "tp=2 exceeds max_tp=1"),
+    ("tp=2", {"gpus_per_node": 1}, "tp=2 does not divide gpus_per_node=1 (a TP group stays in one node)"),
+])
+def test_a_forced_layout_that_breaks_a_rule_is_one_line_naming_it(layout: str, kw: dict, needle: str) -> None:
+    c = Constraints(**{"global_batch_size": 16, "micro_batch_size": 4, "seq_len": 64, **kw},
+                    layout=Layout.parse(layout))
+    with pytest.raises(PlanError) as err:
+        plan(16, PRESETS["tiny"], c)
+    assert str(err.value) == needle
+
+
+def test_a_forced_layout_needs_its_workers_and_ignores_the_worker_range() -> None:
+    c = Constraints(global_batch_size=16, micro_batch_size=4, seq_len=64, layout=Layout(dp_shard=2, tp=2),
+                    min_workers=1, max_workers=2)
+    with pytest.raises(PlanError, match=r"forced layout dp=2,tp=2,pp=1 needs 4 workers, 3 offered"):
+        plan(3, PRESETS["tiny"], c)
+    assert plan(4, PRESETS["tiny"], c).world_size == 4  # max_workers=2 does not apply
+
+
+def test_a_forced_layout_shrinks_its_micro_batch_to_the_budget_but_is_never_refused_for_memory() -> None:
+    m, lay = PRESETS["tiny"], Layout()
+    mem = {mb: estimate_memory(m, lay, micro_batch_size=mb, seq_len=16) for mb in (1, 2, 4)}
+    base = dict(global_batch_size=8, micro_batch_size=4, seq_len=16, layout=lay)
+    fits = plan(1, m, Constraints(**base, memory_budget_bytes=(mem[1] + mem[2]) / 2))
+    assert (fits.micro_batch_size, fits.grad_accum_steps) == (1, 8)
+    assert "micro_batch_size=1 (asked 4): smaller to fit the memory budget" in fits.reasons
+    over = plan(1, m, Constraints(**base, memory_budget_bytes=mem[1] / 2))
+    assert over.micro_batch_size == 1 and over.memory_bytes == mem[1] > over.memory_bytes / 2
+    assert any("still over the memory budget" in r for r in over.reasons)
+
+
+def test_constraints_take_a_forced_layout_or_forced_degrees_not_both() -> None:
+    with pytest.raises(ValueError, match="fixes tp and pp"):
+        Constraints(global_batch_size=8, micro_batch_size=1, seq_len=8, layout=Layout(tp=2), tp=2)
+    with pytest.raises(ValueError, match="must be a Layout"):
+        Constraints(global_batch_size=8, micro_batch_size=1, seq_len=8, layout="tp=2")
+
+
+# -- bounded work --------------------------------------------------------------------------------------------
+
+def test_huge_model_sizes_and_worker_counts_plan_in_bounded_time() -> None:
+    """No loop runs to the square root of a model size: a gcd of 2**60 heads/vocab/ffn would take a
+    billion steps to factor. Worker counts that cannot split are skipped without a look."""
+    huge = ModelConfig(dim=2**61, n_layers=10**12, n_heads=2**60, n_kv_heads=2**60, vocab_size=2**60,
+                       ffn_hidden=2**60, max_seq_len=64)
+    t0 = time.perf_counter()
+    p = plan(100_000, huge, Constraints(global_batch_size=2**24, micro_batch_size=2**10, seq_len=64))
+    assert p.world_size == 100_000 and p.layout.dp * p.layout.tp * p.layout.pp == 100_000
+    # a budget nothing fits: the planner judges a bounded number of counts, and says so
+    with pytest.raises(PlanError, match=r"judged the 64 largest counts"):
+        plan(100_000, huge, Constraints(global_batch_size=2**24, micro_batch_size=2**10, seq_len=64,
+                                        memory_budget_bytes=1))
+    # a batch with few divisors: most counts cannot split and are never tried one by one
+    assert plan(100_000, PRESETS["tiny"], Constraints(global_batch_size=16777213, micro_batch_size=1,
+                                                      seq_len=64, max_tp=1, max_pp=1)).world_size == 1
+    assert time.perf_counter() - t0 < 5.0  # in practice ~0.1 s; minutes before the search was bounded

@@ -10,6 +10,8 @@ from collections import Counter
 
 import pytest
 
+from parallel.layout import Layout
+from parallel.planner import PlanError
 from service.cluster import ClusterWatcher
 from service.coordinator import Coordinator, CoordinatorOptions
 from service.worker_group import WorkerFailure
@@ -46,7 +48,7 @@ class FakeGroup:
     def __init__(self, cfg_dict, run_dir, **kw):
         self.members: list[str] = []
         self.step = 0
-        self.layout = None
+        self.plan = None
 
     @property
     def size(self) -> int:
@@ -62,8 +64,8 @@ class FakeGroup:
         self.members = list(nodes)
         return started, stopped
 
-    def form(self, layout):
-        self.layout = layout
+    def form(self, plan):
+        self.plan = plan
         self.step = self.disk.committed
         return {"step": self.step, "form_s": 0.0}
 
@@ -75,7 +77,7 @@ class FakeGroup:
         self.step += 1
         if self.step % self.disk.interval == 0:
             self.disk.committed = self.step
-        ws = sum(self.layout.values()) and len(self.members)
+        ws = self.plan.world_size and len(self.members)
         return [{"step": self.step, "loss": 10.0 / self.step, "time": float(self.step), "world_size": ws,
                  "committed_step": self.disk.committed}]
 
@@ -90,12 +92,13 @@ class FakeGroup:
         self.members = []
 
 
-def make(tmp_path, nodes, *, steps=20, interval=5, min_workers=1, max_workers=4, settle=0.0, **opts):
+def make(tmp_path, nodes, *, steps=20, interval=5, min_workers=1, max_workers=4, settle=0.0,
+         parallel: dict | None = None, **opts):
     cluster = FakeCluster(nodes)
     cfg = JobConfig.from_dict({
         "data": {"source": "synthetic", "seq_len": 16},
         "train": {"steps": steps, "global_batch_size": 8, "micro_batch_size": 2},
-        "parallel": {"min_workers": min_workers, "max_workers": max_workers},
+        "parallel": {"min_workers": min_workers, "max_workers": max_workers, **(parallel or {})},
         "checkpoint": {"interval_steps": interval},
     })
     group_cls = type("G", (FakeGroup,), {"disk": Disk(interval), "cluster": cluster, "fail_next": []})
@@ -133,6 +136,27 @@ def test_runs_to_success_on_all_capacity(tmp_path):
     assert states(c) == ["STARTING", "RUNNING", "SUCCEEDED"]
     assert c.plan.world_size == 4 and c.plan.layout.dp == 4
     assert (tmp_path / "events.jsonl").read_text().count("\n") == len(c.events_since(0))
+
+
+def test_the_group_is_formed_with_the_planners_whole_plan(tmp_path):
+    """The micro batch the planner shrank to fit the memory budget goes to the group with the layout
+    (4 workers, 2 samples per DP rank: the asked 2 needs ~4.25 MiB, 1 needs ~3.7)."""
+    c, _, _ = make(tmp_path, {"a": 2, "b": 2}, parallel={"memory_budget_gb": 4.0 / 1024})
+    advance(c, lambda c: c.step_done >= 1)
+    assert c.group.plan is c.plan and c.plan.layout == Layout(dp_shard=4)
+    assert (c.plan.micro_batch_size, c.plan.grad_accum_steps) == (1, 2)
+    assert "micro_batch_size=1 (asked 2): smaller to fit the memory budget" in c.plan.reasons
+
+
+def test_a_forced_layout_is_planned_by_the_planner_and_holds_the_worker_count(tmp_path):
+    c, _, _ = make(tmp_path, {"a": 2, "b": 2}, parallel={"layout": "dp=1,pp=2"})
+    assert c.policy.config.min_workers == c.policy.config.max_workers == 2
+    advance(c, lambda c: c.step_done >= 1)
+    assert c.group.plan is c.plan and c.plan.layout == Layout(pp=2)
+    assert (c.plan.world_size, c.plan.micro_batch_size, c.plan.grad_accum_steps) == (2, 2, 4)
+    assert any(r.startswith("layout dp=1,tp=1,pp=2 forced by the job") for r in c.plan.reasons)
+    with pytest.raises(PlanError, match="forced layout dp=1,tp=1,pp=2 needs 2 workers, 1 offered"):
+        c._plan(1)
 
 
 def test_preemption_notice_shrinks_with_zero_steps_lost(tmp_path):

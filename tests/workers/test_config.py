@@ -4,7 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from workers.config import ConfigError, JobConfig, load_config
+from parallel.layout import Layout
+from parallel.planner import PlanError
+from workers.config import ConfigError, JobConfig, job_constraints, job_plan, load_config
 from workers.lr import lr_at
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,6 +27,9 @@ def test_example_config_loads():
     ({"data": {"source": "sql"}}, "data.source: expected one of"),
     ({"parallel": {"min_workers": 3, "max_workers": 2}}, "min_workers=3 is greater"),
     ({"parallel": {"layout": "dp=2,qq=1"}}, "parallel.layout: unknown layout key"),
+    ({"parallel": {"layout": "tp=3"}}, "parallel.layout 'tp=3': tp=3 does not divide the model's n_heads=4"),
+    ({"parallel": {"layout": "dp=3"}}, "parallel.layout 'dp=3': dp=3 does not divide train.global_batch_size=16"),
+    ({"parallel": {"layout": "dp=8,pp=4"}}, "pp=4 needs >= 4 microbatches per step but dp=8 leaves 2 samples"),
     ({"model": {"preset": "70b"}}, "unknown model preset '70b'"),
     ({"model": {"overrides": {"n_heads": 3}}}, "divisible"),
     ({"train": {"global_batch_size": 10, "micro_batch_size": 4}}, "multiple of"),
@@ -62,3 +67,31 @@ def test_lr_schedule_is_a_function_of_the_step_alone():
     assert all(a >= b for a, b in zip(decaying, decaying[1:]))
     longer = JobConfig.from_dict({"train": {"steps": 100, "decay_steps": 200, "lr": 1.0, "warmup_steps": 10}}).train
     assert lr_at(100, longer) > lr_at(100, t)
+
+
+def test_job_constraints_carry_the_config_and_a_forced_layout_fixes_tp_and_pp():
+    cfg = JobConfig.from_dict({"data": {"source": "synthetic", "seq_len": 32},
+                               "train": {"global_batch_size": 12, "micro_batch_size": 3},
+                               "parallel": {"tp": 2, "max_pp": 2, "gpus_per_node": 4, "memory_budget_gb": 1.5,
+                                            "min_workers": 2, "max_workers": 6, "dp_mode": "replicate"}})
+    c = job_constraints(cfg)
+    assert (c.global_batch_size, c.micro_batch_size, c.seq_len, c.dp_mode) == (12, 3, 32, "replicate")
+    assert (c.layout, c.tp, c.pp, c.max_pp, c.gpus_per_node) == (None, 2, None, 2, 4)
+    assert (c.memory_budget_bytes, c.min_workers, c.max_workers) == (1.5 * 2**30, 2, 6)
+    forced = job_constraints(cfg, layout="dp=2,tp=2", max_workers=9)
+    assert forced.layout == Layout(dp_replicate=2, tp=2) and forced.tp is None and forced.max_workers == 9
+    assert job_constraints(cfg, layout=Layout(pp=2)).layout == Layout(pp=2)
+
+
+def test_job_plan_is_the_plan_for_exactly_the_ranks_given():
+    cfg = JobConfig.from_dict({"data": {"source": "synthetic", "seq_len": 16},
+                               "train": {"global_batch_size": 8, "micro_batch_size": 4}})
+    p = job_plan(cfg, 4)
+    assert p.world_size == 4 and (p.layout.dp, p.micro_batch_size, p.grad_accum_steps) == (4, 2, 1)
+    assert job_plan(cfg, 2, layout="pp=2").layout == Layout(pp=2)
+    with pytest.raises(ValueError, match=r"needs 4 ranks .* but there are 2"):
+        job_plan(cfg, 2, layout="dp=2,tp=2")
+    with pytest.raises(PlanError, match=r"^layout dp=3,tp=1,pp=1: dp=3 does not divide train.global_batch_size=8"):
+        job_plan(cfg, 3, layout="dp=3")
+    with pytest.raises(ValueError, match=r"cannot use all 7 ranks: .*using 4 of 7 workers offered.*; pass --layout"):
+        job_plan(JobConfig.from_dict({**cfg.to_dict(), "parallel": {"max_tp": 1, "max_pp": 1}}), 7)
