@@ -1,5 +1,5 @@
-"""Shared pieces of the API tests: an in-process coordinator over the fake worker group and fake cluster
-of tests/service/test_coordinator.py, a JobManager on an in-process launcher, and polling with deadlines."""
+"""Shared pieces of the API tests: an in-process coordinator over the fakes of tests/fakes.py, a
+JobManager on an in-process launcher, and polling with deadlines."""
 
 from __future__ import annotations
 
@@ -14,10 +14,9 @@ import uvicorn
 from api.app import create_app
 from api.deps import Settings
 from api.store import JobStore
-from service.coordinator import Coordinator
 from service.job_actor import LocalLauncher
 from service.job_manager import JobManager
-from tests.service.test_coordinator import Disk, FakeCluster, FakeGroup
+from tests.fakes import Disk, FakeCluster, Gate, GatedGroup, PollingCoordinator
 
 SPEC = {
     "name": "tiny",
@@ -26,52 +25,6 @@ SPEC = {
     "parallel": {"min_workers": 1, "max_workers": 4},
     "checkpoint": {"interval_steps": 5},
 }
-
-
-class Gate:
-    """How far fake training may go: `allow(n)` lets the group reach step n; None means no limit."""
-
-    def __init__(self, limit: int | None = None):
-        self.limit = limit
-        self.cond = threading.Condition()
-
-    def allow(self, n: int | None) -> None:
-        with self.cond:
-            self.limit = n
-            self.cond.notify_all()
-
-    def wait_for(self, step: int, timeout: float) -> bool:
-        with self.cond:
-            return self.cond.wait_for(lambda: self.limit is None or step <= self.limit, timeout)
-
-
-class GatedGroup(FakeGroup):
-    """FakeGroup whose next step waits for the gate (up to 0.05 s) and takes step_s seconds. Its rows
-    carry tokens/s and, unless mfu_per_step is None (a CPU: no known peak), an MFU of mfu_per_step * step."""
-
-    gate: Gate | None = None
-    step_s: float = 0.0
-    mfu_per_step: float | None = 0.001
-
-    def run(self, *, until_step, should_abort=lambda: False, **kw):
-        # A closed gate returns no rows after a short wait, as a real group does when its chunk ends.
-        if self.gate is not None and not self.gate.wait_for(self.step + 1, 0.05):
-            return []
-        if self.step_s:
-            time.sleep(self.step_s)  # simulated training time, so a browser can watch the chart grow
-        rows = super().run(until_step=until_step, should_abort=should_abort, **kw)
-        for r in rows:
-            r["tokens_per_s"] = 1000.0 + 10 * r["step"]
-            r["mfu"] = None if self.mfu_per_step is None else self.mfu_per_step * r["step"]
-        return rows
-
-
-class PollingCoordinator(Coordinator):
-    """Reads the fake cluster at every iteration (the real one has a watcher thread for that)."""
-
-    def step(self):
-        self.watcher.poll()
-        return super().step()
 
 
 def fake_factory(cluster: FakeCluster, *, gate: Gate | None = None, step_s: float = 0.0,

@@ -11,7 +11,8 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.api.helpers import SPEC, Gate, make_app, make_launcher, stop_all, wait_for
+from tests.api.helpers import SPEC, make_app, make_launcher, stop_all, wait_for
+from tests.fakes import Gate
 
 J = "/api/v1/jobs"
 

@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from api.cli_client import add_client_commands
-from tests.api.helpers import SPEC, Gate, live_server, make_app, make_launcher, stop_all, wait_for
+from tests.api.helpers import SPEC, live_server, make_app, make_launcher, stop_all, wait_for
+from tests.fakes import Gate
 
 
 def run(argv: list[str]) -> int:

@@ -14,8 +14,8 @@ from api.store import JobStore
 from service.job_actor import LocalLauncher
 from service.job_manager import JobManager
 from service.specs import SpecError, config_error_loc
-from tests.api.helpers import SPEC, Gate, fake_factory, make_app, make_launcher, stop_all, wait_for
-from tests.service.test_coordinator import FakeCluster
+from tests.api.helpers import SPEC, fake_factory, make_app, make_launcher, stop_all, wait_for
+from tests.fakes import FakeCluster, Gate
 
 J = "/api/v1/jobs"
 

@@ -9,7 +9,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from api.store import JobStore
 from service.job_manager import JobManager
-from tests.api.helpers import SPEC, Gate, make_app, make_launcher, stop_all, wait_for
+from tests.api.helpers import SPEC, make_app, make_launcher, stop_all, wait_for
+from tests.fakes import Gate
 
 J = "/api/v1/jobs"
 

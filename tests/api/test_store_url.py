@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.api.helpers import SPEC, Gate, make_app, make_launcher, stop_all, wait_for
+from tests.api.helpers import SPEC, make_app, make_launcher, stop_all, wait_for
+from tests.fakes import Gate
 
 J = "/api/v1/jobs"
 

@@ -1,122 +1,15 @@
-"""Tier 1: the coordinator's flows with a fake worker group and a fake cluster (no Ray, no torch ranks).
-
-The fake group models what matters for the coordinator: a step counter, checkpoints committed every
-`interval` steps or on request, and resumption from the last committed step when a group is formed.
-"""
+"""Tier 1: the coordinator's flows with the fake worker group and fake cluster of tests/fakes.py (no Ray,
+no torch ranks)."""
 
 from __future__ import annotations
-
-from collections import Counter
 
 import pytest
 
 from parallel.layout import Layout
 from parallel.planner import PlanError
-from service.cluster import ClusterWatcher
-from service.coordinator import Coordinator, CoordinatorOptions
+from service.coordinator import Coordinator
 from service.worker_group import WorkerFailure
-from workers.config import JobConfig
-
-
-class FakeCluster:
-    def __init__(self, nodes: dict[str, int]):
-        self.nodes = dict(nodes)  # node id -> CPUs
-        self.dead: set[str] = set()
-        self.draining: dict[str, int] = {}
-
-    def rows(self) -> list[dict]:
-        return [{"NodeID": n, "Alive": n not in self.dead, "Resources": {"CPU": float(c)}}
-                for n, c in self.nodes.items()]
-
-    def watcher(self) -> ClusterWatcher:
-        return ClusterWatcher(nodes_fn=self.rows, draining_fn=lambda: dict(self.draining))
-
-
-class Disk:
-    """What survives a group: the committed checkpoint step."""
-
-    def __init__(self, interval: int):
-        self.interval = interval
-        self.committed = 0
-
-
-class FakeGroup:
-    disk: Disk
-    cluster: FakeCluster
-    fail_next: list[str] = []
-
-    def __init__(self, cfg_dict, run_dir, **kw):
-        self.members: list[str] = []
-        self.step = 0
-        self.plan = None
-
-    @property
-    def size(self) -> int:
-        return len(self.members)
-
-    def nodes(self) -> Counter:
-        return Counter(self.members)
-
-    def scale_to(self, nodes):
-        keep = Counter(self.members) & Counter(nodes)
-        started = sum((Counter(nodes) - keep).values())
-        stopped = sum((Counter(self.members) - keep).values())
-        self.members = list(nodes)
-        return started, stopped
-
-    def form(self, plan):
-        self.plan = plan
-        self.step = self.disk.committed
-        return {"step": self.step, "form_s": 0.0}
-
-    def run(self, *, until_step, steps, should_abort=lambda: False):
-        if self.fail_next:
-            raise WorkerFailure(self.fail_next.pop(0), "worker raised: boom")
-        if should_abort() or any(m in self.cluster.dead for m in self.members):
-            raise WorkerFailure("died", "a worker died")
-        self.step += 1
-        if self.step % self.disk.interval == 0:
-            self.disk.committed = self.step
-        ws = self.plan.world_size and len(self.members)
-        return [{"step": self.step, "loss": 10.0 / self.step, "time": float(self.step), "world_size": ws,
-                 "committed_step": self.disk.committed}]
-
-    def checkpoint(self):
-        self.disk.committed = self.step
-        return self.step
-
-    def leave(self):
-        pass
-
-    def shutdown(self):
-        self.members = []
-
-
-def make(tmp_path, nodes, *, steps=20, interval=5, min_workers=1, max_workers=4, settle=0.0,
-         parallel: dict | None = None, **opts):
-    cluster = FakeCluster(nodes)
-    cfg = JobConfig.from_dict({
-        "data": {"source": "synthetic", "seq_len": 16},
-        "train": {"steps": steps, "global_batch_size": 8, "micro_batch_size": 2},
-        "parallel": {"min_workers": min_workers, "max_workers": max_workers, **(parallel or {})},
-        "checkpoint": {"interval_steps": interval},
-    })
-    group_cls = type("G", (FakeGroup,), {"disk": Disk(interval), "cluster": cluster, "fail_next": []})
-    c = Coordinator(cfg, run_dir=tmp_path, job_id="job1", watcher=cluster.watcher(),
-                    options=CoordinatorOptions(settle_seconds=settle, max_restarts=2, **opts))
-    c.worker_group_cls = group_cls
-    # The fake cluster's "dead" nodes are exactly those a placement probe would not reach.
-    c.group_probe = lambda nodes, timeout_s: {n for n in nodes if n not in cluster.dead}
-    return c, cluster, group_cls
-
-
-def advance(c: Coordinator, until, limit=500):
-    for _ in range(limit):
-        c.watcher.poll()
-        if until(c):
-            return
-        c.step()
-    raise AssertionError(f"condition not reached; state {c.sm.state}, step {c.step_done}")
+from tests.fakes import advance, make_coordinator
 
 
 def changes(c: Coordinator):
@@ -130,7 +23,7 @@ def states(c: Coordinator) -> list[str]:
 
 
 def test_runs_to_success_on_all_capacity(tmp_path):
-    c, _, _ = make(tmp_path, {"a": 2, "b": 2})
+    c, _, _ = make_coordinator(tmp_path, {"a": 2, "b": 2})
     advance(c, lambda c: c.sm.state.is_terminal)
     assert str(c.sm.state) == "SUCCEEDED" and c.step_done == 20
     assert states(c) == ["STARTING", "RUNNING", "SUCCEEDED"]
@@ -141,7 +34,7 @@ def test_runs_to_success_on_all_capacity(tmp_path):
 def test_the_group_is_formed_with_the_planners_whole_plan(tmp_path):
     """The micro batch the planner shrank to fit the memory budget goes to the group with the layout
     (4 workers, 2 samples per DP rank: the asked 2 needs ~4.25 MiB, 1 needs ~3.7)."""
-    c, _, _ = make(tmp_path, {"a": 2, "b": 2}, parallel={"memory_budget_gb": 4.0 / 1024})
+    c, _, _ = make_coordinator(tmp_path, {"a": 2, "b": 2}, parallel={"memory_budget_gb": 4.0 / 1024})
     advance(c, lambda c: c.step_done >= 1)
     assert c.group.plan is c.plan and c.plan.layout == Layout(dp_shard=4)
     assert (c.plan.micro_batch_size, c.plan.grad_accum_steps) == (1, 2)
@@ -149,7 +42,7 @@ def test_the_group_is_formed_with_the_planners_whole_plan(tmp_path):
 
 
 def test_a_forced_layout_is_planned_by_the_planner_and_holds_the_worker_count(tmp_path):
-    c, _, _ = make(tmp_path, {"a": 2, "b": 2}, parallel={"layout": "dp=1,pp=2"})
+    c, _, _ = make_coordinator(tmp_path, {"a": 2, "b": 2}, parallel={"layout": "dp=1,pp=2"})
     assert c.policy.config.min_workers == c.policy.config.max_workers == 2
     advance(c, lambda c: c.step_done >= 1)
     assert c.group.plan is c.plan and c.plan.layout == Layout(pp=2)
@@ -160,7 +53,7 @@ def test_a_forced_layout_is_planned_by_the_planner_and_holds_the_worker_count(tm
 
 
 def test_preemption_notice_shrinks_with_zero_steps_lost(tmp_path):
-    c, cluster, _ = make(tmp_path, {"a": 2, "b": 2})
+    c, cluster, _ = make_coordinator(tmp_path, {"a": 2, "b": 2})
     advance(c, lambda c: c.step_done >= 7)
     cluster.draining["b"] = 10**13
     advance(c, lambda c: c.group is not None and c.group.size == 2 and c.step_done >= 9)
@@ -172,7 +65,7 @@ def test_preemption_notice_shrinks_with_zero_steps_lost(tmp_path):
 
 def test_a_node_the_watcher_still_calls_alive_is_left_out_after_a_failed_probe(tmp_path):
     """The stale-view case: Ray still lists a killed node as alive, but it cannot place work."""
-    c, cluster, G = make(tmp_path, {"a": 2, "b": 2}, interval=5)
+    c, cluster, G = make_coordinator(tmp_path, {"a": 2, "b": 2}, interval=5)
     advance(c, lambda c: c.step_done >= 6)
     G.fail_next.append("died")
     c.group_probe = lambda nodes, timeout_s: {n for n in nodes if n != "b"}  # b: alive per the watcher only
@@ -187,7 +80,7 @@ def test_a_node_that_dies_just_after_the_probe_is_caught_when_the_restart_fails_
     """Two faults in quick succession: a worker dies, the probe finds every node fine, then a node
     dies. The re-form onto that node fails; the nodes it was placing on are probed too, so the next
     re-form leaves the dead node out instead of failing on it again."""
-    c, cluster, G = make(tmp_path, {"a": 2, "b": 2}, interval=5)
+    c, cluster, G = make_coordinator(tmp_path, {"a": 2, "b": 2}, interval=5)
     advance(c, lambda c: c.step_done >= 6)
     gone: set[str] = set()
 
@@ -214,7 +107,7 @@ def test_a_node_that_dies_just_after_the_probe_is_caught_when_the_restart_fails_
 def test_a_suspect_that_answers_a_later_probe_is_used_again_at_once(tmp_path):
     """A probe that timed out on a merely slow raylet must not keep its node out for suspect_seconds:
     while the job cannot start (min_workers=4 needs both nodes) it probes the suspect again."""
-    c, cluster, G = make(tmp_path, {"a": 2, "b": 2}, interval=5, min_workers=4, reprobe_interval_s=0.0)
+    c, cluster, G = make_coordinator(tmp_path, {"a": 2, "b": 2}, interval=5, min_workers=4, reprobe_interval_s=0.0)
     advance(c, lambda c: c.step_done >= 6)
     slow = {"b"}
     c.group_probe = lambda nodes, timeout_s: {n for n in nodes if n not in slow}
@@ -230,7 +123,7 @@ def test_a_suspect_that_answers_a_later_probe_is_used_again_at_once(tmp_path):
 
 
 def test_node_death_resumes_from_last_commit_on_what_is_left(tmp_path):
-    c, cluster, _ = make(tmp_path, {"a": 2, "b": 2}, interval=5)
+    c, cluster, _ = make_coordinator(tmp_path, {"a": 2, "b": 2}, interval=5)
     advance(c, lambda c: c.step_done >= 8)
     cluster.dead.add("b")
     advance(c, lambda c: changes(c))
@@ -242,7 +135,7 @@ def test_node_death_resumes_from_last_commit_on_what_is_left(tmp_path):
 
 
 def test_grow_waits_for_settle_then_resizes_without_redoing_steps(tmp_path):
-    c, cluster, _ = make(tmp_path, {"a": 2}, settle=0.0)
+    c, cluster, _ = make_coordinator(tmp_path, {"a": 2}, settle=0.0)
     advance(c, lambda c: c.step_done >= 3)
     cluster.nodes["b"] = 2
     advance(c, lambda c: len(c.reconfigs) == 2)
@@ -252,7 +145,7 @@ def test_grow_waits_for_settle_then_resizes_without_redoing_steps(tmp_path):
 
 
 def test_waits_for_capacity_below_min_workers_and_resumes(tmp_path):
-    c, cluster, _ = make(tmp_path, {"a": 2, "b": 2}, min_workers=3)
+    c, cluster, _ = make_coordinator(tmp_path, {"a": 2, "b": 2}, min_workers=3)
     advance(c, lambda c: c.step_done >= 6)
     cluster.dead.add("b")
     advance(c, lambda c: str(c.sm.state) == "WAITING_FOR_CAPACITY")
@@ -263,7 +156,7 @@ def test_waits_for_capacity_below_min_workers_and_resumes(tmp_path):
 
 
 def test_repeated_failures_of_one_kind_end_in_failed_with_the_error(tmp_path):
-    c, _, G = make(tmp_path, {"a": 2})
+    c, _, G = make_coordinator(tmp_path, {"a": 2})
     G.fail_next.extend(["error:ValueError"] * 5)
     advance(c, lambda c: c.sm.state.is_terminal)
     assert str(c.sm.state) == "FAILED"
@@ -271,7 +164,7 @@ def test_repeated_failures_of_one_kind_end_in_failed_with_the_error(tmp_path):
 
 
 def test_user_resize_pause_resume_stop(tmp_path):
-    c, _, _ = make(tmp_path, {"a": 2, "b": 2}, settle=1e9)
+    c, _, _ = make_coordinator(tmp_path, {"a": 2, "b": 2}, settle=1e9)
     advance(c, lambda c: c.step_done >= 3)
     c.resize(workers=2)
     advance(c, lambda c: len(c.reconfigs) == 2)
@@ -291,7 +184,7 @@ def test_user_resize_pause_resume_stop(tmp_path):
 
 
 def test_bad_resize_is_rejected_in_the_callers_thread(tmp_path):
-    c, _, _ = make(tmp_path, {"a": 2})
+    c, _, _ = make_coordinator(tmp_path, {"a": 2})
     with pytest.raises(ValueError, match="max_workers=1 is less than min_workers=2"):
         c.resize(min_workers=2, max_workers=1)
 
@@ -299,7 +192,7 @@ def test_bad_resize_is_rejected_in_the_callers_thread(tmp_path):
 def test_status_reports_layout_and_world_size_of_one_plan_while_a_group_re_forms(tmp_path):
     """Polled from another thread mid-resize, status must not pair the new group's size with the old
     layout (or the other way round)."""
-    c, cluster, G = make(tmp_path, {"a": 2, "b": 2})
+    c, cluster, G = make_coordinator(tmp_path, {"a": 2, "b": 2})
     advance(c, lambda c: c.step_done >= 3)
     seen = []
     start = G.scale_to

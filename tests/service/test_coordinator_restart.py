@@ -1,13 +1,13 @@
 """A coordinator that dies and is started again (Ray restarts its actor) continues the same job: it
 keeps the job's event history, records the restart as a failure with the steps it costs, and resumes
-from the last committed checkpoint. Tier 1: the fake worker group of test_coordinator.py, no Ray."""
+from the last committed checkpoint. Tier 1: the fake worker group of tests/fakes.py, no Ray."""
 
 from __future__ import annotations
 
 import json
 
 from service.coordinator import Coordinator, CoordinatorOptions
-from tests.service.test_coordinator import advance, make
+from tests.fakes import advance, make_coordinator
 
 
 def again(first: Coordinator, group_cls, cluster, *, job_id: str = "job1") -> Coordinator:
@@ -20,7 +20,7 @@ def again(first: Coordinator, group_cls, cluster, *, job_id: str = "job1") -> Co
 
 
 def test_a_restarted_coordinator_resumes_from_the_last_commit_and_keeps_the_history(tmp_path):
-    first, cluster, group_cls = make(tmp_path, {"a": 2, "b": 2})
+    first, cluster, group_cls = make_coordinator(tmp_path, {"a": 2, "b": 2})
     advance(first, lambda c: c.step_done >= 7)
     before = first.events_since(0)
     committed = group_cls.disk.committed
@@ -45,7 +45,7 @@ def test_a_restarted_coordinator_resumes_from_the_last_commit_and_keeps_the_hist
 
 
 def test_another_jobs_events_in_the_run_dir_are_not_adopted(tmp_path):
-    first, cluster, group_cls = make(tmp_path, {"a": 2})
+    first, cluster, group_cls = make_coordinator(tmp_path, {"a": 2})
     advance(first, lambda c: c.sm.state.is_terminal)
     group_cls.disk.committed = 0
     other = again(first, group_cls, cluster, job_id="job2")

@@ -13,8 +13,8 @@ from api.store import JobStore
 from service.job_actor import RayLauncher
 from service.jobs import JobManager
 from tests.api.helpers import SPEC, fake_factory, wait_for
+from tests.fakes import FakeCluster
 from tests.ray_local import local_ray  # noqa: F401  (a fixture)
-from tests.service.test_coordinator import FakeCluster
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.e2e

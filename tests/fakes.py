@@ -1,0 +1,167 @@
+"""Fakes shared by the tests, in one place: a cluster, a worker group and a coordinator over them (no Ray,
+no torch ranks), and a gate that holds fake training at a step.
+
+The fake group models what matters for the coordinator: a step counter, checkpoints committed every
+`interval` steps or on request, and resumption from the last committed step when a group is formed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+
+from service.cluster import ClusterWatcher
+from service.coordinator import Coordinator, CoordinatorOptions
+from service.worker_group import WorkerFailure
+from workers.config import JobConfig
+
+
+class FakeCluster:
+    def __init__(self, nodes: dict[str, int]):
+        self.nodes = dict(nodes)  # node id -> CPUs
+        self.dead: set[str] = set()
+        self.draining: dict[str, int] = {}
+
+    def rows(self) -> list[dict]:
+        return [{"NodeID": n, "Alive": n not in self.dead, "Resources": {"CPU": float(c)}}
+                for n, c in self.nodes.items()]
+
+    def watcher(self) -> ClusterWatcher:
+        return ClusterWatcher(nodes_fn=self.rows, draining_fn=lambda: dict(self.draining))
+
+
+class Disk:
+    """What survives a group: the committed checkpoint step."""
+
+    def __init__(self, interval: int):
+        self.interval = interval
+        self.committed = 0
+
+
+class FakeGroup:
+    disk: Disk
+    cluster: FakeCluster
+    fail_next: list[str] = []
+
+    def __init__(self, cfg_dict, run_dir, **kw):
+        self.members: list[str] = []
+        self.step = 0
+        self.plan = None
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    def nodes(self) -> Counter:
+        return Counter(self.members)
+
+    def scale_to(self, nodes):
+        keep = Counter(self.members) & Counter(nodes)
+        started = sum((Counter(nodes) - keep).values())
+        stopped = sum((Counter(self.members) - keep).values())
+        self.members = list(nodes)
+        return started, stopped
+
+    def form(self, plan):
+        self.plan = plan
+        self.step = self.disk.committed
+        return {"step": self.step, "form_s": 0.0}
+
+    def run(self, *, until_step, steps, should_abort=lambda: False):
+        if self.fail_next:
+            raise WorkerFailure(self.fail_next.pop(0), "worker raised: boom")
+        if should_abort() or any(m in self.cluster.dead for m in self.members):
+            raise WorkerFailure("died", "a worker died")
+        self.step += 1
+        if self.step % self.disk.interval == 0:
+            self.disk.committed = self.step
+        ws = self.plan.world_size and len(self.members)
+        return [{"step": self.step, "loss": 10.0 / self.step, "time": float(self.step), "world_size": ws,
+                 "committed_step": self.disk.committed}]
+
+    def checkpoint(self):
+        self.disk.committed = self.step
+        return self.step
+
+    def leave(self):
+        pass
+
+    def shutdown(self):
+        self.members = []
+
+
+def make_coordinator(tmp_path, nodes, *, steps=20, interval=5, min_workers=1, max_workers=4, settle=0.0,
+                     parallel: dict | None = None, **opts):
+    """A coordinator of a tiny job on a FakeCluster of `nodes` (id -> CPUs), with a FakeGroup class of
+    its own; `parallel` adds to the job's parallel section, `opts` go to CoordinatorOptions."""
+    cluster = FakeCluster(nodes)
+    cfg = JobConfig.from_dict({
+        "data": {"source": "synthetic", "seq_len": 16},
+        "train": {"steps": steps, "global_batch_size": 8, "micro_batch_size": 2},
+        "parallel": {"min_workers": min_workers, "max_workers": max_workers, **(parallel or {})},
+        "checkpoint": {"interval_steps": interval},
+    })
+    group_cls = type("G", (FakeGroup,), {"disk": Disk(interval), "cluster": cluster, "fail_next": []})
+    c = Coordinator(cfg, run_dir=tmp_path, job_id="job1", watcher=cluster.watcher(),
+                    options=CoordinatorOptions(settle_seconds=settle, max_restarts=2, **opts))
+    c.worker_group_cls = group_cls
+    # The fake cluster's "dead" nodes are exactly those a placement probe would not reach.
+    c.group_probe = lambda nodes, timeout_s: {n for n in nodes if n not in cluster.dead}
+    return c, cluster, group_cls
+
+
+def advance(c: Coordinator, until, limit=500):
+    """Step `c` (reading the fake cluster first) until `until(c)` holds; fail after `limit` steps."""
+    for _ in range(limit):
+        c.watcher.poll()
+        if until(c):
+            return
+        c.step()
+    raise AssertionError(f"condition not reached; state {c.sm.state}, step {c.step_done}")
+
+
+class Gate:
+    """How far fake training may go: `allow(n)` lets the group reach step n; None means no limit."""
+
+    def __init__(self, limit: int | None = None):
+        self.limit = limit
+        self.cond = threading.Condition()
+
+    def allow(self, n: int | None) -> None:
+        with self.cond:
+            self.limit = n
+            self.cond.notify_all()
+
+    def wait_for(self, step: int, timeout: float) -> bool:
+        with self.cond:
+            return self.cond.wait_for(lambda: self.limit is None or step <= self.limit, timeout)
+
+
+class GatedGroup(FakeGroup):
+    """FakeGroup whose next step waits for the gate (up to 0.05 s) and takes step_s seconds. Its rows
+    carry tokens/s and, unless mfu_per_step is None (a CPU: no known peak), an MFU of mfu_per_step * step."""
+
+    gate: Gate | None = None
+    step_s: float = 0.0
+    mfu_per_step: float | None = 0.001
+
+    def run(self, *, until_step, should_abort=lambda: False, **kw):
+        # A closed gate returns no rows after a short wait, as a real group does when its chunk ends.
+        if self.gate is not None and not self.gate.wait_for(self.step + 1, 0.05):
+            return []
+        if self.step_s:
+            time.sleep(self.step_s)  # simulated training time, so a browser can watch the chart grow
+        rows = super().run(until_step=until_step, should_abort=should_abort, **kw)
+        for r in rows:
+            r["tokens_per_s"] = 1000.0 + 10 * r["step"]
+            r["mfu"] = None if self.mfu_per_step is None else self.mfu_per_step * r["step"]
+        return rows
+
+
+class PollingCoordinator(Coordinator):
+    """Reads the fake cluster at every iteration (the real one has a watcher thread for that)."""
+
+    def step(self):
+        self.watcher.poll()
+        return super().step()
