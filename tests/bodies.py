@@ -40,7 +40,7 @@ def worker_plan_body(cfg_dict: dict, plan_dict: dict, run_dir: str) -> dict:
     """Join a one-rank group through the worker actor's body with `plan_dict` (as WorkerGroup.form sends
     it) and train one step; return the micro batches the trainer fed the model."""
     from workers.actor import Worker
-    from workers.runtime import free_port
+    from tests.ports import free_port
 
     worker = Worker(cfg_dict, run_dir)
     worker.join(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(), plan=plan_dict)

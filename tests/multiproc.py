@@ -13,17 +13,12 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import traceback
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.ports import free_port
 
 
 def _to_wire(x: Any) -> Any:
@@ -90,7 +85,7 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 240.0,
 def _run_once(world_size: int, fn: Callable, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_child, args=(r, world_size, port, fn, args, kwargs, q), daemon=True)
         for r in range(world_size)

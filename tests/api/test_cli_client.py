@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import socket
 
 import pytest
 import yaml
@@ -11,6 +10,7 @@ import yaml
 from api.cli_client import add_client_commands
 from tests.api.helpers import SPEC, live_server, make_app, make_launcher, stop_all, wait_for
 from tests.fakes import Gate
+from tests.ports import free_port
 
 
 def run(argv: list[str]) -> int:
@@ -98,9 +98,7 @@ def test_a_job_file_that_cannot_be_read_is_exit_2(server, tmp_path, capsys):
 
 
 def test_a_server_that_does_not_answer_is_one_line_naming_the_url(capsys, monkeypatch):
-    with socket.socket() as s:  # a port with nothing listening on it
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # nothing listens on it
     monkeypatch.delenv("ELASTRON_SERVER", raising=False)
     assert run(["jobs", "--server", f"http://127.0.0.1:{port}"]) == 1
     err = capsys.readouterr().err.strip().splitlines()

@@ -27,6 +27,7 @@ from fastapi.testclient import TestClient
 
 from api.cli import main
 from tests.api.helpers import make_app, make_launcher, stop_all
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 J = "/api/v1/jobs"
@@ -70,12 +71,6 @@ def tree(path: Path) -> dict[str, str]:
     """Relative path -> sha256 of every file under `path` (what "nothing changed" compares)."""
     return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(path.rglob("*")) if p.is_file()}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- 5: job configs --------------------------------------------------------------------------------------------

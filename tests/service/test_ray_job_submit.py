@@ -11,7 +11,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,15 +21,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.ports import free_port
+
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _up(url: str) -> bool:
@@ -48,7 +43,7 @@ def _up(url: str) -> bool:
 def ray_head():
     # A short temp dir: Ray's Unix socket paths under pytest's long tmp_path exceed the 108-byte limit.
     tmp = tempfile.mkdtemp(prefix="rjs", dir="/tmp")
-    gcs, dash = _port(), _port()
+    gcs, dash = free_port(), free_port()
     # Ray 2.60 heads use token authentication; give the head and the client the same token explicitly
     # (what `ray get-auth-token --generate` would put in ~/.ray/auth_token), so the test does not
     # depend on that file.
