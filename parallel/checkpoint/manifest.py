@@ -155,6 +155,8 @@ class Manifest:
             d = json.loads(text)
         except (ValueError, UnicodeDecodeError) as e:
             raise ManifestError(f"manifest is not valid JSON: {e}") from None
+        except RecursionError:  # a forged, deeply nested document: a verdict, not a crash of the loader
+            raise ManifestError("manifest is nested too deeply to be a checkpoint manifest") from None
         return cls.from_dict(d)
 
     @classmethod

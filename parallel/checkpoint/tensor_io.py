@@ -71,7 +71,7 @@ def read_header(f: IO[bytes], *, file_size: int, where: str, entry: FileEntry | 
                                   "(corrupted header)")
     try:
         header = json.loads(text)
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise CheckpointError(f"{where}: safetensors header is not JSON ({e})") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{where}: safetensors header is not an object")

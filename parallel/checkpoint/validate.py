@@ -140,8 +140,8 @@ def _block_problems(storage: Storage, fpath: str, name: str, manifest: Manifest)
         try:
             header = json.loads(text)
             starts = {k: int(v["data_offsets"][0]) for k, v in header.items() if k != "__metadata__"}
-        except (ValueError, TypeError, KeyError) as e:
-            return [f"file {name} has an unreadable header ({e})"]
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
+            return [f"file {name} has an unreadable header ({type(e).__name__})"]
         chunks = sorted(((starts.get(k, -1), k, c, t.dtype) for k, t in manifest.tensors.items()
                          for c in t.chunks if c.file == name), key=lambda x: x[0])
         buf = bytearray()

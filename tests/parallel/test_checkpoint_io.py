@@ -238,3 +238,35 @@ def test_runs_group_consecutive_blocks_up_to_a_limit():
 
     assert _runs([0, 1, 2, 5, 6, 9], 2) == [(0, 1), (2, 2), (5, 6), (9, 9)]
     assert _runs([], 4) == [] and _runs([3, 4, 5], 10) == [(3, 5)]
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    ('{"format": "elastron-checkpoint", "format_version": 2, "step": 1, "tensors": {}, '
+     '"files": {"a": {"size": 1, "algorithm": "md5", "header_digest": "x"}}}', "checksum algorithm"),
+])
+def test_forged_manifests_are_a_verdict_not_a_crash(text, needle):
+    from parallel.checkpoint import ManifestError
+
+    with pytest.raises(ManifestError, match=needle):
+        Manifest.from_json(text)
+
+
+def test_a_deeply_nested_manifest_falls_back_to_the_previous_checkpoint(tmp_path):
+    model, opt = tiny()
+    mgr = CheckpointManager(str(tmp_path))
+    train(model, opt, 1)
+    mgr.save(1, model, opt, state={}, blocking=True)
+    want = snapshot(model, opt)
+    train(model, opt, 1)
+    mgr.save(2, model, opt, state={}, blocking=True)
+    (tmp_path / "step-00000002" / MANIFEST_NAME).write_text("[" * 100_000 + "]" * 100_000)
+    fresh, fresh_opt = tiny(seed=3)
+    assert CheckpointManager(str(tmp_path)).load_latest(fresh, fresh_opt).step == 1
+    assert_same(snapshot(fresh, fresh_opt), want)
+
+
+def test_block_digest_count_is_checked():
+    m = Manifest(step=1, files={"a": FileEntry(100, "h", "xxh3-128", True)}, tensors={
+        "w": TensorEntry((4, 2), "float32", (Chunk("a", (0, 0), (4, 2), block_rows=2, digests=("d0",)),))})
+    assert any("1 block digests, expected 2" in p for p in m.structure_problems())
