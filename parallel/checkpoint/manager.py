@@ -32,31 +32,24 @@ import math
 import os
 import threading
 import time
-import warnings
 from collections import defaultdict
-from dataclasses import dataclass, field
-from datetime import timedelta
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from parallel.checkpoint import state as state_mod
 from parallel.checkpoint.checksum import DEFAULT as DEFAULT_CHECKSUM
 from parallel.checkpoint.checksum import check_algorithm
+from parallel.checkpoint.comm import Comm
 from parallel.checkpoint.manifest import MANIFEST_NAME, CheckpointError, Chunk, FileEntry, Manifest, TensorEntry
+from parallel.checkpoint.loader import load_newest
 from parallel.checkpoint.storage import Storage, open_storage
-from parallel.checkpoint.tensor_io import dtype_name, read_into
+from parallel.checkpoint.tensor_io import dtype_name
+from parallel.checkpoint.timings import Timings
+from parallel.checkpoint.validate import LATEST_NAME, list_step_dirs, step_dir_name
 from parallel.checkpoint.writer import MIN_FILE_BYTES, Piece, ShardWriter, WrittenFile, split_files
-from parallel.checkpoint.validate import (
-    LATEST_NAME,
-    check_manifest,
-    file_problems,
-    list_step_dirs,
-    read_manifest_text,
-    step_dir_name,
-)
 
 log = logging.getLogger(__name__)
 
@@ -68,11 +61,6 @@ def _lower_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
     except (AttributeError, OSError):
         pass
-
-
-def _first(problems: list[str]) -> str:
-    """The first problem, and how many more: one readable line even for a 40-tensor shape mismatch."""
-    return problems[0] + (f" (+{len(problems) - 1} more problem(s))" if len(problems) > 1 else "")
 
 
 def _describe(e: BaseException) -> str:
@@ -95,59 +83,6 @@ class _SaveJob:
     (after that event on GPUs)."""
 
 
-@dataclass(slots=True)
-class Timings:
-    """Where the last save or load spent its time on this rank (seconds; `bytes` written or read). A
-    public seam for benchmarks and logs."""
-
-    phases: dict[str, float] = field(default_factory=dict)
-    bytes: int = 0
-
-    def add(self, name: str, seconds: float) -> None:
-        self.phases[name] = self.phases.get(name, 0.0) + seconds
-
-
-class _Comm:
-    """Collectives on the checkpoint's own gloo group; trivial ones when there is no process group
-    (tools and unit tests run in one process)."""
-
-    def __init__(self, timeout_s: float) -> None:
-        self.enabled = dist.is_available() and dist.is_initialized()
-        self.group = None
-        self.rank, self.world = 0, 1
-        if self.enabled:
-            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-            self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        else:
-            # DCP warns on every single-process save/load; here that is the intent, not a mistake.
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninit")
-
-    def broadcast(self, obj: Any) -> Any:
-        if not self.enabled:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
-
-    def gather(self, obj: Any) -> list[Any] | None:
-        if not self.enabled:
-            return [obj]
-        out = [None] * self.world if self.rank == 0 else None
-        dist.gather_object(obj, out, dst=0, group=self.group)
-        return out
-
-    def all_gather(self, obj: Any) -> list[Any]:
-        if not self.enabled:
-            return [obj]
-        out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
-
-    def barrier(self) -> None:
-        if self.enabled:
-            dist.barrier(group=self.group)
-
-
 class CheckpointManager:
     """Checkpoints of one run under `root` (a path or fsspec URL). Construction is collective when a
     process group exists (it creates the writer's gloo group), and so are `save`, `flush` and
@@ -166,7 +101,7 @@ class CheckpointManager:
         self.checksum = check_algorithm(checksum)
         self.io_threads = io_threads
         """Files written (per rank) and read in parallel."""
-        self._comm = _Comm(timeout_s)
+        self._comm = Comm(timeout_s)
         self.rank = self._comm.rank
         if self.rank == 0:
             self._remove_stale_staging()
@@ -456,80 +391,7 @@ class CheckpointManager:
     def load_latest(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
                     expected: dict[str, tuple[tuple[int, ...], str]] | None = None) -> Manifest | None:
         """Load the newest checkpoint that passes every check into `model` and `optimizer` (any layout),
-        and return its manifest; None if there is no checkpoint at all. Checkpoints that fail are skipped:
-        once an older one loads, each is logged with its reason and, if it was committed, set aside
-        (`Storage.set_aside`) so that it is kept for inspection but never replaced by a new save of its step
-        nor counted by retention. If none loads, CheckpointError names each one and its first problem, and
-        nothing is moved. `expected` (canonical name -> (global shape, dtype)) lets the check reject
-        another model's checkpoint before anything is read."""
+        and return its manifest; None if there is no checkpoint at all (see `loader.load_newest`)."""
         self.flush()
-        comm, st = self._comm, self.storage
-        tm = self.load_timings = Timings()
-        names = comm.broadcast(list_step_dirs(st) if self.rank == 0 else None)
-        skipped: list[tuple[str, list[str], bool]] = []  # (path, problems, committed)
-        for _, name in names:
-            path = st.join(st.root, name)
-            text, why = comm.broadcast(read_manifest_text(st, path) if self.rank == 0 else (None, None))
-            t = time.perf_counter()
-            check = check_manifest(path, text, why, expected)
-            if check.manifest is not None and not check.problems:
-                # Sizes (truncation) and presence; format-1 checksums too, since they cover whole files and
-                # must pass before any byte is used. Shared out across ranks, then the union agreed on.
-                blockwise = all(f.blockwise for f in check.manifest.files.values())
-                mine = sorted(check.manifest.files)[self.rank::comm.world]
-                local = file_problems(st, path, check.manifest, mine, checksums=not blockwise)
-                check.problems = sorted({p for ps in comm.all_gather(local) for p in ps})
-            tm.phases["check"] = time.perf_counter() - t
-            if not check.problems:
-                manifest = check.manifest
-                err = None
-                t = time.perf_counter()
-                try:
-                    def read(targets):
-                        t_read = time.perf_counter()
-                        tm.bytes = read_into(st, path, manifest, targets, threads=self.io_threads,
-                                             verify=blockwise)
-                        tm.phases["read"] = time.perf_counter() - t_read
-
-                    state_mod.load(model, optimizer, read, manifest.optimizer_steps)
-                except CheckpointError as e:  # names the file and what is wrong with it
-                    err = str(e)[:1000]
-                except Exception as e:
-                    err = f"loading failed: {_describe(e)}"
-                tm.phases["prepare"] = time.perf_counter() - t - tm.phases.get("read", 0.0)
-                t = time.perf_counter()
-                errs = [e for e in comm.all_gather(err) if e]
-                tm.phases["agree"] = time.perf_counter() - t
-                if not errs:
-                    if skipped and self.rank == 0:
-                        self._set_aside(skipped)
-                        log.warning("resumed from %s after skipping %d newer checkpoint(s)", path, len(skipped))
-                    return manifest
-                check.problems = [errs[0]]
-            skipped.append((path, check.problems, text is not None))
-        if skipped:
-            raise CheckpointError(
-                f"no loadable checkpoint under {st.root}: "
-                + "; ".join(f"{p.rstrip('/').rsplit('/', 1)[-1]}: {_first(problems)}" for p, problems, _ in skipped)
-                + ". To resume, use the job config these checkpoints were saved with (see `elastron ckpt "
-                  "inspect`) or restore a good one; to start over, use a new run directory")
-        return None
-
-    def _set_aside(self, skipped: list[tuple[str, list[str], bool]]) -> None:
-        """Rank 0, after a fallback: log each skipped checkpoint and set the committed ones aside."""
-        st = self.storage
-        for path, problems, committed in skipped:
-            note = ""
-            if committed:
-                try:
-                    moved = st.set_aside(path)
-                except OSError:
-                    log.warning("could not set %s aside", path, exc_info=True)
-                    moved = None
-                if moved is None:
-                    self._unloadable.add(path.rstrip("/").rsplit("/", 1)[-1])
-                    note = "; kept in place until its step is saved again"
-                else:
-                    note = f"; moved to {moved} for inspection (delete it when done)"
-            log.warning("checkpoint %s cannot be loaded: %s%s; falling back to an older checkpoint",
-                        path, _first(problems), note)
+        self.load_timings = Timings()
+        return load_newest(self, model, optimizer, expected)

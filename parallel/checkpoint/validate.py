@@ -94,9 +94,11 @@ def check_manifest(path: str, text: str | None, why_missing: str | None,
 
 
 def file_problems(storage: Storage, path: str, manifest: Manifest, names: list[str] | None = None,
-                  *, checksums: bool = True) -> list[str]:
+                  *, checksums: bool = True, transient: list[str] | None = None) -> list[str]:
     """Missing files, wrong sizes (truncation) and checksum mismatches (corruption) among `names`
-    (default: every file in the manifest). Callers split the names across ranks to share the reading."""
+    (default: every file in the manifest). Callers split the names across ranks to share the reading.
+    A read that fails for another reason (an OSError other than a missing file) goes to `transient`
+    when the caller passes a list for it, else it is reported as a problem."""
     problems = []
     for name in sorted(manifest.files) if names is None else names:
         entry = manifest.files[name]
@@ -115,8 +117,10 @@ def file_problems(storage: Storage, path: str, manifest: Manifest, names: list[s
                 problems += _block_problems(storage, fpath, name, manifest)
             elif storage.sha256(fpath) != entry.digest:
                 problems.append(f"file {name} fails its sha256 checksum (corrupted)")
+        except FileNotFoundError:
+            problems.append(f"file {name} is missing")
         except OSError as e:
-            problems.append(f"file {name} cannot be read: {e}")
+            (transient if transient is not None else problems).append(f"file {name} cannot be read: {e}")
     return problems
 
 

@@ -270,3 +270,55 @@ def test_block_digest_count_is_checked():
     m = Manifest(step=1, files={"a": FileEntry(100, "h", "xxh3-128", True)}, tensors={
         "w": TensorEntry((4, 2), "float32", (Chunk("a", (0, 0), (4, 2), block_rows=2, digests=("d0",)),))})
     assert any("1 block digests, expected 2" in p for p in m.structure_problems())
+
+
+def _two_checkpoints(tmp_path):
+    model, opt = tiny()
+    mgr = CheckpointManager(str(tmp_path))
+    train(model, opt, 1)
+    mgr.save(1, model, opt, state={}, blocking=True)
+    train(model, opt, 1)
+    mgr.save(2, model, opt, state={}, blocking=True)
+    return snapshot(model, opt)
+
+
+def test_a_transient_read_error_is_retried_not_a_rollback(tmp_path, monkeypatch):
+    """Issue 15 item 11: an OSError while reading the newest checkpoint used to mark it unloadable,
+    move it aside and resume from an older one. Now the same checkpoint is read again."""
+    from parallel.checkpoint import loader, tensor_io
+
+    newest = _two_checkpoints(tmp_path)
+    monkeypatch.setattr(loader, "RETRY_PAUSE_S", 0.0)
+    orig, calls = tensor_io._read_file, []
+
+    def flaky(*a, **k):
+        calls.append(1)
+        if len(calls) <= 2:
+            raise OSError(5, "Input/output error (simulated)")
+        return orig(*a, **k)
+
+    monkeypatch.setattr(tensor_io, "_read_file", flaky)
+    fresh, fresh_opt = tiny(seed=3)
+    assert CheckpointManager(str(tmp_path)).load_latest(fresh, fresh_opt).step == 2
+    assert_same(snapshot(fresh, fresh_opt), newest)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step-")) == [
+        "step-00000001", "step-00000002"]
+
+
+def test_a_persistent_read_error_fails_without_moving_or_rolling_back(tmp_path, monkeypatch):
+    from parallel.checkpoint import loader, tensor_io
+
+    _two_checkpoints(tmp_path)
+    monkeypatch.setattr(loader, "RETRY_PAUSE_S", 0.0)
+
+    def broken(*a, **k):
+        raise OSError(5, "Input/output error (simulated)")
+
+    monkeypatch.setattr(tensor_io, "_read_file", broken)
+    fresh, fresh_opt = tiny(seed=3)
+    before = snapshot(fresh, fresh_opt)
+    with pytest.raises(CheckpointError, match="step-00000002 could not be read after 3 attempts.*no progress is lost"):
+        CheckpointManager(str(tmp_path)).load_latest(fresh, fresh_opt)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step-")) == [
+        "step-00000001", "step-00000002"]
+    assert torch.equal(snapshot(fresh, fresh_opt)["p.output.weight"], before["p.output.weight"])

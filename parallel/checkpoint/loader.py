@@ -1,0 +1,187 @@
+"""Loading the newest good checkpoint, every rank together, falling back only past proven damage.
+
+Each candidate, newest first: rank 0 reads the manifest and shares it; every rank checks it (structure,
+the model's shapes), checks the sizes of its share of the files (format 1: their whole-file sha256 too),
+then reads the blocks it needs, verifying each before it reaches a parameter (`tensor_io.read_into`).
+The ranks agree on the outcome after each stage.
+
+Two kinds of failure are told apart:
+- **proven damage** (no manifest, malformed manifest, another model's shapes, missing or short file,
+  checksum mismatch): the checkpoint is skipped; once an older one loads, each skipped checkpoint is
+  logged and, if committed, set aside (`Storage.set_aside`) so it is never loaded, counted by retention
+  or replaced by a new save of its step;
+- **a transient error** (an OSError other than a missing file, an object store's 5xx, running out of
+  memory): the same checkpoint is tried again, `READ_ATTEMPTS` times with a growing pause. If it still
+  cannot be read, the load fails with that error and nothing is skipped or moved: falling back would
+  throw away the newest progress because of a network blip.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from parallel.checkpoint import state as state_mod
+from parallel.checkpoint.manifest import MANIFEST_NAME, CheckpointError, Manifest
+from parallel.checkpoint.tensor_io import read_into
+from parallel.checkpoint.validate import check_manifest, file_problems, list_step_dirs
+
+if TYPE_CHECKING:  # pragma: no cover
+    from parallel.checkpoint.manager import CheckpointManager
+
+log = logging.getLogger("parallel.checkpoint.manager")  # the name operators filter on
+
+READ_ATTEMPTS = 3
+RETRY_PAUSE_S = 1.0
+"""Pause before the second attempt; doubled before each further one."""
+
+
+@dataclass(slots=True)
+class _Outcome:
+    manifest: Manifest | None = None
+    problems: list[str] = field(default_factory=list)
+    """Proven damage: skip this checkpoint."""
+    transient: list[str] = field(default_factory=list)
+    """Errors worth another try."""
+    committed: bool = False
+
+
+def _first(problems: list[str]) -> str:
+    """The first problem, and how many more: one readable line even for a 40-tensor shape mismatch."""
+    return problems[0] + (f" (+{len(problems) - 1} more problem(s))" if len(problems) > 1 else "")
+
+
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e)[:1000]}"
+
+
+def _read_manifest(st, path: str) -> tuple[str | None, str | None, str | None]:
+    """(text, why there is none, transient error)."""
+    mpath = st.join(path, MANIFEST_NAME)
+    try:
+        if not st.exists(mpath):
+            return None, f"no {MANIFEST_NAME} (the save did not commit: interrupted or still running)", None
+        return st.read_bytes(mpath).decode("utf-8"), None, None
+    except FileNotFoundError:  # removed between the two calls (retention of another run's writer)
+        return None, f"no {MANIFEST_NAME}", None
+    except UnicodeDecodeError as e:
+        return None, f"cannot read {MANIFEST_NAME}: {e}", None
+    except (OSError, MemoryError) as e:
+        return None, None, f"cannot read {MANIFEST_NAME}: {_describe(e)}"
+
+
+def _agree(mgr: "CheckpointManager", out: _Outcome) -> _Outcome:
+    """Every rank's problems and transient errors, merged (collective)."""
+    merged = mgr._comm.all_gather((out.problems, out.transient))
+    out.problems = sorted({p for ps, _ in merged for p in ps})
+    out.transient = sorted({p for _, ts in merged for p in ts})
+    return out
+
+
+def _attempt(mgr: "CheckpointManager", path: str, model: nn.Module, optimizer: torch.optim.Optimizer,
+             expected: dict | None) -> _Outcome:
+    comm, st, tm = mgr._comm, mgr.storage, mgr.load_timings
+    text, why, transient = comm.broadcast(_read_manifest(st, path) if mgr.rank == 0 else None)
+    out = _Outcome(committed=text is not None)
+    if transient:
+        out.transient.append(transient)
+        return out
+    t = time.perf_counter()
+    check = check_manifest(path, text, why, expected)
+    out.manifest, out.problems = check.manifest, list(check.problems)
+    if out.manifest is None or out.problems:
+        return out
+    manifest = out.manifest
+    # Sizes (truncation) and presence of this rank's share of the files; format 1 also needs its
+    # whole-file sha256 before any byte is used. Then agree on the union.
+    blockwise = all(f.blockwise for f in manifest.files.values())
+    mine = sorted(manifest.files)[mgr.rank::comm.world]
+    out.problems = file_problems(st, path, manifest, mine, checksums=not blockwise, transient=out.transient)
+    _agree(mgr, out)
+    tm.phases["check"] = time.perf_counter() - t
+    if out.problems or out.transient:
+        return out
+    t = time.perf_counter()
+
+    def read(targets: dict[str, Any]) -> None:
+        t_read = time.perf_counter()
+        tm.bytes = read_into(st, path, manifest, targets, threads=mgr.io_threads, verify=blockwise)
+        tm.phases["read"] = time.perf_counter() - t_read
+
+    try:
+        state_mod.load(model, optimizer, read, manifest.optimizer_steps)
+    except CheckpointError as e:  # names the file and what is wrong with it
+        out.problems.append(str(e)[:1000])
+    except Exception as e:  # I/O, memory, an object store's 5xx: worth another try
+        out.transient.append(f"loading failed: {_describe(e)}")
+    tm.phases["prepare"] = time.perf_counter() - t - tm.phases.get("read", 0.0)
+    t = time.perf_counter()
+    _agree(mgr, out)
+    tm.phases["agree"] = time.perf_counter() - t
+    return out
+
+
+def load_newest(mgr: "CheckpointManager", model: nn.Module, optimizer: torch.optim.Optimizer,
+                expected: dict[str, tuple[tuple[int, ...], str]] | None) -> Manifest | None:
+    """What `CheckpointManager.load_latest` does (collective): load the newest checkpoint that passes
+    every check, and return its manifest; None if there is no checkpoint at all. If none loads,
+    CheckpointError names each one and its first problem, and nothing is moved. `expected` (canonical
+    name -> (global shape, dtype)) lets the check reject another model's checkpoint before any read."""
+    comm, st = mgr._comm, mgr.storage
+    names = comm.broadcast(list_step_dirs(st) if mgr.rank == 0 else None)
+    skipped: list[tuple[str, list[str], bool]] = []  # (path, problems, committed)
+    for _, name in names:
+        path = st.join(st.root, name)
+        for attempt in range(READ_ATTEMPTS):
+            out = _attempt(mgr, path, model, optimizer, expected)
+            if not out.transient or out.problems:
+                break
+            if attempt + 1 < READ_ATTEMPTS:
+                pause = RETRY_PAUSE_S * 2 ** attempt
+                if mgr.rank == 0:
+                    log.warning("checkpoint %s could not be read (%s); trying again in %.1f s", path,
+                                _first(out.transient), pause)
+                time.sleep(pause)
+        if out.transient and not out.problems:
+            raise CheckpointError(
+                f"checkpoint {path} could not be read after {READ_ATTEMPTS} attempts: {_first(out.transient)}. "
+                "It was neither skipped nor set aside, and no older checkpoint was loaded, so no progress "
+                "is lost: resume again once the storage is reachable")
+        if not out.problems:
+            if skipped and mgr.rank == 0:
+                _set_aside(mgr, skipped)
+                log.warning("resumed from %s after skipping %d newer checkpoint(s)", path, len(skipped))
+            return out.manifest
+        skipped.append((path, out.problems, out.committed))
+    if skipped:
+        raise CheckpointError(
+            f"no loadable checkpoint under {st.root}: "
+            + "; ".join(f"{p.rstrip('/').rsplit('/', 1)[-1]}: {_first(problems)}" for p, problems, _ in skipped)
+            + ". To resume, use the job config these checkpoints were saved with (see `elastron ckpt "
+              "inspect`) or restore a good one; to start over, use a new run directory")
+    return None
+
+
+def _set_aside(mgr: "CheckpointManager", skipped: list[tuple[str, list[str], bool]]) -> None:
+    """Rank 0, after a fallback: log each skipped checkpoint and set the committed ones aside."""
+    st = mgr.storage
+    for path, problems, committed in skipped:
+        note = ""
+        if committed:
+            try:
+                moved = st.set_aside(path)
+            except OSError:
+                log.warning("could not set %s aside", path, exc_info=True)
+                moved = None
+            if moved is None:
+                mgr._unloadable.add(path.rstrip("/").rsplit("/", 1)[-1])
+                note = "; kept in place until its step is saved again"
+            else:
+                note = f"; moved to {moved} for inspection (delete it when done)"
+        log.warning("checkpoint %s cannot be loaded: %s%s; falling back to an older checkpoint",
+                    path, _first(problems), note)
