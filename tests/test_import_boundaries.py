@@ -1,7 +1,9 @@
 """The layers import one way: models <- parallel <- workers <- service <- api, and api talks to service
 only (and to models, for presets). Every product module is parsed with `ast` (nothing is imported), and
 every import counts, lazy ones inside functions too: an import moved into a function to dodge a cycle
-is still a cycle. The checker runs on a planted tree too, to show that it fails when it should.
+is still a cycle. Imports under `if TYPE_CHECKING:` count for the layers (a type from above is knowledge
+of above) but not for cycles (they never run). The checker runs on a planted tree too, to show that it
+fails when it should.
 """
 
 from __future__ import annotations
@@ -49,11 +51,25 @@ def product_modules(root: Path, layers: Iterable[str] = LAYERS) -> dict[str, Pat
     return {module_name(root, p): p for layer in layers for p in sorted((root / layer).rglob("*.py"))}
 
 
-def imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """The product modules `name` imports: `from a.b import c` is a.b.c when that is a module, else a.b."""
+def _typing_only(tree: ast.Module) -> set[ast.AST]:
+    """Import nodes inside `if TYPE_CHECKING:` (or `typing.TYPE_CHECKING`) blocks."""
+    out: set[ast.AST] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            out.update(n for stmt in node.body for n in ast.walk(stmt))
+    return out
+
+
+def imports(name: str, path: Path, modules: dict[str, Path], *, typing: bool = True) -> set[str]:
+    """The product modules `name` imports (with `typing=False`, only those imported at run time):
+    `from a.b import c` is a.b.c when that is a module, else a.b."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    tree = ast.parse(path.read_text(), str(path))
+    skip = set() if typing else _typing_only(tree)
     out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(tree):
+        if node in skip:
+            continue
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -125,7 +141,8 @@ def check(root: Path, known: frozenset[tuple[str, str]] = frozenset()) -> list[s
     graph = {name: imports(name, path, modules) for name, path in modules.items()}
     problems = [f"{a} imports {b}: {b.split('.')[0]} is not below {a.split('.')[0]}"
                 for a, b in sorted(layer_problems(graph) - known)]
-    acyclic = {a: {b for b in dsts if (a, b) not in known} for a, dsts in graph.items()}
+    runtime = {name: imports(name, path, modules, typing=False) for name, path in modules.items()}
+    acyclic = {a: {b for b in dsts if (a, b) not in known} for a, dsts in runtime.items()}
     problems += [f"import cycle among {', '.join(group)}" for group in cycles(acyclic)]
     return problems
 
@@ -134,8 +151,9 @@ def live_violations(root: Path) -> set[tuple[str, str]]:
     """Every import pair that crosses a layer or closes a cycle, with nothing allowed."""
     modules = product_modules(root)
     graph = {name: imports(name, path, modules) for name, path in modules.items()}
-    in_cycles = {m for group in cycles(graph) for m in group}
-    return layer_problems(graph) | {(a, b) for a in in_cycles for b in graph[a] if b in in_cycles}
+    runtime = {name: imports(name, path, modules, typing=False) for name, path in modules.items()}
+    in_cycles = {m for group in cycles(runtime) for m in group}
+    return layer_problems(graph) | {(a, b) for a in in_cycles for b in runtime[a] if b in in_cycles}
 
 
 def test_the_product_keeps_its_layers_and_has_no_import_cycle():
@@ -145,7 +163,8 @@ def test_the_product_keeps_its_layers_and_has_no_import_cycle():
 def test_service_does_not_import_the_torchrun_entry_module():
     """workers/train.py is what torchrun runs; what service/ needs from it lives in workers/config.py."""
     modules = product_modules(ROOT)
-    assert [m for m, p in modules.items() if m.startswith("service.") and "workers.train" in imports(m, p, modules)] == []
+    users = [m for m, p in modules.items() if m.startswith("service.") and "workers.train" in imports(m, p, modules)]
+    assert users == []
 
 
 def test_every_known_violation_still_happens_so_the_list_only_shrinks():
@@ -162,6 +181,9 @@ def test_the_checker_reports_a_planted_upward_import_an_api_shortcut_and_a_cycle
         "workers/a.py": "import workers.b\n",
         "workers/b.py": "from . import c\n",
         "workers/c.py": "from workers.a import thing\n",  # planted: a -> b -> c -> a
+        "workers/d.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from workers.e import E\n",
+        "workers/e.py": "import workers.d\n",  # not a cycle: d's import of e never runs
+        "service/typed.py": "import typing\nif typing.TYPE_CHECKING:\n    from api import app\n",  # planted
         "service/jobs.py": "from workers import config\n",
         "api/app.py": "from service.jobs import run\nfrom models.config import math\n",
         "api/cli.py": "import parallel.layout\n",  # planted: api past service
@@ -172,8 +194,9 @@ def test_the_checker_reports_a_planted_upward_import_an_api_shortcut_and_a_cycle
     assert check(tmp_path) == [
         "api.cli imports parallel.layout: parallel is not below api",
         "parallel.planner imports workers.config: workers is not below parallel",
+        "service.typed imports api.app: api is not below service",
         "import cycle among workers.a, workers.b, workers.c",
     ]
     # the allow-list excuses exactly what it names
     assert check(tmp_path, frozenset({("api.cli", "parallel.layout"), ("workers.c", "workers.a"),
-                                      ("parallel.planner", "workers.config")})) == []
+                                      ("parallel.planner", "workers.config"), ("service.typed", "api.app")})) == []
