@@ -163,10 +163,10 @@ def _micro_batch_sizes(per_rank: int, preferred: int, *, min_microbatches: int =
 
 
 def _tp_problem(tp: int, model: ModelConfig, c: Constraints, forced: bool = False) -> str | None:
-    whose = "the model's " if forced else ""
+    whose, fix = ("the model's ", "; use a tp that does") if forced else ("", "")
     for name in ("n_heads", "n_kv_heads", "vocab_size", "ffn_hidden"):
         if getattr(model, name) % tp:
-            return f"tp={tp} does not divide {whose}{name}={getattr(model, name)}" + ("; use a tp that does" if forced else "")
+            return f"tp={tp} does not divide {whose}{name}={getattr(model, name)}{fix}"
     if c.max_tp is not None and tp > c.max_tp:
         return f"tp={tp} exceeds max_tp={c.max_tp}"
     if c.gpus_per_node is not None and c.gpus_per_node % tp:
@@ -198,19 +198,23 @@ class _Choice(NamedTuple):
 
 def _evaluate(layout: Layout, model: ModelConfig, c: Constraints, forced: bool = False) -> _Choice | _Fail:
     """The best micro batch for one candidate whose tp and pp passed, or why there is none. A forced
-    layout is never refused for memory: it gets the smallest micro batch, as the closest to fitting."""
+    layout's messages name the fix, in the job config's words; it is never refused for memory: it gets
+    the smallest micro batch, as the closest to fitting."""
     dp, pp, gbs = layout.dp, layout.pp, c.global_batch_size
     if gbs % dp:
-        return _Fail("batch", f"dp={dp} does not divide train.global_batch_size={gbs}; use a dp that does, or "
-                              "another batch" if forced else f"global_batch_size={gbs} is not divisible by dp={dp}")
+        if forced:
+            return _Fail("batch", f"dp={dp} does not divide train.global_batch_size={gbs}; "
+                                  "use a dp that does, or another batch")
+        return _Fail("batch", f"global_batch_size={gbs} is not divisible by dp={dp}")
     per_rank = gbs // dp
     sizes = _micro_batch_sizes(per_rank, c.micro_batch_size)
     notes = [f"the largest divisor of {per_rank} samples per DP rank"] if sizes[0] < c.micro_batch_size else []
     legal = _micro_batch_sizes(per_rank, c.micro_batch_size, min_microbatches=pp)
     if not legal:
-        return _Fail("accum", f"pp={pp} needs >= {pp} microbatches per step but dp={dp} leaves {per_rank} samples "
-                              "per DP rank; raise train.global_batch_size or lower dp or pp" if forced else
-                              f"pp={pp} needs >= {pp} microbatches but dp={dp} leaves {per_rank} samples per rank")
+        if forced:
+            return _Fail("accum", f"pp={pp} needs >= {pp} microbatches per step but dp={dp} leaves {per_rank} "
+                                  "samples per DP rank; raise train.global_batch_size or lower dp or pp")
+        return _Fail("accum", f"pp={pp} needs >= {pp} microbatches but dp={dp} leaves {per_rank} samples per rank")
     if legal[0] < sizes[0]:
         notes.append(f"pp={pp} needs >= {pp} microbatches per step")
 
