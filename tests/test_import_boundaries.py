@@ -36,9 +36,6 @@ KNOWN = frozenset({
     ("api.schemas", "workers.config"),
     # service.coordinator -> run_files -> job_actor -> coordinator; this lazy import dodges it at import time
     ("service.coordinator", "service.run_files"),
-    # storage <-> writer: storage imports the writer lazily to keep torch out of the inspection tools
-    # (parallel/checkpoint/ is being reworked by another change; not issue 12's)
-    ("parallel.checkpoint.storage", "parallel.checkpoint.writer"),
 })
 
 

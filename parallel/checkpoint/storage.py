@@ -6,8 +6,9 @@ rename into place, fsync the parent. Object stores have no atomic directory rena
 copying every object), so there the checkpoint is written in place and the manifest, a single atomic
 PUT written after every shard is complete, is the commit: a directory without it is never loaded.
 
-Both hand DCP a HuggingFace safetensors writer (writer.ShardWriter, imported lazily so that tools which
-only inspect checkpoints do not import torch).
+The shard files themselves are written by `writer.ShardWriter` through `open` (fsspec) or raw file
+descriptors (local); this module stays free of torch so that tools which only inspect checkpoints do not
+import it.
 """
 
 from __future__ import annotations
@@ -16,10 +17,7 @@ import hashlib
 import logging
 import os
 import shutil
-from typing import IO, TYPE_CHECKING, Any
-
-if TYPE_CHECKING:  # pragma: no cover
-    from parallel.checkpoint.writer import ShardWriter
+from typing import IO, Any
 
 log = logging.getLogger(__name__)
 
@@ -76,10 +74,6 @@ class Storage:
 
     def commit_dir(self, staging: str, final: str) -> None:
         """Make the fully written `staging` directory visible as `final`."""
-        raise NotImplementedError
-
-    def writer(self, path: str) -> "ShardWriter":
-        """DCP writer for the shards of the checkpoint being written at `path`."""
         raise NotImplementedError
 
     def set_aside(self, path: str) -> str | None:
@@ -175,11 +169,6 @@ class LocalStorage(Storage):
         _fsync_dir(os.path.dirname(path))
         return new
 
-    def writer(self, path: str) -> "ShardWriter":
-        from parallel.checkpoint.writer import ShardWriter
-
-        return ShardWriter(path, sync_files=True)
-
 
 class FsspecStorage(Storage):
     atomic_rename = False
@@ -240,11 +229,6 @@ class FsspecStorage(Storage):
     def commit_dir(self, staging: str, final: str) -> None:
         if staging != final:
             raise ValueError(f"object-store checkpoints are written in place; got {staging!r} -> {final!r}")
-
-    def writer(self, path: str) -> "ShardWriter":
-        from parallel.checkpoint.writer import ShardWriter
-
-        return ShardWriter(path, fsspec_options=self.options, sync_files=False)
 
 
 def _fsync_dir(path: str) -> None:
