@@ -19,6 +19,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from parallel.sharding import TP_BLOCK_SHARD_DIM
+
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool) -> None:
     """Shard `model` (possibly one pipeline stage of it) over `tp_mesh`, in place."""
@@ -38,14 +40,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, 
         parallelize_module(model, tp_mesh, top)
 
     for block in model.layers.values():
+        # Column-parallel (dim 0) or row-parallel (dim 1), from the table the resize planner reads too.
         plan: dict[str, object] = {
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=seq),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+            name: ColwiseParallel() if dim == 0 else RowwiseParallel(output_layouts=seq)
+            for name, dim in TP_BLOCK_SHARD_DIM.items()
         }
         if sequence_parallel:
             plan.update({
