@@ -15,7 +15,6 @@ from __future__ import annotations
 import io
 import json
 import math
-import mmap
 import os
 import struct
 import threading
@@ -167,21 +166,24 @@ def _open(storage: Storage, path: str) -> IO[bytes]:
     return storage.open(path)
 
 
-def _map(f: IO[bytes], size: int) -> torch.Tensor | None:
-    """The whole local file as a uint8 tensor over a private read mapping (None for object stores).
-    Hashing and copying from it read the page cache directly: one memcpy per byte instead of the two a
-    read() into a buffer costs. The file's size was checked against the manifest just before."""
-    if not hasattr(f, "fileno") or size == 0:
-        return None
+def _will_need(f: IO[bytes], ranges: list[tuple[int, int]]) -> None:
+    """Ask the kernel to start reading every byte range this rank needs from a local file now, so the
+    disk streams while earlier blocks are verified and copied (partial reads defeat plain readahead)."""
     try:
-        mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
-    except (OSError, ValueError, io.UnsupportedOperation):
-        return None
-    try:
-        mm.madvise(mmap.MADV_SEQUENTIAL)
-    except (AttributeError, OSError):
-        pass
-    return torch.frombuffer(mm, dtype=torch.uint8)
+        fd = f.fileno()
+    except (AttributeError, OSError, io.UnsupportedOperation):
+        return
+    merged: list[list[int]] = []
+    for off, n in sorted(ranges):
+        if merged and off <= merged[-1][0] + merged[-1][1] + (1 << 20):
+            merged[-1][1] = max(merged[-1][1], off + n - merged[-1][0])
+        else:
+            merged.append([off, n])
+    for off, n in merged:
+        try:
+            os.posix_fadvise(fd, off, n, os.POSIX_FADV_WILLNEED)
+        except (AttributeError, OSError):
+            return
 
 
 def _read_file(storage: Storage, ckpt: str, name: str, entry: FileEntry, reads: list[_ChunkRead],
@@ -193,7 +195,6 @@ def _read_file(storage: Storage, ckpt: str, name: str, entry: FileEntry, reads: 
     nread = 0
     with torch.no_grad(), _open(storage, storage.join(ckpt, name)) as f:  # grad mode is per thread
         header, start = read_header(f, file_size=entry.size, where=where, entry=entry if verify else None)
-        mapped = _map(f, entry.size) if not scratch.pin else None
         todo = []
         for r in reads:
             info = header.get(r.key)
@@ -203,38 +204,40 @@ def _read_file(storage: Storage, ckpt: str, name: str, entry: FileEntry, reads: 
                 raise CheckpointError(f"{where}: tensor {r.key!r} is {info['shape']} in the file, "
                                       f"{list(r.chunk.sizes)} in the manifest")
             todo.append((start + int(info["data_offsets"][0]), r))
+        runs = []
         for base, r in sorted(todo, key=lambda x: x[0]):
-            c = r.chunk
-            shape = c.sizes
+            shape = r.chunk.sizes
             itemsize = r.dtype.itemsize
             row_bytes = math.prod(shape[1:]) * itemsize if shape else itemsize
-            block = c.block_rows or block_rows_for(shape, itemsize, DEFAULT_BLOCK_BYTES)
+            block = r.chunk.block_rows or block_rows_for(shape, itemsize, DEFAULT_BLOCK_BYTES)
             needed = sorted({b for cp in r.copies for b in range(cp.rows[0] // block, -(-cp.rows[1] // block))})
             for first, last in _runs(needed, max(1, IO_BYTES // max(block * row_bytes, 1))):
-                a, z = first * block, min((last + 1) * block, c.rows)
-                if mapped is not None:  # the page cache itself: no copy into a buffer first
-                    buf = mapped[base + a * row_bytes:base + z * row_bytes]
-                else:
-                    buf = scratch.get((z - a) * row_bytes)
-                    _readinto(f, base + a * row_bytes, memoryview(buf.numpy()), where)
-                nread += buf.numel()
-                if check:
-                    view = memoryview(buf.numpy())
-                    for b in range(first, last + 1):
-                        lo = (b * block - a) * row_bytes
-                        if b >= len(c.digests) or digest(view[lo:lo + block * row_bytes]) != c.digests[b]:
-                            raise CheckpointError(f"file {name} fails its {entry.algorithm} checksum (corrupted: "
-                                                  f"rows {b * block}-{min((b + 1) * block, c.rows)} of {r.key})")
-                rows = buf.view(r.dtype).reshape((z - a, *shape[1:])) if shape else buf.view(r.dtype).reshape(())
-                for cp in r.copies:
-                    lo, hi = max(cp.rows[0], a), min(cp.rows[1], z)
-                    if lo >= hi:
-                        continue
-                    if not shape:
-                        cp.dst.copy_(rows)
-                        continue
-                    src = rows[(slice(lo - a, hi - a), *cp.src)]
-                    cp.dst[lo - cp.rows[0]:hi - cp.rows[0]].copy_(src)
+                runs.append((base, r, row_bytes, block, first, last))
+        _will_need(f, [(base + first * block * row_bytes, (last + 1 - first) * block * row_bytes)
+                       for base, r, row_bytes, block, first, last in runs])
+        for base, r, row_bytes, block, first, last in runs:
+            c, shape = r.chunk, r.chunk.sizes
+            a, z = first * block, min((last + 1) * block, c.rows)
+            buf = scratch.get((z - a) * row_bytes)
+            _readinto(f, base + a * row_bytes, memoryview(buf.numpy()), where)
+            nread += buf.numel()
+            if check:
+                view = memoryview(buf.numpy())
+                for b in range(first, last + 1):
+                    lo = (b * block - a) * row_bytes
+                    if b >= len(c.digests) or digest(view[lo:lo + block * row_bytes]) != c.digests[b]:
+                        raise CheckpointError(f"file {name} fails its {entry.algorithm} checksum (corrupted: "
+                                              f"rows {b * block}-{min((b + 1) * block, c.rows)} of {r.key})")
+            rows = buf.view(r.dtype).reshape((z - a, *shape[1:])) if shape else buf.view(r.dtype).reshape(())
+            for cp in r.copies:
+                lo, hi = max(cp.rows[0], a), min(cp.rows[1], z)
+                if lo >= hi:
+                    continue
+                if not shape:
+                    cp.dst.copy_(rows)
+                    continue
+                src = rows[(slice(lo - a, hi - a), *cp.src)]
+                cp.dst[lo - cp.rows[0]:hi - cp.rows[0]].copy_(src)
     return nread
 
 
