@@ -205,27 +205,39 @@ class Trainer:
         m = self.checkpointer.load_latest(self.model, self.optimizer, expected=self._expected_tensors())
         if m is None:
             return None
-        where = f"{self.checkpointer.root} step {m.step}"
-        try:
-            self.loader.load_state_dict(m.state["data"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"checkpoint {where}: cannot restore the data position: {e}") from None
-        self.step = m.step
+        self.restore_state(m.step, m.state, where=f"checkpoint {self.checkpointer.root} step {m.step}")
         self.checkpointer.last_saved_step = self.checkpointer.last_committed_step = m.step  # no re-save at m.step
         self.resumed_from = m
+        return m
+
+    def adopt(self, pieces: dict, optimizer_steps: dict[str, int], state: dict) -> None:
+        """Take over the state another layout's workers sent over the network (`parallel.live`): copy
+        the pieces into this rank's shards, then restore step, data position and RNG from `state` (what
+        `_checkpoint_state()` gave on the old rank 0)."""
+        from parallel.live import fill
+
+        fill(self.model, self.optimizer, pieces, optimizer_steps)
+        self.restore_state(int(state["lr_schedule"]["step"]), state, where="live reshard")
+
+    def restore_state(self, step: int, state: dict, *, where: str) -> None:
+        """Step, data position and RNG from a checkpoint's (or a live reshard's) JSON state."""
+        try:
+            self.loader.load_state_dict(state["data"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{where}: cannot restore the data position: {e}") from None
+        self.step = step
         if self.rank == 0:
-            if m.state.get("job_config_digest") != self.cfg.digest():
-                log.warning("checkpoint %s was saved by a job config with digest %s, this job's is %s; "
-                            "resuming anyway", where, m.state.get("job_config_digest"), self.cfg.digest())
-            saved_lr = {k: v for k, v in (m.state.get("lr_schedule") or {}).items() if k != "step"}
+            if state.get("job_config_digest") != self.cfg.digest():
+                log.warning("%s was saved by a job config with digest %s, this job's is %s; "
+                            "resuming anyway", where, state.get("job_config_digest"), self.cfg.digest())
+            saved_lr = {k: v for k, v in (state.get("lr_schedule") or {}).items() if k != "step"}
             now_lr = {k: getattr(self.cfg.train, k) for k in _LR_FIELDS}
             if saved_lr != now_lr:
-                log.warning("checkpoint %s has LR schedule %s, this job uses %s", where, saved_lr, now_lr)
+                log.warning("%s has LR schedule %s, this job uses %s", where, saved_lr, now_lr)
         try:
-            restore_rng(m.state.get("rng"))
+            restore_rng(state.get("rng"))
         except ValueError as e:
-            log.warning("checkpoint %s: RNG state not restored (%s); training continues with fresh RNG", where, e)
-        return m
+            log.warning("%s: RNG state not restored (%s); training continues with fresh RNG", where, e)
 
     def save_checkpoint(self, *, blocking: bool = True) -> None:
         """Checkpoint the current step (collective). Non-blocking returns after staging; a second save of
