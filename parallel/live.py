@@ -61,7 +61,8 @@ def transfer(plan: list[Transfer], *, old_rank: int | None, new_rank: int | None
              group: Any = None, device: torch.device | str = "cpu") -> dict[str, list[tuple[Box, torch.Tensor]]]:
     """Run this worker's part of `plan` on `group` (collective over every worker in it). `old_rank` /
     `new_rank`: this worker's rank in each layout (None if it has none there); `*_to_group`: layout
-    rank -> rank in `group`. Returns the pieces this worker receives as a new rank, by key."""
+    rank -> rank in `group`. Returns the pieces this worker receives as a new rank, by key; pieces it
+    keeps are views of its old shards, so those must stay untouched until `fill` has run."""
     me = dist.get_rank(group)
     received: dict[str, list[tuple[Box, torch.Tensor]]] = defaultdict(list)
     sends: dict[int, list[Transfer]] = defaultdict(list)
@@ -71,8 +72,8 @@ def transfer(plan: list[Transfer], *, old_rank: int | None, new_rank: int | None
         if src == me and (held is None or t.key not in held.boxes or not held.boxes[t.key].contains(t.box)):
             raise CheckpointError(f"live reshard: the plan has worker {me} send {t.key} {t.box}, which it does "
                                   f"not hold ({held.boxes.get(t.key) if held else None})")
-        if src == dst == me:  # a survivor keeps this piece: a local copy
-            received[t.key].append((t.box, _slice(held.tensors[t.key], held.boxes[t.key], t.box).clone()))
+        if src == dst == me:  # a survivor keeps this piece: `fill` copies it straight from the old shard
+            received[t.key].append((t.box, _slice(held.tensors[t.key], held.boxes[t.key], t.box)))
         elif src == me:
             sends[dst].append(t)
         elif dst == me:
