@@ -133,18 +133,21 @@ class Stager:
         if signature != self._signature:
             self._allocate(items, pin=cuda)
             self._signature = signature
-        if cuda and self._stream is None:
-            self._stream = torch.cuda.Stream()
         with torch.no_grad():
             if cuda:
-                if after is not None:
-                    self._stream.wait_event(after)
-                else:
-                    self._stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(self._stream):
-                    for p, buf in zip(items, self._views):
-                        buf.copy_(p.data, non_blocking=True)
-                self._stream.synchronize()
+                # The writer thread that may run this starts on device 0: name the shards' device.
+                device = next(p.data.device for p in items if p.data.is_cuda)
+                with torch.cuda.device(device):
+                    if self._stream is None or self._stream.device != device:
+                        self._stream = torch.cuda.Stream(device=device)
+                    if after is not None:
+                        self._stream.wait_event(after)
+                    else:
+                        self._stream.wait_stream(torch.cuda.current_stream(device))
+                    with torch.cuda.stream(self._stream):
+                        for p, buf in zip(items, self._views):
+                            buf.copy_(p.data, non_blocking=True)
+                    self._stream.synchronize()
             else:
                 for p, buf in zip(items, self._views):
                     buf.copy_(p.data)
