@@ -30,13 +30,10 @@ def live_body(cfg_dict: dict, old: str, new: str, ports: list[int], run_dir: str
     import torch
     import torch.distributed as dist
 
-    from models.llama import build_model
-    from parallel import live
     from parallel.checkpoint.state import collect, local_box
-    from parallel.exchange import plan_exchange
     from parallel.layout import Layout
-    from parallel.sharding import boxes
     from workers.config import JobConfig
+    from workers.reshard import exchange, hand_over
     from workers.trainer import Trainer
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -48,35 +45,22 @@ def live_body(cfg_dict: dict, old: str, new: str, ports: list[int], run_dir: str
     def init(port: int, size: int) -> None:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
 
-    held, state = None, None
+    handover = None
     if rank < old_l.world_size:
         init(ports[0], old_l.world_size)
         old_trainer = Trainer(cfg, layout=old_l, device=cpu, run_dir=run_dir).build()
         old_trainer.fit(3)  # ends with a committed checkpoint at step 3
-        held = live.hold(old_trainer.model, old_trainer.optimizer)
-        state = old_trainer._checkpoint_state()
+        handover = hand_over(old_trainer)
         old_trainer.close()
         dist.destroy_process_group()
 
     init(ports[1], world)  # the transfer group: every worker of either layout
-    meta = build_model(cfg.model.build())
-    shapes = {n: tuple(p.shape) for n, p in meta.named_parameters()}
-    n_layers = len(meta.layers)
-    old_b, new_b = boxes(old_l, shapes, n_layers), boxes(new_l, shapes, n_layers)
-    survivors = {r: r for r in range(min(old_l.world_size, new_l.world_size))}
-    plan = plan_exchange(old_b, new_b, same_worker=survivors)
-    steps: dict[str, int] = {}
-    for part in _all_gather(held.optimizer_steps if held else {}, world):
-        steps.update(part)
-    box = [state]
-    dist.broadcast_object_list(box, src=0)
-    state = box[0]
     ident = {r: r for r in range(world)}
-    pieces = live.transfer(plan, old_rank=rank if rank < old_l.world_size else None,
-                           new_rank=rank if rank < new_l.world_size else None, held=held,
-                           dtypes={k: torch.float32 for b in new_b.values() for k in b} | {
-                               k: torch.float32 for b in old_b.values() for k in b},
-                           old_to_group=ident, new_to_group=ident)
+    received = exchange(handover, model=cfg.model.build(), old=old_l, new=new_l,
+                        old_rank=rank if rank < old_l.world_size else None,
+                        new_rank=rank if rank < new_l.world_size else None,
+                        old_to_group={r: r for r in range(old_l.world_size)},
+                        new_to_group={r: r for r in range(new_l.world_size)}, nodes={r: "n0" for r in ident})
     dist.destroy_process_group()
 
     problems: list[str] = []
@@ -84,7 +68,7 @@ def live_body(cfg_dict: dict, old: str, new: str, ports: list[int], run_dir: str
         init(ports[2], new_l.world_size)
         fed = Trainer(JobConfig.from_dict({**cfg_dict, "checkpoint": {"async_save": False}}), layout=new_l,
                       device=cpu).build()
-        fed.adopt(pieces, steps, state)
+        fed.adopt(received.pieces, received.optimizer_steps, received.state)
         resumed = Trainer(cfg, layout=new_l, device=cpu, run_dir=run_dir).build()
         if resumed.resumed_from is None or resumed.step != 3 or fed.step != 3:
             problems.append(f"steps: live {fed.step}, resumed {resumed.step}")
@@ -104,14 +88,6 @@ def live_body(cfg_dict: dict, old: str, new: str, ports: list[int], run_dir: str
             problems.append(f"losses after the reshard differ: live {la}, checkpoint {lb}")
         resumed.close()
     return problems
-
-
-def _all_gather(obj, world: int) -> list:
-    import torch.distributed as dist
-
-    out = [None] * world
-    dist.all_gather_object(out, obj)
-    return out
 
 
 @pytest.mark.parametrize("old,new", [

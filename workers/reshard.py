@@ -1,0 +1,82 @@
+"""A worker's side of a live reshard: what it carries across the change of process group, and the
+exchange it takes part in (see `parallel/live.py` for the protocol).
+
+    handover = hand_over(old_trainer)          # while the old training group still exists
+    ... the old group is destroyed; the transfer group (old and new workers) is formed ...
+    received = exchange(handover, ...)         # collective over the transfer group
+    ... the transfer group is destroyed; the new training group is formed, the new trainer built ...
+    new_trainer.adopt(received.pieces, received.optimizer_steps, received.state)
+
+Every worker computes the same exchange plan from the two layouts and the model's shapes, so nothing
+but tensors and one JSON state document travels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from models.config import ModelConfig
+from models.llama import build_model
+from parallel.exchange import plan_exchange
+from parallel.layout import Layout
+from parallel.live import Held, hold, transfer
+from parallel.sharding import boxes
+
+
+@dataclass(slots=True)
+class Handover:
+    """What one worker of the old layout carries: its shards (kept alive by these references) and, on
+    the old rank 0, the JSON state (step, data position, RNG, LR schedule)."""
+
+    held: Held
+    state: dict[str, Any] | None
+
+
+@dataclass(slots=True)
+class Received:
+    pieces: dict[str, list]
+    optimizer_steps: dict[str, int]
+    state: dict[str, Any]
+
+
+def hand_over(trainer: Any) -> Handover:
+    """Collect `trainer`'s shards and state before its group goes away (waits for a save in flight)."""
+    trainer.flush_checkpoint()
+    held = hold(trainer.model, trainer.optimizer)
+    return Handover(held=held, state=trainer._checkpoint_state() if trainer.rank == 0 else None)
+
+
+def exchange(handover: Handover | None, *, model: ModelConfig, old: Layout, new: Layout, old_rank: int | None,
+             new_rank: int | None, old_to_group: dict[int, int], new_to_group: dict[int, int],
+             nodes: dict[int, str] | None = None, device: torch.device | str = "cpu") -> Received:
+    """This worker's part of the exchange on the current default group (collective over all its
+    members). `*_to_group`: layout rank -> rank in the group; `nodes`: group rank -> node id, so pieces
+    come from the same node when a replica there has them."""
+    meta = build_model(model)
+    shapes = {n: tuple(p.shape) for n, p in meta.named_parameters()}
+    dtypes = {n: p.dtype for n, p in meta.named_parameters()}
+    world = dist.get_world_size()
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, handover.held.optimizer_steps if handover else {})
+    steps: dict[str, int] = {}
+    for part in gathered:
+        steps.update(part)
+    states = ("exp_avg", "exp_avg_sq") if steps else ()  # no AdamW state before the first step
+    old_b, new_b = boxes(old, shapes, model.n_layers, states), boxes(new, shapes, model.n_layers, states)
+    group_to_old = {g: r for r, g in old_to_group.items()}
+    same_worker = {n: group_to_old[g] for n, g in new_to_group.items() if g in group_to_old}
+    nodes = nodes or {}
+    plan = plan_exchange(old_b, new_b, same_worker=same_worker,
+                         old_node={r: nodes[g] for r, g in old_to_group.items() if g in nodes},
+                         new_node={r: nodes[g] for r, g in new_to_group.items() if g in nodes})
+    box = [handover.state if handover and handover.state is not None else None]
+    dist.broadcast_object_list(box, src=old_to_group[0])
+    key_dtype = {k: dtypes[k.split(".", 1)[1] if k.startswith("model.") else k.split(".", 2)[2]]
+                 for b in (*old_b.values(), *new_b.values()) for k in b}
+    pieces = transfer(plan, old_rank=old_rank, new_rank=new_rank, held=handover.held if handover else None,
+                      dtypes=key_dtype, old_to_group=old_to_group, new_to_group=new_to_group, device=device)
+    return Received(pieces=pieces, optimizer_steps=steps, state=box[0])
