@@ -115,9 +115,9 @@ def _summary(coord, rd: Path, t_start: float, json_path: str | None) -> int:
     print("layout timeline:")
     print(reconfig_table(recs))
     wall = time.time() - t_start
-    print(f"\njob {st['state']} at step {st['step']}/{coord.total_steps}, final loss "
-          f"{st['loss']:.4f}, {wall:.0f} s wall; events in {rd / 'events.jsonl'}")
+    print(f"\njob {st.state} at step {st.step}/{coord.total_steps}, final loss "
+          f"{st.loss:.4f}, {wall:.0f} s wall; events in {rd / 'events.jsonl'}")
     if json_path:
-        Path(json_path).write_text(json.dumps({"status": st, "reconfigs": recs, "losses": losses, "wall_s": wall},
+        Path(json_path).write_text(json.dumps({"status": st.to_dict(), "reconfigs": recs, "losses": losses, "wall_s": wall},
                                               indent=2, default=str))
-    return 0 if st["state"] == "SUCCEEDED" else 1
+    return 0 if st.state == "SUCCEEDED" else 1

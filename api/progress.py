@@ -6,6 +6,7 @@ import sys
 import time
 
 from api.render import table
+from service.status import JobStatus
 
 
 def layout_text(d: dict | None) -> str:
@@ -26,15 +27,15 @@ class Progress:
         self._last_state = None
         self._last_draw = 0.0
 
-    def update(self, status: dict) -> None:
-        step, state = status.get("step") or 0, status.get("state")
+    def update(self, status: JobStatus) -> None:
+        step, state = status.step or 0, status.state
         pct = int(100 * step / self.total)
-        loss = status.get("loss")
-        tps = status.get("tokens_per_s")
-        lay = layout_text(status.get("layout"))
+        loss = status.loss
+        tps = status.tokens_per_s
+        lay = layout_text(status.layout)
         text = (f"step {step}/{self.total}  loss {loss:.4f}" if loss is not None else f"step {step}/{self.total}")
         text += f"  {tps:,.0f} tok/s" if tps else ""
-        text += f"  layout {lay} ({status.get('world_size', 0)} workers)  {state}"
+        text += f"  layout {lay} ({status.world_size} workers)  {state}"
         if self.tty:
             now = time.monotonic()
             if now - self._last_draw < 0.1 and state == self._last_state:

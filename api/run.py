@@ -94,11 +94,11 @@ def run_job(config: str, *, address: str | None = None, workers: int | None = No
 def summarize(coord, json_path: str | None) -> int:
     st = coord.status()
     recs = [r.to_dict() for r in coord.reconfigs]
-    print(f"\njob {coord.job_id}: {st['state']} at step {st['step']}/{coord.total_steps}"
-          + (f", loss {st['loss']:.4f}" if st.get("loss") is not None else "")
-          + (f" — {st['reason']}" if st["state"] != "SUCCEEDED" else ""))
+    print(f"\njob {coord.job_id}: {st.state} at step {st.step}/{coord.total_steps}"
+          + (f", loss {st.loss:.4f}" if st.loss is not None else "")
+          + (f" — {st.reason}" if st.state != "SUCCEEDED" else ""))
     if recs:
         print(reconfig_table(recs))
     if json_path:
-        Path(json_path).write_text(json.dumps({"status": st, "reconfigs": recs}, indent=2, default=str))
-    return 0 if st["state"] == "SUCCEEDED" else 1
+        Path(json_path).write_text(json.dumps({"status": st.to_dict(), "reconfigs": recs}, indent=2, default=str))
+    return 0 if st.state == "SUCCEEDED" else 1

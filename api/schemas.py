@@ -4,7 +4,8 @@ The job spec models are *derived* from the job YAML's dataclasses (workers.confi
 their types, defaults and docstrings, so the OpenAPI schema documents exactly what a job YAML may say
 and cannot drift from it. They check shape (unknown fields, types) strictly, as JobConfig.from_dict
 does; the rules between fields (tp must divide the heads, min_workers <= max_workers, ...) stay in
-JobConfig and the job manager, whose errors the API reports in the same 422 format.
+JobConfig and the job manager, whose errors the API reports in the same 422 format. The job responses
+(JobSummary, JobDetail) wrap service.status.JobStatus, with its field docstrings.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
+from service.status import JobStatus
 from workers.config import JobConfig
 
 MAX_WORKERS = 100_000
@@ -125,20 +127,30 @@ class JobCreated(BaseModel):
     run_dir: str
 
 
+_STATUS = _field_docs(JobStatus)
+
+
+def _status(name: str, default: Any = None, **kw: Any) -> Any:
+    """A JobStatus field as a response field, described by the field's docstring."""
+    if "default_factory" in kw:
+        return Field(description=_STATUS[name], **kw)
+    return Field(default, description=_STATUS[name], **kw)
+
+
 class JobSummary(BaseModel):
+    """A job in the list: its record (id, name, run_dir, times) and the main fields of its JobStatus."""
+
     id: str
     name: str
-    state: str = Field(description="PENDING, STARTING, RUNNING, RESIZING, RECOVERING, WAITING_FOR_CAPACITY, "
-                                   "PAUSED, SUCCEEDED, FAILED or STOPPED.")
-    reason: str | None = Field(None, description="Why the job is in its state (waiting, failed, ...).")
-    step: int | None = None
+    state: str = Field(description=_STATUS["state"])
+    reason: str | None = _status("reason")
+    step: int | None = _status("step")
     total_steps: int | None = None
-    world_size: int = 0
+    world_size: int = _status("world_size", 0)
     loss: float | None = None
     tokens_per_s: float | None = None
-    mfu: float | None = Field(None, description="Model FLOPs utilisation of the whole job at the last step "
-                                                "(0..1); null where the device's peak is unknown (e.g. CPUs).")
-    layout: Layout | None = None
+    mfu: float | None = _status("mfu")
+    layout: Layout | None = _status("layout")
     degrees: Degrees | None = None
     run_dir: str
     created: float
@@ -146,19 +158,24 @@ class JobSummary(BaseModel):
 
 
 class JobDetail(JobSummary):
+    """One job: its record and its whole JobStatus (service.status), field for field."""
+
     model_config = ConfigDict(extra="allow")
-    cause: str | None = None
-    since: float | None = Field(None, description="When the current state was entered (unix seconds).")
-    committed_step: int | None = Field(None, description="Step of the last committed checkpoint.")
+    job_id: str | None = None
+    cause: str | None = _status("cause")
+    since: float | None = _status("since")
+    committed_step: int | None = _status("committed_step")
     min_workers: int | None = None
     max_workers: int | None = None
-    reconfigurations: dict[str, int] = Field(default_factory=dict, description="Reconfigurations by cause.")
+    reconfigurations: dict[str, int] = _status("reconfigurations", default_factory=dict)
     steps_lost: int = 0
+    events: int | None = _status("events")
     spec: dict[str, Any]
     steps: int | None = None
     workers: int | None = None
-    running: bool | None = Field(None, description="Whether the coordinator's loop is alive.")
-    error: str | None = None
+    running: bool | None = _status("running")
+    error: str | None = _status("error")
+    pid: int | None = _status("pid")
 
 
 class MetricRow(_Out):

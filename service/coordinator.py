@@ -22,14 +22,15 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 from parallel.planner import Plan, PlanError, plan
 from service.cluster import ClusterSnapshot, ClusterWatcher
 from service.events import EventLog
 from service.policy import Fail, Failure, PolicyConfig, Resize, ScalingPolicy, Wait
 from service.reconfig import Reconfig
+from service.run_files import read_metrics
 from service.state import JobState, StateMachine
+from service.status import JobStatus
 from service.worker_group import WorkerFailure, WorkerGroup, assign_nodes, probe_nodes
 from workers.config import JobConfig, job_constraints
 
@@ -120,19 +121,22 @@ class Coordinator:
         self._open = Reconfig(cause="failure", detected=time.time(), step_before=last_step, old_layout=layout)
 
     # -- outside interface (thread-safe) ------------------------------------------------------------------
-    def status(self) -> dict[str, Any]:
+    def status(self) -> JobStatus:
         with self._lock:
             last = self.metrics.get(self.step_done, {})
-            snap = self.sm.snapshot()
+            sm = self.sm.snapshot()
             # Layout and world size from one plan, the one the group runs (set under this lock once the
             # group has formed): never a new layout with the old size, or the size of a group half re-formed.
             running = self.group is not None and self.plan is not None
-            if running:
-                snap["layout"] = self.plan.layout.to_dict()
-            return {**snap, "step": self.step_done, "total_steps": self.total_steps,
-                    "world_size": self.plan.world_size if running else 0, "loss": last.get("loss"),
-                    "tokens_per_s": last.get("tokens_per_s"), "committed_step": self.committed_step,
-                    "min_workers": self.policy.config.min_workers, "max_workers": self.policy.config.max_workers}
+            recs = [r.to_dict() for r in list(self.reconfigs)]
+            return JobStatus(
+                job_id=self.job_id, state=sm["state"], reason=sm["reason"], cause=sm["cause"], since=sm["since"],
+                layout=self.plan.layout.to_dict() if running else sm["layout"], step=self.step_done,
+                total_steps=self.total_steps, world_size=self.plan.world_size if running else 0,
+                loss=last.get("loss"), tokens_per_s=last.get("tokens_per_s"), committed_step=self.committed_step,
+                min_workers=self.policy.config.min_workers, max_workers=self.policy.config.max_workers,
+                run_dir=str(self.run_dir), reconfigurations=dict(Counter(r["cause"] for r in recs)),
+                steps_lost=sum(r["steps_lost"] for r in recs), events=len(self.events))
 
     def events_since(self, index: int = 0) -> list[dict]:
         return [e.to_dict() for e in self.events.since(index)]
@@ -477,7 +481,5 @@ def _load_events(path: Path, job_id: str) -> EventLog:
 
 def _last_logged_step(run_dir: Path) -> int:
     """The step of the last complete line of RUN_DIR/metrics.jsonl (rank 0 writes one per step), or 0."""
-    from service.run_files import read_metrics  # not at the top: run_files -> job_actor -> coordinator
-
     rows = read_metrics(run_dir / "metrics.jsonl", after=0)
     return rows[-1]["step"] if rows else 0

@@ -12,12 +12,12 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from service.coordinator import Coordinator, CoordinatorOptions
+from service.status import JobStatus
 from workers.config import JobConfig
 
 logger = logging.getLogger(__name__)
@@ -31,14 +31,6 @@ CoordinatorFactory = Callable[..., Coordinator]
 
 def actor_name(job_id: str) -> str:
     return f"elastron-job-{job_id}"
-
-
-def degrees(layout: dict | None) -> dict[str, int] | None:
-    """dp/tp/pp of a Layout.to_dict() (dp = dp_replicate * dp_shard)."""
-    if not layout:
-        return None
-    return {"dp": layout.get("dp_replicate", 1) * layout.get("dp_shard", 1), "tp": layout.get("tp", 1),
-            "pp": layout.get("pp", 1)}
 
 
 class JobRunner:
@@ -71,19 +63,8 @@ class JobRunner:
             self.error = error  # last: once status() says FAILED, the event above is there to be read
 
     # -- reads -------------------------------------------------------------------------------------------
-    def status(self) -> dict[str, Any]:
-        st = self.coord.status()
-        recs = [r.to_dict() for r in list(self.coord.reconfigs)]
-        st.update(
-            job_id=self.job_id, degrees=degrees(st.get("layout")), run_dir=str(self.coord.run_dir),
-            reconfigurations=dict(Counter(r["cause"] for r in recs)),
-            steps_lost=sum(r["steps_lost"] for r in recs), events=len(self.coord.events),
-            running=self._thread.is_alive(), error=self.error, pid=os.getpid(),
-        )
-        if self.error and not self.coord.sm.state.is_terminal:
-            # The loop is gone, so whatever state it was in will never change again.
-            st.update(state="FAILED", reason=self.error)
-        return st
+    def status(self) -> JobStatus:
+        return self.coord.status().with_runner(running=self._thread.is_alive(), error=self.error, pid=os.getpid())
 
     def events_since(self, index: int = 0) -> list[dict]:
         return self.coord.events_since(index)
@@ -225,7 +206,7 @@ class RayHandle:
             return False
         return True
 
-    def status(self) -> dict:
+    def status(self) -> JobStatus:
         return self._call("status")
 
     def events_since(self, index: int = 0) -> list[dict]:

@@ -23,12 +23,15 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
 from service.job_actor import JobGone, JobUnavailable
-from service.run_files import TERMINAL, final_status, list_checkpoints, read_job_events, read_metrics
+from service.run_files import list_checkpoints, read_job_events, read_metrics
 from service.specs import SpecError, check_paths, resolve_run_dir, safe_name, validate_spec
+from service.state import TERMINAL
+from service.status import JobStatus
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +51,7 @@ class JobConflict(RuntimeError):
 # -- the seams: where jobs run and where they are recorded ------------------------------------------------
 
 class JobHandle(Protocol):
-    def status(self) -> dict: ...
+    def status(self) -> JobStatus: ...
     def events_since(self, index: int = 0) -> list[dict]: ...
     def metrics_since(self, step: int = 0) -> list[dict]: ...
     def resize(self, **kw) -> None: ...
@@ -180,8 +183,7 @@ class JobManager:
                 self.store.create({
                     "id": job_id, "name": cfg.name, "spec": spec, "steps": steps, "workers": workers,
                     "run_dir": str(rd), "created": now,
-                    "status": {"state": "PENDING", "reason": "submitted", "step": 0, "total_steps": total,
-                               "world_size": 0, "since": now},
+                    "status": JobStatus.submitted(total_steps=total, now=now).to_dict(),
                 })
             try:
                 self._handles[job_id] = self.launcher.launch(job_id, spec, run_dir=str(rd), steps=steps,
@@ -189,8 +191,7 @@ class JobManager:
             except Exception as e:
                 logger.warning("job %s: could not start its coordinator; it is recorded as FAILED", job_id,
                                exc_info=True)
-                self.store.set_status(job_id, {"state": "FAILED", "reason": f"could not start the coordinator: {e}",
-                                               "step": 0, "total_steps": total, "world_size": 0, "since": now})
+                self.store.set_status(job_id, JobStatus.not_started(e, total_steps=total, now=now).to_dict())
                 self.store.mark_released(job_id)
         return job_id
 
@@ -329,10 +330,10 @@ class JobManager:
                 return row
             self.store.add_events(job_id, self.store.event_count(job_id), events)
             self.store.add_metrics(job_id, self._fill_gap(row, rows))
-            if "mfu" not in st:  # the coordinator reports loss and tokens/s of the last step, not MFU
-                st = {**st, "mfu": self._mfu_at(job_id, st.get("step"))}
-            self.store.set_status(job_id, st)
-            if st["state"] in TERMINAL:
+            if st.mfu is None:  # the coordinator reports loss and tokens/s of the last step, not MFU
+                st = replace(st, mfu=self._mfu_at(job_id, st.step))
+            self.store.set_status(job_id, st.to_dict())
+            if st.is_terminal:
                 self.launcher.release(job_id, self.stop_timeout_s)
                 self._handles.pop(job_id, None)
                 self.store.mark_released(job_id)
@@ -360,10 +361,10 @@ class JobManager:
         n = self.store.event_count(job_id)
         self.store.add_events(job_id, n, events[n:])
         self.store.add_metrics(job_id, read_metrics(run_dir / "metrics.jsonl", after=self.store.last_step(job_id)))
-        st = final_status(row["status"], events, why=why, now=self.clock())
-        st["mfu"] = self._mfu_at(job_id, st.get("step"))
-        logger.info("job %s: no coordinator; final state %s from %s", job_id, st["state"], path)
-        self.store.set_status(job_id, st)
+        st = JobStatus.from_dict(row["status"]).finalized(events, why=why, now=self.clock())
+        st = replace(st, mfu=self._mfu_at(job_id, st.step))
+        logger.info("job %s: no coordinator; final state %s from %s", job_id, st.state, path)
+        self.store.set_status(job_id, st.to_dict())
         self.store.mark_released(job_id)
         return self._row(job_id)
 

@@ -3,13 +3,15 @@
 The code lives in:
   service.specs        request checks: validate_spec, SpecError, resolve_run_dir, check_paths
   service.job_manager  JobManager, its seams (JobHandle, Launcher, Store) and errors (JobNotFound, JobConflict)
+  service.status       JobStatus, the one status record (service.state.TERMINAL: the final states)
   service.run_files    what a run directory says when the coordinator is gone (events, metrics, checkpoints)
 """
 
 from service.job_actor import JobUnavailable
 from service.job_manager import JobConflict, JobHandle, JobManager, JobNotFound, Launcher, Store
-from service.run_files import TERMINAL
 from service.specs import SpecError, check_paths, config_error_loc, resolve_run_dir, validate_spec
+from service.state import TERMINAL
+from service.status import JobStatus
 
-__all__ = ["JobConflict", "JobHandle", "JobManager", "JobNotFound", "JobUnavailable", "Launcher", "SpecError",
-           "Store", "TERMINAL", "check_paths", "config_error_loc", "resolve_run_dir", "validate_spec"]
+__all__ = ["JobConflict", "JobHandle", "JobManager", "JobNotFound", "JobStatus", "JobUnavailable", "Launcher",
+           "SpecError", "Store", "TERMINAL", "check_paths", "config_error_loc", "resolve_run_dir", "validate_spec"]

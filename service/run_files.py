@@ -1,5 +1,6 @@
-"""What a job's run directory tells the job manager when it cannot ask the coordinator: the final state
-from events.jsonl, the metrics from metrics.jsonl, and the checkpoints directory's entries. Read-only."""
+"""What a job's run directory tells the job manager when it cannot ask the coordinator: the events of
+events.jsonl (`JobStatus.finalized` turns them into the final state), the metrics from metrics.jsonl,
+and the checkpoints directory's entries. Read-only."""
 
 from __future__ import annotations
 
@@ -9,11 +10,8 @@ import re
 from pathlib import Path
 
 from service.events import read_events
-from service.job_actor import degrees
 
 logger = logging.getLogger(__name__)
-
-TERMINAL = frozenset({"SUCCEEDED", "FAILED", "STOPPED"})
 
 
 def read_job_events(path: Path, job_id: str) -> list[dict]:
@@ -25,23 +23,6 @@ def read_job_events(path: Path, job_id: str) -> list[dict]:
     except (OSError, ValueError):
         logger.warning("job %s: cannot read %s; its final state is unknown", job_id, path, exc_info=True)
         return []
-
-
-def final_status(status: dict, events: list[dict], *, why: str, now: float) -> dict:
-    """The job's last status given the events its coordinator wrote before it went away. A job whose
-    events do not end in a finished state is FAILED, with `why` the coordinator is gone."""
-    st = dict(status)
-    last = next((e for e in reversed(events) if e["kind"] == "transition"), None)
-    if last is not None:
-        st.update(state=last["to_state"], reason=last["reason"], cause=last["cause"], since=last["time"],
-                  layout=last["new_layout"], degrees=degrees(last["new_layout"]))
-    if events and events[-1]["step"] is not None:
-        st["step"] = events[-1]["step"]
-    if st["state"] not in TERMINAL:
-        st.update(reason=f"the coordinator is gone ({why}); last recorded state {st['state']} at step "
-                         f"{st.get('step') or 0}", state="FAILED", since=now)
-    st.update(world_size=0, running=False)
-    return st
 
 
 def read_metrics(path: Path, *, after: int) -> list[dict]:

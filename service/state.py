@@ -59,7 +59,7 @@ class JobState(StrEnum):
     @property
     def is_terminal(self) -> bool:
         """No transition leaves this state; the job's workers are gone for good."""
-        return self in _TERMINAL
+        return self in TERMINAL
 
     @property
     def is_active(self) -> bool:
@@ -67,7 +67,8 @@ class JobState(StrEnum):
         return self in _ACTIVE
 
 
-_TERMINAL = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED})
+TERMINAL = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED})
+"""The final states, the only definition of them (a StrEnum: `"FAILED" in TERMINAL` holds too)."""
 _ACTIVE = frozenset({JobState.STARTING, JobState.RUNNING, JobState.RESIZING, JobState.RECOVERING})
 
 _S = JobState

@@ -34,8 +34,6 @@ KNOWN = frozenset({
     ("api.run", "workers.config"),
     ("api.run", "workers.train"),
     ("api.schemas", "workers.config"),
-    # service.coordinator -> run_files -> job_actor -> coordinator; this lazy import dodges it at import time
-    ("service.coordinator", "service.run_files"),
 })
 
 

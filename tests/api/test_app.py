@@ -356,3 +356,13 @@ def test_serve_binds_loopback_by_default_and_says_so(tmp_path, monkeypatch, capl
     monkeypatch.setattr(app_module, "default_manager", broken)
     assert app_module.serve("10.9.9.9:6379") == 1 and len(runs) == 2
     assert "cannot start: cannot connect to Ray at 10.9.9.9:6379" in caplog.text
+
+
+def test_job_detail_wraps_every_field_of_the_job_status():
+    import dataclasses
+
+    from api.schemas import JobDetail
+    from service.status import JobStatus
+
+    fields = {f.name for f in dataclasses.fields(JobStatus)} | {"degrees"}
+    assert fields <= set(JobDetail.model_fields), fields - set(JobDetail.model_fields)

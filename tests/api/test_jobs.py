@@ -37,7 +37,7 @@ def test_restarting_the_api_in_the_middle_of_a_job_loses_nothing(tmp_path):
 
     # The API is down; the coordinator is not.
     gate.allow(9)
-    wait_for(lambda: launcher.attach(job_id).status()["step"] == 9, what="step 9 with no API")
+    wait_for(lambda: launcher.attach(job_id).status().step == 9, what="step 9 with no API")
     with TestClient(make_app(tmp_path, launcher, db=db)) as c:  # a new app, manager and store object
         j = job(c, job_id)
         assert j["state"] == "RUNNING" and j["step"] == 9 and j["world_size"] == 4
@@ -70,8 +70,8 @@ def test_jobs_that_ended_while_the_api_was_down_show_their_final_state(tmp_path)
         wait_for(lambda: job(c, paused)["state"] == "PAUSED", what="PAUSED")
 
     gate.allow(3)  # `done` finishes while no API runs; `stuck` reaches step 3 and waits
-    wait_for(lambda: str(launcher.attach(done).status()["state"]) == "SUCCEEDED", what="done finishes")
-    wait_for(lambda: launcher.attach(stuck).status()["step"] == 3, what="stuck at 3")
+    wait_for(lambda: str(launcher.attach(done).status().state) == "SUCCEEDED", what="done finishes")
+    wait_for(lambda: launcher.attach(stuck).status().step == 3, what="stuck at 3")
 
     # Same launcher: the finished coordinator still holds its final state.
     with TestClient(make_app(tmp_path, launcher, db=db)) as c:

@@ -199,12 +199,12 @@ def test_status_reports_layout_and_world_size_of_one_plan_while_a_group_re_forms
 
     def scale_to(self, nodes):
         out = start(self, nodes)
-        seen.append(c.status())  # members changed, plan not yet: what an API poll would see now
+        seen.append(c.status().to_dict())  # members changed, plan not yet: what an API poll would see now
         return out
     G.scale_to = scale_to
     c.resize(workers=2)
     advance(c, lambda c: c.group.size == 2 and c.plan.world_size == 2 and c.step_done >= 5)
     assert seen
-    for st in seen + [c.status()]:
+    for st in seen + [c.status().to_dict()]:
         lay = st["layout"]
         assert lay["dp_replicate"] * lay["dp_shard"] * lay["tp"] * lay["pp"] == st["world_size"], st

@@ -208,7 +208,7 @@ def test_failure_without_notice_resumes_from_last_commit_and_waits_for_capacity(
         time.sleep(0.05)
     hold.release()
     wait_for(coord, lambda: str(coord.sm.state) == "WAITING_FOR_CAPACITY", "WAITING_FOR_CAPACITY")
-    assert "min_workers=2" in coord.status()["reason"]
+    assert "min_workers=2" in coord.status().reason
     nodes(1)
     kill, node = finish(coord, t, reference)
     for rc in (kill, node):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from api.store import JobStore
 from service.job_manager import JobManager
+from service.status import JobStatus
 
 SPEC = {"name": "gap", "data": {"source": "synthetic", "seq_len": 16},
         "train": {"steps": 10, "global_batch_size": 8, "micro_batch_size": 2}}
@@ -20,8 +21,8 @@ class Handle:
         self.rows: list[dict] = []
 
     def status(self):
-        return {"state": "RUNNING", "reason": "", "step": self.rows[-1]["step"] if self.rows else 0,
-                "total_steps": 10, "world_size": 1}
+        return JobStatus(state="RUNNING", reason="", step=self.rows[-1]["step"] if self.rows else 0,
+                         total_steps=10, world_size=1)
 
     def events_since(self, index=0):
         return []
