@@ -48,11 +48,37 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.type_as(x)
 
 
+def gqa_in_kernel(q: torch.Tensor) -> bool:
+    """Whether SDPA's kernel for `q` takes fewer K/V heads than query heads (`enable_gqa`) without
+    repeating them itself. CPU's flash kernel does (any dtype); on CUDA the flash and cuDNN kernels do,
+    but they take only fp16/bf16: fp32 would fall back from the memory-efficient kernel (no GQA) to the
+    math one, which materialises the T x T scores, so fp32 on CUDA repeats K/V instead."""
+    return q.device.type == "cpu" or q.dtype in (torch.float16, torch.bfloat16)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal SDPA on [B, H, T, D] tensors where k and v may have fewer heads than q (GQA).
+
+    Head counts come from the tensors, so under TP they are the local ones: n_heads/tp query heads over
+    n_kv_heads/tp K/V heads keep the global ratio, and query head i still reads K/V head i // n_rep.
+    Either way the result is the same (bitwise on CPU); `enable_gqa` just does not copy K/V n_rep times.
+    """
+    hq, hkv = q.shape[1], k.shape[1]
+    if hq == hkv:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if hq % hkv:
+        raise ValueError(f"{hq} local query heads are not a multiple of {hkv} local K/V heads")
+    if gqa_in_kernel(q):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    n_rep = hq // hkv
+    k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.head_dim = cfg.head_dim
-        self.n_rep = cfg.n_heads // cfg.n_kv_heads
         kv = cfg.n_kv_heads * cfg.head_dim
         self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.wk = nn.Linear(cfg.dim, kv, bias=False)
@@ -66,11 +92,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, T, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
-        if self.n_rep > 1:
-            k = k.repeat_interleave(self.n_rep, dim=1)
-            v = v.repeat_interleave(self.n_rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+        return self.wo(causal_attention(q, k, v).transpose(1, 2).reshape(B, T, -1))
 
 
 class FeedForward(nn.Module):

@@ -37,7 +37,7 @@ _LAYER = {
 }
 
 
-def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Canonical name -> global shape of every parameter of the unsplit model."""
     kv = cfg.n_kv_heads * cfg.head_dim
     shapes: dict[str, tuple[int, ...]] = {
@@ -61,7 +61,8 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _hf_name(name: str) -> str:
+def hf_name(name: str) -> str:
+    """The Hugging Face Llama name of our canonical parameter `name`."""
     if name in _TOP:
         return _TOP[name]
     _, i, rest = name.split(".", 2)  # "layers", index, suffix
@@ -77,6 +78,12 @@ def interleaved_to_halves(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
+def halves_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Inverse of `interleaved_to_halves`: q/k rows of a Hugging Face checkpoint into our RoPE order."""
+    rows, cols = w.shape
+    return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
 def _short(names: list[str], limit: int = 8) -> str:
     more = f" ... (+{len(names) - limit} more)" if len(names) > limit else ""
     return ", ".join(names[:limit]) + more
@@ -84,7 +91,7 @@ def _short(names: list[str], limit: int = 8) -> str:
 
 def to_hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Our canonical full-model state -> HF Llama names, with q/k rows permuted for `rotate_half` RoPE."""
-    expected = _expected_shapes(cfg)
+    expected = expected_shapes(cfg)
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     problems = []
@@ -107,7 +114,7 @@ def to_hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[s
             t = interleaved_to_halves(t, cfg.n_heads)
         elif name.endswith("attention.wk.weight"):
             t = interleaved_to_halves(t, cfg.n_kv_heads)
-        out[_hf_name(name)] = t
+        out[hf_name(name)] = t
     return out
 
 

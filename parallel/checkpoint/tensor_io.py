@@ -130,6 +130,8 @@ class _ChunkRead:
     chunk: Chunk
     dtype: torch.dtype
     copies: list[_Copy]
+    file_key: str = ""
+    """The tensor's name inside the file (another naming scheme's, e.g. a Hugging Face checkpoint's)."""
 
 
 def _readinto(f: IO[bytes], offset: int, view: memoryview, where: str) -> None:
@@ -197,35 +199,33 @@ def _read_file(storage: Storage, ckpt: str, name: str, entry: FileEntry, reads: 
         header, start = read_header(f, file_size=entry.size, where=where, entry=entry if verify else None)
         todo = []
         for r in reads:
-            info = header.get(r.key)
+            info = header.get(r.file_key or r.key)
             if info is None:
-                raise CheckpointError(f"{where}: tensor {r.key!r} is not in the file")
+                raise CheckpointError(f"{where}: tensor {r.file_key or r.key!r} is not in the file")
             if tuple(int(s) for s in info["shape"]) != r.chunk.sizes:
-                raise CheckpointError(f"{where}: tensor {r.key!r} is {info['shape']} in the file, "
+                raise CheckpointError(f"{where}: tensor {r.file_key or r.key!r} is {info['shape']} in the file, "
                                       f"{list(r.chunk.sizes)} in the manifest")
             todo.append((start + int(info["data_offsets"][0]), r))
         runs = []
         for base, r in sorted(todo, key=lambda x: x[0]):
             shape = r.chunk.sizes
-            itemsize = r.dtype.itemsize
-            row_bytes = math.prod(shape[1:]) * itemsize if shape else itemsize
-            block = r.chunk.block_rows or block_rows_for(shape, itemsize, DEFAULT_BLOCK_BYTES)
-            needed = sorted({b for cp in r.copies for b in range(cp.rows[0] // block, -(-cp.rows[1] // block))})
-            for first, last in _runs(needed, max(1, IO_BYTES // max(block * row_bytes, 1))):
-                runs.append((base, r, row_bytes, block, first, last))
-        _will_need(f, [(base + first * block * row_bytes, (last + 1 - first) * block * row_bytes)
-                       for base, r, row_bytes, block, first, last in runs])
-        for base, r, row_bytes, block, first, last in runs:
+            row_bytes = math.prod(shape[1:]) * r.dtype.itemsize if shape else r.dtype.itemsize
+            # A verified read goes by whole checksummed blocks; with nothing to verify, by exact rows.
+            block = (r.chunk.block_rows or block_rows_for(shape, r.dtype.itemsize, DEFAULT_BLOCK_BYTES)) if check else 1
+            per_run = max(block, IO_BYTES // max(row_bytes, 1) // block * block)
+            for a, z in _row_runs([cp.rows for cp in r.copies], block, r.chunk.rows, per_run):
+                runs.append((base, r, row_bytes, block, a, z))
+        _will_need(f, [(base + a * row_bytes, (z - a) * row_bytes) for base, r, row_bytes, block, a, z in runs])
+        for base, r, row_bytes, block, a, z in runs:
             c, shape = r.chunk, r.chunk.sizes
-            a, z = first * block, min((last + 1) * block, c.rows)
             buf = scratch.get((z - a) * row_bytes)
             _readinto(f, base + a * row_bytes, memoryview(buf.numpy()), where)
             nread += buf.numel()
             if check:
                 view = memoryview(buf.numpy())
-                for b in range(first, last + 1):
-                    lo = (b * block - a) * row_bytes
-                    if b >= len(c.digests) or digest(view[lo:lo + block * row_bytes]) != c.digests[b]:
+                for b in range(a // block, -(-z // block)):
+                    lo, hi = (b * block - a) * row_bytes, (min((b + 1) * block, z) - a) * row_bytes
+                    if b >= len(c.digests) or digest(view[lo:hi]) != c.digests[b]:
                         raise CheckpointError(f"file {name} fails its {entry.algorithm} checksum (corrupted: "
                                               f"rows {b * block}-{min((b + 1) * block, c.rows)} of {r.key})")
             rows = buf.view(r.dtype).reshape((z - a, *shape[1:])) if shape else buf.view(r.dtype).reshape(())
@@ -241,22 +241,25 @@ def _read_file(storage: Storage, ckpt: str, name: str, entry: FileEntry, reads: 
     return nread
 
 
-def _runs(blocks: list[int], most: int) -> list[tuple[int, int]]:
-    """Consecutive block numbers grouped into (first, last) runs of at most `most` blocks: one read each."""
-    out: list[tuple[int, int]] = []
-    for b in blocks:
-        if out and b == out[-1][1] + 1 and b - out[-1][0] < most:
-            out[-1] = (out[-1][0], b)
+def _row_runs(intervals: list[tuple[int, int]], block: int, n_rows: int, per_run: int) -> list[tuple[int, int]]:
+    """Row ranges [a, z) to read: the needed `intervals` widened to whole blocks of `block` rows, merged,
+    and cut into runs of at most `per_run` rows (a multiple of `block`, so runs start on block bounds)."""
+    widened = sorted((r0 // block * block, min(-(-r1 // block) * block, n_rows)) for r0, r1 in intervals if r1 > r0)
+    merged: list[list[int]] = []
+    for a, z in widened:
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], z)
         else:
-            out.append((b, b))
-    return out
+            merged.append([a, z])
+    return [(x, min(x + per_run, z)) for a, z in merged for x in range(a, z, per_run)]
 
 
 def read_into(storage: Storage, ckpt: str, manifest: Manifest, targets: dict[str, Target], *,
-              threads: int = 4, verify: bool = True) -> int:
+              threads: int = 4, verify: bool = True, file_keys: dict[str, str] | None = None) -> int:
     """Fill every target from the checkpoint at `ckpt` (resharding as needed); returns the bytes read.
     Raises CheckpointError naming the file on a missing tensor, a short file or a checksum mismatch.
-    `verify=False` skips block digests (format 1, whose whole-file sha256 the caller checked first)."""
+    `verify=False` skips block digests (format 1, whose whole-file sha256 the caller checked first).
+    `file_keys` maps a manifest key to the tensor's name inside the files when they differ."""
     by_file: dict[str, list[_ChunkRead]] = defaultdict(list)
     for key, target in targets.items():
         entry = manifest.tensors.get(key)
@@ -268,7 +271,7 @@ def read_into(storage: Storage, ckpt: str, manifest: Manifest, targets: dict[str
         for c in entry.chunks:
             copies = _overlaps(c, target)
             if copies:
-                by_file[c.file].append(_ChunkRead(key, c, dtype, copies))
+                by_file[c.file].append(_ChunkRead(key, c, dtype, copies, (file_keys or {}).get(key, "")))
     pin = any(t.local.is_cuda for t in targets.values())
     names = sorted(by_file)
     if threads <= 1 or len(names) <= 1:

@@ -1,5 +1,6 @@
 """Tier 1: the model alone (single process, no torch.distributed)."""
 
+import pytest
 import torch
 
 from models.config import PRESETS, model_config
@@ -74,3 +75,20 @@ def test_stage_layers_is_balanced_and_covers_all_layers():
             assert [i for s in split for i in s] == list(range(n))
             sizes = [len(s) for s in split]
             assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gqa_attention_equals_repeated_kv_heads(dtype):
+    """K/V heads are not repeated in memory (SDPA's enable_gqa), and the result is what repeating gives,
+    for the global head counts and for TP's local ones (4/2 heads over tp=2: 2 query heads on 1 K/V)."""
+    from models.llama import causal_attention
+
+    g = torch.Generator().manual_seed(0)
+    for hq, hkv in ((4, 2), (2, 1), (4, 4)):
+        q, k, v = (torch.randn(2, h, 16, 8, generator=g).to(dtype) for h in (hq, hkv, hkv))
+        rep = hq // hkv
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), is_causal=True)
+        torch.testing.assert_close(causal_attention(q, k, v), ref, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="not a multiple"):
+        causal_attention(torch.zeros(1, 3, 4, 8), torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8))

@@ -216,16 +216,18 @@ def test_overlapped_staging_saves_the_state_before_the_next_optimizer_step(tmp_p
     orig = state_mod.Stager.stage
 
     def slow_stage(self, items, **kw):
-        gate.wait(10)  # hold the copy until the training thread is inside optimizer.step()
+        assert gate.wait(10)  # hold the copy until the training thread is inside optimizer.step()
         return orig(self, items, **kw)
 
     monkeypatch.setattr(state_mod.Stager, "stage", slow_stage)
+    # Registered before the manager's hook, so it runs first: the copy is released only once the
+    # training thread is inside optimizer.step(), which must then wait for it.
+    opt.register_step_pre_hook(lambda *_: threading.Timer(0.2, gate.set).start())
     mgr = CheckpointManager(str(tmp_path), async_save=True)
     mgr.save(1, model, opt, state={}, overlap_staging=True)
-    assert mgr.blocked_s < 5 and mgr.in_flight
-    threading.Timer(0.3, gate.set).start()
-    train(model, opt, 1)  # forward/backward run now; step() blocks until the copy is done
-    assert mgr.stage_wait_s > 0.1
+    assert mgr.in_flight and not gate.is_set()
+    train(model, opt, 1)  # forward/backward run at once; step() blocks until the copy is done
+    assert mgr.stage_wait_s >= 0.15
     mgr.flush()
     m2, o2 = tiny(seed=5)
     CheckpointManager(str(tmp_path)).load_latest(m2, o2)
@@ -233,11 +235,13 @@ def test_overlapped_staging_saves_the_state_before_the_next_optimizer_step(tmp_p
     assert not torch.equal(snapshot(model, opt)["p.output.weight"], before["p.output.weight"])
 
 
-def test_runs_group_consecutive_blocks_up_to_a_limit():
-    from parallel.checkpoint.tensor_io import _runs
+def test_row_runs_widen_to_blocks_merge_and_split():
+    from parallel.checkpoint.tensor_io import _row_runs
 
-    assert _runs([0, 1, 2, 5, 6, 9], 2) == [(0, 1), (2, 2), (5, 6), (9, 9)]
-    assert _runs([], 4) == [] and _runs([3, 4, 5], 10) == [(3, 5)]
+    # blocks of 4 rows in a 30-row chunk; runs of at most 8 rows
+    assert _row_runs([(5, 6), (6, 13), (22, 23)], 4, 30, 8) == [(4, 12), (12, 16), (20, 24)]
+    assert _row_runs([(27, 30)], 4, 30, 8) == [(24, 30)]  # the last block is short
+    assert _row_runs([(3, 7)], 1, 30, 100) == [(3, 7)] and _row_runs([], 4, 30, 8) == []
 
 
 @pytest.mark.parametrize("text,needle", [

@@ -177,3 +177,11 @@ def test_crash_mid_write_leaves_old_export(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         write_hf(state, cfg, tmp_path / "new")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def test_halves_to_interleaved_undoes_the_export_permutation():
+    from parallel.export import halves_to_interleaved
+
+    w = torch.randn(12, 5)
+    for heads in (1, 2, 3):
+        assert torch.equal(halves_to_interleaved(interleaved_to_halves(w, heads), heads), w)

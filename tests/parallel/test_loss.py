@@ -1,0 +1,66 @@
+"""Tier 1: the chunked cross-entropy is the plain one (loss and gradient), chunk size aside."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from parallel.parallelize import chunked_cross_entropy, cross_entropy
+
+
+def _plain(logits, targets):
+    x = logits.detach().clone().requires_grad_()
+    loss = F.cross_entropy(x.float(), targets)
+    loss.backward()
+    return loss.detach(), x.grad
+
+
+def _chunked(logits, targets, chunk_elements):
+    x = logits.detach().clone().requires_grad_()
+    loss = chunked_cross_entropy(x, targets, chunk_elements=chunk_elements)
+    loss.backward()
+    return loss.detach(), x.grad
+
+
+@pytest.mark.parametrize("chunk_elements", [1, 7 * 50, 10 * 50, 10**9])  # 1 token, uneven, even, one chunk
+def test_chunked_loss_equals_plain_loss_fp32(chunk_elements):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(37, 50, generator=g) * 3
+    targets = torch.randint(0, 50, (37,), generator=g)
+    targets[[3, 20]] = -100  # ignored tokens count neither in the mean nor in the gradient
+    loss, grad = _chunked(logits, targets, chunk_elements)
+    ref_loss, ref_grad = _plain(logits, targets)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-8)
+    assert grad[[3, 20]].abs().max() == 0
+
+
+def test_chunked_loss_equals_plain_loss_bf16():
+    g = torch.Generator().manual_seed(1)
+    logits = (torch.randn(64, 300, generator=g) * 2).bfloat16()
+    targets = torch.randint(0, 300, (64,), generator=g)
+    loss, grad = _chunked(logits, targets, 9 * 300)
+    ref_loss, ref_grad = _plain(logits, targets)
+    assert grad.dtype == torch.bfloat16
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+    # Both round the same fp32 gradient to bf16 once: they differ at most by one bf16 rounding step.
+    torch.testing.assert_close(grad.float(), ref_grad.float(), rtol=2**-7, atol=1e-9)
+
+
+def test_scaled_backward_and_no_grad():
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(2, 11, 40, generator=g, requires_grad=True)
+    targets = torch.randint(0, 40, (2, 11), generator=g)
+    (cross_entropy(logits, targets) / 4).backward()  # the trainer divides by the micro-batch count
+    x = logits.detach().clone().requires_grad_()
+    (F.cross_entropy(x.flatten(0, 1), targets.flatten()) / 4).backward()
+    torch.testing.assert_close(logits.grad, x.grad, rtol=1e-5, atol=1e-9)
+    with torch.no_grad():
+        torch.testing.assert_close(cross_entropy(logits, targets),
+                                   F.cross_entropy(logits.flatten(0, 1), targets.flatten()), rtol=1e-6, atol=0)
+
+
+def test_rejects_wrong_shapes():
+    with pytest.raises(ValueError, match=r"\[N, V\]"):
+        chunked_cross_entropy(torch.zeros(2, 3, 4), torch.zeros(2, 3, dtype=torch.long))
