@@ -248,6 +248,13 @@ def param_groups(params: list[nn.Parameter]) -> list[dict]:
     return [{"params": ps} for ps in groups.values()]
 
 
+def build_adamw(params: list[nn.Parameter], *, fused: bool, **hyper) -> torch.optim.AdamW:
+    """AdamW over `param_groups(params)`: the fused kernel or the foreach one (each group holds tensors of
+    one mesh, which both need)."""
+    impl = {"fused": True} if fused else {"foreach": True}
+    return torch.optim.AdamW(param_groups(params), **hyper, **impl)
+
+
 def set_grad_sync(model: nn.Module, sync: bool) -> None:
     """Skip gradient reduction on all but the last microbatch of an accumulation (FSDP2 or DDP).
 

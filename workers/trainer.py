@@ -28,11 +28,11 @@ from parallel.checkpoint.manifest import CheckpointError, Manifest
 from parallel.checkpoint.state import capture_rng, restore_rng
 from parallel.layout import Layout, MeshAxis
 from parallel.parallelize import (
+    build_adamw,
     clip_grad_norm_,
     compile_unavailable_reason,
     cross_entropy,
     materialize,
-    param_groups,
     parallelize,
     set_grad_sync,
 )
@@ -142,10 +142,9 @@ class Trainer:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.flops_per_token = self.model_cfg.flops_per_token(cfg.data.seq_len)
         self.peak_flops = peak_flops(torch.cuda.get_device_name(self.device) if cuda else None, t.dtype)
-        self.optimizer = torch.optim.AdamW(
-            param_groups(self.params), lr=lr_at(0, t), betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay,
-            foreach=True,
-        )
+        fused = t.fused_optimizer if t.fused_optimizer is not None else cuda
+        self.optimizer = build_adamw(self.params, fused=fused, lr=lr_at(0, t), betas=(t.beta1, t.beta2),
+                                     eps=t.eps, weight_decay=t.weight_decay)
 
         self.micro_batch_size = self.plan.micro_batch_size  # the planner's: it may be smaller to fit memory
         self.n_microbatches = self.plan.grad_accum_steps
