@@ -27,12 +27,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from workers.config import job_plan, load_config
+    from workers.config import check_data_path, job_plan, load_config
     from workers.local import launch_local
     from workers.train import check_run_dir
 
     # Fail fast, with one line, before starting any rank: the checks every rank would make.
     cfg = load_config(args.config)
+    check_data_path(cfg.data)
     if args.nproc < 1:
         raise CLIError(f"--nproc must be >= 1, got {args.nproc}")
     if args.steps is not None and args.steps < 1:

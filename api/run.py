@@ -64,10 +64,11 @@ def run_job(config: str, *, address: str | None = None, workers: int | None = No
             json_path: str | None = None) -> int:
     from parallel.layout import Layout
     from service.coordinator import Coordinator, CoordinatorOptions
-    from workers.config import job_plan, load_config
+    from workers.config import check_data_path, job_plan, load_config
     from workers.train import check_run_dir
 
-    cfg = load_config(config)
+    cfg = load_config(config)  # the spec is parsed here, once; the coordinator and the workers get `cfg`
+    check_data_path(cfg.data)
     if workers is not None and layout is not None:
         raise ValueError("give --workers or --layout, not both")
     if steps is not None and steps < 1:

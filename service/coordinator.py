@@ -325,7 +325,7 @@ class Coordinator:
             return
         old = self.plan.layout.to_dict() if self.plan else None
         if self.group is None:
-            self.group = self.worker_group_cls(self.cfg.to_dict(), str(self.run_dir),
+            self.group = self.worker_group_cls(self.cfg, str(self.run_dir),
                                                cpus_per_worker=self.cfg.resources.cpus_per_worker,
                                                gpus_per_worker=self.cfg.resources.gpus_per_worker,
                                                job_id=self.job_id, start_timeout_s=self.opts.start_timeout_s)

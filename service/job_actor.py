@@ -37,11 +37,12 @@ class JobRunner:
     """A Coordinator in a daemon thread, with thread-safe accessors. Starts at construction: this is an
     actor body, and a Ray actor's constructor is its only start signal."""
 
-    def __init__(self, job_id: str, spec: dict, *, run_dir: str, steps: int | None = None,
+    def __init__(self, job_id: str, cfg: JobConfig, *, run_dir: str, steps: int | None = None,
                  workers: int | None = None, options: dict | None = None,
                  coordinator_factory: CoordinatorFactory | None = None):
+        """`cfg`: the job's spec as the job manager parsed and checked it (service.specs.validate_spec),
+        not parsed again here."""
         self.job_id = job_id
-        cfg = JobConfig.from_dict(spec)
         factory = coordinator_factory or Coordinator
         self.coord = factory(cfg, run_dir=Path(run_dir), total_steps=steps, job_id=job_id, workers=workers,
                              options=CoordinatorOptions(**(options or {})))
@@ -140,8 +141,9 @@ class LocalLauncher:
         self._runners: dict[str, JobRunner] = {}
         self._lock = threading.Lock()
 
-    def launch(self, job_id: str, spec: dict, *, run_dir: str, steps: int | None, workers: int | None) -> JobRunner:
-        runner = JobRunner(job_id, spec, run_dir=run_dir, steps=steps, workers=workers, options=self.options,
+    def launch(self, job_id: str, cfg: JobConfig, *, run_dir: str, steps: int | None,
+               workers: int | None) -> JobRunner:
+        runner = JobRunner(job_id, cfg, run_dir=run_dir, steps=steps, workers=workers, options=self.options,
                            coordinator_factory=self.coordinator_factory)
         with self._lock:
             self._runners[job_id] = runner
@@ -255,7 +257,8 @@ class RayLauncher:
         self.pin_to_this_node = pin_to_this_node
         self.coordinator_factory = coordinator_factory
 
-    def launch(self, job_id: str, spec: dict, *, run_dir: str, steps: int | None, workers: int | None) -> RayHandle:
+    def launch(self, job_id: str, cfg: JobConfig, *, run_dir: str, steps: int | None,
+               workers: int | None) -> RayHandle:
         import ray
 
         opts: dict[str, Any] = dict(name=actor_name(job_id), namespace=self.namespace, lifetime="detached",
@@ -271,7 +274,7 @@ class RayLauncher:
             opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
                                                                          soft=True)
         actor = job_actor_class().options(**opts).remote(
-            job_id, spec, run_dir=run_dir, steps=steps, workers=workers, options=self.options,
+            job_id, cfg, run_dir=run_dir, steps=steps, workers=workers, options=self.options,
             coordinator_factory=self.coordinator_factory)
         return RayHandle(actor, job_id, self.timeout_s, self.namespace)
 

@@ -32,6 +32,7 @@ from service.run_files import list_checkpoints, read_job_events, read_metrics
 from service.specs import SpecError, check_paths, resolve_run_dir, safe_name, validate_spec
 from service.state import TERMINAL
 from service.status import JobStatus
+from workers.config import JobConfig
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ class Launcher(Protocol):
     """Starts a job's coordinator and finds it again by job id (service.job_actor has a Ray one and an
     in-process one)."""
 
-    def launch(self, job_id: str, spec: dict, *, run_dir: str, steps: int | None,
+    def launch(self, job_id: str, cfg: JobConfig, *, run_dir: str, steps: int | None,
                workers: int | None) -> JobHandle: ...
     def attach(self, job_id: str) -> JobHandle | None: ...
     def release(self, job_id: str, timeout_s: float = 10.0) -> None: ...
@@ -166,7 +167,8 @@ class JobManager:
     # -- jobs ----------------------------------------------------------------------------------------------
     def submit(self, spec: dict, *, steps: int | None = None, workers: int | None = None,
                run_dir: str | None = None) -> str:
-        # Paths first, on the raw request: validate_spec looks at data.path on disk.
+        # Paths first, on the raw request: validate_spec looks at data.path on disk. The spec is parsed
+        # here, once: the JobConfig it gives is what the coordinator and the workers get.
         check_paths(spec, run_dir=run_dir, runs_root=self.runs_root, data_roots=self.data_roots)
         cfg = validate_spec(spec, steps=steps, workers=workers)
         job_id = uuid.uuid4().hex[:12]
@@ -186,7 +188,7 @@ class JobManager:
                     "status": JobStatus.submitted(total_steps=total, now=now).to_dict(),
                 })
             try:
-                self._handles[job_id] = self.launcher.launch(job_id, spec, run_dir=str(rd), steps=steps,
+                self._handles[job_id] = self.launcher.launch(job_id, cfg, run_dir=str(rd), steps=steps,
                                                              workers=workers)
             except Exception as e:
                 logger.warning("job %s: could not start its coordinator; it is recorded as FAILED", job_id,

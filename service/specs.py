@@ -14,6 +14,7 @@ from typing import Any
 from parallel.layout import Layout
 from parallel.planner import plan
 from workers.config import JobConfig, job_constraints
+from workers.config import check_data_path as check_data_readable
 
 __all__ = ["MAX_GLOBAL_BATCH", "MAX_WORKERS", "REMOTE_SCHEMES", "SpecError", "check_paths", "config_error_loc",
            "resolve_run_dir", "safe_name", "validate_spec"]
@@ -60,9 +61,10 @@ def config_error_loc(msg: str) -> tuple[str | int, ...]:
 
 
 def validate_spec(spec: Any, *, steps: int | None = None, workers: int | None = None) -> JobConfig:
-    """The JobConfig of `spec`, or SpecError naming the field: the YAML rules (JobConfig.from_dict), plus
-    what would only fail once the job runs: a readable data path and a layout that fits the model on
-    the allowed worker counts (e.g. a tp that does not divide the heads)."""
+    """The JobConfig of `spec`, parsed once here for the whole job, or SpecError naming the field: the
+    YAML rules (JobConfig.from_dict), plus what would only fail once the job runs: a readable data path
+    and a layout that fits the model on the allowed worker counts (e.g. a tp that does not divide the
+    heads)."""
     train = spec.get("train") if isinstance(spec, dict) else None
     gbs = train.get("global_batch_size") if isinstance(train, dict) else None
     if isinstance(gbs, int) and gbs > MAX_GLOBAL_BATCH:  # before JobConfig plans a forced layout with it
@@ -72,11 +74,15 @@ def validate_spec(spec: Any, *, steps: int | None = None, workers: int | None = 
         cfg = JobConfig.from_dict(spec)
     except ValueError as e:  # ConfigError, or a ValueError from a check deeper down (e.g. a NUL in a path)
         raise SpecError(("spec", *config_error_loc(str(e))), str(e)) from None
-    except OSError as e:  # data.path that cannot even be looked at (name too long, ...)
-        raise SpecError(("spec", "data", "path"), f"data.path cannot be checked: {e.strerror or e}") from None
     for name, v in (("steps", steps), ("workers", workers)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise SpecError((name,), f"{name} must be an integer >= 1, got {v!r}")
+    try:  # this server reads nothing of data.path, but its workers usually share its filesystem: fail early
+        check_data_readable(cfg.data)
+    except ValueError as e:
+        raise SpecError(("spec", "data", "path"), str(e)) from None
+    except OSError as e:  # data.path that cannot even be looked at (name too long, ...)
+        raise SpecError(("spec", "data", "path"), f"data.path cannot be checked: {e.strerror or e}") from None
     d = cfg.data
     if d.path is not None and d.source != "synthetic":
         p = Path(d.path).expanduser()

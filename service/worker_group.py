@@ -21,6 +21,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from parallel.planner import Plan
+from workers.config import JobConfig
 
 logger = logging.getLogger(__name__)
 
@@ -91,9 +92,9 @@ def probe_nodes(node_ids: list[str], *, timeout_s: float = 2.0) -> set[str]:
 
 
 class WorkerGroup:
-    def __init__(self, cfg_dict: dict, run_dir: str, *, cpus_per_worker: float, gpus_per_worker: float,
+    def __init__(self, cfg: JobConfig, run_dir: str, *, cpus_per_worker: float, gpus_per_worker: float,
                  job_id: str, start_timeout_s: float = 30.0):
-        self.cfg_dict = cfg_dict
+        self.cfg = cfg
         self.run_dir = run_dir
         self.cpus = cpus_per_worker
         self.gpus = gpus_per_worker
@@ -147,7 +148,7 @@ class WorkerGroup:
             pg = placement_group([bundle], strategy="STRICT_PACK", _soft_target_node_id=nid)
             actor = cls.options(num_cpus=self.cpus, num_gpus=self.gpus or None, max_concurrency=1,
                                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0)).remote(
-                self.cfg_dict, self.run_dir, threads=max(1, int(self.cpus)))
+                self.cfg, self.run_dir, threads=max(1, int(self.cpus)))
             out.append((nid, actor, pg, actor.info.remote()))
         return out
 

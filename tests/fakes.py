@@ -44,7 +44,7 @@ class FakeGroup:
     cluster: FakeCluster
     fail_next: list[str] = []
 
-    def __init__(self, cfg_dict, run_dir, **kw):
+    def __init__(self, cfg, run_dir, **kw):
         self.members: list[str] = []
         self.step = 0
         self.plan = None

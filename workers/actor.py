@@ -12,18 +12,23 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from workers.config import JobConfig
 
 
 class Worker:
-    def __init__(self, cfg_dict: dict, run_dir: str, *, threads: int = 1):
+    def __init__(self, cfg: JobConfig, run_dir: str, *, threads: int = 1):
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
         import torch
 
         torch.set_num_threads(threads)
         from workers.config import JobConfig
 
-        self.cfg = JobConfig.from_dict(cfg_dict)
+        if not isinstance(cfg, JobConfig):  # e.g. a caller still sending the spec as a dict
+            raise TypeError(f"Worker needs the JobConfig parsed where the spec entered, got {type(cfg).__name__}")
+        self.cfg = cfg  # not parsed again here; its data.path is checked where the data is read
         self.run_dir = Path(run_dir)
         self.trainer = None
         self.rank: int | None = None

@@ -1,7 +1,10 @@
 """The job config: one YAML file with sections model, data, train, parallel, checkpoint, resources.
 
-Each section is a small dataclass; `JobConfig.from_dict` rejects unknown keys and wrong types with a
-message naming the field (e.g. ``train.steps: expected an integer, got 'ten'``).
+Each section is a small frozen dataclass; `JobConfig.from_dict` rejects unknown keys and wrong types with
+a message naming the field (e.g. ``train.steps: expected an integer, got 'ten'``). A spec is parsed once,
+where it enters (the REST API: service.specs.validate_spec; a YAML file: load_config), and the JobConfig
+itself is what travels to the coordinator and the workers. Constructing one touches no disk: whether
+data.path is there is `check_data_path`, called where the path is read (and early at the edges).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ def _positive(section: str, obj: Any, *names: str, allow_zero: bool = False) -> 
             raise ConfigError(f"{section}.{n} must be {'>= 0' if allow_zero else '> 0'}, got {v!r}")
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True, frozen=True)
 class ModelSection:
     preset: str = "tiny"
     """Name of a preset in models.config.PRESETS (tiny, small, 125m, 1b, 8b)."""
@@ -53,7 +56,7 @@ class ModelSection:
         return model_config(self.preset, **self.overrides)
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True, frozen=True)
 class DataConfig:
     source: Literal["corpus", "synthetic", "tokens"] = "corpus"
     """corpus: byte-level text from a directory; synthetic: seeded random tokens; tokens: a uint16/uint32
@@ -75,20 +78,28 @@ class DataConfig:
         _positive("data", self, "seq_len", "max_bytes", "num_samples")
         if self.source == "tokens" and not self.path:
             raise ConfigError("data.path is required when data.source is 'tokens'")
-        if self.path is not None and self.source != "synthetic":
-            p = Path(self.path).expanduser()
-            want_dir = self.source == "corpus"
-            if not p.exists():
-                raise ConfigError(f"data.path {self.path!r} does not exist")
-            if want_dir and not p.is_dir():
-                raise ConfigError(f"data.path {self.path!r} must be a directory for source 'corpus'")
-            if not want_dir and not p.is_file():
-                raise ConfigError(f"data.path {self.path!r} must be a file for source 'tokens'")
-            if not os.access(p, os.R_OK | (os.X_OK if want_dir else 0)):
-                raise ConfigError(f"data.path {self.path!r} is not readable by this user; fix its permissions")
-            if want_dir and not _has_file(p, tuple(self.suffixes)):
-                raise ConfigError(f"data.path {self.path!r} holds no readable file ending with {self.suffixes} "
-                                  "(see data.suffixes)")
+
+
+def check_data_path(data: DataConfig) -> None:
+    """data.path must be there, of the right kind, and readable by this process: called where the path
+    is read (the data source of every rank) and early at the edges that share its filesystem (the CLI,
+    the API server), never by the config's constructor, which runs wherever the config travels.
+    ConfigError naming the field, in one line."""
+    if data.path is None or data.source == "synthetic":
+        return
+    p = Path(data.path).expanduser()
+    want_dir = data.source == "corpus"
+    if not p.exists():
+        raise ConfigError(f"data.path {data.path!r} does not exist")
+    if want_dir and not p.is_dir():
+        raise ConfigError(f"data.path {data.path!r} must be a directory for source 'corpus'")
+    if not want_dir and not p.is_file():
+        raise ConfigError(f"data.path {data.path!r} must be a file for source 'tokens'")
+    if not os.access(p, os.R_OK | (os.X_OK if want_dir else 0)):
+        raise ConfigError(f"data.path {data.path!r} is not readable by this user; fix its permissions")
+    if want_dir and not _has_file(p, tuple(data.suffixes)):
+        raise ConfigError(f"data.path {data.path!r} holds no readable file ending with {data.suffixes} "
+                          "(see data.suffixes)")
 
 
 def _has_file(root: Path, suffixes: tuple[str, ...]) -> bool:
@@ -100,7 +111,7 @@ def _has_file(root: Path, suffixes: tuple[str, ...]) -> bool:
     return False
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True, frozen=True)
 class TrainConfig:
     steps: int = 100
     """Optimizer steps of the whole run (also the LR schedule's horizon unless decay_steps is set)."""
@@ -164,7 +175,7 @@ class TrainConfig:
                               f"got {self.activation_checkpointing!r}")
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True, frozen=True)
 class ParallelConfig:
     min_workers: int = 1
     """Fewest workers the job may run on; below this it waits for capacity."""
@@ -205,7 +216,7 @@ class ParallelConfig:
                 raise ConfigError(f"parallel.layout: {e}") from None
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True, frozen=True)
 class CheckpointConfig:
     interval_steps: int = 50
     """Save every this many steps (plus a final save)."""
@@ -225,7 +236,7 @@ class CheckpointConfig:
         _positive("checkpoint", self, "interval_steps", "keep_last", "io_threads")
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True, frozen=True)
 class ResourcesConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device per worker; auto picks cuda when available."""
@@ -239,7 +250,7 @@ class ResourcesConfig:
         _positive("resources", self, "gpus_per_worker", allow_zero=True)
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True, frozen=True)
 class JobConfig:
     name: str = "job"
     """A label for the job."""

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from workers.config import DataConfig
+from workers.config import DataConfig, check_data_path
 
 
 class Source(Protocol):
@@ -174,6 +174,7 @@ def build_source(cfg: DataConfig, *, seed: int, vocab_size: int) -> Source:
     if cfg.source == "synthetic":
         return SyntheticSource(num_samples=cfg.num_samples, seq_len=cfg.seq_len, vocab_size=vocab_size,
                                seed=seed)
+    check_data_path(cfg)  # here, where the path is read: a missing path is one line naming data.path
     if cfg.source == "corpus":
         if vocab_size < 256:
             raise ValueError(f"byte-level corpus needs model vocab_size >= 256, got {vocab_size}")

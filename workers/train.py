@@ -20,7 +20,7 @@ from pathlib import Path
 
 from parallel.checkpoint.manifest import CheckpointError
 from parallel.layout import Layout
-from workers.config import ConfigError, JobConfig, job_plan, load_config
+from workers.config import ConfigError, JobConfig, check_data_path, job_plan, load_config
 
 
 def check_run_dir(cfg: JobConfig, run_dir: str | Path) -> None:
@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
     try:
         cfg = load_config(args.config)
+        check_data_path(cfg.data)
         plan = job_plan(cfg, world_size, layout=args.layout)
         layout = plan.layout
         steps = args.steps if args.steps is not None else cfg.train.steps

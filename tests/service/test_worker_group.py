@@ -18,7 +18,7 @@ def test_a_failed_start_releases_its_placement_groups_and_cpus(local_ray, tmp_pa
     from ray.util import placement_group_table
 
     me = ray.get_runtime_context().get_node_id()
-    # The worker's constructor rejects this config, so both actors die while starting.
+    # The worker's constructor rejects this config (a dict, not a JobConfig), so both actors die while starting.
     g = WorkerGroup({"model": {"preset": "no-such-preset"}}, str(tmp_path), cpus_per_worker=1, gpus_per_worker=0,
                     job_id="t", start_timeout_s=60)
     with pytest.raises(WorkerFailure, match="during start"):

@@ -6,7 +6,7 @@ import pytest
 
 from parallel.layout import Layout
 from parallel.planner import PlanError
-from workers.config import ConfigError, JobConfig, job_constraints, job_plan, load_config
+from workers.config import ConfigError, JobConfig, check_data_path, job_constraints, job_plan, load_config
 from workers.lr import lr_at
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,7 +23,6 @@ def test_example_config_loads():
     ({"train": {"steps": 0}}, "train.steps must be > 0"),
     ({"trainn": {}}, "unknown field 'trainn'"),
     ({"data": {"seq_len": 4096}}, "data.seq_len=4096 exceeds model max_seq_len"),
-    ({"data": {"source": "tokens", "path": "/nonexistent/file.bin"}}, "does not exist"),
     ({"data": {"source": "sql"}}, "data.source: expected one of"),
     ({"parallel": {"min_workers": 3, "max_workers": 2}}, "min_workers=3 is greater"),
     ({"parallel": {"layout": "dp=2,qq=1"}}, "parallel.layout: unknown layout key"),
@@ -39,6 +38,13 @@ def test_example_config_loads():
 def test_bad_configs_name_the_field(bad, needle):
     with pytest.raises(ConfigError, match=needle):
         JobConfig.from_dict(bad)
+
+
+def test_a_missing_data_path_names_the_field_where_it_is_checked_not_when_parsed():
+    bad = {"data": {"source": "tokens", "path": "/nonexistent/file.bin"}}
+    cfg = JobConfig.from_dict(bad)  # parsing touches no disk: the config travels to nodes without the path
+    with pytest.raises(ConfigError, match="does not exist"):
+        check_data_path(cfg.data)
 
 
 def test_unreadable_and_invalid_yaml(tmp_path):

@@ -323,3 +323,11 @@ def test_batch_stacked_concatenates_micro_batches():
               sample_ids=[0, 1, 2, 3])
     x, y = b.stacked()
     assert x.shape == y.shape == (4, 3) and x[:2].sum() == 0 and x[2:].sum() == 6 and y[:2].sum() == 6
+
+
+def test_a_missing_data_path_is_one_line_naming_the_field_where_the_rank_reads_it(tmp_path):
+    from workers.config import ConfigError, JobConfig
+
+    cfg = JobConfig.from_dict({"data": {"source": "corpus", "path": str(tmp_path / "gone")}})  # no disk check
+    with pytest.raises(ConfigError, match=r"^data\.path '.*gone' does not exist$"):
+        build_source(cfg.data, seed=0, vocab_size=256)
