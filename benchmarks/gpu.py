@@ -1,0 +1,270 @@
+"""Training throughput on one device: Elastron's Trainer against a hand-written PyTorch loop, side by side.
+
+    .venv/bin/python benchmarks/gpu.py --device cuda --preset 1b [--seq-len 2048] [--micro-batches 4,8]
+        [--compile no,yes] [--ac none] [--warmup 4] [--steps 9] [--profile] [--json out.json]
+    .venv/bin/python benchmarks/gpu.py --device cpu --preset tiny          # CI-sized, well under a minute
+
+One process, dp=1. For every setting (micro batch x compile x activation checkpointing) both loops train
+the same model (same initial weights, `models.llama.init_value`) on the same batches (the Trainer's
+synthetic data, recorded through its `on_batch` seam and replayed to the plain loop), one after the
+other, each freed before the next is built:
+
+  elastron  `Trainer(layout=dp=1).build()`, then `train_step()`: FSDP2 mixed precision on the size-1 axis
+            for bf16, its AdamW (fused on CUDA), its gradient clipping and chunked loss
+  plain     what one would write by hand: `Transformer` on the device, fp32 master weights,
+            `torch.autocast` bf16 (when bf16), per-block `torch.compile` and `torch.utils.checkpoint`
+            where the setting says so, `F.cross_entropy` on fp32 logits, `clip_grad_norm_(foreach)`,
+            AdamW (fused on CUDA, foreach on CPU)
+
+One optimizer step is one micro batch (no accumulation). Steps are timed one by one (synchronised on
+CUDA); reported: median tokens/s over the steps after `--warmup`, MFU against the device's dense peak
+(`workers.mfu`; "-" where unknown, e.g. CPUs), peak allocated memory (CUDA only) and elastron/plain.
+`--profile` adds a torch.profiler table (3 steps, top ops by self device time) per loop and setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+TARGET = 0.97
+
+
+def _job_cfg(a: argparse.Namespace, micro_batch: int, compile_: bool, ac: str) -> dict:
+    return {
+        "model": {"preset": a.preset},
+        "data": {"source": "synthetic", "seq_len": a.seq_len, "num_samples": 100_000},
+        "train": {"steps": 1_000_000, "global_batch_size": micro_batch, "micro_batch_size": micro_batch,
+                  "lr": 1e-4, "warmup_steps": 0, "schedule": "constant", "grad_clip": 1.0, "dtype": a.dtype,
+                  "compile": compile_, "activation_checkpointing": ac, "seed": 0},
+        "resources": {"device": a.device},
+    }
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Elastron:
+    name = "elastron"
+
+    def __init__(self, cfg, device: torch.device) -> None:
+        from parallel.layout import Layout
+        from workers.trainer import Trainer
+
+        self.trainer = Trainer(cfg, layout=Layout.parse("dp=1"), device=device).build()
+        self.batches: list = []
+        self.trainer.on_batch = self.batches.append
+        self.losses: list[float] = []
+
+    def step(self) -> None:
+        self.losses.append(self.trainer.train_step().loss)
+
+
+class Plain:
+    name = "plain"
+
+    def __init__(self, cfg, device: torch.device, batches: list) -> None:
+        from models.llama import Transformer, init_value
+
+        mc, t = cfg.model.build(), cfg.train
+        with torch.device(device):
+            model = Transformer(mc)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(init_value(mc, name, tuple(p.shape), t.seed))
+        model.init_buffers(device)
+        for block in model.layers.values():
+            if t.activation_checkpointing != "none":
+                _checkpointed(block)
+            if t.compile:
+                block.compile(fullgraph=True)
+        self.model, self.device, self.batches = model, device, batches
+        self.params = list(model.parameters())
+        fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
+        self.opt = torch.optim.AdamW(self.params, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
+                                     weight_decay=t.weight_decay, **fused)
+        self.clip = t.grad_clip
+        self.bf16 = t.dtype == "bfloat16"
+        self.losses: list[torch.Tensor] = []
+
+    def step(self) -> None:
+        batch = self.batches[len(self.losses)]
+        (x,), (y,) = batch.inputs, batch.targets
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        self.opt.zero_grad(set_to_none=True)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            logits = self.model(x)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(0, 1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, self.clip, foreach=True)
+        self.opt.step()
+        self.losses.append(loss.detach())
+
+
+def _checkpointed(block) -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    inner = block.forward
+    block.forward = lambda *args: checkpoint(inner, *args, use_reentrant=False)
+
+
+def _time(loop, device: torch.device, warmup: int, steps: int) -> list[float]:
+    times = []
+    for i in range(warmup + steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        loop.step()
+        _sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def _profile(loop, device: torch.device, rows: int = 15) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(3):
+            loop.step()
+        _sync(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows)
+
+
+def _measure(loop, device, a, tokens_per_step: int, flops_per_token: float, peak) -> dict:
+    from workers.mfu import mfu
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = _time(loop, device, a.warmup, a.steps)
+    tps = tokens_per_step / statistics.median(times)
+    out = {"tokens_per_s": tps, "mfu": mfu(tps, flops_per_token, 1, peak),
+           "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+           "step_ms_median": 1e3 * statistics.median(times)}
+    if a.profile:
+        out["profile"] = _profile(loop, device)
+    return out
+
+
+def run_setting(a, device, micro_batch: int, compile_: bool, ac: str) -> dict:
+    from workers.config import JobConfig
+    from workers.mfu import peak_flops
+
+    cfg = JobConfig.from_dict(_job_cfg(a, micro_batch, compile_, ac))
+    mc = cfg.model.build()
+    tokens = micro_batch * a.seq_len
+    fpt = mc.flops_per_token(a.seq_len)
+    peak = peak_flops(torch.cuda.get_device_name(device) if device.type == "cuda" else None, a.dtype)
+    res = {"micro_batch": micro_batch, "compile": compile_, "ac": ac}
+    el = Elastron(cfg, device)
+    res["elastron"] = _measure(el, device, a, tokens, fpt, peak)
+    batches, el_losses = el.batches, el.losses
+    del el
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    pl = Plain(cfg, device, batches)
+    res["plain"] = _measure(pl, device, a, tokens, fpt, peak)
+    n = min(len(el_losses), len(pl.losses))
+    pl_losses = [float(x) for x in pl.losses[:n]]
+    res["max_loss_rel_diff"] = max(abs(e - p) / abs(p) for e, p in zip(el_losses[:n], pl_losses))
+    res["ratio"] = res["elastron"]["tokens_per_s"] / res["plain"]["tokens_per_s"]
+    del pl
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return res
+
+
+def _fmt(x, spec: str, none: str = "-") -> str:
+    return none if x is None else format(x, spec)
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| micro batch | compile | AC | loop | tokens/s | MFU | peak mem (GiB) | ratio |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        for name in ("elastron", "plain"):
+            m = r[name]
+            ratio = f"{r['ratio']:.2f}" if name == "elastron" else "1.00"
+            lines.append(f"| {r['micro_batch']} | {'yes' if r['compile'] else 'no'} | {r['ac']} | {name} | "
+                         f"{m['tokens_per_s']:,.0f} | {_fmt(m['mfu'], '.1%')} | {_fmt(m['peak_mem_gib'], '.1f')} "
+                         f"| {ratio} |")
+    return "\n".join(lines)
+
+
+def _flags(text: str) -> list[bool]:
+    return [v.strip().lower() in ("yes", "true", "1") for v in text.split(",")]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--preset", default=None, help="model preset (default: 1b on cuda, tiny on cpu)")
+    p.add_argument("--seq-len", type=int, default=None, help="default: 2048 on cuda, 128 on cpu")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--micro-batches", default=None, help="comma-separated (default: 4,8 on cuda, 2 on cpu)")
+    p.add_argument("--compile", default=None, help="comma-separated yes/no (default: no,yes on cuda, no on cpu)")
+    p.add_argument("--ac", default="none", help="comma-separated none/full/selective")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps (default: 4 on cuda, 2 on cpu)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps (default: 9 on cuda, 5 on cpu)")
+    p.add_argument("--profile", action="store_true", help="print a torch.profiler breakdown per loop")
+    p.add_argument("--json", default=None, help="also write the results here")
+    a = p.parse_args(argv)
+    cuda = a.device == "cuda"
+    a.preset = a.preset or ("1b" if cuda else "tiny")
+    a.seq_len = a.seq_len or (2048 if cuda else 128)
+    a.dtype = a.dtype or ("bfloat16" if cuda else "float32")
+    a.warmup = a.warmup if a.warmup is not None else (4 if cuda else 2)
+    a.steps = a.steps or (9 if cuda else 5)
+    micro_batches = [int(x) for x in (a.micro_batches or ("4,8" if cuda else "2")).split(",")]
+    compiles = _flags(a.compile or ("no,yes" if cuda else "no"))
+    acs = [x.strip() for x in a.ac.split(",")]
+
+    from workers.runtime import destroy_process_group, init_process_group, pick_device
+
+    device = pick_device(a.device)
+    init_process_group(device)
+    results = []
+    try:
+        for mb in micro_batches:
+            for c in compiles:
+                for ac in acs:
+                    print(f"micro batch {mb}, compile {c}, AC {ac} ...", file=sys.stderr, flush=True)
+                    results.append(run_setting(a, device, mb, c, ac))
+    finally:
+        destroy_process_group()
+    print(f"{a.preset}, seq {a.seq_len}, {a.dtype}, dp=1, {device.type}"
+          f"{' (' + torch.cuda.get_device_name(device) + ')' if cuda else ''}, torch {torch.__version__}; "
+          f"median of {a.steps} steps after {a.warmup}; target elastron/plain >= {TARGET}")
+    print(table(results))
+    worst = max(r["max_loss_rel_diff"] for r in results)
+    print(f"losses: elastron and plain within {worst:.1e} (relative) step by step")
+    for r in results:
+        for name in ("elastron", "plain"):
+            if "profile" in r[name]:
+                print(f"\n## profile: {name}, micro batch {r['micro_batch']}, compile {r['compile']}, AC {r['ac']}")
+                print(r[name].pop("profile"))
+    if a.json:
+        Path(a.json).write_text(json.dumps({"args": vars(a), "results": results}, indent=2))
+    return {"results": results}
+
+
+if __name__ == "__main__":
+    main()
