@@ -77,4 +77,6 @@ def test_loss_is_taken_in_fp32_on_bf16_logits():
     loss = cross_entropy(logits, targets)
     assert loss.dtype == torch.float32
     want = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
-    assert torch.equal(loss, want)
+    # The chunked loss sums in another order than F.cross_entropy: equal to fp32 rounding, where a loss
+    # taken in bf16 would be off by ~1e-3 relative.
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=0)
