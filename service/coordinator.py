@@ -1,15 +1,20 @@
 """One job's coordinator: keeps training running while the cluster under it changes.
 
-Driven by `step()` (one iteration: read the cluster, decide, act, or train one short chunk), so tests
-and the demo can advance it deterministically; `run()` loops until a terminal state. Methods for the
-outside (`status`, `events`, `metrics`, `resize`, `pause`, `resume`, `stop`) are thread-safe: commands
-are queued and applied at the start of the next iteration.
+Driven by `step()` (one iteration: apply queued user commands, then run the handler of the current
+state), so tests and the demo can advance it deterministically; `run()` loops until a terminal state.
+Each state has one handler (`_on_<state>`, dispatched from the `_handlers` table); the handlers ask the
+scaling policy for a decision (service.policy: Noop, Resize, Wait, Fail) and act on it. Methods for the
+outside (`status`, `events_since`, `metrics_since`, `resize`, `pause`, `resume`, `stop`) are thread-safe:
+commands (service.commands) are queued and applied at the start of the next iteration.
 
 Flows:
   planned resize / grow   finish the chunk, synchronous checkpoint, plan, re-form survivors, resume (0 redone)
   preemption notice       the same at once, shrinking off the draining node before its deadline (0 lost)
   failure (no notice)     tear the group down, resume from the last committed checkpoint on what is left
   too little capacity     WAITING_FOR_CAPACITY with the reason, until the policy can start again
+
+Which nodes are usable (watcher minus unresponsive suspects) is service.node_health.NodeHealth; the
+worker group is anything that satisfies service.worker_group.Group (`worker_group_cls` is the seam).
 """
 
 from __future__ import annotations
@@ -20,51 +25,30 @@ import threading
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from parallel.planner import Plan, PlanError, plan
 from service.cluster import ClusterSnapshot, ClusterWatcher
-from service.events import EventLog
-from service.policy import Fail, Failure, PolicyConfig, Resize, ScalingPolicy, Wait
+from service.commands import Command, Pause, Resume, SetWorkers, Stop
+from service.node_health import NodeHealth
+from service.options import CoordinatorOptions
+from service.policy import Decision, Fail, Failure, PolicyConfig, Resize, ScalingPolicy, Wait
 from service.reconfig import Reconfig
-from service.run_files import read_metrics
+from service.reconfigure import GroupLifecycle
+from service.run_files import job_events, where_it_stopped
 from service.state import JobState, StateMachine
 from service.status import JobStatus
-from service.worker_group import WorkerFailure, WorkerGroup, assign_nodes, probe_nodes
+from service.worker_group import Group, WorkerFailure, WorkerGroup, assign_nodes, probe_nodes
 from workers.config import JobConfig, job_constraints
 
 logger = logging.getLogger(__name__)
 S = JobState
 
 
-@dataclass(kw_only=True, slots=True)
-class CoordinatorOptions:
-    settle_seconds: float = 10.0
-    """Capacity must be stable this long before the job grows onto it."""
-    chunk_seconds: float = 0.5
-    """Target length of one training call between two looks at the cluster (steps per call are set
-    from the measured step time, the same count on every rank)."""
-    poll_interval_s: float = 0.5
-    """Cluster watcher interval."""
-    max_restarts: int = 3
-    """Failures of one kind tolerated within restart_window_s before the job fails."""
-    restart_window_s: float = 600.0
-    start_timeout_s: float = 30.0
-    """How long placing new workers may take before it counts as a failure."""
-    include_head: bool = True
-    """Whether workers may run on the Ray head node."""
-    probe_timeout_s: float = 2.0
-    """After a failure, a node that cannot place a tiny bundle within this long is left out of plans."""
-    suspect_seconds: float = 60.0
-    """How long such a node stays out (unless Ray confirms it dead first, or a later probe reaches it)."""
-    reprobe_interval_s: float = 3.0
-    """While the job waits or starts with suspects left out, how often they are probed again."""
-
-
-class Coordinator:
-    worker_group_cls = WorkerGroup  # seam: tests swap in a fake group
-    group_probe = staticmethod(probe_nodes)  # seam: which nodes still place work (None: trust the watcher)
+class Coordinator(GroupLifecycle):
+    worker_group_cls: Callable[..., Group] = WorkerGroup  # seam: tests swap in a fake group
 
     def __init__(self, cfg: JobConfig, *, run_dir: str | Path, total_steps: int | None = None,
                  job_id: str | None = None, workers: int | None = None, layout: str | None = None,
@@ -83,12 +67,12 @@ class Coordinator:
             lo, hi = min(lo, workers), workers
         if self.forced is not None:
             lo = hi = self.forced.world_size
-        self.events = _load_events(self.run_dir / "events.jsonl", self.job_id)
+        self.events = job_events(self.run_dir / "events.jsonl", self.job_id)
         self.sm = StateMachine(self.job_id, sink=self.events.append)
         self.policy = ScalingPolicy(self._policy_config(lo, hi), size_for=self._size_for)
         self.watcher = watcher or ClusterWatcher(interval_s=self.opts.poll_interval_s)
         self._own_watcher = watcher is None
-        self.group: WorkerGroup | None = None
+        self.group: Group | None = None
         self.plan: Plan | None = None
         self.step_done = 0
         self.committed_step = 0
@@ -96,13 +80,28 @@ class Coordinator:
         self.failures: list[Failure] = []
         self.reconfigs: list[Reconfig] = []
         self._open: Reconfig | None = None
-        self._commands: queue.Queue = queue.Queue()
+        self._commands: queue.Queue[Command] = queue.Queue()
         self._user_resize = False
-        self._suspects: dict[str, float] = {}  # node id -> when a probe found it unresponsive
-        self._last_reprobe = 0.0
+        o = self.opts
+        self.health = NodeHealth(probe_nodes, probe_timeout_s=o.probe_timeout_s, suspect_seconds=o.suspect_seconds,
+                                 reprobe_interval_s=o.reprobe_interval_s, include_head=o.include_head)
+        self._handlers: dict[JobState, Callable[[ClusterSnapshot], None]] = {
+            S.PENDING: self._on_pending, S.STARTING: self._on_starting, S.RUNNING: self._on_running,
+            S.RESIZING: self._on_resizing, S.RECOVERING: self._on_recovering,
+            S.WAITING_FOR_CAPACITY: self._on_waiting_for_capacity}
+        """One handler per state that acts; PAUSED and the terminal states wait for a command or nothing."""
         self._lock = threading.RLock()
         if len(self.events):
             self._resume_after_restart()
+
+    @property
+    def group_probe(self):
+        """Seam: which nodes still place work, probe(node_ids, timeout_s=) -> set (None: trust the watcher)."""
+        return self.health.probe_fn
+
+    @group_probe.setter
+    def group_probe(self, fn) -> None:
+        self.health.probe_fn = fn
 
     def _resume_after_restart(self) -> None:
         """This job's events are already in the run directory: an earlier coordinator of the same job
@@ -110,9 +109,7 @@ class Coordinator:
         with it; the next group resumes from the last committed checkpoint, and this reconfiguration
         is recorded as a failure whose steps lost run from the last step the old group logged."""
         prior = self.events.events
-        last_step = max([e.step for e in prior if e.step is not None] + [_last_logged_step(self.run_dir)])
-        last_state = next((e.to_state for e in reversed(prior) if e.kind == "transition"), None)
-        layout = next((e.new_layout for e in reversed(prior) if e.new_layout), None)
+        last_step, last_state, layout = where_it_stopped(prior, self.run_dir)
         why = (f"the coordinator restarted (its previous process was lost in state {last_state} at step "
                f"{last_step}); resuming from the last committed checkpoint")
         self.failures.append(Failure(time=time.time(), kind="coordinator", error=why))
@@ -152,16 +149,16 @@ class Coordinator:
         if workers is not None:
             lo, hi = min(lo, workers), workers
         self._policy_config(lo, hi)  # validate now, in the caller's thread
-        self._commands.put(("resize", lo, hi))
+        self._commands.put(SetWorkers(min_workers=lo, max_workers=hi))
 
     def pause(self) -> None:
-        self._commands.put(("pause",))
+        self._commands.put(Pause())
 
     def resume(self) -> None:
-        self._commands.put(("resume",))
+        self._commands.put(Resume())
 
     def stop(self) -> None:
-        self._commands.put(("stop",))
+        self._commands.put(Stop())
 
     # -- the loop ------------------------------------------------------------------------------------------
     def run(self, on_tick=None) -> JobState:
@@ -180,29 +177,49 @@ class Coordinator:
             self._shutdown_group()
 
     def step(self) -> JobState:
-        """One iteration. Returns the state after it."""
+        """One iteration: apply the queued commands, then the current state's handler. Returns the state
+        after it."""
         self._apply_commands()
-        state = self.sm.state
-        if state.is_terminal or state is S.PAUSED:
-            if state is S.PAUSED:
+        handler = self._handlers.get(self.sm.state)
+        if handler is None:  # PAUSED (a command moves it on) or terminal
+            if self.sm.state is S.PAUSED:
                 time.sleep(0.05)
             return self.sm.state
-        snap = self.watcher.latest or self.watcher.poll()
-        if state is S.PENDING:
-            self.sm.transition(S.STARTING, reason="starting", step=self.step_done, cause="planned")
-        if self.group is None:
-            self._start_or_wait(snap)
-        elif self.step_done >= self.total_steps:
+        handler(self.watcher.latest or self.watcher.poll())
+        return self.sm.state
+
+    # -- one handler per state -----------------------------------------------------------------------------
+    def _on_pending(self, snap: ClusterSnapshot) -> None:
+        self.sm.transition(S.STARTING, reason="starting", step=self.step_done, cause="planned")
+        self._on_starting(snap)
+
+    def _on_starting(self, snap: ClusterSnapshot) -> None:
+        """No group yet (or again, after a resume): start one as soon as the policy allows."""
+        self._start_or_wait(snap)
+
+    def _on_recovering(self, snap: ClusterSnapshot) -> None:
+        """The group was lost: start a new one from the last committed checkpoint on what is left."""
+        self._start_or_wait(snap)
+
+    def _on_waiting_for_capacity(self, snap: ClusterSnapshot) -> None:
+        """No workers held: start again once the policy sees enough usable workers."""
+        self._start_or_wait(snap)
+
+    def _on_resizing(self, snap: ClusterSnapshot) -> None:
+        """A resize completes within the step that begins it; a step that still finds it (its re-form
+        raised) carries on from what is there."""
+        (self._start_or_wait if self.group is None else self._on_running)(snap)
+
+    def _on_running(self, snap: ClusterSnapshot) -> None:
+        if self.step_done >= self.total_steps:
             self._finish()
         else:
             self._running(snap)
-        return self.sm.state
 
-    # -- states --------------------------------------------------------------------------------------------
+    # -- what the handlers do ------------------------------------------------------------------------------
     def _start_or_wait(self, snap: ClusterSnapshot) -> None:
         self._reprobe(snap)  # before starting small or waiting: a suspect may just have been slow
-        d = self.policy.decide(time.time(), current_workers=0, usable_workers=self._usable(snap),
-                               draining=snap.draining(), failures=self.failures)
+        d = self._decide(snap, current_workers=0)
         if isinstance(d, Fail):
             self._fail(d.reason)
         elif isinstance(d, Wait):
@@ -215,12 +232,15 @@ class Coordinator:
                                    reason=f"capacity is back: {d.reason}", step=self.step_done, cause=d.cause)
             self._reform(d.workers, snap, cause=d.cause, reason=d.reason)
 
+    def _decide(self, snap: ClusterSnapshot, *, current_workers: int) -> Decision:
+        return self.policy.decide(time.time(), current_workers=current_workers, usable_workers=self._usable(snap),
+                                  draining=snap.draining(), failures=self.failures)
+
     def _running(self, snap: ClusterSnapshot) -> None:
         if self._our_nodes_dead(snap):
             self._recover(WorkerFailure("node_died", "a node hosting workers is gone"))
             return
-        d = self.policy.decide(time.time(), current_workers=self.group.size, usable_workers=self._usable(snap),
-                               draining=snap.draining(), failures=self.failures)
+        d = self._decide(snap, current_workers=self.group.size)
         if self._user_resize:
             self._user_resize = False
             offered = min(self._usable(snap), self.policy.config.max_workers or self._usable(snap))
@@ -240,7 +260,7 @@ class Coordinator:
     def _prewarm(self, snap: ClusterSnapshot) -> None:
         """While a growth settles, start the workers it will need on the new nodes."""
         pending = self.policy.pending_growth
-        if pending is None or not hasattr(self.group, "prewarm"):
+        if pending is None:
             return
         try:
             nodes = self._assign(self._plan(pending[0]), snap)
@@ -278,99 +298,6 @@ class Coordinator:
             return 1
         return max(1, min(100, int(self.opts.chunk_seconds / step_time)))
 
-    # -- reconfiguration -----------------------------------------------------------------------------------
-    def _planned_resize(self, workers: int, snap: ClusterSnapshot, *, cause: str, reason: str) -> None:
-        """Checkpoint at the current step, then re-form at `workers` (0: release everything and wait)."""
-        t0 = time.time()
-        if cause == "preemption":
-            self.sm.note("preemption", reason=reason, step=self.step_done, cause=cause,
-                         details={"draining": snap.draining()})
-        self.sm.transition(S.RESIZING, reason=reason, step=self.step_done, cause=cause)
-        try:
-            self.committed_step = self.group.checkpoint()
-            self.sm.note("checkpoint", reason=f"flushed at step {self.committed_step} before resize",
-                         step=self.committed_step, cause=cause)
-        except WorkerFailure as e:  # e.g. the draining node died before the save finished: fall back
-            self._recover(e)
-            return
-        if workers == 0:
-            self._shutdown_group()
-            self.sm.transition(S.WAITING_FOR_CAPACITY, reason=reason, step=self.step_done)
-            return
-        self._reform(workers, self.watcher.latest or snap, cause=cause, reason=reason, t0=t0)
-
-    def _recover(self, err: WorkerFailure, *, tried: list[str] = ()) -> None:
-        """`tried`: the nodes a failed re-form was placing workers on (not members yet, but just as
-        likely to be the dead ones: e.g. a node killed right after the probe of the previous failure)."""
-        t0 = time.time()
-        with self._lock:
-            self.failures.append(Failure(time=t0, kind=err.kind, error=str(err)))
-        nodes = sorted(set(self.group.nodes() if self.group is not None else ()) | set(tried))
-        self._shutdown_group()
-        dead = self._probe(nodes)
-        self.sm.note("failure", reason=str(err), step=self.step_done, cause="failure",
-                     details={"kind": err.kind, "unresponsive_nodes": sorted(dead)})
-        if self.sm.can(S.RECOVERING):
-            self.sm.transition(S.RECOVERING, reason=str(err), step=self.step_done, cause="failure")
-        self._open = Reconfig(cause="failure", detected=t0, step_before=self.step_done,
-                              old_layout=self.plan.layout.to_dict() if self.plan else None)
-
-    def _reform(self, workers: int, snap: ClusterSnapshot, *, cause: str, reason: str, t0: float | None = None) -> None:
-        t0 = t0 or time.time()
-        try:
-            p = self._plan(workers)
-            nodes = self._assign(p, snap)
-        except (PlanError, ValueError) as e:
-            self._fail(f"cannot plan {workers} workers: {e}")
-            return
-        old = self.plan.layout.to_dict() if self.plan else None
-        if self.group is None:
-            self.group = self.worker_group_cls(self.cfg, str(self.run_dir),
-                                               cpus_per_worker=self.cfg.resources.cpus_per_worker,
-                                               gpus_per_worker=self.cfg.resources.gpus_per_worker,
-                                               job_id=self.job_id, start_timeout_s=self.opts.start_timeout_s)
-        try:
-            if self.group.size:
-                self.group.leave()
-            started, stopped = self.group.scale_to(nodes)
-            formed = self.group.form(p)
-        except WorkerFailure as e:
-            self._recover(e, tried=nodes)
-            return
-        with self._lock:
-            self.plan = p
-            resumed = formed["step"]
-            rc = self._open if self._open is not None else Reconfig(cause=cause, detected=t0, step_before=self.step_done,
-                                                                    old_layout=old)
-            cause = rc.cause  # a recovery re-forms through a "planned" start: the event says why it happened
-            rc.formed(new_layout=p.layout.to_dict(), resumed_step=resumed, started=started, stopped=stopped,
-                      world_size=p.world_size)
-            self._open = rc
-            self.step_done = resumed
-        self.sm.note("resize", reason=f"{reason}; layout {p.layout} on {p.world_size} workers "
-                                      f"({started} started, {stopped} stopped, resumed at step {resumed})",
-                     step=resumed, cause=cause, details={"plan": p.to_dict(), **rc.to_dict()})
-        self.sm.transition(S.RUNNING, reason=f"running {p.layout}", layout=p.layout, step=resumed, cause=cause)
-
-    # -- helpers -------------------------------------------------------------------------------------------
-    def _finish(self) -> None:
-        try:
-            self.committed_step = self.group.checkpoint()
-        except WorkerFailure as e:
-            self._recover(e)
-            return
-        self._shutdown_group()
-        self.sm.transition(S.SUCCEEDED, reason=f"reached step {self.total_steps}", step=self.step_done)
-
-    def _fail(self, reason: str) -> None:
-        self._shutdown_group()
-        self.sm.transition(S.FAILED, reason=reason, step=self.step_done)
-
-    def _shutdown_group(self) -> None:
-        if self.group is not None:
-            self.group.shutdown()
-            self.group = None
-
     def _apply_commands(self) -> None:
         deferred = []
         while True:
@@ -378,17 +305,23 @@ class Coordinator:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 break
-            kind = cmd[0]
-            if kind == "resize":
-                self.policy.config = self._policy_config(cmd[1], cmd[2])
+            if not self._apply(cmd):
+                deferred.append(cmd)
+        for cmd in deferred:
+            self._commands.put(cmd)
+
+    def _apply(self, cmd: Command) -> bool:
+        """Apply one user command; False to keep it for a later iteration."""
+        match cmd:
+            case SetWorkers(min_workers=lo, max_workers=hi):
+                self.policy.config = self._policy_config(lo, hi)
                 self._user_resize = True  # act now: a user's request needs no settle time
-            elif kind in ("pause", "stop"):
-                target = S.PAUSED if kind == "pause" else S.STOPPED
+            case Pause() | Stop():
+                kind, target = ("pause", S.PAUSED) if isinstance(cmd, Pause) else ("stop", S.STOPPED)
                 if self.sm.state.is_terminal or self.sm.state is target:
-                    continue
+                    return True
                 if not self.sm.can(target):  # e.g. pause while STARTING: apply once it is running
-                    deferred.append(cmd)
-                    continue
+                    return False
                 if self.group is not None:
                     try:
                         self.committed_step = self.group.checkpoint()
@@ -397,10 +330,9 @@ class Coordinator:
                                        "step %d", self.job_id, kind, e, self.committed_step)
                 self._shutdown_group()
                 self.sm.transition(target, reason=f"{kind} requested by user", step=self.step_done, cause="user")
-            elif kind == "resume" and self.sm.state is S.PAUSED:
+            case Resume() if self.sm.state is S.PAUSED:
                 self.sm.transition(S.STARTING, reason="resume requested by user", step=self.step_done, cause="user")
-        for cmd in deferred:
-            self._commands.put(cmd)
+        return True
 
     def _policy_config(self, lo: int, hi: int) -> PolicyConfig:
         return PolicyConfig(min_workers=lo, max_workers=hi, settle_seconds=self.opts.settle_seconds,
@@ -416,42 +348,17 @@ class Coordinator:
             return None
 
     def _probe(self, nodes: list[str]) -> set[str]:
-        """Mark the nodes among `nodes` that no longer place work as suspects; return them."""
-        if not nodes or self.group_probe is None:
-            return set()
-        dead = set(nodes) - self.group_probe(nodes, timeout_s=self.opts.probe_timeout_s)
-        now = self._last_reprobe = time.time()
-        for nid in dead:
-            self._suspects[nid] = now
-        return dead
+        return self.health.probe(nodes)
 
     def _reprobe(self, snap: ClusterSnapshot) -> None:
-        """Probe the suspects again (at most every `reprobe_interval_s`): a raylet that was only slow,
-        e.g. on a loaded machine, places work again and its node is usable again at once instead of
-        after `suspect_seconds`."""
-        now = time.time()
-        self._usable_nodes(snap)  # drops suspects that expired or that Ray confirmed dead
-        if not self._suspects or self.group_probe is None or now - self._last_reprobe < self.opts.reprobe_interval_s:
-            return
-        self._last_reprobe = now
-        back = self.group_probe(sorted(self._suspects), timeout_s=self.opts.probe_timeout_s)
-        for nid in back:
-            del self._suspects[nid]
-        if back:
+        if back := self.health.reprobe(snap):
             self.sm.note("capacity", reason=f"{len(back)} node(s) place work again after a failed probe: "
                                             f"{', '.join(n[:8] for n in sorted(back))}",
                          step=self.step_done, details={"nodes": sorted(back)})
 
-    def _usable_nodes(self, snap: ClusterSnapshot) -> list:
-        now = time.time()
-        self._suspects = {n: t for n, t in self._suspects.items()
-                          if now - t < self.opts.suspect_seconds and (snap.node(n) is not None and snap.node(n).alive)}
-        return [n for n in snap.usable_nodes(self.opts.include_head) if n.node_id not in self._suspects]
-
     def _slots(self, snap: ClusterSnapshot) -> dict[str, int]:
-        """Workers that fit on each usable node (alive, not draining, not a suspect)."""
         r = self.cfg.resources
-        return {n.node_id: n.workers_fit(r.cpus_per_worker, r.gpus_per_worker) for n in self._usable_nodes(snap)}
+        return self.health.slots(snap, r.cpus_per_worker, r.gpus_per_worker)
 
     def _usable(self, snap: ClusterSnapshot) -> int:
         return sum(self._slots(snap).values())
@@ -462,24 +369,5 @@ class Coordinator:
                             tp=p.layout.tp)
 
     def _our_nodes_dead(self, snap: ClusterSnapshot | None) -> bool:
-        if snap is None or self.group is None:
-            return False
-        for nid in self.group.nodes():
-            node = snap.node(nid)
-            if node is None or not node.alive:
-                return True
-        return False
+        return self.group is not None and NodeHealth.any_gone(snap, self.group.nodes())
 
-
-def _load_events(path: Path, job_id: str) -> EventLog:
-    """The job's event log, continuing this job's events already in `path` (a restarted coordinator)
-    and ignoring those of other jobs that ran in the same directory before."""
-    log = EventLog.load(path)
-    mine = [e for e in log.events if e.job_id == job_id]
-    return log if len(mine) == len(log) else EventLog(path, mine)
-
-
-def _last_logged_step(run_dir: Path) -> int:
-    """The step of the last complete line of RUN_DIR/metrics.jsonl (rank 0 writes one per step), or 0."""
-    rows = read_metrics(run_dir / "metrics.jsonl", after=0)
-    return rows[-1]["step"] if rows else 0

@@ -9,7 +9,7 @@ import logging
 import re
 from pathlib import Path
 
-from service.events import read_events
+from service.events import Event, EventLog, read_events
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +23,29 @@ def read_job_events(path: Path, job_id: str) -> list[dict]:
     except (OSError, ValueError):
         logger.warning("job %s: cannot read %s; its final state is unknown", job_id, path, exc_info=True)
         return []
+
+
+def job_events(path: Path, job_id: str) -> EventLog:
+    """The job's event log, continuing this job's events already in `path` (a restarted coordinator)
+    and ignoring those of other jobs that ran in the same directory before."""
+    log = EventLog.load(path)
+    mine = [e for e in log.events if e.job_id == job_id]
+    return log if len(mine) == len(log) else EventLog(path, mine)
+
+
+def last_logged_step(run_dir: Path) -> int:
+    """The step of the last complete line of RUN_DIR/metrics.jsonl (rank 0 writes one per step), or 0."""
+    rows = read_metrics(run_dir / "metrics.jsonl", after=0)
+    return rows[-1]["step"] if rows else 0
+
+
+def where_it_stopped(prior: list[Event], run_dir: Path) -> tuple[int, str | None, dict | None]:
+    """Where a lost coordinator of the job left it, from its events and metrics: the last step any of
+    them names, the last state it entered and the last layout it ran."""
+    last_step = max([e.step for e in prior if e.step is not None] + [last_logged_step(run_dir)])
+    last_state = next((e.to_state for e in reversed(prior) if e.kind == "transition"), None)
+    layout = next((e.new_layout for e in reversed(prior) if e.new_layout), None)
+    return last_step, last_state, layout
 
 
 def read_metrics(path: Path, *, after: int) -> list[dict]:

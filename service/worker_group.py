@@ -12,8 +12,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
@@ -32,6 +33,31 @@ class WorkerFailure(RuntimeError):
     def __init__(self, kind: str, message: str):
         super().__init__(message)
         self.kind = kind
+
+
+@runtime_checkable
+class Group(Protocol):
+    """What the coordinator needs of a worker group: `WorkerGroup` (Ray actors) is one, the fakes in
+    tests/fakes.py are others. Collective calls raise WorkerFailure when a rank dies or raises."""
+
+    @property
+    def size(self) -> int: ...
+    def nodes(self) -> Counter:
+        """Members per node id."""
+    def scale_to(self, nodes: list[str]) -> tuple[int, int]:
+        """One member per entry of `nodes`, survivors kept; returns (started, stopped)."""
+    def prewarm(self, nodes: list[str]) -> int:
+        """Start workers on `nodes` ahead of a growth, without making them members; returns how many."""
+    def form(self, plan: Plan) -> dict:
+        """(Re-)form the process group for `plan`; returns {"step": resumed step, ...}."""
+    def run(self, *, until_step: int, steps: int, should_abort: Callable[[], bool] = ...) -> list[dict]:
+        """Train `steps` steps on every rank; rank 0's metrics rows."""
+    def checkpoint(self) -> int:
+        """Save at the current step, wait for the commit; returns the step."""
+    def leave(self) -> None:
+        """Drop the process group, keep the processes."""
+    def shutdown(self) -> None:
+        """Stop every worker (and spare)."""
 
 
 @dataclass

@@ -63,6 +63,9 @@ class FakeGroup:
         self.members = list(nodes)
         return started, stopped
 
+    def prewarm(self, nodes):
+        return 0
+
     def form(self, plan):
         self.plan = plan
         self.step = self.disk.committed

@@ -208,3 +208,24 @@ def test_status_reports_layout_and_world_size_of_one_plan_while_a_group_re_forms
     for st in seen + [c.status().to_dict()]:
         lay = st["layout"]
         assert lay["dp_replicate"] * lay["dp_shard"] * lay["tp"] * lay["pp"] == st["world_size"], st
+
+
+def test_the_real_group_and_the_fakes_satisfy_the_group_protocol(tmp_path):
+    from service.worker_group import Group, WorkerGroup
+    from tests.fakes import FakeGroup, GatedGroup
+
+    for cls in (WorkerGroup, FakeGroup, GatedGroup):
+        missing = [m for m in ("nodes", "scale_to", "prewarm", "form", "run", "checkpoint", "leave", "shutdown",
+                               "size") if not hasattr(cls, m)]
+        assert not missing, (cls.__name__, missing)
+    c, _, G = make_coordinator(tmp_path, {"a": 2})
+    advance(c, lambda c: c.group is not None)
+    assert isinstance(c.group, Group)
+
+
+def test_each_acting_state_has_one_handler(tmp_path):
+    from service.state import JobState
+
+    c, _, _ = make_coordinator(tmp_path, {"a": 2})
+    acting = {s for s in JobState if not s.is_terminal and s is not JobState.PAUSED}
+    assert set(c._handlers) == acting

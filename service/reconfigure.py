@@ -1,0 +1,116 @@
+"""How a coordinator's worker group changes: a planned resize (checkpoint, then re-form), a recovery
+(tear down, resume from the last committed checkpoint), a re-form onto a new plan, and the two ends
+(SUCCEEDED after a final checkpoint, FAILED). Part of `service.coordinator.Coordinator`, kept apart so
+that file is the state machine (which handler runs when) and this one is what the handlers do to the
+group; every move is recorded through the coordinator's state machine (`self.sm`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from parallel.planner import PlanError
+from service.cluster import ClusterSnapshot
+from service.policy import Failure
+from service.reconfig import Reconfig
+from service.state import JobState as S
+from service.worker_group import WorkerFailure
+
+if TYPE_CHECKING:
+    from service.coordinator import Coordinator
+
+
+class GroupLifecycle:
+    """Methods of Coordinator (a mixin: `self` is the coordinator)."""
+
+    def _planned_resize(self: Coordinator, workers: int, snap: ClusterSnapshot, *, cause: str, reason: str) -> None:
+        """Checkpoint at the current step, then re-form at `workers` (0: release everything and wait)."""
+        t0 = time.time()
+        if cause == "preemption":
+            self.sm.note("preemption", reason=reason, step=self.step_done, cause=cause,
+                         details={"draining": snap.draining()})
+        self.sm.transition(S.RESIZING, reason=reason, step=self.step_done, cause=cause)
+        try:
+            self.committed_step = self.group.checkpoint()
+            self.sm.note("checkpoint", reason=f"flushed at step {self.committed_step} before resize",
+                         step=self.committed_step, cause=cause)
+        except WorkerFailure as e:  # e.g. the draining node died before the save finished: fall back
+            self._recover(e)
+            return
+        if workers == 0:
+            self._shutdown_group()
+            self.sm.transition(S.WAITING_FOR_CAPACITY, reason=reason, step=self.step_done)
+            return
+        self._reform(workers, self.watcher.latest or snap, cause=cause, reason=reason, t0=t0)
+
+    def _recover(self: Coordinator, err: WorkerFailure, *, tried: list[str] = ()) -> None:
+        """`tried`: the nodes a failed re-form was placing workers on (not members yet, but just as
+        likely to be the dead ones: e.g. a node killed right after the probe of the previous failure)."""
+        t0 = time.time()
+        with self._lock:
+            self.failures.append(Failure(time=t0, kind=err.kind, error=str(err)))
+        nodes = sorted(set(self.group.nodes() if self.group is not None else ()) | set(tried))
+        self._shutdown_group()
+        dead = self._probe(nodes)
+        self.sm.note("failure", reason=str(err), step=self.step_done, cause="failure",
+                     details={"kind": err.kind, "unresponsive_nodes": sorted(dead)})
+        if self.sm.can(S.RECOVERING):
+            self.sm.transition(S.RECOVERING, reason=str(err), step=self.step_done, cause="failure")
+        self._open = Reconfig(cause="failure", detected=t0, step_before=self.step_done,
+                              old_layout=self.plan.layout.to_dict() if self.plan else None)
+
+    def _reform(self: Coordinator, workers: int, snap: ClusterSnapshot, *, cause: str, reason: str, t0: float | None = None) -> None:
+        t0 = t0 or time.time()
+        try:
+            p = self._plan(workers)
+            nodes = self._assign(p, snap)
+        except (PlanError, ValueError) as e:
+            self._fail(f"cannot plan {workers} workers: {e}")
+            return
+        old = self.plan.layout.to_dict() if self.plan else None
+        if self.group is None:
+            self.group = self.worker_group_cls(self.cfg, str(self.run_dir),
+                                               cpus_per_worker=self.cfg.resources.cpus_per_worker,
+                                               gpus_per_worker=self.cfg.resources.gpus_per_worker,
+                                               job_id=self.job_id, start_timeout_s=self.opts.start_timeout_s)
+        try:
+            if self.group.size:
+                self.group.leave()
+            started, stopped = self.group.scale_to(nodes)
+            formed = self.group.form(p)
+        except WorkerFailure as e:
+            self._recover(e, tried=nodes)
+            return
+        with self._lock:
+            self.plan = p
+            resumed = formed["step"]
+            rc = self._open if self._open is not None else Reconfig(cause=cause, detected=t0, step_before=self.step_done,
+                                                                    old_layout=old)
+            cause = rc.cause  # a recovery re-forms through a "planned" start: the event says why it happened
+            rc.formed(new_layout=p.layout.to_dict(), resumed_step=resumed, started=started, stopped=stopped,
+                      world_size=p.world_size)
+            self._open = rc
+            self.step_done = resumed
+        self.sm.note("resize", reason=f"{reason}; layout {p.layout} on {p.world_size} workers "
+                                      f"({started} started, {stopped} stopped, resumed at step {resumed})",
+                     step=resumed, cause=cause, details={"plan": p.to_dict(), **rc.to_dict()})
+        self.sm.transition(S.RUNNING, reason=f"running {p.layout}", layout=p.layout, step=resumed, cause=cause)
+
+    def _finish(self) -> None:
+        try:
+            self.committed_step = self.group.checkpoint()
+        except WorkerFailure as e:
+            self._recover(e)
+            return
+        self._shutdown_group()
+        self.sm.transition(S.SUCCEEDED, reason=f"reached step {self.total_steps}", step=self.step_done)
+
+    def _fail(self: Coordinator, reason: str) -> None:
+        self._shutdown_group()
+        self.sm.transition(S.FAILED, reason=reason, step=self.step_done)
+
+    def _shutdown_group(self) -> None:
+        if self.group is not None:
+            self.group.shutdown()
+            self.group = None
