@@ -132,10 +132,11 @@ class Layout:
     @classmethod
     def parse(cls, text: str, *, dp_mode: str = "shard") -> "Layout":
         """Parse "dp=2,tp=2,pp=1" (dp=N means N-way data parallel in `dp_mode`: "shard" = FSDP,
-        "replicate" = DDP-style) or the explicit "dp_replicate=2,dp_shard=2,tp=1,pp=1".
+        "replicate" = DDP-style, "auto" = shard: the planner's "auto" chooses for the layouts it plans,
+        a written layout says what it means) or the explicit "dp_replicate=2,dp_shard=2,tp=1,pp=1".
         Unspecified axes default to 1."""
-        if dp_mode not in ("shard", "replicate"):
-            raise ValueError(f"dp_mode must be 'shard' or 'replicate', got {dp_mode!r}")
+        if dp_mode not in ("auto", "shard", "replicate"):
+            raise ValueError(f"dp_mode must be 'auto', 'shard' or 'replicate', got {dp_mode!r}")
         if not isinstance(text, str) or not text.strip():
             raise ValueError("empty layout; expected something like 'dp=2,tp=2,pp=1'")
         values: dict[str, int] = {}
@@ -153,7 +154,7 @@ class Layout:
             raise ValueError(f"give either dp= or dp_replicate=/dp_shard= in {text!r}, not both")
         dp = values.pop("dp", None)
         if dp is not None:
-            values["dp_shard" if dp_mode == "shard" else "dp_replicate"] = dp
+            values["dp_replicate" if dp_mode == "replicate" else "dp_shard"] = dp
         return cls(**values)
 
     # -- mesh --------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 Pure: no torch import, runs in microseconds.
 
 Candidates are all (dp, tp, pp) with dp * tp * pp = w; dp goes to dp_shard (FSDP) or dp_replicate per
-`Constraints.dp_mode`. Valid: tp divides n_heads, n_kv_heads, vocab_size (vocab-parallel embedding and
+`Constraints.dp_mode`; "auto" replicates where replicas fit (see `replicate_fits`) and shards otherwise. Valid: tp divides n_heads, n_kv_heads, vocab_size (vocab-parallel embedding and
 loss) and ffn_hidden, tp <= max_tp, tp divides gpus_per_node (TP stays inside a node); pp <= n_layers,
 pp <= max_pp; forced tp/pp match; dp divides global_batch_size; and some micro batch mb (a divisor of
 global_batch_size / dp, <= micro_batch_size) gives grad_accum_steps >= pp when pp > 1 (1F1B needs a
@@ -48,6 +48,9 @@ _HINTS = {  # failure kind -> what the user can change
 }
 
 
+DP_MODES = ("auto", "shard", "replicate")
+
+
 class PlanError(ValueError):
     """No valid layout exists for the offered workers; the message says why, with numbers."""
 
@@ -68,7 +71,10 @@ class Constraints:
     seq_len: int
     """Tokens per sample."""
     dp_mode: str = "shard"
-    """"shard": dp goes to dp_shard (FSDP); "replicate": dp goes to dp_replicate."""
+    """"shard": dp goes to dp_shard (FSDP); "replicate": dp goes to dp_replicate; "auto": dp_replicate
+    where the replicas fit (`replicate_fits`), dp_shard otherwise."""
+    device_type: str | None = None
+    """"cpu" or "cuda" where the job runs, None if not known. Only dp_mode "auto" reads it."""
     layout: Layout | None = None
     """Force this exact layout. It fixes the worker count (min_workers and max_workers do not apply)."""
     tp: int | None = None
@@ -100,8 +106,10 @@ class Constraints:
             raise ValueError(f"layout must be a Layout, got {self.layout!r}")
         if self.layout is not None and (self.tp is not None or self.pp is not None):
             raise ValueError(f"a forced layout {self.layout} fixes tp and pp; do not force them as well")
-        if self.dp_mode not in ("shard", "replicate"):
-            raise ValueError(f"dp_mode must be 'shard' or 'replicate', got {self.dp_mode!r}")
+        if self.dp_mode not in DP_MODES:
+            raise ValueError(f"dp_mode must be one of {DP_MODES}, got {self.dp_mode!r}")
+        if self.device_type not in ("cpu", "cuda", None):
+            raise ValueError(f"device_type must be 'cpu', 'cuda' or None, got {self.device_type!r}")
         if self.memory_budget_bytes is not None and not self.memory_budget_bytes > 0:
             raise ValueError(f"memory_budget_bytes must be > 0, got {self.memory_budget_bytes!r}")
         if self.max_workers is not None and self.max_workers < self.min_workers:
@@ -194,6 +202,37 @@ class _Choice(NamedTuple):
     mb: int
     memory: float
     mb_notes: tuple[str, ...]  # why mb is below the asked micro_batch_size
+    dp_note: str = ""  # what dp_mode "auto" chose, and why
+
+
+def replicate_fits(memory_bytes: float, c: Constraints) -> bool:
+    """dp_mode "auto": whether full replicas (estimated `memory_bytes` per device at the micro batch
+    sharding would get) are the better data parallelism.
+
+    With a memory budget: when the estimate fits it, on any device. Without one: on CPU only. There
+    FSDP's extra collectives (gloo blocks, so a gather per unit per step overlaps nothing) cost time
+    while the memory they save, on a host with the whole model in RAM anyway, buys nothing measurable;
+    on GPUs, where memory is the scarce thing and NCCL overlaps the gathers, an unknown budget keeps
+    today's choice (shard), as does an unknown device."""
+    if c.memory_budget_bytes is not None:
+        return memory_bytes <= c.memory_budget_bytes
+    return c.device_type == "cpu"
+
+
+def _auto_dp(got: _Choice, model: ModelConfig, c: Constraints) -> _Choice:
+    """dp_mode "auto": turn a sharded choice into replicas at the same micro batch where they fit."""
+    lay = got.layout
+    if lay.dp_shard == 1:
+        return got
+    rep = Layout(dp_replicate=lay.dp_shard, tp=lay.tp, pp=lay.pp)
+    m = estimate_memory(model, rep, micro_batch_size=got.mb, seq_len=c.seq_len, param_bytes=c.param_bytes)
+    if replicate_fits(m, c):
+        why = (f"replicas fit the budget (est. {m / _GIB:.2f} GiB)" if c.memory_budget_bytes is not None
+               else "no memory budget on CPU, where sharding buys nothing")
+        return got._replace(layout=rep, memory=m, dp_note=f"dp_mode auto: replicate, {why}")
+    why = (f"replicas would need {m / _GIB:.2f} GiB{_budget(c)}" if c.memory_budget_bytes is not None
+           else f"no memory budget on device {c.device_type or 'unknown'}")
+    return got._replace(dp_note=f"dp_mode auto: shard, {why}")
 
 
 def _evaluate(layout: Layout, model: ModelConfig, c: Constraints, forced: bool = False) -> _Choice | _Fail:
@@ -243,7 +282,7 @@ def _try_size(w: int, model: ModelConfig, c: Constraints) -> tuple[_Choice | Non
         forced = " and ".join(f"{n}={v}" for n, v in (("tp", c.tp), ("pp", c.pp)) if v)
         return None, [_Fail("forced", f"{forced} (forced) needs a multiple of {need}")]
     fails: list[_Fail] = []
-    dp_axis = "dp_shard" if c.dp_mode == "shard" else "dp_replicate"
+    dp_axis = "dp_replicate" if c.dp_mode == "replicate" else "dp_shard"
     for tp in _divisors(w) if c.tp is None else [c.tp]:
         if why := _tp_problem(tp, model, c):
             fails.append(_Fail("tp", why))
@@ -256,7 +295,7 @@ def _try_size(w: int, model: ModelConfig, c: Constraints) -> tuple[_Choice | Non
                 continue
             got = _evaluate(Layout(tp=tp, pp=pp, **{dp_axis: w // (tp * pp)}), model, c)
             if isinstance(got, _Choice):
-                return got, fails
+                return (_auto_dp(got, model, c) if c.dp_mode == "auto" else got), fails
             fails.append(got)
     return None, fails
 
@@ -389,6 +428,8 @@ def plan(world_size: int, model: ModelConfig, constraints: Constraints) -> Plan:
     else:
         body = "as much data parallelism as the forced degrees allow"
     reasons.append(f"{head}: {body}; est. {choice.memory / _GIB:.2f} GiB per device{_budget(c)}")
+    if choice.dp_note:
+        reasons.append(choice.dp_note)
     if choice.mb_notes:
         reasons.append(f"micro_batch_size={choice.mb} (asked {c.micro_batch_size}): {', '.join(choice.mb_notes)}")
     return Plan(layout=lay, world_size=w, available=world_size, micro_batch_size=choice.mb,

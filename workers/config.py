@@ -183,8 +183,11 @@ class ParallelConfig:
     """Most workers the job will use."""
     layout: str | None = None
     """Force a layout, e.g. "dp=2,tp=2,pp=1"; otherwise the planner chooses per world size."""
-    dp_mode: Literal["shard", "replicate"] = "shard"
-    """What dp=N means: FSDP2 sharding (shard) or replication (replicate)."""
+    dp_mode: Literal["auto", "shard", "replicate"] = "auto"
+    """How planned layouts spend data parallelism: FSDP2 sharding (shard), replication (replicate), or
+    auto: replicate where the replicas fit (a memory_budget_gb that holds them; without one, on CPU
+    only), shard otherwise (`parallel.planner.replicate_fits`). In a written layout dp=N means
+    dp_shard=N unless this is replicate."""
     tp: int | None = None
     """Force this TP degree in planned layouts."""
     pp: int | None = None
@@ -205,6 +208,8 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         _positive("parallel", self, "min_workers", "max_workers", "tp", "pp", "max_tp", "max_pp",
                   "gpus_per_node", "memory_budget_gb")
+        if self.dp_mode not in ("auto", "shard", "replicate"):
+            raise ConfigError(f"parallel.dp_mode must be one of auto, shard, replicate, got {self.dp_mode!r}")
         if self.min_workers > self.max_workers:
             raise ConfigError(
                 f"parallel.min_workers={self.min_workers} is greater than parallel.max_workers={self.max_workers}"
@@ -287,26 +292,37 @@ class JobConfig:
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def job_constraints(cfg: JobConfig, *, layout: str | Layout | None = None, **overrides: Any) -> Constraints:
+def job_device_type(cfg: JobConfig) -> str:
+    """Where the job's workers compute, as far as the config says: cuda when it asks for cuda or gives
+    workers GPUs; cpu otherwise (device auto on workers without GPUs picks the CPU)."""
+    r = cfg.resources
+    return "cuda" if r.device == "cuda" or (r.device == "auto" and r.gpus_per_worker > 0) else "cpu"
+
+
+def job_constraints(cfg: JobConfig, *, layout: str | Layout | None = None, device_type: str | None = None,
+                    **overrides: Any) -> Constraints:
     """What the planner must respect for `cfg`: the one place a job config becomes planner input.
     `layout` (text or a Layout) replaces parallel.layout; a forced layout fixes tp and pp, so the
-    config's tp/pp do not go with it. `overrides` replace Constraints fields (e.g. max_workers)."""
+    config's tp/pp do not go with it. `device_type` is the device the ranks run on where the caller
+    knows it (torchrun), else `job_device_type(cfg)`. `overrides` replace Constraints fields."""
     pc = cfg.parallel
     text = layout or pc.layout
     forced = Layout.parse(text, dp_mode=pc.dp_mode) if isinstance(text, str) else text
     kw: dict[str, Any] = dict(
         global_batch_size=cfg.train.global_batch_size, micro_batch_size=cfg.train.micro_batch_size,
-        seq_len=cfg.data.seq_len, dp_mode=pc.dp_mode, layout=forced, tp=None if forced else pc.tp,
+        seq_len=cfg.data.seq_len, dp_mode=pc.dp_mode, device_type=device_type or job_device_type(cfg),
+        layout=forced, tp=None if forced else pc.tp,
         pp=None if forced else pc.pp, max_tp=pc.max_tp, max_pp=pc.max_pp, gpus_per_node=pc.gpus_per_node,
         memory_budget_bytes=pc.memory_budget_gb * 2**30 if pc.memory_budget_gb else None,
         min_workers=pc.min_workers, max_workers=pc.max_workers)
     return Constraints(**{**kw, **overrides})
 
 
-def job_plan(cfg: JobConfig, world_size: int, *, layout: str | Layout | None = None) -> Plan:
+def job_plan(cfg: JobConfig, world_size: int, *, layout: str | Layout | None = None,
+             device_type: str | None = None) -> Plan:
     """The plan for exactly `world_size` ranks (torchrun, a test, a benchmark): `layout`, else the
     config's parallel.layout, else the planner's choice. ValueError, in one line, when none uses them all."""
-    c = job_constraints(cfg, layout=layout)
+    c = job_constraints(cfg, layout=layout, device_type=device_type)
     if c.layout is not None:
         c.layout.check_world_size(world_size)
     else:

@@ -63,14 +63,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config)
         check_data_path(cfg.data)
-        plan = job_plan(cfg, world_size, layout=args.layout)
+        device = pick_device(cfg.resources.device)
+        plan = job_plan(cfg, world_size, layout=args.layout, device_type=device.type)
         layout = plan.layout
         steps = args.steps if args.steps is not None else cfg.train.steps
         if steps < 1:
             raise ConfigError(f"--steps must be >= 1, got {steps}")
         if rank == 0:
             check_run_dir(cfg, args.run_dir)
-        device = pick_device(cfg.resources.device)
     except (ConfigError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

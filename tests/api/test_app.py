@@ -53,7 +53,8 @@ def test_a_job_runs_to_success_and_reports_state_metrics_events_checkpoints(env)
     assert run_dir.startswith(str(env.tmp / "runs")) and job_id in run_dir
     j = wait_for(lambda: state_is(env, job_id, "SUCCEEDED"), what="SUCCEEDED")
     assert j["step"] == j["total_steps"] == 20 and j["committed_step"] == 20
-    assert j["layout"] == {"dp_replicate": 1, "dp_shard": 4, "tp": 1, "pp": 1}
+    # parallel.dp_mode auto on CPU without a memory budget: replicas (DDP), not FSDP
+    assert j["layout"] == {"dp_replicate": 4, "dp_shard": 1, "tp": 1, "pp": 1}
     assert j["degrees"] == {"dp": 4, "tp": 1, "pp": 1}
     assert j["loss"] == pytest.approx(10.0 / 20) and j["tokens_per_s"] == pytest.approx(1200.0)
     assert j["reconfigurations"] == {"planned": 1} and j["steps_lost"] == 0 and j["spec"] == SPEC

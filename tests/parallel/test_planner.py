@@ -368,3 +368,43 @@ def test_huge_model_sizes_and_worker_counts_plan_in_bounded_time() -> None:
     assert plan(100_000, PRESETS["tiny"], Constraints(global_batch_size=16777213, micro_batch_size=1,
                                                       seq_len=64, max_tp=1, max_pp=1)).world_size == 1
     assert time.perf_counter() - t0 < 5.0  # in practice ~0.1 s; minutes before the search was bounded
+
+
+def test_dp_mode_auto_replicates_on_cpu_and_where_a_budget_holds_the_replicas() -> None:
+    m = PRESETS["small"]
+    base = dict(global_batch_size=16, micro_batch_size=4, seq_len=128, dp_mode="auto")
+    cpu = plan(4, m, Constraints(**base, device_type="cpu"))
+    assert cpu.layout == Layout(dp_replicate=4)
+    assert any("dp_mode auto: replicate" in r and "CPU" in r for r in cpu.reasons)
+    # No budget on a GPU (or an unknown device) keeps today's choice: shard.
+    for device in ("cuda", None):
+        p = plan(4, m, Constraints(**base, device_type=device))
+        assert p.layout == Layout(dp_shard=4), device
+        assert any("dp_mode auto: shard" in r for r in p.reasons)
+    shard = plan(4, m, Constraints(**{**base, "dp_mode": "shard"}))
+    rep = plan(4, m, Constraints(**{**base, "dp_mode": "replicate"}))
+    # A budget decides on any device: replicas when they fit at the micro batch sharding gets ...
+    roomy = plan(4, m, Constraints(**base, device_type="cuda", memory_budget_bytes=rep.memory_bytes))
+    assert roomy.layout == Layout(dp_replicate=4) and roomy.micro_batch_size == shard.micro_batch_size
+    # ... FSDP when they do not, on CPU too (sharding is what makes it fit).
+    tight = Constraints(**base, device_type="cpu", memory_budget_bytes=(rep.memory_bytes + shard.memory_bytes) / 2)
+    p = plan(4, m, tight)
+    assert p.layout == Layout(dp_shard=4) and p.micro_batch_size == shard.micro_batch_size
+    assert any("replicas would need" in r for r in p.reasons)
+
+
+def test_dp_mode_auto_keeps_tp_and_pp_and_leaves_dp1_alone() -> None:
+    m = PRESETS["small"]
+    base = dict(global_batch_size=16, micro_batch_size=4, seq_len=128, dp_mode="auto", device_type="cpu")
+    assert plan(4, m, Constraints(**base, tp=2)).layout == Layout(dp_replicate=2, tp=2)
+    assert plan(2, m, Constraints(**base, tp=2)).layout == Layout(tp=2)
+    assert plan(1, m, Constraints(**base)).layout == Layout()
+    # A forced layout is what it says: "dp=2" under auto is dp_shard=2, as before.
+    forced = Layout.parse("dp=2", dp_mode="auto")
+    assert forced == Layout(dp_shard=2)
+    assert plan(2, m, Constraints(**base, layout=forced)).layout == forced
+
+
+def test_device_type_is_checked() -> None:
+    with pytest.raises(ValueError, match="device_type"):
+        Constraints(global_batch_size=8, micro_batch_size=1, seq_len=8, device_type="tpu")

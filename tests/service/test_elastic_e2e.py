@@ -160,7 +160,7 @@ def test_planned_resize_redoes_no_steps(cluster, nodes, reference, tmp_path):
     hold.release()
     (rc,) = finish(coord, t, reference)
     assert rc.cause == "user" and rc.steps_lost == 0 and rc.resumed_step == rc.step_before
-    assert rc.old_layout["dp_shard"] == 2 and rc.world_size == 1
+    assert rc.old_layout["dp_replicate"] * rc.old_layout["dp_shard"] == 2 and rc.world_size == 1
     assert rc.started == 0 and rc.stopped == 1  # the surviving actor was reused
 
 
