@@ -1,7 +1,7 @@
 """Training throughput on CPU: Elastron's Trainer against plain PyTorch loops of the same model, side by side.
 
     cd /work/main && .venv/bin/python benchmarks/throughput.py [--steps 3] [--reps 12] [--warmup 3]
-        [--no-phases] [--only ws1|ws2] [--json out.json] [--dim 256 --n-layers 4 ... (model overrides)]
+        [--no-phases] [--only ws1|ws2] [--variants ddp,default,...] [--json out.json] [--dim 256 --n-layers 4 ... (model overrides)]
 
 Same model (the `small` preset shrunk to dim 256, 4 layers, 4 heads / 2 KV heads, FFN 704: 3.1M
 parameters, vocabulary 256), same data (synthetic tokens, seq_len 128), global batch 8, micro batch 2,
@@ -21,6 +21,8 @@ AdamW (foreach) with grad clipping at 1.0, fp32, constant LR, for every variant:
     fsdp              Elastron dp_shard=2 (FSDP2)                                            target >= 0.95x
     replicate         Elastron dp_replicate=2 (fp32, so DDP via composable `replicate()`)    target >= 0.95x
     tp, pp            Elastron tp=2 and pp=2 (1F1B), for information (ratios to ddp)
+    default           Elastron under the layout the planner picks for 2 CPU ranks from the job config
+                      (`job_plan`; with parallel.dp_mode auto: dp_replicate=2)                target >= 0.95x
 
 Every rank runs with OMP_NUM_THREADS=1 (tests.multiproc.run_ranks), so a world-size-2 run uses both
 cores. All variants of a world size live in the same process(es) and consume the same global batches;
@@ -55,11 +57,11 @@ sys.path.insert(0, str(ROOT))
 
 TARGET = 0.95
 WS1 = ("plain", "elastron", "elastron+metrics", "elastron+ckpt")
-WS2 = ("ddp", "fsdp", "replicate", "tp", "pp")
+WS2 = ("ddp", "default", "fsdp", "replicate", "tp", "pp")
 LAYOUTS = {"fsdp": "dp_shard=2", "replicate": "dp_replicate=2", "tp": "tp=2", "pp": "pp=2"}
 BASELINE = {"elastron": "plain", "elastron+metrics": "plain", "elastron+ckpt": "plain",
-            "fsdp": "ddp", "replicate": "ddp", "tp": "ddp", "pp": "ddp"}
-TARGETED = ("elastron", "fsdp", "replicate")
+            "fsdp": "ddp", "replicate": "ddp", "tp": "ddp", "pp": "ddp", "default": "ddp"}
+TARGETED = ("elastron", "fsdp", "replicate", "default")
 
 
 def _cfg(a: argparse.Namespace, *, ckpt_dir: str | None = None, ckpt_interval: int = 1_000_000) -> dict:
@@ -237,6 +239,14 @@ def _body(args: dict, variants: tuple[str, ...]) -> dict:
             ckpt_dir = os.path.join(run_dir, "checkpoints")
             cfg = JobConfig.from_dict(_cfg(a, ckpt_dir=ckpt_dir, ckpt_interval=every))
             runners[v] = ElastronLoop(cfg, "dp=1", run_dir)
+        elif v == "default":
+            from workers.config import job_plan
+
+            cfg = JobConfig.from_dict(_cfg(a))
+            lay = str(job_plan(cfg, ws, device_type="cpu").layout)
+            if rank == 0:
+                print(f"default: the planner's layout for {ws} CPU ranks is {lay}", file=sys.stderr, flush=True)
+            runners[v] = ElastronLoop(cfg, lay, None)
         else:
             cfg = JobConfig.from_dict(_cfg(a))
             runners[v] = ElastronLoop(cfg, LAYOUTS.get(v, "dp=1"), None)
@@ -337,6 +347,7 @@ LABELS = {
     "elastron+ckpt": "Elastron Trainer, run_dir (metrics + async ckpt every block)",
     "ddp": "DDP, 2 gloo ranks (torchrun-style)", "fsdp": "Elastron dp_shard=2 (FSDP2)",
     "replicate": "Elastron dp_replicate=2 (DDP)", "tp": "Elastron tp=2", "pp": "Elastron pp=2 (1F1B)",
+    "default": "Elastron, the planner's default layout",
 }
 
 
@@ -384,6 +395,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--no-phases", dest="phases", action="store_false",
                    help="skip the per-phase breakdown of Elastron steps (one extra untimed block each)")
     p.add_argument("--only", choices=("ws1", "ws2"), default=None)
+    p.add_argument("--variants", default=None,
+                   help="comma-separated subset of the variants (each world size keeps its baseline first)")
     p.add_argument("--json", default=None, help="also write the JSON here")
     a = p.parse_args(argv)
 
@@ -402,6 +415,11 @@ def main(argv: list[str] | None = None) -> dict:
     for ws, variants in ((1, WS1), (2, WS2)):
         if a.only and a.only != f"ws{ws}":
             continue
+        if a.variants:
+            keep = set(a.variants.split(","))
+            variants = tuple(v for i, v in enumerate(variants) if i == 0 or v in keep)
+            if len(variants) == 1:
+                continue
         print(f"world size {ws}: {', '.join(variants)} ...", file=sys.stderr, flush=True)
         res = run_ranks(ws, _body, vars(a), variants, timeout=timeout)[0]
         summary.update(_summarise(res, variants, tokens_per_step, a.steps))
