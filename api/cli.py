@@ -27,26 +27,17 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from workers.config import check_data_path, job_plan, load_config
-    from workers.local import launch_local
-    from workers.train import check_run_dir
+    from service.driver import check_local_job, run_local
 
     # Fail fast, with one line, before starting any rank: the checks every rank would make.
-    cfg = load_config(args.config)
-    check_data_path(cfg.data)
-    if args.nproc < 1:
-        raise CLIError(f"--nproc must be >= 1, got {args.nproc}")
-    if args.steps is not None and args.steps < 1:
-        raise CLIError(f"--steps must be >= 1, got {args.steps}")
-    job_plan(cfg, args.nproc, layout=args.layout)
-    check_run_dir(cfg, args.run_dir)
-    return launch_local(args.config, nproc=args.nproc, run_dir=args.run_dir, layout=args.layout, steps=args.steps)
+    check_local_job(args.config, nproc=args.nproc, layout=args.layout, steps=args.steps, run_dir=args.run_dir)
+    return run_local(args.config, nproc=args.nproc, run_dir=args.run_dir, layout=args.layout, steps=args.steps)
 
 
 def _cmd_ckpt_inspect(args: argparse.Namespace) -> int:
-    from parallel.checkpoint import inspect
+    from service.tools import inspect_checkpoint
 
-    info = inspect(args.path)
+    info = inspect_checkpoint(args.path)
     if args.json:
         print(json.dumps(info, indent=2, default=str))
     else:
@@ -75,7 +66,7 @@ def _cmd_ckpt_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from parallel.export import export_checkpoint
+    from service.tools import export_checkpoint
 
     out = export_checkpoint(args.path, args.out, overwrite=args.overwrite)
     print(f"wrote Hugging Face Llama checkpoint to {out}")

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import json
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 from api.progress import Progress, reconfig_table
 from api.render import line_chart
-from workers.config import JobConfig
 
 DEMO_CONFIG = {
     "name": "demo",
@@ -46,7 +44,8 @@ def run_demo(*, steps: int = 100, workers: int = 4, run_dir: str | None = None, 
     from ray.cluster_utils import Cluster
 
     from service.cluster import drain_node
-    from service.coordinator import Coordinator, CoordinatorOptions
+    from service.driver import JobRunner
+    from service.specs import validate_spec
 
     if steps < 20 or workers < 3:
         raise ValueError(f"the demo needs --steps >= 20 and --workers >= 3 to show its events, "
@@ -56,7 +55,7 @@ def run_demo(*, steps: int = 100, workers: int = 4, run_dir: str | None = None, 
     cfg_dict = json.loads(json.dumps(DEMO_CONFIG))
     cfg_dict["train"]["steps"] = steps
     cfg_dict["parallel"]["max_workers"] = workers
-    cfg = JobConfig.from_dict(cfg_dict)
+    cfg = validate_spec(cfg_dict)  # parsed once, as the REST API would; the runner gets the JobConfig
     rd = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="elastron-demo-"))
     print(f"elastron demo: {workers} simulated nodes, tiny model on the stdlib corpus, {steps} steps, run dir {rd}",
           flush=True)
@@ -65,13 +64,11 @@ def run_demo(*, steps: int = 100, workers: int = 4, run_dir: str | None = None, 
     try:
         nodes = [cluster.add_node(num_cpus=1) for _ in range(workers)]
         ray.init(address=cluster.address, log_to_driver=False)
-        coord = Coordinator(cfg, run_dir=rd, job_id="demo",
-                            options=CoordinatorOptions(settle_seconds=2.0, chunk_seconds=0.3, poll_interval_s=0.25))
         progress = Progress(steps)
-        result: dict = {}
-        runner = threading.Thread(target=lambda: result.update(state=coord.run(lambda c: progress.update(c.status()))),
-                                  daemon=True)
-        runner.start()
+        runner = JobRunner("demo", cfg, run_dir=rd, options={"settle_seconds": 2.0, "chunk_seconds": 0.3,
+                                                             "poll_interval_s": 0.25},
+                           on_tick=lambda c: progress.update(c.status()))
+        coord = runner.coord
 
         def at_step(n):
             _wait(lambda: coord.step_done >= n and str(coord.sm.state) == "RUNNING", 300, f"step {n}", coord)
@@ -102,20 +99,20 @@ def run_demo(*, steps: int = 100, workers: int = 4, run_dir: str | None = None, 
     finally:
         ray.shutdown()
         cluster.shutdown()
-    return _summary(coord, rd, t_start, json_path)
+    return _summary(runner, rd, t_start, json_path)
 
 
-def _summary(coord, rd: Path, t_start: float, json_path: str | None) -> int:
-    st = coord.status()
-    recs = [r.to_dict() for r in coord.reconfigs]
-    losses = [m["loss"] for m in coord.metrics_since(0)]
+def _summary(runner, rd: Path, t_start: float, json_path: str | None) -> int:
+    st = runner.status()
+    recs = runner.reconfigs()
+    losses = [m["loss"] for m in runner.metrics_since(0)]
     print()
     print(line_chart(losses, label="loss"))
     print()
     print("layout timeline:")
     print(reconfig_table(recs))
     wall = time.time() - t_start
-    print(f"\njob {st.state} at step {st.step}/{coord.total_steps}, final loss "
+    print(f"\njob {st.state} at step {st.step}/{st.total_steps}, final loss "
           f"{st.loss:.4f}, {wall:.0f} s wall; events in {rd / 'events.jsonl'}")
     if json_path:
         Path(json_path).write_text(json.dumps({"status": st.to_dict(), "reconfigs": recs, "losses": losses, "wall_s": wall},

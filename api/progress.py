@@ -6,15 +6,11 @@ import sys
 import time
 
 from api.render import table
-from service.status import JobStatus
+from service.status import JobStatus, layout_short
 
 
 def layout_text(d: dict | None) -> str:
-    if not d:
-        return "-"
-    from parallel.layout import Layout
-
-    return Layout.from_dict(d).short()
+    return layout_short(d)
 
 
 class Progress:

@@ -62,40 +62,33 @@ def connect_ray(address: str | None, *, num_cpus: int | None = None) -> None:
 def run_job(config: str, *, address: str | None = None, workers: int | None = None, layout: str | None = None,
             steps: int | None = None, run_dir: str | None = None, settle_seconds: float = 10.0,
             json_path: str | None = None) -> int:
-    from parallel.layout import Layout
-    from service.coordinator import Coordinator, CoordinatorOptions
-    from workers.config import check_data_path, job_plan, load_config
-    from workers.train import check_run_dir
+    import uuid
 
-    cfg = load_config(config)  # the spec is parsed here, once; the coordinator and the workers get `cfg`
-    check_data_path(cfg.data)
-    if workers is not None and layout is not None:
-        raise ValueError("give --workers or --layout, not both")
-    if steps is not None and steps < 1:
-        raise ValueError(f"--steps must be >= 1, got {steps}")
-    if layout is not None:  # the planner judges it now, before Ray starts
-        job_plan(cfg, Layout.parse(layout, dp_mode=cfg.parallel.dp_mode).world_size, layout=layout)
-    rd = Path(run_dir or Path("runs") / cfg.name)
-    check_run_dir(cfg, rd)  # before Ray: a run that cannot write its events must not start
+    from service.driver import JobRunner, load_job
+
+    # The spec is parsed here, once, and checked before Ray starts; the coordinator and workers get `cfg`.
+    cfg, rd = load_job(config, workers=workers, layout=layout, steps=steps, run_dir=run_dir)
     try:
         connect_ray(address)
     except Exception as e:  # ConnectionError, TimeoutError, RuntimeError from ray.init
         where = address or os.environ.get("RAY_ADDRESS") or "a new local Ray"
         raise RuntimeError(f"cannot connect to Ray at {where}: "
                            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-    coord = Coordinator(cfg, run_dir=rd, total_steps=steps, workers=workers, layout=layout,
-                        options=CoordinatorOptions(settle_seconds=settle_seconds))
-    print(f"elastron run: job {coord.job_id} ({cfg.name}), {coord.total_steps} steps, run dir {rd}", flush=True)
-    progress = Progress(coord.total_steps)
-    state = coord.run(on_tick=lambda c: progress.update(c.status()))
+    job_id = uuid.uuid4().hex[:12]
+    total = steps or cfg.train.steps
+    print(f"elastron run: job {job_id} ({cfg.name}), {total} steps, run dir {rd}", flush=True)
+    progress = Progress(total)
+    runner = JobRunner(job_id, cfg, run_dir=rd, steps=steps, workers=workers, layout=layout,
+                       options={"settle_seconds": settle_seconds}, on_tick=lambda c: progress.update(c.status()))
+    runner.join()
     progress.close()
-    return summarize(coord, json_path)
+    return summarize(runner, json_path)
 
 
-def summarize(coord, json_path: str | None) -> int:
-    st = coord.status()
-    recs = [r.to_dict() for r in coord.reconfigs]
-    print(f"\njob {coord.job_id}: {st.state} at step {st.step}/{coord.total_steps}"
+def summarize(runner, json_path: str | None) -> int:
+    st = runner.status()
+    recs = runner.reconfigs()
+    print(f"\njob {runner.job_id}: {st.state} at step {st.step}/{st.total_steps}"
           + (f", loss {st.loss:.4f}" if st.loss is not None else "")
           + (f" — {st.reason}" if st.state != "SUCCEEDED" else ""))
     if recs:

@@ -19,8 +19,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
+from service.specs import JobConfig
 from service.status import JobStatus
-from workers.config import JobConfig
 
 MAX_WORKERS = 100_000
 MAX_STEPS = 10**12

@@ -1,22 +1,20 @@
-"""One job's coordinator, running on its own: the body of the named detached Ray actor.
+"""Where the REST API's jobs run: launchers that start, find and release a job's driver.
 
-`JobRunner` builds a `Coordinator` and runs `Coordinator.run()` in a background thread, so the actor's
-methods (status, events, metrics, commands) answer while the job trains. It is a plain class: the API's
-tests run it in-process (`service.jobs.LocalLauncher`), and `job_actor_class()` turns the very same
-class into the Ray actor that `service.jobs.RayLauncher` starts as ``elastron-job-{id}`` in namespace
-``elastron`` with ``lifetime="detached"``, so the job outlives the API server that submitted it.
+The driver is `service.driver.JobRunner` (a Coordinator in a background thread), the same one that
+`elastron run` and `elastron demo` use. `LocalLauncher` runs it in this process (the API's tests);
+`job_actor_class()` turns the very same class into the Ray actor that `RayLauncher` starts as
+``elastron-job-{id}`` in namespace ``elastron`` with ``lifetime="detached"``, so the job outlives the
+API server that submitted it.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from service.coordinator import Coordinator, CoordinatorOptions
+from service.driver import CoordinatorFactory, JobRunner
 from service.status import JobStatus
 from workers.config import JobConfig
 
@@ -25,78 +23,8 @@ logger = logging.getLogger(__name__)
 NAMESPACE = "elastron"
 """Ray namespace of the job actors (so `ray.get_actor(name, namespace=NAMESPACE)` finds them)."""
 
-CoordinatorFactory = Callable[..., Coordinator]
-"""Builds a Coordinator from (cfg, run_dir=, total_steps=, job_id=, workers=, options=); a test seam."""
-
-
 def actor_name(job_id: str) -> str:
     return f"elastron-job-{job_id}"
-
-
-class JobRunner:
-    """A Coordinator in a daemon thread, with thread-safe accessors. Starts at construction: this is an
-    actor body, and a Ray actor's constructor is its only start signal."""
-
-    def __init__(self, job_id: str, cfg: JobConfig, *, run_dir: str, steps: int | None = None,
-                 workers: int | None = None, options: dict | None = None,
-                 coordinator_factory: CoordinatorFactory | None = None):
-        """`cfg`: the job's spec as the job manager parsed and checked it (service.specs.validate_spec),
-        not parsed again here."""
-        self.job_id = job_id
-        factory = coordinator_factory or Coordinator
-        self.coord = factory(cfg, run_dir=Path(run_dir), total_steps=steps, job_id=job_id, workers=workers,
-                             options=CoordinatorOptions(**(options or {})))
-        self.error: str | None = None
-        self._thread = threading.Thread(target=self._run, name=f"elastron-job-{job_id}", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            self.coord.run()
-        except Exception as e:
-            error = f"coordinator crashed: {type(e).__name__}: {e}"
-            logger.error("job %s: %s; the job is reported FAILED. See the traceback and events.jsonl in %s",
-                         self.job_id, error, self.coord.run_dir, exc_info=True)
-            try:
-                self.coord.sm.note("failure", reason=error, step=self.coord.step_done, cause="failure")
-            except Exception:
-                logger.warning("job %s: could not record the crash as an event", self.job_id, exc_info=True)
-            self.error = error  # last: once status() says FAILED, the event above is there to be read
-
-    # -- reads -------------------------------------------------------------------------------------------
-    def status(self) -> JobStatus:
-        return self.coord.status().with_runner(running=self._thread.is_alive(), error=self.error, pid=os.getpid())
-
-    def events_since(self, index: int = 0) -> list[dict]:
-        return self.coord.events_since(index)
-
-    def metrics_since(self, step: int = 0) -> list[dict]:
-        return self.coord.metrics_since(step)
-
-    def reconfigs(self) -> list[dict]:
-        return [r.to_dict() for r in list(self.coord.reconfigs)]
-
-    # -- commands (queued; the loop applies them at its next iteration) ----------------------------------
-    def resize(self, *, workers: int | None = None, min_workers: int | None = None,
-               max_workers: int | None = None) -> None:
-        self.coord.resize(workers=workers, min_workers=min_workers, max_workers=max_workers)
-
-    def pause(self) -> None:
-        self.coord.pause()
-
-    def resume(self) -> None:
-        self.coord.resume()
-
-    def stop(self) -> None:
-        self.coord.stop()
-
-    def join(self, timeout: float | None = None) -> bool:
-        """Wait for the loop to end; True if it has."""
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
-
-    def ping(self) -> str:
-        return self.job_id
 
 
 _actor_cls = None

@@ -16,7 +16,7 @@ from parallel.planner import plan
 from workers.config import JobConfig, job_constraints
 from workers.config import check_data_path as check_data_readable
 
-__all__ = ["MAX_GLOBAL_BATCH", "MAX_WORKERS", "REMOTE_SCHEMES", "SpecError", "check_paths", "config_error_loc",
+__all__ = ["JobConfig", "MAX_GLOBAL_BATCH", "MAX_WORKERS", "REMOTE_SCHEMES", "SpecError", "check_paths", "config_error_loc",
            "resolve_run_dir", "safe_name", "validate_spec"]
 
 MAX_WORKERS = 100_000

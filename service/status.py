@@ -25,6 +25,15 @@ def degrees(layout: Mapping | None) -> dict[str, int] | None:
             "pp": layout.get("pp", 1)}
 
 
+def layout_short(layout: Mapping | None) -> str:
+    """A Layout.to_dict() as short text (Layout.short()), "-" for none."""
+    if not layout:
+        return "-"
+    from parallel.layout import Layout
+
+    return Layout.from_dict(dict(layout)).short()
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class JobStatus:
     state: str

@@ -14,33 +14,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from pathlib import Path
 
 from parallel.checkpoint.manifest import CheckpointError
 from parallel.layout import Layout
-from workers.config import ConfigError, JobConfig, check_data_path, job_plan, load_config
-
-
-def check_run_dir(cfg: JobConfig, run_dir: str | Path) -> None:
-    """The run directory (and a local checkpoint.dir) must be a directory this process can write, or one
-    it can create: checked up front, creating nothing, so that a path that cannot hold metrics or
-    checkpoints fails here in one line rather than after the first interval of training."""
-    dirs = [("run directory", str(run_dir), "--run-dir")]
-    ck = cfg.checkpoint.dir
-    if ck and ("://" not in ck or ck.startswith("file://")):
-        dirs.append(("checkpoint.dir", ck.removeprefix("file://"), "checkpoint.dir"))
-    for what, d, where in dirs:
-        near = Path(d).expanduser().absolute()
-        while not near.exists() and near != near.parent:
-            near = near.parent  # the nearest existing ancestor: where the directory would be created
-        if not near.is_dir():
-            raise ValueError(f"{what} {d!r} cannot be created: {str(near)!r} is not a directory; "
-                             f"pick another path ({where})")
-        if not os.access(near, os.W_OK | os.X_OK):
-            raise ValueError(f"{what} {d!r} is not writable: permission denied on {str(near)!r}; "
-                             f"pick another path ({where}) or fix its permissions")
+from workers.config import ConfigError, check_data_path, job_plan, load_config
+from workers.run_dir import check_run_dir
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
