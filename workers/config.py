@@ -1,7 +1,8 @@
 """The job config: one YAML file with sections model, data, train, parallel, checkpoint, resources.
 
-Each section is a small frozen dataclass; `JobConfig.from_dict` rejects unknown keys and wrong types with
-a message naming the field (e.g. ``train.steps: expected an integer, got 'ten'``). A spec is parsed once,
+Each section is a small frozen dataclass; `JobConfig.from_dict` (the strict converter in workers.strict)
+rejects unknown keys and wrong types with a message naming the field (e.g. ``train.steps: expected an
+integer, got 'ten'``), and each section's `__post_init__` the values that cannot work. A spec is parsed once,
 where it enters (the REST API: service.specs.validate_spec; a YAML file: load_config), and the JobConfig
 itself is what travels to the coordinator and the workers. Constructing one touches no disk: whether
 data.path is there is `check_data_path`, called where the path is read (and early at the edges).
@@ -13,8 +14,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -24,10 +23,7 @@ import yaml
 from models.config import ModelConfig, model_config
 from parallel.layout import Layout
 from parallel.planner import Constraints, Plan, PlanError, plan
-
-
-class ConfigError(ValueError):
-    """A job config that cannot be used; the message names the field."""
+from workers.strict import ConfigError, build
 
 
 def _positive(section: str, obj: Any, *names: str, allow_zero: bool = False) -> None:
@@ -281,7 +277,7 @@ class JobConfig:
 
     @classmethod
     def from_dict(cls, d: Any) -> "JobConfig":
-        return _build(cls, d, "")
+        return build(cls, d)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -349,77 +345,3 @@ def load_config(path: str | Path) -> JobConfig:
     except yaml.YAMLError as e:
         raise ConfigError(f"config {str(p)!r} is not valid YAML: {e}") from None
     return JobConfig.from_dict(data or {})
-
-
-# -- strict conversion from plain dicts ----------------------------------------------------------------
-
-def _describe(v: Any) -> str:
-    return f"{v!r} ({type(v).__name__})"
-
-
-def _convert(tp: Any, v: Any, where: str) -> Any:
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if v is None and type(None) in args:
-            return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _convert(a, v, where)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0] if errors else f"{where}: unexpected {_describe(v)}")
-    if origin is Literal:
-        if v not in args:
-            raise ConfigError(f"{where}: expected one of {list(args)}, got {v!r}")
-        return v
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, v, where)
-    if origin is list:
-        if not isinstance(v, list):
-            raise ConfigError(f"{where}: expected a list, got {_describe(v)}")
-        return [_convert(args[0], x, f"{where}[{i}]") for i, x in enumerate(v)]
-    if origin is dict:
-        if not isinstance(v, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {_describe(v)}")
-        return dict(v)
-    if tp is bool:
-        if not isinstance(v, bool):
-            raise ConfigError(f"{where}: expected true or false, got {_describe(v)}")
-        return v
-    if tp is int:
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise ConfigError(f"{where}: expected an integer, got {_describe(v)}")
-        return v
-    if tp is float:
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ConfigError(f"{where}: expected a number, got {_describe(v)}")
-        return float(v)
-    if tp is str:
-        if not isinstance(v, str):
-            raise ConfigError(f"{where}: expected a string, got {_describe(v)}")
-        return v
-    if tp is Any:
-        return v
-    raise TypeError(f"unsupported config type {tp} at {where}")  # a bug in this module, not user input
-
-
-def _build(cls: type, d: Any, where: str) -> Any:
-    label = where or "config"
-    if not isinstance(d, dict):
-        raise ConfigError(f"{label}: expected a mapping, got {_describe(d)}")
-    hints = typing.get_type_hints(cls)
-    known = [f.name for f in dataclasses.fields(cls)]
-    unknown = [k for k in d if k not in known]
-    if unknown:
-        raise ConfigError(f"{label}: unknown field {unknown[0]!r}; known fields: {', '.join(known)}")
-    kwargs = {k: _convert(hints[k], v, f"{where}.{k}" if where else k) for k, v in d.items()}
-    try:
-        return cls(**kwargs)
-    except ConfigError:
-        raise
-    except ValueError as e:
-        raise ConfigError(f"{label}: {e}") from None
