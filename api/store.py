@@ -5,7 +5,7 @@ SQLite is the embedded default (a file path, ``sqlite:///PATH`` or ``:memory:``)
 
 Schema (version 1):
   jobs(id PK, name, spec JSON, steps, workers, run_dir, created, updated, state, reason, status JSON, released)
-      `status` is the coordinator's last status (JobRunner.status()); `state`/`reason` are copied out
+      `status` is the job's last JobStatus.to_dict() (service.status); `state`/`reason` are copied out
       of it so lists can filter without parsing JSON. `released` = 1 once the job is finished and its
       coordinator let go: nothing about it will change again.
   events(job_id, idx, time, kind, data JSON)  PK (job_id, idx): idx is the coordinator's event index

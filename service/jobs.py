@@ -4,6 +4,7 @@ The code lives in:
   service.specs        request checks: validate_spec, SpecError, resolve_run_dir, check_paths
   service.job_manager  JobManager, its seams (JobHandle, Launcher, Store) and errors (JobNotFound, JobConflict)
   service.status       JobStatus, the one status record (service.state.TERMINAL: the final states)
+  service.driver       JobRunner, the one job driver (the job actor's body, elastron run and demo)
   service.run_files    what a run directory says when the coordinator is gone (events, metrics, checkpoints)
 """
 
