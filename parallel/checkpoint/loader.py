@@ -110,8 +110,10 @@ def _attempt(mgr: "CheckpointManager", path: str, model: nn.Module, optimizer: t
 
     def read(targets: dict[str, Any]) -> None:
         t_read = time.perf_counter()
-        tm.bytes = read_into(st, path, manifest, targets, threads=mgr.io_threads, verify=blockwise)
+        parts: dict[str, float] = {}
+        tm.bytes = read_into(st, path, manifest, targets, threads=mgr.io_threads, verify=blockwise, stats=parts)
         tm.phases["read"] = time.perf_counter() - t_read
+        tm.phases.update({f"read.{k} (thread-s)": v for k, v in parts.items()})
 
     try:
         state_mod.load(model, optimizer, read, manifest.optimizer_steps)

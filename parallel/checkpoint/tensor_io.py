@@ -18,6 +18,7 @@ import math
 import os
 import struct
 import threading
+import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,7 +31,8 @@ from parallel.checkpoint.manifest import CheckpointError, Chunk, FileEntry, Mani
 from parallel.checkpoint.storage import LocalStorage, Storage
 from parallel.checkpoint.writer import DEFAULT_BLOCK_BYTES, IO_BYTES, block_rows_for
 
-_MAX_HEADER = 100 << 20  # the safetensors library's own limit
+_MAX_HEADER = 100 << 20
+_STATS_LOCK = threading.Lock()  # the safetensors library's own limit
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
@@ -189,7 +191,7 @@ def _will_need(f: IO[bytes], ranges: list[tuple[int, int]]) -> None:
 
 
 def _read_file(storage: Storage, ckpt: str, name: str, entry: FileEntry, reads: list[_ChunkRead],
-               scratch: _Scratch, verify: bool) -> int:
+               scratch: _Scratch, verify: bool, stats: dict[str, float] | None = None) -> int:
     """Read the blocks of file `name` that `reads` need, verify each, copy it out; returns bytes read."""
     where = f"{ckpt}/{name}"
     check = verify and entry.blockwise and entry.algorithm != "none"
@@ -216,10 +218,13 @@ def _read_file(storage: Storage, ckpt: str, name: str, entry: FileEntry, reads: 
             for a, z in _row_runs([cp.rows for cp in r.copies], block, r.chunk.rows, per_run):
                 runs.append((base, r, row_bytes, block, a, z))
         _will_need(f, [(base + a * row_bytes, (z - a) * row_bytes) for base, r, row_bytes, block, a, z in runs])
+        clock = time.perf_counter
         for base, r, row_bytes, block, a, z in runs:
             c, shape = r.chunk, r.chunk.sizes
             buf = scratch.get((z - a) * row_bytes)
+            t0 = clock()
             _readinto(f, base + a * row_bytes, memoryview(buf.numpy()), where)
+            t1 = clock()
             nread += buf.numel()
             if check:
                 view = memoryview(buf.numpy())
@@ -228,6 +233,7 @@ def _read_file(storage: Storage, ckpt: str, name: str, entry: FileEntry, reads: 
                     if b >= len(c.digests) or digest(view[lo:hi]) != c.digests[b]:
                         raise CheckpointError(f"file {name} fails its {entry.algorithm} checksum (corrupted: "
                                               f"rows {b * block}-{min((b + 1) * block, c.rows)} of {r.key})")
+            t2 = clock()
             rows = buf.view(r.dtype).reshape((z - a, *shape[1:])) if shape else buf.view(r.dtype).reshape(())
             for cp in r.copies:
                 lo, hi = max(cp.rows[0], a), min(cp.rows[1], z)
@@ -238,6 +244,11 @@ def _read_file(storage: Storage, ckpt: str, name: str, entry: FileEntry, reads: 
                     continue
                 src = rows[(slice(lo - a, hi - a), *cp.src)]
                 cp.dst[lo - cp.rows[0]:hi - cp.rows[0]].copy_(src)
+            if stats is not None:
+                with _STATS_LOCK:
+                    stats["io"] = stats.get("io", 0.0) + t1 - t0
+                    stats["verify"] = stats.get("verify", 0.0) + t2 - t1
+                    stats["copy"] = stats.get("copy", 0.0) + clock() - t2
     return nread
 
 
@@ -255,11 +266,14 @@ def _row_runs(intervals: list[tuple[int, int]], block: int, n_rows: int, per_run
 
 
 def read_into(storage: Storage, ckpt: str, manifest: Manifest, targets: dict[str, Target], *,
-              threads: int = 4, verify: bool = True, file_keys: dict[str, str] | None = None) -> int:
+              threads: int = 4, verify: bool = True, file_keys: dict[str, str] | None = None,
+              stats: dict[str, float] | None = None) -> int:
     """Fill every target from the checkpoint at `ckpt` (resharding as needed); returns the bytes read.
     Raises CheckpointError naming the file on a missing tensor, a short file or a checksum mismatch.
     `verify=False` skips block digests (format 1, whose whole-file sha256 the caller checked first).
-    `file_keys` maps a manifest key to the tensor's name inside the files when they differ."""
+    `file_keys` maps a manifest key to the tensor's name inside the files when they differ. `stats`, if
+    given, gets the seconds spent in reads (`io`), checksums (`verify`) and copies (`copy`), summed over
+    the reading threads."""
     by_file: dict[str, list[_ChunkRead]] = defaultdict(list)
     for key, target in targets.items():
         entry = manifest.tensors.get(key)
@@ -276,13 +290,14 @@ def read_into(storage: Storage, ckpt: str, manifest: Manifest, targets: dict[str
     names = sorted(by_file)
     if threads <= 1 or len(names) <= 1:
         scratch = _Scratch(pin)
-        return sum(_read_file(storage, ckpt, n, manifest.files[n], by_file[n], scratch, verify) for n in names)
+        return sum(_read_file(storage, ckpt, n, manifest.files[n], by_file[n], scratch, verify, stats)
+                   for n in names)
     local = threading.local()
 
     def one(n: str) -> int:
         if not hasattr(local, "scratch"):
             local.scratch = _Scratch(pin)
-        return _read_file(storage, ckpt, n, manifest.files[n], by_file[n], local.scratch, verify)
+        return _read_file(storage, ckpt, n, manifest.files[n], by_file[n], local.scratch, verify, stats)
 
     with ThreadPoolExecutor(max_workers=min(threads, len(names)), thread_name_prefix="ckpt-read") as pool:
         return sum(pool.map(one, names))
