@@ -171,6 +171,9 @@ def run_setting(a, device, micro_batch: int, compile_: bool, ac: str) -> dict:
     fpt = mc.flops_per_token(a.seq_len)
     peak = peak_flops(torch.cuda.get_device_name(device) if device.type == "cuda" else None, a.dtype)
     res = {"micro_batch": micro_batch, "compile": compile_, "ac": ac}
+    # Each loop compiles from a clean cache: compiled graphs of earlier models and micro batches would
+    # count towards dynamo's recompile limit, past which blocks silently run eager.
+    torch.compiler.reset()
     el = Elastron(cfg, device)
     res["elastron"] = _measure(el, device, a, tokens, fpt, peak)
     batches, el_losses = el.batches, el.losses
@@ -178,6 +181,7 @@ def run_setting(a, device, micro_batch: int, compile_: bool, ac: str) -> dict:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    torch.compiler.reset()
     pl = Plain(cfg, device, batches)
     res["plain"] = _measure(pl, device, a, tokens, fpt, peak)
     n = min(len(el_losses), len(pl.losses))

@@ -271,12 +271,18 @@ def set_grad_sync(model: nn.Module, sync: bool) -> None:
 
 
 @torch.no_grad()
-def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, *, pp_group=None) -> torch.Tensor:
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, *, pp_group=None,
+                    optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor:
     """Global gradient 2-norm over every rank's parameters, and clip to `max_norm` (0 = do not clip).
 
     Parameters may live on different meshes (TP DTensors, FSDP DTensors, plain tensors on one pipeline
     stage), so norms are taken per (mesh, placements) group, reduced to full values, then combined; with
     PP the squared norms of all stages are summed.
+
+    Given an `optimizer` whose every group is fused AdamW, the clip costs no pass over the gradients of
+    its own: the factor goes to the fused kernel as its `grad_scale` (the protocol GradScaler uses; the
+    kernel divides each gradient by it as it reads it, and writes the clipped gradient back), so the
+    next `optimizer.step()` applies it. Otherwise one `_foreach_mul_` clips the local gradients.
     """
     groups: dict[object, list[torch.Tensor]] = defaultdict(list)
     for p in params:
@@ -294,6 +300,11 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, *, pp_group=Non
     if pp_group is not None:
         dist.all_reduce(sq, group=pp_group)
     total = sq.sqrt()
+    if optimizer is not None and all(g.get("fused") for g in optimizer.param_groups):
+        scale = torch.clamp((total + 1e-6) / max_norm, min=1.0) if max_norm > 0 else None
+        optimizer.grad_scale = scale
+        optimizer.found_inf = torch.zeros((), device=device) if scale is not None else None
+        return total
     if max_norm > 0:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         locals_ = [g.to_local() if isinstance(g, DTensor) else g for gs in groups.values() for g in gs]

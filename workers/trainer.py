@@ -311,7 +311,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = self._forward_backward(batch)
         pp_group = self.mesh[MeshAxis.PP.value].get_group() if self.layout.pp_enabled else None
-        grad_norm = clip_grad_norm_(self.params, self.cfg.train.grad_clip, pp_group=pp_group)
+        grad_norm = clip_grad_norm_(self.params, self.cfg.train.grad_clip, pp_group=pp_group,
+                                    optimizer=self.optimizer)
         self.optimizer.step()
         self.step += 1
 

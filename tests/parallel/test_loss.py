@@ -64,3 +64,27 @@ def test_scaled_backward_and_no_grad():
 def test_rejects_wrong_shapes():
     with pytest.raises(ValueError, match=r"\[N, V\]"):
         chunked_cross_entropy(torch.zeros(2, 3, 4), torch.zeros(2, 3, dtype=torch.long))
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 100.0, 0.0])  # clipping, not clipping, disabled
+def test_clip_through_fused_adamw_grad_scale_equals_clipping_the_gradients(max_norm):
+    """With a fused AdamW, clip_grad_norm_ hands the factor to the kernel instead of scaling gradients
+    itself; the step and the clipped gradients are what scaling them first gives."""
+    from parallel.parallelize import build_adamw, clip_grad_norm_
+
+    g = torch.Generator().manual_seed(3)
+    init = [torch.randn(6, 4, generator=g), torch.randn(4, generator=g)]
+    grads = [torch.randn(6, 4, generator=g), torch.randn(4, generator=g)]
+    out = {}
+    for fused in (False, True):
+        ps = [torch.nn.Parameter(t.clone()) for t in init]
+        for p, gr in zip(ps, grads):
+            p.grad = gr.clone()
+        opt = build_adamw(ps, fused=fused, lr=0.1, weight_decay=0.1)
+        norm = clip_grad_norm_(ps, max_norm, optimizer=opt)
+        assert (getattr(opt, "grad_scale", None) is not None) == (fused and max_norm > 0)
+        opt.step()
+        out[fused] = (norm, [p.detach() for p in ps], [p.grad for p in ps])
+    torch.testing.assert_close(out[True][0], out[False][0], rtol=0, atol=0)
+    for a, b in zip(out[True][1] + out[True][2], out[False][1] + out[False][2]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
