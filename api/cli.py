@@ -73,6 +73,25 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_data_prepare(args: argparse.Namespace) -> int:
+    from service.tools import prepare_data
+
+    def progress(done: int, total: int) -> None:
+        width = 30
+        bar = "#" * (width * done // total)
+        print(f"\rtokenising [{bar:<{width}}] {done}/{total} files", end="" if done < total else "\n",
+              file=sys.stderr, flush=True)
+
+    meta = prepare_data(args.inputs, args.out, tokenizer=args.tokenizer, text_field=args.text_field,
+                        val_fraction=args.val_fraction, seed=args.seed, progress=progress)
+    out = Path(args.out)
+    print(f"wrote {meta['tokens']['train']:,} training tokens ({meta['documents']['train']:,} documents) to "
+          f"{out / 'train.bin'} and {meta['tokens']['val']:,} validation tokens to {out / 'val.bin'} "
+          f"({meta['dtype']}, vocab {meta['vocab_size']:,}); use data: {{source: tokens, path: "
+          f"{(out / 'train.bin').resolve()}, token_dtype: {meta['dtype']}}}")
+    return 0
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from api.app import serve
 
@@ -123,6 +142,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out")
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(fn=_cmd_export)
+
+    p = sub.add_parser("data", help="data tools")
+    dsub = p.add_subparsers(dest="data_command", required=True)
+    q = dsub.add_parser("prepare", help="tokenise text/JSONL/Parquet files into the token files jobs train on")
+    q.add_argument("inputs", nargs="+", help="files or directories (.txt, .md, .jsonl, .parquet)")
+    q.add_argument("--tokenizer", required=True, help="a tokenizer.json, or a model directory holding one")
+    q.add_argument("--out", required=True, help="directory for train.bin, val.bin and meta.json")
+    q.add_argument("--text-field", default="text", help="JSONL key / Parquet column holding the text")
+    q.add_argument("--val-fraction", type=float, default=0.01, help="share of documents held out (default 0.01)")
+    q.add_argument("--seed", type=int, default=0)
+    q.set_defaults(fn=_cmd_data_prepare)
 
     from api.cli_client import add_client_commands
 

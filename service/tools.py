@@ -1,5 +1,5 @@
-"""Checkpoint tools the CLI offers (`elastron ckpt inspect`, `elastron export`), through service/ so that
-api/ needs nothing below it. Imports are lazy: they bring torch in."""
+"""Tools the CLI offers (`elastron ckpt inspect`, `elastron export`, `elastron data prepare`), through
+service/ so that api/ needs nothing below it. Imports are lazy: they bring torch in."""
 
 from __future__ import annotations
 
@@ -18,3 +18,12 @@ def export_checkpoint(path: str | Path, out: str | Path, *, overwrite: bool = Fa
     from parallel.export import export_checkpoint as export
 
     return export(path, out, overwrite=overwrite)
+
+
+def prepare_data(inputs: list[str], out: str | Path, *, tokenizer: str | Path, text_field: str = "text",
+                 val_fraction: float = 0.01, seed: int = 0, progress=None) -> dict:
+    """Token files for `data.source: tokens` from text/JSONL/Parquet (workers.prepare); the sidecar."""
+    from workers.prepare import prepare
+
+    return prepare(inputs, out, tokenizer=tokenizer, text_field=text_field, val_fraction=val_fraction, seed=seed,
+                   progress=progress)

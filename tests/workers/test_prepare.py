@@ -99,3 +99,16 @@ def test_bad_input_is_one_line(tok_path, tmp_path, setup, needle):
 def test_a_missing_tokenizer_is_one_line(corpus, tmp_path):
     with pytest.raises(PrepareError, match="tokenizer: .* does not exist"):
         prepare([corpus], tmp_path / "out", tokenizer=tmp_path / "nope")
+
+
+def test_elastron_data_prepare(tok_path, corpus, tmp_path, capsys):
+    from api.cli import main
+
+    assert main(["data", "prepare", str(corpus), "--tokenizer", str(tok_path), "--out", str(tmp_path / "o"),
+                 "--val-fraction", "0"]) == 0
+    captured = capsys.readouterr()
+    assert "3/3 files" in captured.err and "training tokens (7 documents)" in captured.out
+    assert (tmp_path / "o" / "train.bin").stat().st_size > 0
+    assert main(["data", "prepare", str(tmp_path / "missing"), "--tokenizer", str(tok_path), "--out",
+                 str(tmp_path / "o2")]) == 2
+    assert capsys.readouterr().err.strip().startswith("elastron: error: input ")
