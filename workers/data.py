@@ -10,7 +10,6 @@ a checkpoint only has to save two integers.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import sysconfig
@@ -169,6 +168,24 @@ class TokenFileSource(_Windowed):
         return out
 
 
+def check_token_meta(path: str, *, vocab_size: int, dtype: str) -> None:
+    """Refuse, in one line, a token file whose `elastron data prepare` sidecar (meta.json) says it was
+    made for a larger vocabulary or stored in another dtype than the job says. Files without a sidecar
+    are checked per sample instead (`TokenFileSource.sample`)."""
+    from workers.prepare import read_meta
+
+    meta = read_meta(path)
+    if not meta:
+        return
+    if int(meta.get("vocab_size", 0)) > vocab_size:
+        raise ValueError(f"data.path: {path} was tokenised with a vocabulary of {meta['vocab_size']} tokens "
+                         f"(meta.json), the model has {vocab_size}; use the model's tokenizer or a larger "
+                         "model.vocab_size")
+    if meta.get("dtype") not in (None, dtype):
+        raise ValueError(f"data.token_dtype is {dtype} but {path} holds {meta['dtype']} ids (meta.json); "
+                         f"set data.token_dtype: {meta['dtype']}")
+
+
 def build_source(cfg: DataConfig, *, seed: int, vocab_size: int) -> Source:
     """The source a `DataConfig` describes; `vocab_size` is the model's."""
     if cfg.source == "synthetic":
@@ -182,6 +199,7 @@ def build_source(cfg: DataConfig, *, seed: int, vocab_size: int) -> Source:
     if cfg.source == "tokens":
         if not cfg.path:
             raise ValueError("data.path is required when data.source is 'tokens'")
+        check_token_meta(cfg.path, vocab_size=vocab_size, dtype=cfg.token_dtype)
         return TokenFileSource(cfg.path, seq_len=cfg.seq_len, vocab_size=vocab_size, dtype=cfg.token_dtype)
     raise ValueError(f"unknown data source {cfg.source!r}; expected corpus, synthetic or tokens")
 

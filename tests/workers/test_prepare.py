@@ -112,3 +112,19 @@ def test_elastron_data_prepare(tok_path, corpus, tmp_path, capsys):
     assert main(["data", "prepare", str(tmp_path / "missing"), "--tokenizer", str(tok_path), "--out",
                  str(tmp_path / "o2")]) == 2
     assert capsys.readouterr().err.strip().startswith("elastron: error: input ")
+
+
+def test_the_trainer_refuses_a_token_file_made_for_a_larger_vocabulary(tok_path, corpus, tmp_path):
+    from workers.config import JobConfig
+    from workers.data import build_source
+
+    meta = prepare([corpus], tmp_path / "out", tokenizer=tok_path, val_fraction=0.0)
+    cfg = JobConfig.from_dict({"data": {"source": "tokens", "path": str(tmp_path / "out" / "train.bin"),
+                                        "seq_len": 4}}).data
+    assert len(build_source(cfg, seed=0, vocab_size=meta["vocab_size"])) > 0
+    with pytest.raises(ValueError, match=f"vocabulary of {meta['vocab_size']} tokens .*the model has 50"):
+        build_source(cfg, seed=0, vocab_size=50)
+    wrong = JobConfig.from_dict({"data": {"source": "tokens", "path": str(tmp_path / "out" / "train.bin"),
+                                          "seq_len": 4, "token_dtype": "uint32"}}).data
+    with pytest.raises(ValueError, match="set data.token_dtype: uint16"):
+        build_source(wrong, seed=0, vocab_size=meta["vocab_size"])
