@@ -75,8 +75,8 @@ def exchange(handover: Handover | None, *, model: ModelConfig, old: Layout, new:
                          new_node={r: nodes[g] for r, g in new_to_group.items() if g in nodes})
     box = [handover.state if handover and handover.state is not None else None]
     dist.broadcast_object_list(box, src=old_to_group[0])
-    key_dtype = {k: dtypes[k.split(".", 1)[1] if k.startswith("model.") else k.split(".", 2)[2]]
-                 for b in (*old_b.values(), *new_b.values()) for k in b}
+    key_dtype = {f"{prefix}{n}": dt for n, dt in dtypes.items()
+                 for prefix in ("model.", *(f"optim.{st}." for st in states))}  # moments share the param's dtype
     pieces = transfer(plan, old_rank=old_rank, new_rank=new_rank, held=handover.held if handover else None,
                       dtypes=key_dtype, old_to_group=old_to_group, new_to_group=new_to_group, device=device)
     return Received(pieces=pieces, optimizer_steps=steps, state=box[0])

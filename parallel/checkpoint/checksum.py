@@ -16,47 +16,16 @@ read. Imports are lazy: a tool that only reads manifests does not need the hash 
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 ALGORITHMS = ("xxh3-128", "blake3", "sha256", "none")
 DEFAULT = "xxh3-128"
-
-
-class Hasher(Protocol):
-    def update(self, data: Any, /) -> None: ...
-
-    def hexdigest(self) -> str: ...
-
-
-class _NoHash:
-    def update(self, data: Any, /) -> None:
-        pass
-
-    def hexdigest(self) -> str:
-        return ""
 
 
 def check_algorithm(name: str) -> str:
     if name not in ALGORITHMS:
         raise ValueError(f"checksum algorithm {name!r} is not one of {', '.join(ALGORITHMS)}")
     return name
-
-
-def new_hasher(algorithm: str) -> Hasher:
-    """A fresh incremental hasher; `update` accepts any buffer (bytes, memoryview, numpy array)."""
-    if algorithm == "xxh3-128":
-        import xxhash
-
-        return xxhash.xxh3_128()
-    if algorithm == "blake3":
-        import blake3
-
-        return blake3.blake3()  # single-threaded: the writer must not take the training ranks' cores
-    if algorithm == "sha256":
-        return hashlib.sha256()
-    if algorithm == "none":
-        return _NoHash()
-    raise ValueError(f"checksum algorithm {algorithm!r} is not one of {', '.join(ALGORITHMS)}")
 
 
 def digest_fn(algorithm: str) -> Callable[[Any], str]:
@@ -75,7 +44,3 @@ def digest_fn(algorithm: str) -> Callable[[Any], str]:
     if algorithm == "none":
         return lambda data: ""
     raise ValueError(f"checksum algorithm {algorithm!r} is not one of {', '.join(ALGORITHMS)}")
-
-
-def digest(algorithm: str, data: Any) -> str:
-    return digest_fn(algorithm)(data)

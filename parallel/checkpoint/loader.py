@@ -27,9 +27,9 @@ import torch
 from torch import nn
 
 from parallel.checkpoint import state as state_mod
-from parallel.checkpoint.manifest import MANIFEST_NAME, CheckpointError, Manifest
+from parallel.checkpoint.manifest import CheckpointError, Manifest, describe
 from parallel.checkpoint.tensor_io import read_into
-from parallel.checkpoint.validate import check_manifest, file_problems, list_step_dirs
+from parallel.checkpoint.validate import check_manifest, file_problems, list_step_dirs, read_manifest_text
 
 if TYPE_CHECKING:  # pragma: no cover
     from parallel.checkpoint.manager import CheckpointManager
@@ -56,25 +56,6 @@ def _first(problems: list[str]) -> str:
     return problems[0] + (f" (+{len(problems) - 1} more problem(s))" if len(problems) > 1 else "")
 
 
-def _describe(e: BaseException) -> str:
-    return f"{type(e).__name__}: {str(e)[:1000]}"
-
-
-def _read_manifest(st, path: str) -> tuple[str | None, str | None, str | None]:
-    """(text, why there is none, transient error)."""
-    mpath = st.join(path, MANIFEST_NAME)
-    try:
-        if not st.exists(mpath):
-            return None, f"no {MANIFEST_NAME} (the save did not commit: interrupted or still running)", None
-        return st.read_bytes(mpath).decode("utf-8"), None, None
-    except FileNotFoundError:  # removed between the two calls (retention of another run's writer)
-        return None, f"no {MANIFEST_NAME}", None
-    except UnicodeDecodeError as e:
-        return None, f"cannot read {MANIFEST_NAME}: {e}", None
-    except (OSError, MemoryError) as e:
-        return None, None, f"cannot read {MANIFEST_NAME}: {_describe(e)}"
-
-
 def _agree(mgr: "CheckpointManager", out: _Outcome) -> _Outcome:
     """Every rank's problems and transient errors, merged (collective)."""
     merged = mgr._comm.all_gather((out.problems, out.transient))
@@ -86,10 +67,11 @@ def _agree(mgr: "CheckpointManager", out: _Outcome) -> _Outcome:
 def _attempt(mgr: "CheckpointManager", path: str, model: nn.Module, optimizer: torch.optim.Optimizer,
              expected: dict | None) -> _Outcome:
     comm, st, tm = mgr._comm, mgr.storage, mgr.load_timings
-    text, why, transient = comm.broadcast(_read_manifest(st, path) if mgr.rank == 0 else None)
-    out = _Outcome(committed=text is not None)
+    transient: list[str] = []
+    text, why, transient = comm.broadcast(
+        (*read_manifest_text(st, path, transient=transient), transient) if mgr.rank == 0 else None)
+    out = _Outcome(committed=text is not None, transient=transient)
     if transient:
-        out.transient.append(transient)
         return out
     t = time.perf_counter()
     check = check_manifest(path, text, why, expected)
@@ -120,7 +102,7 @@ def _attempt(mgr: "CheckpointManager", path: str, model: nn.Module, optimizer: t
     except CheckpointError as e:  # names the file and what is wrong with it
         out.problems.append(str(e)[:1000])
     except Exception as e:  # I/O, memory, an object store's 5xx: worth another try
-        out.transient.append(f"loading failed: {_describe(e)}")
+        out.transient.append(f"loading failed: {describe(e)}")
     tm.phases["prepare"] = time.perf_counter() - t - tm.phases.get("read", 0.0)
     t = time.perf_counter()
     _agree(mgr, out)

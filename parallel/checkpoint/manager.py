@@ -43,7 +43,15 @@ from parallel.checkpoint import state as state_mod
 from parallel.checkpoint.checksum import DEFAULT as DEFAULT_CHECKSUM
 from parallel.checkpoint.checksum import check_algorithm
 from parallel.checkpoint.comm import Comm
-from parallel.checkpoint.manifest import MANIFEST_NAME, CheckpointError, Chunk, FileEntry, Manifest, TensorEntry
+from parallel.checkpoint.manifest import (
+    MANIFEST_NAME,
+    CheckpointError,
+    Chunk,
+    FileEntry,
+    Manifest,
+    TensorEntry,
+    describe,
+)
 from parallel.checkpoint.loader import load_newest
 from parallel.checkpoint.storage import Storage, open_storage
 from parallel.checkpoint.tensor_io import dtype_name
@@ -61,13 +69,6 @@ def _lower_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
     except (AttributeError, OSError):
         pass
-
-
-def _describe(e: BaseException) -> str:
-    """One line per failure."""
-    if isinstance(e, CheckpointError):
-        return str(e)[:1000]
-    return f"{type(e).__name__}: {str(e)[:1000]}"
 
 
 @dataclass(slots=True)
@@ -289,7 +290,7 @@ class CheckpointManager:
         try:
             report["files"] = self.write_shards(staging, job.pieces)
         except Exception as e:
-            report["error"] = f"rank {self.rank}: {_describe(e)}"
+            report["error"] = f"rank {self.rank}: {describe(e)}"
         self.save_timings.add("write", time.perf_counter() - t)
         t = time.perf_counter()
         reports = comm.gather(report)
@@ -299,7 +300,7 @@ class CheckpointManager:
             try:
                 outcome = self._commit(job, staging, final, reports)
             except Exception as e:
-                outcome = f"commit failed: {_describe(e)}"
+                outcome = f"commit failed: {describe(e)}"
             if outcome is not None:
                 try:
                     st.remove_tree(staging)

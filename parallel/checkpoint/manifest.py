@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from parallel.checkpoint.checksum import ALGORITHMS
+from parallel.checkpoint.checksum import ALGORITHMS, digest_fn
 
 FORMAT = "elastron-checkpoint"
 FORMAT_VERSION = 2
@@ -44,6 +44,13 @@ ITEMSIZE = {
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be written, or none can be loaded; the message names the checkpoint and why."""
+
+
+def describe(e: BaseException) -> str:
+    """One line for a failure: a CheckpointError's own message, else the exception type and message."""
+    if isinstance(e, CheckpointError):
+        return str(e)[:1000]
+    return f"{type(e).__name__}: {str(e)[:1000]}"
 
 
 class ManifestError(CheckpointError):
@@ -89,6 +96,13 @@ class FileEntry:
     algorithm: str = "sha256"
     blockwise: bool = False
     """True: the data bytes are covered by the chunks' block digests (format 2)."""
+
+    def header_ok(self, prefix: bytes) -> bool:
+        """Whether the file's first bytes (length + JSON header) match the recorded digest; always true
+        for format 1 and `none`, which record no header digest."""
+        if not self.blockwise or self.algorithm == "none":
+            return True
+        return digest_fn(self.algorithm)(prefix) == self.digest
 
     def to_dict(self) -> dict[str, Any]:
         if not self.blockwise:

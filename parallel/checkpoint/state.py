@@ -164,10 +164,6 @@ class Stager:
         for p, a in zip(items, starts):
             self._views.append(self._pool[a:a + p.nbytes].view(p.data.dtype).view(p.data.shape))
 
-    @property
-    def nbytes(self) -> int:
-        return 0 if self._pool is None else self._pool.numel()
-
 
 def ensure_optimizer_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
     """Create AdamW's state (zero step, zero moments) for each of `params` that has none yet, exactly as

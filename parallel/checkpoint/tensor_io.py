@@ -26,7 +26,7 @@ from typing import IO, Any
 
 import torch
 
-from parallel.checkpoint.checksum import digest_fn, new_hasher
+from parallel.checkpoint.checksum import digest_fn
 from parallel.checkpoint.manifest import CheckpointError, Chunk, FileEntry, Manifest
 from parallel.checkpoint.storage import LocalStorage, Storage
 from parallel.checkpoint.writer import DEFAULT_BLOCK_BYTES, IO_BYTES, block_rows_for
@@ -65,12 +65,8 @@ def read_header(f: IO[bytes], *, file_size: int, where: str, entry: FileEntry | 
     if n > _MAX_HEADER or 8 + n > file_size:
         raise CheckpointError(f"{where}: safetensors header length {n} does not fit the file ({file_size} bytes)")
     text = f.read(n)
-    if entry is not None and entry.blockwise and entry.algorithm != "none":
-        h = new_hasher(entry.algorithm)
-        h.update(raw)
-        h.update(text)
-        if h.hexdigest() != entry.digest:
-            raise CheckpointError(f"file {where.rsplit('/', 1)[-1]} fails its {entry.algorithm} checksum "
+    if entry is not None and not entry.header_ok(raw + text):
+        raise CheckpointError(f"file {where.rsplit('/', 1)[-1]} fails its {entry.algorithm} checksum "
                                   "(corrupted header)")
     try:
         header = json.loads(text)

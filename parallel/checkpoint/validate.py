@@ -18,7 +18,7 @@ import re
 import struct
 from dataclasses import dataclass, field
 
-from parallel.checkpoint.checksum import new_hasher
+from parallel.checkpoint.checksum import digest_fn
 from parallel.checkpoint.manifest import ITEMSIZE, MANIFEST_NAME, Manifest, ManifestError
 from parallel.checkpoint.storage import Storage
 
@@ -64,15 +64,25 @@ class Check:
         return self.manifest is not None and not self.problems
 
 
-def read_manifest_text(storage: Storage, path: str) -> tuple[str | None, str | None]:
-    """(manifest text, None) or (None, why there is none)."""
+def read_manifest_text(storage: Storage, path: str, *, transient: list[str] | None = None
+                       ) -> tuple[str | None, str | None]:
+    """(manifest text, None) or (None, why there is none). A read that fails for another reason than a
+    missing file (an I/O error, an object store's 5xx) goes to `transient` when the caller passes a list
+    for it (the training loader retries those), else it is the reason."""
     mpath = storage.join(path, MANIFEST_NAME)
     try:
         if not storage.exists(mpath):
             return None, f"no {MANIFEST_NAME} (the save did not commit: interrupted or still running)"
         return storage.read_bytes(mpath).decode("utf-8"), None
-    except (OSError, UnicodeDecodeError) as e:
+    except FileNotFoundError:  # removed between the two calls
+        return None, f"no {MANIFEST_NAME}"
+    except UnicodeDecodeError as e:
         return None, f"cannot read {MANIFEST_NAME}: {e}"
+    except (OSError, MemoryError) as e:
+        if transient is None:
+            return None, f"cannot read {MANIFEST_NAME}: {e}"
+        transient.append(f"cannot read {MANIFEST_NAME}: {type(e).__name__}: {e}")
+        return None, None
 
 
 def check_manifest(path: str, text: str | None, why_missing: str | None,
@@ -136,10 +146,7 @@ def _block_problems(storage: Storage, fpath: str, name: str, manifest: Manifest)
         if 8 + n > entry.size:
             return [f"{bad} (corrupted header length)"]
         text = f.read(n)
-        h = new_hasher(entry.algorithm)
-        h.update(raw)
-        h.update(text)
-        if h.hexdigest() != entry.digest:
+        if not entry.header_ok(raw + text):
             return [f"{bad} (corrupted header)"]
         try:
             header = json.loads(text)
@@ -148,6 +155,7 @@ def _block_problems(storage: Storage, fpath: str, name: str, manifest: Manifest)
             return [f"file {name} has an unreadable header ({type(e).__name__})"]
         chunks = sorted(((starts.get(k, -1), k, c, t.dtype) for k, t in manifest.tensors.items()
                          for c in t.chunks if c.file == name), key=lambda x: x[0])
+        digest = digest_fn(entry.algorithm)
         buf = bytearray()
         for start, key, c, dtype in chunks:
             if start < 0:
@@ -165,9 +173,7 @@ def _block_problems(storage: Storage, fpath: str, name: str, manifest: Manifest)
                     if not k:
                         return [f"file {name} ends early (truncated)"]
                     got += k
-                h = new_hasher(entry.algorithm)
-                h.update(view)
-                if b >= len(c.digests) or h.hexdigest() != c.digests[b]:
+                if b >= len(c.digests) or digest(view) != c.digests[b]:
                     return [f"{bad} (corrupted: block {b} of {key})"]
     return []
 
