@@ -105,7 +105,9 @@ class Trainer:
         """Manifest of the checkpoint `build()` resumed from, if any."""
 
     # -- construction ------------------------------------------------------------------------------
-    def build(self) -> "Trainer":
+    def build(self, *, resume: bool = True) -> "Trainer":
+        """Build model, optimizer, data and schedule for this rank; `resume`: load the newest committed
+        checkpoint (off when the state arrives another way, e.g. `adopt()` after a live reshard)."""
         cfg, layout = self.cfg, self.layout
         # Checks every rank makes alike, before any collective: a bad option fails fast, never hangs.
         t = cfg.train
@@ -168,7 +170,8 @@ class Trainer:
             c = cfg.checkpoint
             self.checkpointer = CheckpointManager(ckpt_dir, keep_last=c.keep_last, async_save=c.async_save,
                                                   checksum=c.checksum, io_threads=c.io_threads)
-            self.resume()
+            if resume:
+                self.resume()
         return self
 
     # -- checkpoints -------------------------------------------------------------------------------
