@@ -200,12 +200,18 @@ class ParallelConfig:
     """Workers per node; TP groups never span nodes. Default: no limit (CPU)."""
     memory_budget_gb: float | None = None
     """Per-device memory budget for the planner; default: unlimited on CPU, the GPU's memory on CUDA."""
+    reshard: Literal["live", "storage"] = "live"
+    """How state moves on a planned resize, a growth or a preemption notice: live (from the workers of the
+    old layout to those of the new one over the network, then a durable checkpoint in the background) or
+    storage (a blocking checkpoint, then every new rank loads it)."""
 
     def __post_init__(self) -> None:
         _positive("parallel", self, "min_workers", "max_workers", "tp", "pp", "max_tp", "max_pp",
                   "gpus_per_node", "memory_budget_gb")
         if self.dp_mode not in ("auto", "shard", "replicate"):
             raise ConfigError(f"parallel.dp_mode must be one of auto, shard, replicate, got {self.dp_mode!r}")
+        if self.reshard not in ("live", "storage"):
+            raise ConfigError(f"parallel.reshard must be live or storage, got {self.reshard!r}")
         if self.min_workers > self.max_workers:
             raise ConfigError(
                 f"parallel.min_workers={self.min_workers} is greater than parallel.max_workers={self.max_workers}"
