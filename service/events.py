@@ -18,7 +18,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-KINDS = ("transition", "resize", "preemption", "failure", "checkpoint", "capacity", "info")
+KINDS = ("transition", "resize", "preemption", "failure", "fallback", "checkpoint", "capacity", "info")
 """Known event kinds. Others are accepted (a newer writer may add some); these are the ones we emit."""
 
 CAUSES = ("planned", "grow", "preemption", "failure", "user")

@@ -21,13 +21,17 @@ class Reconfig:
     started: int = 0
     """Workers started (survivors are reused on planned resizes)."""
     stopped: int = 0
+    transfer: dict | None = None
+    """How the state moved: {"path": "live", bytes_moved, handover_s, transfer_s, form_s} or
+    {"path": "storage"} (through the last committed checkpoint)."""
     first_step_time: float | None = None
     """Unix time the first step at the new layout finished."""
     loss_before: float | None = None
     loss_after: float | None = None
 
-    def formed(self, *, new_layout: dict, resumed_step: int, started: int, stopped: int, world_size: int) -> None:
-        self.new_layout, self.resumed_step = new_layout, resumed_step
+    def formed(self, *, new_layout: dict, resumed_step: int, started: int, stopped: int, world_size: int,
+               transfer: dict | None = None) -> None:
+        self.new_layout, self.resumed_step, self.transfer = new_layout, resumed_step, transfer
         self.started, self.stopped, self.world_size = started, stopped, world_size
 
     def first_step(self, row: dict, before: dict | None) -> None:

@@ -31,6 +31,10 @@ class GroupLifecycle:
             self.sm.note("preemption", reason=reason, step=self.step_done, cause=cause,
                          details={"draining": snap.draining()})
         self.sm.transition(S.RESIZING, reason=reason, step=self.step_done, cause=cause)
+        if workers and self.cfg.parallel.reshard == "live" and self.plan is not None and self.group is not None \
+                and self.group.size:
+            self._live_resize(workers, self.watcher.latest or snap, cause=cause, reason=reason, t0=t0)
+            return
         try:
             self.committed_step = self.group.checkpoint()
             self.sm.note("checkpoint", reason=f"flushed at step {self.committed_step} before resize",
@@ -43,6 +47,39 @@ class GroupLifecycle:
             self.sm.transition(S.WAITING_FOR_CAPACITY, reason=reason, step=self.step_done)
             return
         self._reform(workers, self.watcher.latest or snap, cause=cause, reason=reason, t0=t0)
+
+    def _live_resize(self: Coordinator, workers: int, snap: ClusterSnapshot, *, cause: str, reason: str,
+                     t0: float) -> None:
+        """The state moves from the live workers of the old layout to those of the new one over the
+        network (WorkerGroup.reshard); a durable checkpoint of the new layout is then written in the
+        background while training goes on. A transfer that fails midway falls back to the last
+        committed checkpoint, and the events say so."""
+        try:
+            p = self._plan(workers)
+            nodes = self._assign(p, snap)
+        except (PlanError, ValueError) as e:
+            self._fail(f"cannot plan {workers} workers: {e}")
+            return
+        old = self.plan
+        try:
+            started, stopped, moved = self.group.reshard(old, p, nodes)
+        except WorkerFailure as e:
+            self.sm.note("fallback", reason=f"live state transfer failed ({e}); falling back to the last "
+                                            f"committed checkpoint (step {self.committed_step})",
+                         step=self.step_done, cause=cause, details={"kind": e.kind})
+            self._recover(e, tried=nodes)
+            return
+        mib = moved["bytes_moved"] / 2**20
+        self._formed(p, old.layout.to_dict(), moved["step"], started, stopped, cause=cause, t0=t0,
+                     reason=f"{reason}; {mib:.0f} MiB of state moved live in {moved['transfer_s']:.2f}s",
+                     transfer={"path": "live", **moved})
+        try:
+            step = self.group.checkpoint(blocking=False)
+        except WorkerFailure as e:
+            self._recover(e)
+            return
+        self.sm.note("checkpoint", reason=f"durable checkpoint of step {step} under {p.layout} writing in the "
+                                          "background", step=step, cause=cause)
 
     def _recover(self: Coordinator, err: WorkerFailure, *, tried: list[str] = ()) -> None:
         """`tried`: the nodes a failed re-form was placing workers on (not members yet, but just as
@@ -82,14 +119,19 @@ class GroupLifecycle:
         except WorkerFailure as e:
             self._recover(e, tried=nodes)
             return
+        self._formed(p, old, formed["step"], started, stopped, cause=cause, reason=reason, t0=t0,
+                     transfer={"path": "storage"})
+
+    def _formed(self: Coordinator, p, old: dict | None, resumed: int, started: int, stopped: int, *, cause: str,
+                reason: str, t0: float, transfer: dict) -> None:
+        """Record a group formed for plan `p` and go RUNNING."""
         with self._lock:
             self.plan = p
-            resumed = formed["step"]
             rc = self._open if self._open is not None else Reconfig(cause=cause, detected=t0, step_before=self.step_done,
                                                                     old_layout=old)
             cause = rc.cause  # a recovery re-forms through a "planned" start: the event says why it happened
             rc.formed(new_layout=p.layout.to_dict(), resumed_step=resumed, started=started, stopped=stopped,
-                      world_size=p.world_size)
+                      world_size=p.world_size, transfer=transfer)
             self._open = rc
             self.step_done = resumed
         self.sm.note("resize", reason=f"{reason}; layout {p.layout} on {p.world_size} workers "

@@ -48,12 +48,16 @@ class Group(Protocol):
         """One member per entry of `nodes`, survivors kept; returns (started, stopped)."""
     def prewarm(self, nodes: list[str]) -> int:
         """Start workers on `nodes` ahead of a growth, without making them members; returns how many."""
-    def form(self, plan: Plan) -> dict:
-        """(Re-)form the process group for `plan`; returns {"step": resumed step, ...}."""
+    def form(self, plan: Plan, *, adopt: bool = False) -> dict:
+        """(Re-)form the process group for `plan`; returns {"step": resumed step, ...}. `adopt`: take
+        the state a `reshard` transfer delivered instead of loading the last checkpoint."""
+    def reshard(self, old: Plan, new: Plan, nodes: list[str]) -> tuple[int, int, dict]:
+        """Move the live state from `old` to `new` on `nodes` over the network (no storage) and form
+        the new group; returns (started, stopped, timings with "step")."""
     def run(self, *, until_step: int, steps: int, should_abort: Callable[[], bool] = ...) -> list[dict]:
         """Train `steps` steps on every rank; rank 0's metrics rows."""
-    def checkpoint(self) -> int:
-        """Save at the current step, wait for the commit; returns the step."""
+    def checkpoint(self, *, blocking: bool = True) -> int:
+        """Save at the current step (blocking: wait for the commit); returns the step."""
     def leave(self) -> None:
         """Drop the process group, keep the processes."""
     def shutdown(self) -> None:
@@ -142,12 +146,21 @@ class WorkerGroup:
         """Make the group have one member per entry of `nodes`. Keeps members already on those nodes,
         stops the rest, starts the missing. Members end up ordered node by node (rank order), in the
         order nodes first appear in `nodes`. Returns (started, stopped)."""
+        members, leavers, started = self._arrange(nodes, stop_leavers_first=True)
+        self.members = members
+        return len(started), len(leavers)
+
+    def _arrange(self, nodes: list[str], *, stop_leavers_first: bool) -> tuple[list[Member], list[Member], list[Member]]:
+        """(members in rank order for `nodes`, leavers, started): survivors kept on their nodes, the
+        missing started (pre-started spares first). Leavers are stopped before the start when
+        `stop_leavers_first` (their slots may be needed), else left running for the caller."""
         want = Counter(nodes)
         pool: dict[str, list[Member]] = defaultdict(list)
-        stop: list[Member] = []
+        leavers: list[Member] = []
         for m in self.members:
-            (pool[m.node_id].append(m) if len(pool[m.node_id]) < want[m.node_id] else stop.append(m))
-        self._stop(stop)
+            (pool[m.node_id].append(m) if len(pool[m.node_id]) < want[m.node_id] else leavers.append(m))
+        if stop_leavers_first:
+            self._stop(leavers)
         missing = [nid for nid in want for _ in range(want[nid] - len(pool[nid]))]
         warm = self._take_spares(missing)
         for m in warm:
@@ -160,8 +173,7 @@ class WorkerGroup:
         for m in started:  # placement targets a node softly: group by where the actor really runs
             pool[m.node_id].append(m)
         order = list(dict.fromkeys(nodes)) + [nid for nid in pool if nid not in want]
-        self.members = [m for nid in order for m in pool.get(nid, [])]
-        return len(started), len(stop)
+        return [m for nid in order for m in pool.get(nid, [])], leavers, started
 
     def _launch(self, nodes: list[str]) -> list[tuple[str, Any, PlacementGroup, Any]]:
         """Ask for one placement group and actor per node, without waiting for either."""
@@ -236,20 +248,57 @@ class WorkerGroup:
         self.members, self.spares = [], []
 
     # -- collective operations ---------------------------------------------------------------------------
-    def form(self, plan: Plan) -> dict:
+    def form(self, plan: Plan, *, adopt: bool = False) -> dict:
         """(Re-)form the process group over the current members for `plan`, which every rank gets whole
         (layout and micro batch); each builds its trainer and resumes from the latest committed
-        checkpoint. Returns timings and the step."""
+        checkpoint, or, with `adopt`, takes the state a `reshard` transfer gave it. Returns timings and
+        the step."""
         t0 = time.perf_counter()
         head = self.members[0]
         port = self._get([head.actor.free_port.remote()], "form")[0]
         refs = [m.actor.join.remote(rank=r, world_size=self.size, master_addr=head.ip, master_port=port,
-                                    plan=plan.to_dict()) for r, m in enumerate(self.members)]
+                                    plan=plan.to_dict(), adopt=adopt) for r, m in enumerate(self.members)]
         res = self._get(refs, "form", timeout=300)
         steps = {r["step"] for r in res}
         if len(steps) != 1:
             raise WorkerFailure("form", f"ranks resumed at different steps {sorted(steps)}")
         return {"step": steps.pop(), "form_s": time.perf_counter() - t0}
+
+    def reshard(self, old: Plan, new: Plan, nodes: list[str]) -> tuple[int, int, dict]:
+        """Move the live state from `old` (the current members) to `new` on `nodes` over the network,
+        no storage: every member hands its shards over and leaves its training group; joiners start
+        (spares first); old members and joiners form one transfer group and run the exchange plan
+        (workers.reshard); leavers stop; the new training group forms and adopts what it received.
+        Returns (started, stopped, timings). Raises WorkerFailure if any part fails: the caller falls
+        back to the last committed checkpoint (every member, joiners included, is in `members` then, so
+        a shutdown releases them all)."""
+        t0 = time.perf_counter()
+        steps = set(self._get([m.actor.hand_over.remote() for m in self.members], "hand over", timeout=600))
+        if len(steps) != 1:
+            raise WorkerFailure("hand over", f"ranks handed over different steps {sorted(steps)}")
+        old_members = list(self.members)
+        members, leavers, started = self._arrange(nodes, stop_leavers_first=False)
+        everyone = old_members + started  # the transfer group: old ranks first, in their order
+        self.members = everyone
+        slot = {id(m): i for i, m in enumerate(everyone)}
+        new_to_group = {r: slot[id(m)] for r, m in enumerate(members)}
+        group_to_new = {g: r for r, g in new_to_group.items()}
+        t1 = time.perf_counter()
+        port = self._get([everyone[0].actor.free_port.remote()], "state transfer")[0]
+        refs = [m.actor.reshard.remote(
+            rank=g, world_size=len(everyone), master_addr=everyone[0].ip, master_port=port,
+            old_plan=old.to_dict(), new_plan=new.to_dict(),
+            old_rank=g if g < len(old_members) else None, new_rank=group_to_new.get(g),
+            old_to_group={r: r for r in range(len(old_members))}, new_to_group=new_to_group,
+            nodes={i: e.node_id for i, e in enumerate(everyone)}) for g, m in enumerate(everyone)]
+        moved = self._get(refs, "state transfer", timeout=600)
+        t2 = time.perf_counter()
+        self._stop(leavers)
+        self.members = members
+        formed = self.form(new, adopt=True)
+        return len(started), len(leavers), {
+            "step": formed["step"], "handover_s": t1 - t0, "transfer_s": t2 - t1, "form_s": formed["form_s"],
+            "bytes_moved": sum(r["bytes_received"] for r in moved)}
 
     def run(self, *, until_step: int, steps: int, should_abort=lambda: False) -> list[dict]:
         """`steps` training steps on every rank (the same count everywhere); rank 0's metrics. Polls
@@ -264,8 +313,11 @@ class WorkerGroup:
                 raise WorkerFailure("node", "a node hosting workers died during a step")
         return self._get([refs[0]], "run")[0]
 
-    def checkpoint(self) -> int:
-        steps = set(self._get([m.actor.checkpoint.remote() for m in self.members], "checkpoint", timeout=600))
+    def checkpoint(self, *, blocking: bool = True) -> int:
+        """Save at the current step; blocking waits for the commit, else returns once the save is under
+        way (it stages during the next step and commits in the background)."""
+        steps = set(self._get([m.actor.checkpoint.remote(blocking=blocking) for m in self.members],
+                              "checkpoint", timeout=600))
         return max(steps)
 
     def leave(self) -> None:

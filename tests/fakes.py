@@ -66,10 +66,21 @@ class FakeGroup:
     def prewarm(self, nodes):
         return 0
 
-    def form(self, plan):
+    def form(self, plan, *, adopt=False):
         self.plan = plan
-        self.step = self.disk.committed
+        if not adopt:
+            self.step = self.disk.committed
         return {"step": self.step, "form_s": 0.0}
+
+    def reshard(self, old, new, nodes):
+        """A live transfer: the step carries over, no checkpoint is read (or written)."""
+        if self.fail_next and self.fail_next[0] == "transfer":
+            self.fail_next.pop(0)
+            raise WorkerFailure("died", "a worker died during state transfer")
+        started, stopped = self.scale_to(nodes)
+        formed = self.form(new, adopt=True)
+        return started, stopped, {"step": formed["step"], "handover_s": 0.0, "transfer_s": 0.0, "form_s": 0.0,
+                                  "bytes_moved": 1 << 20}
 
     def run(self, *, until_step, steps, should_abort=lambda: False):
         if self.fail_next:
@@ -83,8 +94,8 @@ class FakeGroup:
         return [{"step": self.step, "loss": 10.0 / self.step, "time": float(self.step), "world_size": ws,
                  "committed_step": self.disk.committed}]
 
-    def checkpoint(self):
-        self.disk.committed = self.step
+    def checkpoint(self, *, blocking=True):
+        self.disk.committed = self.step  # a background save commits before the next fake step
         return self.step
 
     def leave(self):

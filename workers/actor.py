@@ -32,6 +32,10 @@ class Worker:
         self.run_dir = Path(run_dir)
         self.trainer = None
         self.rank: int | None = None
+        self.handover = None
+        """This worker's shards of the old layout, between `hand_over()` and its `reshard()`."""
+        self.received = None
+        """The state a `reshard()` delivered for the new layout, until `join(adopt=True)` takes it."""
 
     # -- placement and rendezvous --------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
@@ -48,25 +52,78 @@ class Worker:
 
     # -- group membership ------------------------------------------------------------------------------
     def join(self, *, rank: int, world_size: int, master_addr: str, master_port: int, plan: dict,
-             timeout_s: float = 120.0) -> dict[str, Any]:
+             adopt: bool = False, timeout_s: float = 120.0) -> dict[str, Any]:
         """Join a process group as `rank` and build the trainer for `plan` (a Plan.to_dict(): layout and
-        micro batch, as the planner chose them), resuming from the latest committed checkpoint, if any.
-        Returns the step training will continue from."""
+        micro batch, as the planner chose them), resuming from the latest committed checkpoint, if any,
+        or, with `adopt`, from the state the last `reshard()` delivered. Returns the step training will
+        continue from."""
         from parallel.planner import Plan
-        from workers.runtime import init_process_group, pick_device
         from workers.trainer import Trainer
 
+        if adopt and self.received is None:
+            raise RuntimeError("join(adopt=True) without a completed reshard on this worker")
+        if not adopt:  # e.g. the fallback after a failed transfer: what it left behind is stale
+            self.handover = self.received = None
         self.leave()
         t0 = time.perf_counter()
+        device = self._init_group(rank, world_size, master_addr, master_port, timeout_s)
+        t1 = time.perf_counter()
+        self.trainer = Trainer(self.cfg, plan=Plan.from_dict(plan), device=device,
+                               run_dir=self.run_dir).build(resume=not adopt)
+        if adopt:
+            got, self.received = self.received, None
+            self.trainer.adopt(got.pieces, got.optimizer_steps, got.state)
+        self.rank = rank
+        return {"step": self.trainer.step, "pg_s": t1 - t0, "build_s": time.perf_counter() - t1}
+
+    def _init_group(self, rank: int, world_size: int, master_addr: str, master_port: int, timeout_s: float):
+        from workers.runtime import init_process_group, pick_device
+
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0",
                           MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         device = pick_device(self.cfg.resources.device)
         init_process_group(device, timeout_s=timeout_s)
-        t1 = time.perf_counter()
-        self.trainer = Trainer(self.cfg, plan=Plan.from_dict(plan), device=device,
-                               run_dir=self.run_dir).build()
-        self.rank = rank
-        return {"step": self.trainer.step, "pg_s": t1 - t0, "build_s": time.perf_counter() - t1}
+        return device
+
+    # -- live resharding (workers.reshard) ---------------------------------------------------------------
+    def hand_over(self) -> int:
+        """Keep this rank's shards and the JSON state (waiting for a save in flight), then leave the
+        training group: the state stays in this process for the transfer. Returns the step."""
+        from workers.reshard import hand_over
+        from workers.runtime import destroy_process_group
+
+        if self.trainer is None:
+            raise RuntimeError("worker has not joined a group")
+        self.handover = hand_over(self.trainer)
+        step = self.trainer.step
+        try:
+            self.trainer.close()
+        finally:
+            self.trainer = None
+            destroy_process_group()
+            self.rank = None
+        return step
+
+    def reshard(self, *, rank: int, world_size: int, master_addr: str, master_port: int, old_plan: dict,
+                new_plan: dict, old_rank: int | None, new_rank: int | None, old_to_group: dict[int, int],
+                new_to_group: dict[int, int], nodes: dict[int, str], timeout_s: float = 120.0) -> dict[str, Any]:
+        """Take part in the transfer group (old ranks and joiners) and run the exchange plan; a rank of
+        the new layout keeps what it received for `join(adopt=True)`. Returns the bytes received."""
+        from parallel.planner import Plan
+        from workers.reshard import exchange
+        from workers.runtime import destroy_process_group
+
+        self.leave()
+        try:
+            device = self._init_group(rank, world_size, master_addr, master_port, timeout_s)
+            got = exchange(self.handover, model=self.cfg.model.build(), old=Plan.from_dict(old_plan).layout,
+                           new=Plan.from_dict(new_plan).layout, old_rank=old_rank, new_rank=new_rank,
+                           old_to_group=old_to_group, new_to_group=new_to_group, nodes=nodes, device=device)
+        finally:
+            self.handover = None
+            destroy_process_group()
+        self.received = got if new_rank is not None else None
+        return {"bytes_received": got.bytes_received}
 
     def leave(self) -> None:
         """Drop the trainer and the process group; the process stays warm for the next layout."""
@@ -98,11 +155,13 @@ class Worker:
             row["committed_step"] = committed
         return out
 
-    def checkpoint(self) -> int:
-        """Save at the current step and wait until it is committed (a planned resize calls this)."""
+    def checkpoint(self, *, blocking: bool = True) -> int:
+        """Save at the current step; `blocking` waits until it is committed (a resize through storage),
+        else the save stages during the next step and commits in the background (the durable copy
+        after a live reshard)."""
         if self.trainer is None:
             raise RuntimeError("worker has not joined a group")
-        self.trainer.save_checkpoint(blocking=True)
+        self.trainer.save_checkpoint(blocking=blocking)
         return self.trainer.step
 
     def step(self) -> int | None:

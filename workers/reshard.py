@@ -41,6 +41,8 @@ class Received:
     pieces: dict[str, list]
     optimizer_steps: dict[str, int]
     state: dict[str, Any]
+    bytes_received: int = 0
+    """Bytes that came over the network to this worker (pieces it kept from its own shards excluded)."""
 
 
 def hand_over(trainer: Any) -> Handover:
@@ -79,4 +81,7 @@ def exchange(handover: Handover | None, *, model: ModelConfig, old: Layout, new:
                  for prefix in ("model.", *(f"optim.{st}." for st in states))}  # moments share the param's dtype
     pieces = transfer(plan, old_rank=old_rank, new_rank=new_rank, held=handover.held if handover else None,
                       dtypes=key_dtype, old_to_group=old_to_group, new_to_group=new_to_group, device=device)
-    return Received(pieces=pieces, optimizer_steps=steps, state=box[0])
+    me = dist.get_rank()
+    got = sum(t.box.numel * key_dtype[t.key].itemsize for t in plan
+              if new_to_group[t.dst] == me and old_to_group[t.src] != me)
+    return Received(pieces=pieces, optimizer_steps=steps, state=box[0], bytes_received=got)

@@ -183,6 +183,41 @@ def test_user_resize_pause_resume_stop(tmp_path):
     assert str(c.sm.state) == "STOPPED"
 
 
+def test_a_planned_resize_moves_state_live_then_writes_a_durable_checkpoint_in_the_background(tmp_path):
+    c, _, _ = make_coordinator(tmp_path, {"a": 2, "b": 2}, settle=1e9, interval=5)
+    advance(c, lambda c: c.step_done >= 7)
+    c.resize(workers=2)
+    advance(c, lambda c: len(c.reconfigs) == 2)
+    rc = c.reconfigs[-1]
+    assert rc.transfer["path"] == "live" and rc.transfer["bytes_moved"] == 1 << 20
+    assert rc.step_before == rc.resumed_step == 7 and rc.steps_lost == 0  # not the step-5 commit
+    kinds = [(e["kind"], e["reason"]) for e in c.events_since(0)]
+    live = next(i for i, (k, r) in enumerate(kinds) if k == "resize" and "moved live" in r)
+    durable = next(i for i, (k, r) in enumerate(kinds) if k == "checkpoint" and "in the background" in r)
+    assert live < durable and c.committed_step >= 7
+
+
+def test_reshard_storage_resizes_through_a_blocking_checkpoint(tmp_path):
+    c, _, _ = make_coordinator(tmp_path, {"a": 2, "b": 2}, settle=1e9, parallel={"reshard": "storage"})
+    advance(c, lambda c: c.step_done >= 7)
+    c.resize(workers=2)
+    advance(c, lambda c: len(c.reconfigs) == 2)
+    assert c.reconfigs[-1].transfer == {"path": "storage"} and c.reconfigs[-1].steps_lost == 0
+    assert any(e["kind"] == "checkpoint" and "before resize" in e["reason"] for e in c.events_since(0))
+
+
+def test_a_live_transfer_that_fails_midway_falls_back_to_the_last_commit_and_says_so(tmp_path):
+    c, _, G = make_coordinator(tmp_path, {"a": 2, "b": 2}, settle=1e9, interval=5)
+    advance(c, lambda c: c.step_done >= 7)
+    G.fail_next.append("transfer")
+    c.resize(workers=2)
+    advance(c, lambda c: len(c.reconfigs) == 2 and c.step_done >= 8)
+    fallback = [e for e in c.events_since(0) if e["kind"] == "fallback"]
+    assert len(fallback) == 1 and "last committed checkpoint (step 5)" in fallback[0]["reason"]
+    rc = c.reconfigs[-1]
+    assert rc.cause == "failure" and rc.resumed_step == 5 and rc.steps_lost == 2 and rc.transfer["path"] == "storage"
+
+
 def test_bad_resize_is_rejected_in_the_callers_thread(tmp_path):
     c, _, _ = make_coordinator(tmp_path, {"a": 2})
     with pytest.raises(ValueError, match="max_workers=1 is less than min_workers=2"):
@@ -215,8 +250,8 @@ def test_the_real_group_and_the_fakes_satisfy_the_group_protocol(tmp_path):
     from tests.fakes import FakeGroup, GatedGroup
 
     for cls in (WorkerGroup, FakeGroup, GatedGroup):
-        missing = [m for m in ("nodes", "scale_to", "prewarm", "form", "run", "checkpoint", "leave", "shutdown",
-                               "size") if not hasattr(cls, m)]
+        missing = [m for m in ("nodes", "scale_to", "prewarm", "form", "reshard", "run", "checkpoint", "leave",
+                               "shutdown", "size") if not hasattr(cls, m)]
         assert not missing, (cls.__name__, missing)
     c, _, G = make_coordinator(tmp_path, {"a": 2})
     advance(c, lambda c: c.group is not None)

@@ -162,6 +162,7 @@ def test_planned_resize_redoes_no_steps(cluster, nodes, reference, tmp_path):
     assert rc.cause == "user" and rc.steps_lost == 0 and rc.resumed_step == rc.step_before
     assert rc.old_layout["dp_replicate"] * rc.old_layout["dp_shard"] == 2 and rc.world_size == 1
     assert rc.started == 0 and rc.stopped == 1  # the surviving actor was reused
+    assert rc.transfer["path"] == "live"  # no storage: the survivor held a whole replica, 0 bytes to move
 
 
 def test_preemption_notice_checkpoints_just_in_time_and_loses_nothing(cluster, nodes, reference, tmp_path):
@@ -179,6 +180,7 @@ def test_preemption_notice_checkpoints_just_in_time_and_loses_nothing(cluster, n
     (rc,) = finish(coord, t, reference)
     assert rc.cause == "preemption" and rc.steps_lost == 0
     assert rc.world_size == 2 and rc.started == 0
+    assert rc.transfer["path"] == "live"  # the draining node's workers sent their shards before leaving
     kinds = [e["kind"] for e in coord.events_since(0)]
     assert "preemption" in kinds and "checkpoint" in kinds
 
@@ -215,6 +217,7 @@ def test_failure_without_notice_resumes_from_last_commit_and_waits_for_capacity(
         assert rc.cause == "failure"
         assert 0 <= rc.steps_lost <= INTERVAL and rc.steps_lost == rc.step_before - rc.resumed_step
         assert rc.resumed_step % INTERVAL == 0  # a committed periodic checkpoint
+        assert rc.transfer["path"] == "storage"
     assert kill.world_size == 2 and node.world_size == 2
 
 
@@ -230,3 +233,4 @@ def test_grow_after_settle_redoes_no_steps(cluster, nodes, reference, tmp_path):
     (rc,) = finish(coord, t, reference)
     assert rc.cause == "grow" and rc.steps_lost == 0 and rc.world_size == 2
     assert rc.started == 1 and rc.stopped == 0
+    assert rc.transfer["path"] == "live" and rc.transfer["bytes_moved"] > 0  # the joiner got its state from the survivor
