@@ -222,21 +222,23 @@ class CheckpointManager:
                 raise err
             raise CheckpointError(f"checkpoint save failed: {type(err).__name__}: {err}") from err
 
-    def close(self, *, timeout_s: float | None = None) -> None:
+    def close(self, *, timeout_s: float | None = None) -> bool:
         """Wait up to `timeout_s` (None: for ever) for the save in flight. Unlike `flush`, a failed save
         is logged rather than raised, and one still running after the timeout is abandoned (its thread is
-        a daemon; without a manifest it was never committed), since after a failure its peers may be gone."""
+        a daemon; without a manifest it was never committed), since after a failure its peers may be gone.
+        Returns False if a save was abandoned (its thread may still touch the staging area)."""
         if self._thread is not None:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
                 log.warning("abandoning the checkpoint save still running after %.0f s (step %s); it will not "
                             "be committed", timeout_s, self.last_saved_step)
                 self._thread = None
-                return
+                return False
         try:
             self.flush()
         except CheckpointError:
             log.warning("the last checkpoint save failed", exc_info=True)
+        return True
 
     def _run(self, job: _SaveJob) -> None:
         t0 = time.perf_counter()
