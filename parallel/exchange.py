@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+from parallel.layout import Layout, MeshAxis
 from parallel.sharding import Box
 
 
@@ -101,3 +102,15 @@ def check_plan(plan: list[Transfer], old: dict[int, dict[str, Box]], new: dict[i
                     if a.intersect(b) is not None:
                         problems.append(f"{key}: new rank {dst} gets {a} and {b}, which overlap")
     return problems
+
+
+def survivors_hold_everything(layout: Layout, ranks) -> bool:
+    """Whether the ranks `ranks` of `layout` still hold every box of the state between them, so a failure
+    can heal from peers. Ranks differing only in their data-parallel replica hold identical boxes; any
+    other coordinate (pipeline stage, FSDP shard, TP shard) holds distinct ones."""
+
+    def place(rank: int) -> tuple[int, ...]:
+        c = layout.coords(rank)
+        return tuple(c[a] for a in (MeshAxis.PP, MeshAxis.DP_SHARD, MeshAxis.TP))
+
+    return {place(r) for r in range(layout.world_size)} <= {place(r) for r in ranks}

@@ -80,6 +80,8 @@ class Coordinator(GroupLifecycle):
         self.failures: list[Failure] = []
         self.reconfigs: list[Reconfig] = []
         self._open: Reconfig | None = None
+        self._heal = None
+        """service.reconfigure.Heal while a failed group's survivors wait to heal from peers."""
         self._commands: queue.Queue[Command] = queue.Queue()
         self._user_resize = False
         o = self.opts
@@ -223,6 +225,11 @@ class Coordinator(GroupLifecycle):
         if isinstance(d, Fail):
             self._fail(d.reason)
         elif isinstance(d, Wait):
+            if self._heal is not None:  # survivors cannot wait holding their state: it comes back from storage
+                self.sm.note("fallback", reason=f"{d.reason}: the surviving workers are released; the job will "
+                                                f"resume from the last committed checkpoint (step {self.committed_step})",
+                             step=self.step_done, cause="failure")
+                self._shutdown_group()
             if self.sm.state is not S.WAITING_FOR_CAPACITY:
                 self.sm.transition(S.WAITING_FOR_CAPACITY, reason=d.reason, step=self.step_done)
             time.sleep(min(0.2, self.opts.poll_interval_s))

@@ -8,9 +8,11 @@ group; every move is recorded through the coordinator's state machine (`self.sm`
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from parallel.planner import PlanError
+from parallel.exchange import survivors_hold_everything
+from parallel.planner import Plan, PlanError
 from service.cluster import ClusterSnapshot
 from service.policy import Failure
 from service.reconfig import Reconfig
@@ -19,6 +21,15 @@ from service.worker_group import WorkerFailure
 
 if TYPE_CHECKING:
     from service.coordinator import Coordinator
+
+
+@dataclass(frozen=True, slots=True)
+class Heal:
+    """A failed group's survivors hold every shard of `old` between them: re-form by healing from them."""
+
+    old: Plan
+    ranks: tuple[int, ...]
+    """Their ranks in `old`, which are also their order in the group."""
 
 
 class GroupLifecycle:
@@ -51,28 +62,34 @@ class GroupLifecycle:
     def _live_resize(self: Coordinator, workers: int, snap: ClusterSnapshot, *, cause: str, reason: str,
                      t0: float) -> None:
         """The state moves from the live workers of the old layout to those of the new one over the
-        network (WorkerGroup.reshard); a durable checkpoint of the new layout is then written in the
-        background while training goes on. A transfer that fails midway falls back to the last
-        committed checkpoint, and the events say so."""
+        network (WorkerGroup.reshard)."""
         try:
             p = self._plan(workers)
             nodes = self._assign(p, snap)
         except (PlanError, ValueError) as e:
             self._fail(f"cannot plan {workers} workers: {e}")
             return
-        old = self.plan
+        self._move_live(self.plan, p, nodes, survivors=None, cause=cause, reason=reason, t0=t0)
+
+    def _move_live(self: Coordinator, old: Plan, p: Plan, nodes: list[str], *, survivors: list[int] | None,
+                   cause: str, reason: str, t0: float) -> None:
+        """Reshard live from `old` (all its ranks, or after a failure the `survivors` a salvage kept) to
+        `p` on `nodes`, then write a durable checkpoint of the new layout in the background while
+        training goes on. A transfer that fails midway falls back to the last committed checkpoint, and
+        the events say so."""
         try:
-            started, stopped, moved = self.group.reshard(old, p, nodes)
+            started, stopped, moved = self.group.reshard(old, p, nodes, survivors=survivors)
         except WorkerFailure as e:
             self.sm.note("fallback", reason=f"live state transfer failed ({e}); falling back to the last "
                                             f"committed checkpoint (step {self.committed_step})",
                          step=self.step_done, cause=cause, details={"kind": e.kind})
-            self._recover(e, tried=nodes)
+            self._recover(e, tried=nodes, salvage=False)  # the workers handed their state over: nothing to keep
             return
         mib = moved["bytes_moved"] / 2**20
+        how = "moved live" if survivors is None else f"healed from surviving ranks {survivors}"
         self._formed(p, old.layout.to_dict(), moved["step"], started, stopped, cause=cause, t0=t0,
-                     reason=f"{reason}; {mib:.0f} MiB of state moved live in {moved['transfer_s']:.2f}s",
-                     transfer={"path": "live", **moved})
+                     reason=f"{reason}; {mib:.0f} MiB of state {how} in {moved['transfer_s']:.2f}s",
+                     transfer={"path": "live" if survivors is None else "peers", **moved})
         try:
             step = self.group.checkpoint(blocking=False)
         except WorkerFailure as e:
@@ -81,14 +98,49 @@ class GroupLifecycle:
         self.sm.note("checkpoint", reason=f"durable checkpoint of step {step} under {p.layout} writing in the "
                                           "background", step=step, cause=cause)
 
-    def _recover(self: Coordinator, err: WorkerFailure, *, tried: list[str] = ()) -> None:
+    def _salvage(self: Coordinator) -> bool:
+        """After a failure without notice: keep the surviving workers and their state when, between them,
+        they hold every shard at one step (data-parallel replicas), so the group heals from peers
+        (`self._heal`); else say why, and the caller falls back to the last committed checkpoint."""
+        g, p = self.group, self.plan
+        if self.cfg.parallel.reshard != "live" or g is None or p is None or not g.size:
+            return False
+        infos = g.salvage()
+        steps = {i["step"] for i in infos.values()}
+        rows = max((i["rows"] for i in infos.values()), key=len, default=[])
+        last_row = rows[-1]["step"] if rows else self.step_done
+        if not infos:
+            why = "no worker answered with state it can vouch for"
+        elif len(steps) != 1:
+            why = f"the survivors stopped at different steps {sorted(steps)}"
+        elif not survivors_hold_everything(p.layout, infos):
+            why = f"ranks {sorted(infos)} of {p.layout} do not hold every shard between them"
+        elif max(steps) != max(last_row, self.step_done):
+            why = f"the metrics of step {max(steps)} were lost with the failed worker"
+        else:
+            why = None
+        if why is not None:
+            self.sm.note("fallback", reason=f"cannot heal from the surviving workers: {why}; resuming from the "
+                                            f"last committed checkpoint (step {self.committed_step})",
+                         step=self.step_done, cause="failure")
+            return False
+        with self._lock:
+            for r in rows:
+                self.metrics.setdefault(r["step"], r)
+            self.step_done = steps.pop()
+        self._heal = Heal(old=p, ranks=tuple(sorted(infos)))
+        return True
+
+    def _recover(self: Coordinator, err: WorkerFailure, *, tried: list[str] = (), salvage: bool = True) -> None:
         """`tried`: the nodes a failed re-form was placing workers on (not members yet, but just as
-        likely to be the dead ones: e.g. a node killed right after the probe of the previous failure)."""
+        likely to be the dead ones: e.g. a node killed right after the probe of the previous failure).
+        `salvage`: try to keep the survivors' state to heal from (not after a failed transfer)."""
         t0 = time.time()
         with self._lock:
             self.failures.append(Failure(time=t0, kind=err.kind, error=str(err)))
         nodes = sorted(set(self.group.nodes() if self.group is not None else ()) | set(tried))
-        self._shutdown_group()
+        if not salvage or self._heal is not None or not self._salvage():  # a failed heal is not healed again
+            self._shutdown_group()
         dead = self._probe(nodes)
         self.sm.note("failure", reason=str(err), step=self.step_done, cause="failure",
                      details={"kind": err.kind, "unresponsive_nodes": sorted(dead)})
@@ -104,6 +156,10 @@ class GroupLifecycle:
             nodes = self._assign(p, snap)
         except (PlanError, ValueError) as e:
             self._fail(f"cannot plan {workers} workers: {e}")
+            return
+        if self._heal is not None:  # after a failure the survivors hold every shard: heal from them
+            heal, self._heal = self._heal, None
+            self._move_live(heal.old, p, nodes, survivors=list(heal.ranks), cause=cause, reason=reason, t0=t0)
             return
         old = self.plan.layout.to_dict() if self.plan else None
         if self.group is None:
@@ -153,6 +209,7 @@ class GroupLifecycle:
         self.sm.transition(S.FAILED, reason=reason, step=self.step_done)
 
     def _shutdown_group(self) -> None:
+        self._heal = None
         if self.group is not None:
             self.group.shutdown()
             self.group = None

@@ -51,9 +51,13 @@ class Group(Protocol):
     def form(self, plan: Plan, *, adopt: bool = False) -> dict:
         """(Re-)form the process group for `plan`; returns {"step": resumed step, ...}. `adopt`: take
         the state a `reshard` transfer delivered instead of loading the last checkpoint."""
-    def reshard(self, old: Plan, new: Plan, nodes: list[str]) -> tuple[int, int, dict]:
+    def reshard(self, old: Plan, new: Plan, nodes: list[str], *, survivors: list[int] | None = None
+                ) -> tuple[int, int, dict]:
         """Move the live state from `old` to `new` on `nodes` over the network (no storage) and form
-        the new group; returns (started, stopped, timings with "step")."""
+        the new group; returns (started, stopped, timings with "step"). `survivors`: the members' old
+        ranks after a `salvage()` (a heal from peers)."""
+    def salvage(self) -> dict[int, dict]:
+        """After a failure keep the members whose shards can be trusted; their reports by old rank."""
     def run(self, *, until_step: int, steps: int, should_abort: Callable[[], bool] = ...) -> list[dict]:
         """Train `steps` steps on every rank; rank 0's metrics rows."""
     def checkpoint(self, *, blocking: bool = True) -> int:
@@ -264,18 +268,22 @@ class WorkerGroup:
             raise WorkerFailure("form", f"ranks resumed at different steps {sorted(steps)}")
         return {"step": steps.pop(), "form_s": time.perf_counter() - t0}
 
-    def reshard(self, old: Plan, new: Plan, nodes: list[str]) -> tuple[int, int, dict]:
+    def reshard(self, old: Plan, new: Plan, nodes: list[str], *, survivors: list[int] | None = None
+                ) -> tuple[int, int, dict]:
         """Move the live state from `old` (the current members) to `new` on `nodes` over the network,
         no storage: every member hands its shards over and leaves its training group; joiners start
         (spares first); old members and joiners form one transfer group and run the exchange plan
         (workers.reshard); leavers stop; the new training group forms and adopts what it received.
-        Returns (started, stopped, timings). Raises WorkerFailure if any part fails: the caller falls
-        back to the last committed checkpoint (every member, joiners included, is in `members` then, so
-        a shutdown releases them all)."""
+        `survivors`: after a failure, the old ranks of the members, which `salvage()` already made hand
+        over. Returns (started, stopped, timings). Raises WorkerFailure if any part fails: the caller
+        falls back to the last committed checkpoint (every member, joiners included, is in `members`
+        then, so a shutdown releases them all)."""
         t0 = time.perf_counter()
-        steps = set(self._get([m.actor.hand_over.remote() for m in self.members], "hand over", timeout=600))
-        if len(steps) != 1:
-            raise WorkerFailure("hand over", f"ranks handed over different steps {sorted(steps)}")
+        if survivors is None:
+            steps = set(self._get([m.actor.hand_over.remote() for m in self.members], "hand over", timeout=600))
+            if len(steps) != 1:
+                raise WorkerFailure("hand over", f"ranks handed over different steps {sorted(steps)}")
+        old_ranks = survivors if survivors is not None else list(range(self.size))
         old_members = list(self.members)
         members, leavers, started = self._arrange(nodes, stop_leavers_first=False)
         everyone = old_members + started  # the transfer group: old ranks first, in their order
@@ -288,8 +296,8 @@ class WorkerGroup:
         refs = [m.actor.reshard.remote(
             rank=g, world_size=len(everyone), master_addr=everyone[0].ip, master_port=port,
             old_plan=old.to_dict(), new_plan=new.to_dict(),
-            old_rank=g if g < len(old_members) else None, new_rank=group_to_new.get(g),
-            old_to_group={r: r for r in range(len(old_members))}, new_to_group=new_to_group,
+            old_rank=old_ranks[g] if g < len(old_members) else None, new_rank=group_to_new.get(g),
+            old_to_group={r: g for g, r in enumerate(old_ranks)}, new_to_group=new_to_group,
             nodes={i: e.node_id for i, e in enumerate(everyone)}) for g, m in enumerate(everyone)]
         moved = self._get(refs, "state transfer", timeout=600)
         t2 = time.perf_counter()
@@ -312,6 +320,29 @@ class WorkerGroup:
             if pending and should_abort():
                 raise WorkerFailure("node", "a node hosting workers died during a step")
         return self._get([refs[0]], "run")[0]
+
+    def salvage(self, *, timeout_s: float = 15.0) -> dict[int, dict]:
+        """After a failure: every member that answers within `timeout_s` with shards it can vouch for
+        (Worker.salvage) stays, in old-rank order; the others (dead, stuck in a collective, or holding
+        untrusted state) are stopped. Returns each survivor's report by its old rank."""
+        refs = [m.actor.salvage.remote() for m in self.members]
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[0])
+        kept: dict[int, tuple[Member, dict]] = {}
+        lost: list[Member] = []
+        for m, ref in zip(self.members, refs):
+            info = None
+            if ref in ready:
+                try:
+                    info = ray.get(ref)
+                except RayError:
+                    info = None
+            if info is not None and info["held"]:
+                kept[info["old_rank"]] = (m, info)
+            else:
+                lost.append(m)
+        self._stop(lost)
+        self.members = [kept[r][0] for r in sorted(kept)]
+        return {r: kept[r][1] for r in sorted(kept)}
 
     def checkpoint(self, *, blocking: bool = True) -> int:
         """Save at the current step; blocking waits for the commit, else returns once the save is under

@@ -43,6 +43,8 @@ class FakeGroup:
     disk: Disk
     cluster: FakeCluster
     fail_next: list[str] = []
+    heals = False
+    """Whether survivors of a failure keep their state (a salvage), as real workers do."""
 
     def __init__(self, cfg, run_dir, **kw):
         self.members: list[str] = []
@@ -72,7 +74,16 @@ class FakeGroup:
             self.step = self.disk.committed
         return {"step": self.step, "form_s": 0.0}
 
-    def reshard(self, old, new, nodes):
+    def salvage(self):
+        """Survivors (members off dead nodes) vouch for their state at the current step when `heals`."""
+        if not self.heals:
+            self.members = []
+            return {}
+        kept = {r: m for r, m in enumerate(self.members) if m not in self.cluster.dead}
+        self.members = list(kept.values())
+        return {r: {"held": True, "step": self.step, "old_rank": r, "rows": []} for r in kept}
+
+    def reshard(self, old, new, nodes, *, survivors=None):
         """A live transfer: the step carries over, no checkpoint is read (or written)."""
         if self.fail_next and self.fail_next[0] == "transfer":
             self.fail_next.pop(0)

@@ -36,6 +36,7 @@ class Worker:
         """This worker's shards of the old layout, between `hand_over()` and its `reshard()`."""
         self.received = None
         """The state a `reshard()` delivered for the new layout, until `join(adopt=True)` takes it."""
+        self._rows: list[dict] = []
 
     # -- placement and rendezvous --------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
@@ -104,6 +105,33 @@ class Worker:
             self.rank = None
         return step
 
+    def salvage(self, *, save_timeout_s: float = 2.0) -> dict[str, Any]:
+        """After a peer failed: keep this rank's shards for healing from peers, if they can be trusted,
+        and leave the broken group. Returns {"held": True, "step", "old_rank", "rows": the metrics of the
+        steps the interrupted call finished} or {"held": False, "why"}. Not trusted: no trainer, a step
+        that failed after its weight update, or a checkpoint save left running (it could still write)."""
+        from workers.reshard import hand_over_salvaged
+        from workers.runtime import destroy_process_group
+
+        t, self.trainer, self.handover, self.received = self.trainer, None, None, None
+        try:
+            if t is None:
+                return {"held": False, "why": "no trainer"}
+            state = t.salvage_state()
+            if not t.close(timeout_s=save_timeout_s):
+                return {"held": False, "why": "a checkpoint save was still running"}
+            if state is None:
+                return {"held": False, "why": "the failure struck after a weight update"}
+            rows = list(self._rows)
+            last = t.last_metrics
+            if last is not None and (not rows or rows[-1]["step"] < last.step):
+                rows.append(last.to_dict())
+            self.handover = hand_over_salvaged(t, state)
+            return {"held": True, "step": t.step, "old_rank": t.rank, "rows": rows}
+        finally:
+            destroy_process_group()
+            self.rank = None
+
     def reshard(self, *, rank: int, world_size: int, master_addr: str, master_port: int, old_plan: dict,
                 new_plan: dict, old_rank: int | None, new_rank: int | None, old_to_group: dict[int, int],
                 new_to_group: dict[int, int], nodes: dict[int, str], timeout_s: float = 120.0) -> dict[str, Any]:
@@ -144,7 +172,7 @@ class Worker:
         step's collectives. Short calls keep the coordinator responsive between them."""
         if self.trainer is None:
             raise RuntimeError("worker has not joined a group")
-        out = []
+        out = self._rows = []  # kept if a step raises: a salvage reports the steps this call did finish
         for _ in range(steps):
             if self.trainer.step >= until_step:
                 break

@@ -52,12 +52,19 @@ def hand_over(trainer: Any) -> Handover:
     return Handover(held=held, state=trainer._checkpoint_state() if trainer.rank == 0 else None)
 
 
+def hand_over_salvaged(trainer: Any, state: dict[str, Any]) -> Handover:
+    """A survivor's shards after a failure (no save to wait for, no collective): every survivor carries
+    the JSON state, since the old rank 0 may be the one that died."""
+    return Handover(held=hold(trainer.model, trainer.optimizer), state=state)
+
+
 def exchange(handover: Handover | None, *, model: ModelConfig, old: Layout, new: Layout, old_rank: int | None,
              new_rank: int | None, old_to_group: dict[int, int], new_to_group: dict[int, int],
              nodes: dict[int, str] | None = None, device: torch.device | str = "cpu") -> Received:
     """This worker's part of the exchange on the current default group (collective over all its
-    members). `*_to_group`: layout rank -> rank in the group; `nodes`: group rank -> node id, so pieces
-    come from the same node when a replica there has them."""
+    members). `*_to_group`: layout rank -> rank in the group (of the old ranks, only those still alive:
+    after a failure the survivors, who must hold every box between them); `nodes`: group rank -> node
+    id, so pieces come from the same node when a replica there has them."""
     meta = build_model(model)
     shapes = {n: tuple(p.shape) for n, p in meta.named_parameters()}
     dtypes = {n: p.dtype for n, p in meta.named_parameters()}
@@ -68,7 +75,8 @@ def exchange(handover: Handover | None, *, model: ModelConfig, old: Layout, new:
     for part in gathered:
         steps.update(part)
     states = ("exp_avg", "exp_avg_sq") if steps else ()  # no AdamW state before the first step
-    old_b, new_b = boxes(old, shapes, model.n_layers, states), boxes(new, shapes, model.n_layers, states)
+    old_b = {r: b for r, b in boxes(old, shapes, model.n_layers, states).items() if r in old_to_group}  # survivors
+    new_b = boxes(new, shapes, model.n_layers, states)
     group_to_old = {g: r for r, g in old_to_group.items()}
     same_worker = {n: group_to_old[g] for n, g in new_to_group.items() if g in group_to_old}
     nodes = nodes or {}
@@ -76,7 +84,7 @@ def exchange(handover: Handover | None, *, model: ModelConfig, old: Layout, new:
                          old_node={r: nodes[g] for r, g in old_to_group.items() if g in nodes},
                          new_node={r: nodes[g] for r, g in new_to_group.items() if g in nodes})
     box = [handover.state if handover and handover.state is not None else None]
-    dist.broadcast_object_list(box, src=old_to_group[0])
+    dist.broadcast_object_list(box, src=old_to_group[min(old_to_group)])  # the lowest old rank still here
     key_dtype = {f"{prefix}{n}": dt for n, dt in dtypes.items()
                  for prefix in ("model.", *(f"optim.{st}." for st in states))}  # moments share the param's dtype
     pieces = transfer(plan, old_rank=old_rank, new_rank=new_rank, held=handover.held if handover else None,

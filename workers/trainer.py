@@ -103,6 +103,9 @@ class Trainer:
         self.checkpointer: CheckpointManager | None = None
         self.resumed_from: Manifest | None = None
         """Manifest of the checkpoint `build()` resumed from, if any."""
+        self._before_update: dict | None = None
+        self._mid_step = False
+        self.last_metrics: StepMetrics | None = None
 
     # -- construction ------------------------------------------------------------------------------
     def build(self, *, resume: bool = True) -> "Trainer":
@@ -260,11 +263,11 @@ class Trainer:
         if self.checkpointer is not None:
             self.checkpointer.flush()
 
-    def close(self, *, timeout_s: float = 60.0) -> None:
+    def close(self, *, timeout_s: float = 60.0) -> bool:
         """Before the process group goes away: let a save in flight commit (bounded wait, since its
-        peers may be dead after a failure; a failed or abandoned save is logged, never raised)."""
-        if self.checkpointer is not None:
-            self.checkpointer.close(timeout_s=timeout_s)
+        peers may be dead after a failure; a failed or abandoned save is logged, never raised). Returns
+        False if a save was abandoned still running."""
+        return self.checkpointer.close(timeout_s=timeout_s) if self.checkpointer is not None else True
 
     # -- one optimizer step ------------------------------------------------------------------------
     def _loss_ctx(self):
@@ -308,6 +311,7 @@ class Trainer:
         lr = lr_at(self.step, self.cfg.train)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        self._before_update = self.loader.state_dict()  # where the data was, while weights are unchanged
         batch = self.loader.next_batch()
         if self.on_batch is not None:
             self.on_batch(batch)
@@ -316,6 +320,8 @@ class Trainer:
         pp_group = self.mesh[MeshAxis.PP.value].get_group() if self.layout.pp_enabled else None
         grad_norm = clip_grad_norm_(self.params, self.cfg.train.grad_clip, pp_group=pp_group,
                                     optimizer=self.optimizer)
+        self._before_update = None
+        self._mid_step = True  # weights updated; this step's loss and metrics are not out yet
         self.optimizer.step()
         self.step += 1
 
@@ -339,10 +345,25 @@ class Trainer:
                 f.write(m.to_json() + "\n")
         # Periodic saves live here rather than in fit() so that callers driving train_step() themselves
         # (the Ray worker actor) get them too.
+        self._mid_step = False
+        self.last_metrics = m  # out even if the periodic save below fails (a salvage reports it)
         ckpt = self.cfg.checkpoint
         if self.checkpointer is not None and self.step % ckpt.interval_steps == 0:
             self.save_checkpoint(blocking=not ckpt.async_save)
         return m
+
+    def salvage_state(self) -> dict | None:
+        """After a failure interrupted training (a peer died): the JSON state that goes with this rank's
+        weights, for healing from peers; None if they cannot be trusted. A step that failed before the
+        optimizer update leaves the weights at `self.step`, only the data position moved: it is put
+        back. One that failed after the update, before its loss was out, is not salvaged (the
+        coordinator never saw that step)."""
+        if self._mid_step:
+            return None
+        if self._before_update is not None:
+            self.loader.load_state_dict(self._before_update)
+            self._before_update = None
+        return self._checkpoint_state()
 
     def fit(self, total_steps: int, on_step: Callable[[StepMetrics], None] | None = None) -> list[StepMetrics]:
         """Train until `total_steps` optimizer steps have been taken in the whole run; `train_step` saves

@@ -218,6 +218,31 @@ def test_a_live_transfer_that_fails_midway_falls_back_to_the_last_commit_and_say
     assert rc.cause == "failure" and rc.resumed_step == 5 and rc.steps_lost == 2 and rc.transfer["path"] == "storage"
 
 
+def test_a_node_death_heals_from_surviving_replicas_with_no_step_redone(tmp_path):
+    c, cluster, G = make_coordinator(tmp_path, {"a": 2, "b": 2}, interval=5, parallel={"dp_mode": "replicate"})
+    G.heals = True
+    advance(c, lambda c: c.step_done >= 7)
+    cluster.dead.add("b")
+    advance(c, lambda c: len(c.reconfigs) == 2 and c.step_done >= 8)
+    rc = c.reconfigs[-1]
+    assert rc.cause == "failure" and rc.transfer["path"] == "peers"
+    assert rc.step_before == rc.resumed_step == 7 and rc.steps_lost == 0  # not the step-5 commit
+    assert c.group.size == 2 and "b" not in c.group.nodes() and rc.started == 0
+    assert not [e for e in c.events_since(0) if e["kind"] == "fallback"]
+
+
+def test_survivors_without_every_shard_fall_back_to_the_last_commit_and_say_why(tmp_path):
+    c, cluster, G = make_coordinator(tmp_path, {"a": 2, "b": 2}, interval=5, parallel={"dp_mode": "shard"})
+    G.heals = True
+    advance(c, lambda c: c.step_done >= 7)
+    cluster.dead.add("b")
+    advance(c, lambda c: len(c.reconfigs) == 2 and c.step_done >= 6)
+    rc = c.reconfigs[-1]
+    assert rc.transfer == {"path": "storage"} and rc.resumed_step == 5 and rc.steps_lost == 2
+    (fb,) = [e for e in c.events_since(0) if e["kind"] == "fallback"]
+    assert "do not hold every shard" in fb["reason"] and "(step 5)" in fb["reason"]
+
+
 def test_bad_resize_is_rejected_in_the_callers_thread(tmp_path):
     c, _, _ = make_coordinator(tmp_path, {"a": 2})
     with pytest.raises(ValueError, match="max_workers=1 is less than min_workers=2"):
@@ -250,7 +275,7 @@ def test_the_real_group_and_the_fakes_satisfy_the_group_protocol(tmp_path):
     from tests.fakes import FakeGroup, GatedGroup
 
     for cls in (WorkerGroup, FakeGroup, GatedGroup):
-        missing = [m for m in ("nodes", "scale_to", "prewarm", "form", "reshard", "run", "checkpoint", "leave",
+        missing = [m for m in ("nodes", "scale_to", "prewarm", "form", "reshard", "salvage", "run", "checkpoint", "leave",
                                "shutdown", "size") if not hasattr(cls, m)]
         assert not missing, (cls.__name__, missing)
     c, _, G = make_coordinator(tmp_path, {"a": 2})
