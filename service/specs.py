@@ -13,16 +13,12 @@ from typing import Any
 
 from parallel.layout import Layout
 from parallel.planner import plan
+from service.limits import MAX_GLOBAL_BATCH, MAX_WORKERS, check_limits
 from workers.config import JobConfig, job_constraints
 from workers.config import check_data_path as check_data_readable
 
 __all__ = ["JobConfig", "MAX_GLOBAL_BATCH", "MAX_WORKERS", "REMOTE_SCHEMES", "SpecError", "check_paths", "config_error_loc",
            "resolve_run_dir", "safe_name", "validate_spec"]
-
-MAX_WORKERS = 100_000
-"""Largest worker count a request may name (keeps the layout check below a few milliseconds)."""
-MAX_GLOBAL_BATCH = 1 << 24
-"""Largest global batch a request may name (the planner's work grows with its square root)."""
 
 REMOTE_SCHEMES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "hdfs", "memory"})
 """fsspec URL schemes a checkpoint.dir may use: object stores the server does not resolve on its disk.
@@ -65,11 +61,9 @@ def validate_spec(spec: Any, *, steps: int | None = None, workers: int | None = 
     YAML rules (JobConfig.from_dict), plus what would only fail once the job runs: a readable data path
     and a layout that fits the model on the allowed worker counts (e.g. a tp that does not divide the
     heads)."""
-    train = spec.get("train") if isinstance(spec, dict) else None
-    gbs = train.get("global_batch_size") if isinstance(train, dict) else None
-    if isinstance(gbs, int) and gbs > MAX_GLOBAL_BATCH:  # before JobConfig plans a forced layout with it
-        raise SpecError(("spec", "train", "global_batch_size"),
-                        f"train.global_batch_size={gbs} is more than this server accepts ({MAX_GLOBAL_BATCH})")
+    if over := check_limits(spec):  # first: JobConfig plans a forced layout with these sizes
+        raise SpecError(("spec", *over[0]), over[1])
+    _check_forced_world_size(spec)
     try:
         cfg = JobConfig.from_dict(spec)
     except ValueError as e:  # ConfigError, or a ValueError from a check deeper down (e.g. a NUL in a path)
@@ -92,11 +86,26 @@ def validate_spec(spec: Any, *, steps: int | None = None, workers: int | None = 
     return cfg
 
 
+def _check_forced_world_size(spec: Any) -> None:
+    """A forced parallel.layout's world size within MAX_WORKERS, before JobConfig plans it."""
+    pc = spec.get("parallel") if isinstance(spec, dict) else None
+    text = pc.get("layout") if isinstance(pc, dict) else None
+    if not isinstance(text, str):
+        return
+    try:
+        n = Layout.parse(text).world_size
+    except ValueError:
+        return  # JobConfig reports the syntax
+    if n > MAX_WORKERS:
+        raise SpecError(("spec", "parallel", "layout"),
+                        f"parallel.layout {text!r} needs {n} workers; this server accepts at most {MAX_WORKERS}")
+
+
 def _check_layout(cfg: JobConfig, workers: int | None) -> None:
     """Some worker count the job may run on must have a valid layout, as the planner judges it: a tp
     that does not divide the heads, a forced layout that does not fit the model or batch, a range with
-    no usable size. The planner's work is bounded by the worker count and the batch, which MAX_WORKERS
-    and MAX_GLOBAL_BATCH keep small (model sizes do not count)."""
+    no usable size. The planner's work is bounded by the worker count, the batch and the layer count,
+    which service.limits keeps small."""
     pc = cfg.parallel
     if pc.layout:
         loc, hi = ("spec", "parallel", "layout"), Layout.parse(pc.layout, dp_mode=pc.dp_mode).world_size
@@ -104,7 +113,7 @@ def _check_layout(cfg: JobConfig, workers: int | None) -> None:
         loc = ("spec", "parallel") + (("tp",) if pc.tp else ("pp",) if pc.pp else ("max_workers",))
         hi = workers or pc.max_workers
     if hi > MAX_WORKERS:
-        raise SpecError(loc, f"{hi} workers is more than this server accepts ({MAX_WORKERS})")
+        raise SpecError(loc, f"{hi} workers is more than this server accepts (at most {MAX_WORKERS})")
     try:
         plan(hi, cfg.model.build(), job_constraints(cfg, min_workers=min(pc.min_workers, hi), max_workers=hi))
     except ValueError as e:  # PlanError, or Constraints that contradict themselves (e.g. tp > max_tp)

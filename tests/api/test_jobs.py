@@ -192,20 +192,25 @@ def test_spec_errors_name_request_fields():
     assert e.value.loc == ("spec", "parallel", "max_workers") and "more than this server accepts" in e.value.msg
 
 
-def test_spec_layout_check_is_the_planners_and_stays_fast_for_huge_sizes():
-    """The submit-time check calls plan(): huge model overrides cost nothing (it once factored their gcd),
-    and a huge batch is refused before a forced layout is planned with it."""
+def test_spec_layout_check_is_the_planners_and_stays_fast_at_the_servers_limits():
+    """The submit-time check calls plan(): with every size at the largest value the server accepts
+    (service.limits), planning stays cheap; past them, the request is refused before anything plans."""
+    from service.limits import LIMITS, MAX_WORKERS
     from service.specs import validate_spec
 
-    huge = {"preset": "tiny", "overrides": {"dim": 2**61, "n_heads": 2**60, "n_kv_heads": 2**60, "n_layers": 10**12,
-                                            "vocab_size": 2**60, "ffn_hidden": 2**60}}
+    at_limit = {"preset": "tiny", "overrides": {k: v for (sec, k), v in LIMITS.items() if sec == "model"}}
     t0 = time.perf_counter()
-    assert validate_spec({**SPEC, "model": huge}, workers=100_000).model.build().n_heads == 2**60
+    cfg = validate_spec({**SPEC, "model": at_limit, "train": {"global_batch_size": 720720 * 16,
+                                                             "micro_batch_size": 1}}, workers=MAX_WORKERS)
+    assert cfg.model.build().n_heads == LIMITS["model", "n_heads"]
     with pytest.raises(SpecError) as e:
-        validate_spec({**SPEC, "model": huge, "parallel": {"max_workers": 100_000, "memory_budget_gb": 1e-9}})
+        validate_spec({**SPEC, "model": at_limit, "parallel": {"max_workers": MAX_WORKERS, "memory_budget_gb": 1e-9}})
     assert e.value.loc == ("spec", "parallel", "max_workers") and "no parallel layout can run this job" in e.value.msg
     with pytest.raises(SpecError) as e:
         validate_spec({**SPEC, "train": {"global_batch_size": 2**60, "micro_batch_size": 2**60},
                        "parallel": {"layout": "dp=1"}})
     assert e.value.loc == ("spec", "train", "global_batch_size")
-    assert time.perf_counter() - t0 < 5.0  # ~0.1 s
+    with pytest.raises(SpecError) as e:
+        validate_spec({**SPEC, "parallel": {"layout": f"dp={2**40}", "max_workers": 4}})
+    assert e.value.loc == ("spec", "parallel", "layout") and str(MAX_WORKERS) in e.value.msg
+    assert time.perf_counter() - t0 < 5.0  # ~0.03 s
