@@ -244,6 +244,20 @@ def test_row_runs_widen_to_blocks_merge_and_split():
     assert _row_runs([(3, 7)], 1, 30, 100) == [(3, 7)] and _row_runs([], 4, 30, 8) == []
 
 
+def test_regions_join_adjacent_runs_and_read_through_gaps_only_when_asked():
+    from parallel.checkpoint.tensor_io import _regions, _Segment
+
+    def seg(offset, nbytes):
+        return _Segment(read=None, offset=offset, row_bytes=nbytes, block=1, a=0, z=1)
+
+    segs = [seg(0, 4), seg(4, 4), seg(10, 2), seg(12, 8), seg(20, 4)]
+    spans = lambda regions: [(r[0].offset, r[-1].offset + r[-1].nbytes) for r in regions]  # noqa: E731
+    assert spans(_regions(segs, limit=16)) == [(0, 8), (10, 24)]  # a gap splits, adjacent runs join
+    assert spans(_regions(segs, limit=12)) == [(0, 8), (10, 20), (20, 24)]  # no read above the limit
+    assert spans(_regions(segs, gap=2, limit=16)) == [(0, 12), (12, 24)]  # the gap is read through
+    assert spans(_regions([seg(0, 40), seg(40, 4)], limit=16)) == [(0, 40), (40, 44)]  # a long run alone
+
+
 @pytest.mark.parametrize("text,needle", [
     ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
     ('{"format": "elastron-checkpoint", "format_version": 2, "step": 1, "tensors": {}, '
