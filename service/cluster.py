@@ -142,6 +142,25 @@ def _ray_draining() -> dict[str, int]:
     return ray._private.state.state.get_draining_nodes()
 
 
+def in_use_from(snap: ClusterSnapshot, available: Mapping[str, Mapping[str, float]]) -> dict[str, tuple[float, float]]:
+    """{node_id: (cpus, gpus) in use} = each alive node's total minus what Ray reports available (pure).
+    A node Ray reports nothing for counts as fully available."""
+    out = {}
+    for n in snap.alive():
+        avail = available.get(n.node_id, {})
+        out[n.node_id] = (max(0.0, n.cpus - float(avail.get("CPU", n.cpus))),
+                          max(0.0, n.gpus - float(avail.get("GPU", n.gpus))))
+    return out
+
+
+def resources_in_use(snap: ClusterSnapshot) -> dict[str, tuple[float, float]]:
+    """What is in use on each alive node now, by anyone (needs `ray.init`): for service.ledger, which
+    counts what its holdings do not explain as held outside the service."""
+    import ray._private.state
+
+    return in_use_from(snap, ray._private.state.state.available_resources_per_node())
+
+
 Callback = Callable[[ClusterSnapshot | None, ClusterSnapshot], object]
 
 

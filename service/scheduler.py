@@ -1,0 +1,390 @@
+"""Who gets which workers on a shared cluster: the scheduling policy, a pure function (issue 16, D5).
+
+`schedule(ledger, jobs, quotas)` takes the capacity ledger (service.ledger), the jobs that want capacity
+and the per-owner quotas, and returns a `Schedule`: starts, shrinks, pauses, grows and the queue, each
+with a reason, plus the ledger after them. No clock, no Ray, no state: the same inputs (in any order)
+give the same schedule. A job paused by its user holds nothing and wants nothing: leave it out.
+
+Capacity is shared in two passes, so that every running job is shrunk toward its minimum before any
+job is paused ("shrink first, pause last"):
+  1. Minimums, in admission order: priority (high first); within a priority running jobs, then jobs
+     paused by the scheduler, then queued ones; then submission time, then id. A job is kept or admitted
+     when its `min_workers` fit in what the jobs before it left (and its owner's quota allows). A
+     queued or paused job may not take what a *higher*-priority job holds now above its minimum: a job
+     is never shrunk to admit a lower-priority one. It may take what equal or lower-priority jobs hold
+     above their minimums (they shrink), then the minimums of lower-priority jobs, which come later in
+     this order and so are paused when nothing is left for them (the lowest first).
+  2. The rest, by priority (high first): within one priority, one worker at a time to the job with the
+     fewest extra workers per unit of weight ("each gets at least its minimum, the rest by weight"), up
+     to its max_workers and its owner's quota. Extras never displace a minimum.
+
+Placement is per node: a worker of a job's shape (CPUs, GPUs) must fit on one node. Running jobs keep
+their nodes where they can (a planned resize then moves no one); new jobs go to free nodes first.
+Workers on draining nodes are not granted again. Quotas: per owner, at most `max_jobs` jobs holding
+workers and at most `max_workers` workers held, both checked on the schedule's result.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from service.ledger import Holding, Ledger, WorkerShape
+
+
+class Phase(enum.Enum):
+    RUNNING = "running"
+    PAUSED = "paused"
+    """Paused by the scheduler (it holds nothing and wants its capacity back)."""
+    QUEUED = "queued"
+
+
+_ADMIT_RANK = {Phase.RUNNING: 0, Phase.PAUSED: 1, Phase.QUEUED: 2}
+
+
+def _is_int(v: object, lo: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class JobRequest:
+    """One job that holds or wants capacity."""
+
+    job_id: str
+    owner: str = ""
+    """Who pays: the quota key (a user or an API token's name)."""
+    priority: int = 0
+    """Higher goes first."""
+    min_workers: int = 1
+    max_workers: int | None = None
+    """None: as many as it can get."""
+    weight: float = 1.0
+    """Share of the extra workers among jobs of equal priority."""
+    submitted: float = 0.0
+    """Unix seconds; earlier goes first among equals."""
+    phase: Phase = Phase.QUEUED
+    shape: WorkerShape = field(default_factory=WorkerShape)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.job_id, str) or not self.job_id:
+            raise ValueError(f"job_id must be a non-empty string, got {self.job_id!r}")
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
+            raise ValueError(f"job {self.job_id}: priority must be an integer, got {self.priority!r}")
+        if not _is_int(self.min_workers, 1):
+            raise ValueError(f"job {self.job_id}: min_workers must be an integer >= 1, got {self.min_workers!r}")
+        if self.max_workers is not None and not (_is_int(self.max_workers, 1) and self.max_workers >= self.min_workers):
+            raise ValueError(f"job {self.job_id}: max_workers={self.max_workers!r} must be an integer >= "
+                             f"min_workers={self.min_workers}, or None")
+        if not isinstance(self.weight, (int, float)) or isinstance(self.weight, bool) or not self.weight > 0 \
+                or not math.isfinite(self.weight):
+            raise ValueError(f"job {self.job_id}: weight must be a number > 0, got {self.weight!r}")
+        if not isinstance(self.phase, Phase):
+            raise ValueError(f"job {self.job_id}: phase must be a Phase, got {self.phase!r}")
+
+    @property
+    def cap(self) -> int | float:
+        return math.inf if self.max_workers is None else self.max_workers
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Quota:
+    max_workers: int | None = None
+    """Most workers the owner's jobs may hold together; None: no limit."""
+    max_jobs: int | None = None
+    """Most of the owner's jobs holding workers at once; None: no limit."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_workers", "max_jobs"):
+            v = getattr(self, name)
+            if v is not None and not _is_int(v, 0):
+                raise ValueError(f"quota {name} must be an integer >= 0 or None, got {v!r}")
+
+
+# -- decisions ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Start:
+    """Start a queued job on these workers."""
+    job_id: str
+    workers: int
+    nodes: tuple[tuple[str, int], ...]
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Shrink:
+    """Shrink a running job through the planned-resize path (0 steps redone)."""
+    job_id: str
+    before: int
+    after: int
+    nodes: tuple[tuple[str, int], ...]
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Pause:
+    """Pause a running job, checkpoint first; it is given back capacity later (a `Grow` from 0)."""
+    job_id: str
+    before: int
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Grow:
+    """Give capacity back: grow a running job, or resume a paused one (before == 0)."""
+    job_id: str
+    before: int
+    after: int
+    nodes: tuple[tuple[str, int], ...]
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Queued:
+    """A job that gets nothing yet: its place in the queue (1 = next) and why."""
+    job_id: str
+    position: int
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Schedule:
+    grants: tuple[Start, ...] = ()
+    resizes: tuple[Shrink, ...] = ()
+    pauses: tuple[Pause, ...] = ()
+    returns: tuple[Grow, ...] = ()
+    """In priority order."""
+    queued: tuple[Queued, ...] = ()
+    """In queue order."""
+    ledger: Ledger = field(default_factory=Ledger)
+    """The ledger once every decision is carried out: the grant of each job is its holding here."""
+
+    def decision(self, job_id: str) -> Start | Shrink | Pause | Grow | Queued | None:
+        """What happens to one job (None: it keeps what it holds)."""
+        for d in (*self.grants, *self.resizes, *self.pauses, *self.returns, *self.queued):
+            if d.job_id == job_id:
+                return d
+        return None
+
+    def grant(self, job_id: str) -> dict[str, int]:
+        """{node_id: workers} the job may run on after this schedule (empty: none)."""
+        h = self.ledger.held(job_id)
+        return h.as_dict() if h else {}
+
+
+# -- placement ----------------------------------------------------------------------------------------------
+class _Pool:
+    """Free resources per node during one schedule() call (mutable, private)."""
+
+    def __init__(self, free: Mapping[str, tuple[float, float]]):
+        self.free = {nid: [c, g] for nid, (c, g) in sorted(free.items())}
+
+    def copy(self) -> _Pool:
+        return _Pool({nid: (c, g) for nid, (c, g) in self.free.items()})
+
+    def fit(self, shape: WorkerShape, nid: str) -> int:
+        return shape.fit(*self.free[nid])
+
+    def count(self, shape: WorkerShape) -> int:
+        return sum(self.fit(shape, nid) for nid in self.free)
+
+    def remove(self, shape: WorkerShape, nodes: Mapping[str, int]) -> None:
+        for nid, k in nodes.items():
+            if nid in self.free:
+                self.free[nid][0] -= k * shape.cpus
+                self.free[nid][1] -= k * shape.gpus
+
+    def take(self, shape: WorkerShape, n: int, order: list[str]) -> dict[str, int] | None:
+        """Place n workers filling nodes in `order` (then the rest by id); None, taking nothing, if they
+        do not all fit."""
+        got: dict[str, int] = {}
+        for nid in order + [x for x in self.free if x not in order]:
+            if len(got) and sum(got.values()) >= n:
+                break
+            k = min(n - sum(got.values()), self.fit(shape, nid))
+            if k > 0:
+                got[nid] = k
+        if sum(got.values()) < n:
+            return None
+        self.remove(shape, got)
+        return got
+
+
+def _order(job: JobRequest, held: Mapping[str, int], free_now: Mapping[str, tuple[float, float]],
+           pool: _Pool) -> list[str]:
+    """Nodes to fill first: where the job is (most workers first), then the nodes free now (most room first)."""
+    mine = sorted((nid for nid in held if nid in pool.free), key=lambda nid: (-held[nid], nid))
+    rest = sorted((nid for nid in pool.free if nid not in held),
+                  key=lambda nid: (-job.shape.fit(*free_now.get(nid, (0.0, 0.0))), -pool.fit(job.shape, nid), nid))
+    return mine + rest
+
+
+# -- the policy ---------------------------------------------------------------------------------------------
+def schedule(ledger: Ledger, jobs: Iterable[JobRequest], quotas: Mapping[str, Quota] | None = None) -> Schedule:
+    """The decisions that carry the cluster from `ledger` to the next fair allocation (module docstring)."""
+    jobs = sorted(jobs, key=lambda j: (-j.priority, _ADMIT_RANK[j.phase], j.submitted, j.job_id))
+    if len({j.job_id for j in jobs}) != len(jobs):
+        raise ValueError(f"a job is listed twice: {sorted(j.job_id for j in jobs)}")
+    quotas = dict(quotas or {})
+    usable = {n.node_id for n in ledger.nodes if n.usable}
+    holding = {j.job_id: ledger.held(j.job_id) or Holding(job_id=j.job_id, shape=j.shape) for j in jobs}
+    held = {jid: {nid: k for nid, k in h.nodes if nid in usable} for jid, h in holding.items()}
+    before = {jid: h.workers for jid, h in holding.items()}
+    for j in jobs:
+        if before[j.job_id] and holding[j.job_id].shape != j.shape:
+            raise ValueError(f"job {j.job_id} asks for workers of {j.shape} but holds workers of "
+                             f"{holding[j.job_id].shape}")
+        if j.phase is not Phase.RUNNING and before[j.job_id]:
+            raise ValueError(f"job {j.job_id} is {j.phase.value} but the ledger has it holding {before[j.job_id]} "
+                             "workers: only a running job holds workers")
+    unknown = sorted({h.job_id for h in ledger.holdings} - {j.job_id for j in jobs})
+    free_now = ledger.free()
+    # What the scheduled jobs hold is theirs to redistribute; other holdings (jobs not listed) stay put.
+    pool = _Pool(Ledger(nodes=ledger.nodes, holdings=tuple(h for h in ledger.holdings if h.job_id in unknown)).free())
+
+    alloc: dict[str, dict[str, int]] = {}
+    protected: dict[str, dict[str, int]] = {}  # what a running job holds above its minimum, per node
+    owner_jobs: dict[str, int] = {}
+    owner_workers: dict[str, int] = {}
+    why_not: dict[str, str] = {}
+
+    # Pass 1: minimums, in admission order.
+    for j in jobs:
+        q = quotas.get(j.owner, Quota())
+        if q.max_jobs is not None and owner_jobs.get(j.owner, 0) >= q.max_jobs:
+            why_not[j.job_id] = f"owner {j.owner or '(none)'} already runs {owner_jobs.get(j.owner, 0)} of the " \
+                                f"{q.max_jobs} jobs its quota allows"
+            continue
+        if q.max_workers is not None and owner_workers.get(j.owner, 0) + j.min_workers > q.max_workers:
+            why_not[j.job_id] = f"needs {j.min_workers} workers but owner {j.owner or '(none)'} holds " \
+                                f"{owner_workers.get(j.owner, 0)} of the {q.max_workers} its quota allows"
+            continue
+        mine = held[j.job_id]
+        if j.phase is Phase.RUNNING:
+            got = pool.take(j.shape, j.min_workers, _order(j, mine, free_now, pool))
+        else:
+            view = pool.copy()
+            for other in jobs:
+                if other.priority > j.priority and other.job_id in protected:
+                    view.remove(other.shape, protected[other.job_id])
+            # Leave running jobs still to come their minimum where it is, if that is enough: then a
+            # shrink moves none of their workers. Otherwise take it (they are paused, or move).
+            spare = view.copy()
+            for other in jobs[jobs.index(j) + 1:]:
+                if other.phase is Phase.RUNNING:
+                    spare.remove(other.shape, _trim(held[other.job_id], other.min_workers))
+            got = spare.take(j.shape, j.min_workers, _order(j, mine, free_now, spare))
+            if got is None:
+                got = view.take(j.shape, j.min_workers, _order(j, mine, free_now, view))
+        if got is None:
+            whole = sum(j.shape.fit(n.cpus - n.outside_cpus, n.gpus - n.outside_gpus) for n in ledger.nodes if n.usable)
+            why_not[j.job_id] = (f"needs {j.min_workers} workers of {j.shape}; the whole cluster fits {whole}"
+                                 if j.min_workers > whole else
+                                 f"needs {j.min_workers} workers of {j.shape}; {view.count(j.shape)} can be granted "
+                                 f"without taking them from jobs of priority >= {j.priority}")
+            continue
+        if j.phase is not Phase.RUNNING:
+            pool.remove(j.shape, got)
+        alloc[j.job_id] = got
+        owner_jobs[j.owner] = owner_jobs.get(j.owner, 0) + 1
+        owner_workers[j.owner] = owner_workers.get(j.owner, 0) + j.min_workers
+        if j.phase is Phase.RUNNING:
+            extra = {nid: k - got.get(nid, 0) for nid, k in mine.items() if k > got.get(nid, 0)}
+            room = int(min(j.cap, before[j.job_id])) - j.min_workers
+            protected[j.job_id] = _trim(extra, room)
+
+    # Pass 2: the rest, by priority; within one priority by weight.
+    quota_bound: set[str] = set()
+    for prio in sorted({j.priority for j in jobs}, reverse=True):
+        active = [j for j in jobs if j.priority == prio and j.job_id in alloc]
+        while True:
+            best = None
+            for j in active:
+                n = sum(alloc[j.job_id].values())
+                q = quotas.get(j.owner, Quota())
+                if n >= j.cap:
+                    continue
+                if q.max_workers is not None and owner_workers[j.owner] >= q.max_workers:
+                    quota_bound.add(j.job_id)
+                    continue
+                key = ((n - j.min_workers) / j.weight, j.submitted, j.job_id)
+                if pool.count(j.shape) and (best is None or key < best[0]):
+                    best = (key, j)
+            if best is None:
+                break
+            j = best[1]
+            got = pool.take(j.shape, 1, _order(j, {**held[j.job_id], **alloc[j.job_id]}, free_now, pool))
+            alloc[j.job_id][next(iter(got))] = alloc[j.job_id].get(next(iter(got)), 0) + 1
+            owner_workers[j.owner] += 1
+
+    return _explain(ledger, jobs, alloc, before, why_not, quota_bound, quotas, unknown)
+
+
+def _trim(nodes: dict[str, int], room: int) -> dict[str, int]:
+    """At most `room` workers of `nodes`, keeping the nodes with most workers."""
+    out = {}
+    for nid in sorted(nodes, key=lambda x: (-nodes[x], x)):
+        k = min(nodes[nid], room - sum(out.values()))
+        if k > 0:
+            out[nid] = k
+    return out
+
+
+def _explain(ledger: Ledger, jobs: list[JobRequest], alloc: dict[str, dict[str, int]], before: dict[str, int],
+             why_not: dict[str, str], quota_bound: set[str], quotas: Mapping[str, Quota],
+             unknown: list[str]) -> Schedule:
+    """Turn the allocation into decisions with reasons."""
+    after = {j.job_id: sum(alloc.get(j.job_id, {}).values()) for j in jobs}
+    rank = {j.job_id: i for i, j in enumerate(jobs)}
+    by_id = {j.job_id: j for j in jobs}
+    admitted = [j for j in jobs if after[j.job_id] and not before[j.job_id]]
+    grown = [j for j in jobs if before[j.job_id] and after[j.job_id] > before[j.job_id]]
+
+    def beneficiary(j: JobRequest, strict: bool) -> str | None:
+        for who, verb in ((admitted, "admit"), (grown, "give")):
+            for b in who:
+                if b.priority > j.priority or (not strict and b.priority == j.priority and b is not j):
+                    what = f"job {b.job_id} (priority {b.priority})"
+                    return f"to admit {what}" if verb == "admit" else f"to give {what} its share"
+        return None
+
+    def limit(j: JobRequest) -> str | None:
+        """The job's own limit, when that is what holds it back."""
+        if "quota" in why_not.get(j.job_id, "") or j.job_id in quota_bound:
+            q = quotas[j.owner]
+            return f"owner {j.owner or '(none)'}'s quota ({q.max_workers} workers, {q.max_jobs} jobs)"
+        if after[j.job_id] and after[j.job_id] >= j.cap:
+            return f"max_workers={j.max_workers}"
+        return None
+
+    lost = "the cluster has less capacity (a node left, is draining, or is used outside the service)"
+    grants, shrinks, pauses, grows, queued = [], [], [], [], []
+    for j in jobs:
+        a, b = before[j.job_id], after[j.job_id]
+        nodes = tuple(sorted((nid, k) for nid, k in alloc.get(j.job_id, {}).items() if k))
+        if j.phase is Phase.QUEUED and b:
+            grants.append(Start(job_id=j.job_id, workers=b, nodes=nodes,
+                                reason=f"admitted on {b} workers (min {j.min_workers}, priority {j.priority})"))
+        elif j.phase is Phase.PAUSED and b:
+            grows.append(Grow(job_id=j.job_id, before=0, after=b, nodes=nodes,
+                              reason=f"resumed on {b} workers: capacity given back in priority order (priority {j.priority})"))
+        elif j.phase is Phase.RUNNING and not b:
+            why = (f"because of {lim}" if (lim := limit(j)) else beneficiary(j, strict=True)) or f"because {lost}"
+            pauses.append(Pause(job_id=j.job_id, before=a, reason=f"paused (checkpoint first, was {a} workers) {why}"))
+        elif j.phase is Phase.RUNNING and b < a:
+            why = (f"because of {lim}" if (lim := limit(j)) else beneficiary(j, strict=False)) or f"because {lost}"
+            shrinks.append(Shrink(job_id=j.job_id, before=a, after=b, nodes=nodes, reason=f"shrunk {a}→{b} {why}"))
+        elif j.phase is Phase.RUNNING and b > a:
+            grows.append(Grow(job_id=j.job_id, before=a, after=b, nodes=nodes,
+                              reason=f"grown {a}→{b}: capacity given back in priority order (priority {j.priority})"))
+        elif not b:
+            queued.append(j)
+    positions = tuple(Queued(job_id=j.job_id, position=i + 1, reason=why_not.get(j.job_id, "waiting"))
+                      for i, j in enumerate(sorted(queued, key=lambda j: rank[j.job_id])))
+    holdings = [h for h in ledger.holdings if h.job_id in unknown]
+    holdings += [Holding.of(jid, by_id[jid].shape, nodes) for jid, nodes in alloc.items() if sum(nodes.values())]
+    out = Ledger(nodes=ledger.nodes, holdings=tuple(sorted(holdings, key=lambda h: h.job_id)))
+    low_first = sorted(pauses, key=lambda p: -rank[p.job_id])
+    return Schedule(grants=tuple(grants), resizes=tuple(shrinks), pauses=tuple(low_first), returns=tuple(grows),
+                    queued=positions, ledger=out)
