@@ -18,6 +18,10 @@ Rules, in order (the first that applies decides):
             to stop and then grow once.
   6. Noop   otherwise (its reason says how long a pending growth has settled).
 
+On a shared cluster the scheduler (service.scheduler) grants each job a number of workers; `granted`
+caps the offer further. A shrink to the grant is cause "planned" (it goes through the planned-resize
+path) and a growth up to the grant needs no settle time: the scheduler has already decided.
+
 "Offered" is min(usable_workers, max_workers), passed through `size_for` when given: the number of
 workers a layout can actually use (e.g. `lambda n: plan(n, model, constraints).world_size`), so that
 5 usable workers for a model that only runs on 4 do not trigger a pointless resize every tick.
@@ -127,12 +131,15 @@ class ScalingPolicy:
         self._grow_since: float | None = None
 
     def decide(self, now: float, *, current_workers: int, usable_workers: int,
-               draining: Mapping[str, float | None] | None = None, failures: Sequence[Failure] = ()) -> Decision:
+               draining: Mapping[str, float | None] | None = None, failures: Sequence[Failure] = (),
+               granted: int | None = None) -> Decision:
         """`current_workers`: size of the running group (0 when none runs). `usable_workers`: how many
         workers fit on alive, non-draining nodes. `draining`: {node_id: deadline unix s or None}.
-        `failures`: the job's failures so far (older ones outside the window are ignored)."""
+        `failures`: the job's failures so far (older ones outside the window are ignored). `granted`:
+        the workers the scheduler grants this job (None: no scheduler, the whole cluster is offered)."""
         c = self.config
-        for name, v in (("current_workers", current_workers), ("usable_workers", usable_workers)):
+        for name, v in (("current_workers", current_workers), ("usable_workers", usable_workers),
+                        ("granted", 0 if granted is None else granted)):
             if not _is_int(v, 0):
                 raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
         draining = dict(draining or {})
@@ -143,7 +150,11 @@ class ScalingPolicy:
         if usable_workers < c.min_workers:
             why = f"{usable_workers} usable workers < min_workers={c.min_workers}"
             return self._reset(Wait(f"{why}; {drains}" if drains else why))
+        if granted is not None and granted < c.min_workers:
+            return self._reset(Wait(f"the scheduler grants {granted} workers < min_workers={c.min_workers}"))
         offered = usable_workers if c.max_workers is None else min(usable_workers, c.max_workers)
+        by_grant = granted is not None and granted < offered  # the grant, not the cluster, limits the offer
+        offered = granted if by_grant else offered
         target = offered if self._size_for is None else self._size_for(offered)
         if target is None or target < c.min_workers:
             return self._reset(Wait(f"no usable layout on {offered} offered workers (min_workers={c.min_workers})"))
@@ -152,9 +163,12 @@ class ScalingPolicy:
 
         if current_workers == 0:
             return self._reset(Resize(workers=target, cause="planned",
-                                      reason=f"start on {target} workers ({usable_workers} usable)"))
+                                      reason=f"start on {target} workers ({usable_workers} usable"
+                                             + (f", {granted} granted)" if by_grant else ")")))
         if offered < current_workers:
-            if usable_workers >= current_workers:
+            if by_grant:
+                cause, why = "planned", f"the scheduler grants {granted} workers"
+            elif usable_workers >= current_workers:
                 cause, why = "user", f"max_workers={c.max_workers} is below the {current_workers} running"
             elif draining:
                 cause, why = "preemption", f"{usable_workers} usable workers < {current_workers} running; {drains}"
@@ -162,6 +176,9 @@ class ScalingPolicy:
                 cause, why = "failure", f"{usable_workers} usable workers < {current_workers} running (capacity lost)"
             return self._reset(Resize(workers=target, cause=cause, reason=f"shrink to {target}: {why}"))
         if target > current_workers:
+            if by_grant or granted == offered:
+                return self._reset(Resize(workers=target, cause="grow",
+                                          reason=f"grow to {target}: the scheduler grants {granted} workers"))
             if self._grow_target != target:
                 self._grow_target, self._grow_since = target, now
             waited = now - self._grow_since

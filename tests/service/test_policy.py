@@ -236,3 +236,38 @@ def test_sweep_matches_the_rules(min_w, max_w):
             assert later == Resize(workers=offered, cause="grow", reason=later.reason), case
         else:
             assert d == Noop(), case
+
+
+# -- a scheduler's grant (service.scheduler) ------------------------------------------------------------
+def test_a_grant_caps_the_start_and_a_grant_below_min_is_a_wait_that_says_so():
+    p = policy(min_workers=2)
+    assert p.decide(0.0, current_workers=0, usable_workers=8, granted=3) == Resize(
+        workers=3, cause="planned", reason="start on 3 workers (8 usable, 3 granted)")
+    assert p.decide(0.0, current_workers=0, usable_workers=8, granted=1) == Wait(
+        "the scheduler grants 1 workers < min_workers=2")
+
+
+def test_a_smaller_grant_is_a_planned_shrink_not_a_failure():
+    d = policy(min_workers=2).decide(0.0, current_workers=4, usable_workers=8, granted=2)
+    assert d == Resize(workers=2, cause="planned", reason="shrink to 2: the scheduler grants 2 workers")
+
+
+def test_a_larger_grant_grows_at_once_without_settling():
+    p = policy(min_workers=2, settle_seconds=300.0)
+    assert p.decide(0.0, current_workers=2, usable_workers=8, granted=6) == Resize(
+        workers=6, cause="grow", reason="grow to 6: the scheduler grants 6 workers")
+    # without a grant the same offer settles first
+    assert isinstance(p.decide(0.0, current_workers=2, usable_workers=6), Noop)
+
+
+def test_a_grant_above_what_is_usable_changes_nothing():
+    p = policy(min_workers=1)
+    assert p.decide(0.0, current_workers=4, usable_workers=4, granted=8) == Noop()
+    d = p.decide(0.0, current_workers=4, usable_workers=2, granted=8)
+    assert d.cause == "failure" and d.workers == 2
+
+
+@pytest.mark.parametrize("granted", [-1, 1.5, True])
+def test_bad_grants_are_refused(granted):
+    with pytest.raises(ValueError, match="granted"):
+        policy().decide(0.0, current_workers=0, usable_workers=4, granted=granted)
