@@ -273,3 +273,16 @@ def test_a_schedule_carried_out_is_stable(seed):
     s2 = schedule(s.ledger, again, quotas)
     assert (s2.grants, s2.resizes, s2.pauses, s2.returns) == ((), (), (), ())
     assert sizes(s2) == after
+
+
+def test_lost_capacity_shrinks_then_pauses_and_says_so():
+    led = ledger({"a": 4, "b": 4}, {"hi": {"a": 2, "b": 2}, "lo": {"a": 2, "b": 2}}, b={"usable": False})
+    s = schedule(led, [job("hi", R, min_workers=1, priority=5), job("lo", R, min_workers=2, priority=1)])
+    assert s.decision("hi") == Shrink(job_id="hi", before=4, after=2, nodes=(("a", 2),), reason=(
+        "shrunk 4→2 because the cluster has less capacity (a node left, is draining, or is used outside the service)"))
+    assert s.decision("lo").after == 2
+    s = schedule(led, [job("hi", R, min_workers=3, priority=5), job("lo", R, min_workers=2, priority=1)])
+    assert s.decision("lo") == Pause(job_id="lo", before=4, reason=(
+        "paused (checkpoint first, was 4 workers) because the cluster has less capacity (a node left, is "
+        "draining, or is used outside the service)"))
+    assert "lo" not in sizes(s)
