@@ -32,6 +32,7 @@ from pathlib import Path
 from parallel.planner import Plan, PlanError, plan
 from service.cluster import ClusterSnapshot, ClusterWatcher
 from service.commands import Command, Pause, Resume, SetWorkers, Stop
+from service.ledger import cap_slots
 from service.node_health import NodeHealth
 from service.options import CoordinatorOptions
 from service.policy import Decision, Fail, Failure, PolicyConfig, Resize, ScalingPolicy, Wait
@@ -84,6 +85,9 @@ class Coordinator(GroupLifecycle):
         """service.reconfigure.Heal while a failed group's survivors wait to heal from peers."""
         self._commands: queue.Queue[Command] = queue.Queue()
         self._user_resize = False
+        self.grant: dict[str, int] | None = None
+        """{node_id: workers} the shared-cluster scheduler grants this job (service.scheduler); None: the
+        whole cluster. Assign a new dict to change it: placement and the policy read it each iteration."""
         o = self.opts
         self.health = NodeHealth(probe_nodes, probe_timeout_s=o.probe_timeout_s, suspect_seconds=o.suspect_seconds,
                                  reprobe_interval_s=o.reprobe_interval_s, include_head=o.include_head)
@@ -240,8 +244,11 @@ class Coordinator(GroupLifecycle):
             self._reform(d.workers, snap, cause=d.cause, reason=d.reason)
 
     def _decide(self, snap: ClusterSnapshot, *, current_workers: int) -> Decision:
-        return self.policy.decide(time.time(), current_workers=current_workers, usable_workers=self._usable(snap),
-                                  draining=snap.draining(), failures=self.failures)
+        r = self.cfg.resources
+        fits = sum(self.health.slots(snap, r.cpus_per_worker, r.gpus_per_worker).values())  # the grant aside
+        return self.policy.decide(time.time(), current_workers=current_workers, usable_workers=fits,
+                                  draining=snap.draining(), failures=self.failures,
+                                  granted=None if self.grant is None else self._usable(snap))
 
     def _running(self, snap: ClusterSnapshot) -> None:
         if self._our_nodes_dead(snap):
@@ -365,7 +372,7 @@ class Coordinator(GroupLifecycle):
 
     def _slots(self, snap: ClusterSnapshot) -> dict[str, int]:
         r = self.cfg.resources
-        return self.health.slots(snap, r.cpus_per_worker, r.gpus_per_worker)
+        return cap_slots(self.health.slots(snap, r.cpus_per_worker, r.gpus_per_worker), self.grant)
 
     def _usable(self, snap: ClusterSnapshot) -> int:
         return sum(self._slots(snap).values())
