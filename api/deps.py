@@ -23,7 +23,8 @@ class Settings:
     """Job store (specs, statuses, events, metrics): a SQLAlchemy URL (sqlite:///PATH,
     postgresql+psycopg://USER:PASSWORD@HOST/DB), or a SQLite file path."""
     data_roots: tuple[Path, ...] | None = None
-    """Directories a job's data.path may lie under; None: the runs root only."""
+    """Directories a job's data.path may lie under; None: none (never the runs root, which holds other
+    jobs' files and the store)."""
     token: str | None = None
     """When set, mutating endpoints need `Authorization: Bearer TOKEN`."""
     max_body_bytes: int = 1 << 20

@@ -156,6 +156,7 @@ class JobSummary(BaseModel):
     run_dir: str
     created: float
     updated: float
+    owner: str | None = Field(None, description="The user whose token submitted the job (none without users).")
 
 
 class JobDetail(JobSummary):

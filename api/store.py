@@ -3,11 +3,13 @@
 SQLite is the embedded default (a file path, ``sqlite:///PATH`` or ``:memory:``); PostgreSQL works with
 ``postgresql+psycopg://USER:PASSWORD@HOST/DB`` (``postgresql://`` means the same driver).
 
-Schema (version 1):
-  jobs(id PK, name, spec JSON, steps, workers, run_dir, created, updated, state, reason, status JSON, released)
+Schema (version 2; a version-1 store is upgraded in place on open):
+  jobs(id PK, name, spec JSON, steps, workers, run_dir, created, updated, state, reason, status JSON, released,
+       owner, idem_key, request JSON)
       `status` is the job's last JobStatus.to_dict() (service.status); `state`/`reason` are copied out
       of it so lists can filter without parsing JSON. `released` = 1 once the job is finished and its
-      coordinator let go: nothing about it will change again.
+      coordinator let go: nothing about it will change again. `owner`: the user who submitted it (None
+      without users); `idem_key`/`request`: the submit's Idempotency-Key and the request it came with.
   events(job_id, idx, time, kind, data JSON)  PK (job_id, idx): idx is the coordinator's event index
   metrics(job_id, step, time, data JSON)      PK (job_id, step): a redone step (after a failure) replaces
                                               the row; the chart shows the run as it stands
@@ -16,7 +18,9 @@ JSON is stored as text, so every dialect holds the same bytes (NaN and infinitie
 
 SQLite: one writer at a time, serialised by a lock, in WAL mode for files, so the API's request threads
 and its sync thread share it and a second server over the same file (a restart) can read while the
-first still writes. PostgreSQL: the engine's connection pool; each call is one transaction.
+first still writes. WAL needs shared memory between the processes that open the file, which a network
+filesystem does not give: a SQLite file on NFS, CIFS and the like is refused (`network_filesystem`);
+use PostgreSQL there. PostgreSQL: the engine's connection pool; each call is one transaction.
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from sqlalchemy import (BigInteger, Column, Double, Integer, MetaData, Table, Text, create_engine,
@@ -35,7 +41,7 @@ from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError
 from sqlalchemy.pool import StaticPool
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _md = MetaData()
 _jobs = Table(
@@ -46,7 +52,9 @@ _jobs = Table(
     Column("updated", Double, nullable=False), Column("state", Text, nullable=False),
     Column("reason", Text, nullable=False, server_default=""), Column("status", Text, nullable=False),
     Column("released", Integer, nullable=False, server_default="0"),
+    Column("owner", Text), Column("idem_key", Text), Column("request", Text),
 )
+_V2_COLUMNS = ("owner", "idem_key", "request")
 _events = Table(
     "events", _md,
     Column("job_id", Text, primary_key=True), Column("idx", BigInteger, primary_key=True),
@@ -94,7 +102,32 @@ def redact(url: str | Path | URL) -> str:
         return str(url).split("://")[0] + "://..." if "://" in str(url) else str(url)
 
 
-def _engine(u: URL) -> Engine:
+NETWORK_FILESYSTEMS = frozenset({"nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "fuse.glusterfs",
+                                  "fuse.cephfs", "lustre", "gpfs", "9p", "fuse.sshfs", "afs", "beegfs",
+                                  "fuse.s3fs", "fuse.gcsfuse", "fuse.juicefs", "efs", "fuse.efs"})
+"""Filesystem types (as /proc/mounts names them) where SQLite's WAL mode is unsafe."""
+
+
+def filesystem_type(path: str | Path, mounts: str = "/proc/mounts") -> str | None:
+    """The type of the filesystem `path` lies on, from the longest mount point that holds it (None when
+    it cannot be told, e.g. not Linux)."""
+    try:
+        lines = Path(mounts).read_text().splitlines()
+    except OSError:
+        return None
+    full = os.path.realpath(path)
+    best, kind = "", None
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        point = parts[1].replace("\\040", " ")
+        if (full == point or full.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+            best, kind = point, parts[2]
+    return kind
+
+
+def _engine(u: URL, fs_type: Callable[[Path], str | None]) -> Engine:
     if u.get_backend_name() != "sqlite":
         return create_engine(u, pool_pre_ping=True)
     memory = u.database in (None, "", ":memory:")
@@ -102,6 +135,12 @@ def _engine(u: URL) -> Engine:
         eng = create_engine(u, poolclass=StaticPool, connect_args={"check_same_thread": False})
     else:
         Path(u.database).parent.mkdir(parents=True, exist_ok=True)
+        kind = fs_type(Path(u.database).parent)
+        if kind is not None and (kind in NETWORK_FILESYSTEMS or kind.split(".")[0] in NETWORK_FILESYSTEMS):
+            raise ValueError(f"the job store {u.database} lies on a {kind} filesystem: SQLite's WAL mode is not "
+                             "safe on a network filesystem, and two servers could corrupt it. Use PostgreSQL "
+                             "(ELASTRON_STORE=postgresql+psycopg://USER:PASSWORD@HOST/DB) or a local disk "
+                             "(a ReadWriteOnce volume)")
         eng = create_engine(u, connect_args={"check_same_thread": False, "timeout": 30})
 
     @event.listens_for(eng, "connect")
@@ -118,12 +157,13 @@ def _engine(u: URL) -> Engine:
 class JobStore:
     """Thread-safe. `url`: a SQLAlchemy URL (SQLite or PostgreSQL), a file path, or ``:memory:``."""
 
-    def __init__(self, url: str | Path):
+    def __init__(self, url: str | Path, *, fs_type: Callable[[Path], str | None] = filesystem_type):
+        """`fs_type(dir)`: the filesystem type a SQLite file's directory lies on (a seam for tests)."""
         u = store_url(url)
         self.url = redact(u)
         self.dialect = u.get_backend_name()
         try:
-            self._engine = _engine(u)
+            self._engine = _engine(u, fs_type)
         except (ImportError, NoSuchModuleError) as e:
             raise ValueError(f"store URL {self.url!r} needs a database driver that is not installed ({e}); "
                              f"{_HINT}") from None
@@ -135,6 +175,11 @@ class JobStore:
                 c.execute(self._insert(_meta).values(key="schema_version", value=str(SCHEMA_VERSION))
                           .on_conflict_do_nothing(index_elements=["key"]))
                 found = c.execute(select(_meta.c.value).where(_meta.c.key == "schema_version")).scalar_one()
+                if int(found) == 1:  # version 2 added columns to jobs: add them, keep every row
+                    for col in _V2_COLUMNS:
+                        c.exec_driver_sql(f"ALTER TABLE jobs ADD COLUMN {col} TEXT")
+                    c.execute(update(_meta).where(_meta.c.key == "schema_version").values(value="2"))
+                    found = "2"
         except OperationalError as e:
             self._engine.dispose()
             why = str(e.orig).strip().splitlines()[0] if e.orig is not None and str(e.orig).strip() else type(e).__name__
@@ -172,17 +217,40 @@ class JobStore:
                 id=_text(job["id"]), name=_text(job["name"]), spec=_dumps(job["spec"]), steps=job.get("steps"),
                 workers=job.get("workers"), run_dir=_text(job["run_dir"]), created=job["created"],
                 updated=job["created"], state=_text(st["state"]), reason=_text(st.get("reason") or ""),
-                status=_dumps(st)))
+                status=_dumps(st), owner=job.get("owner"), idem_key=job.get("idempotency_key"),
+                request=None if job.get("request") is None else _dumps(job["request"])))
 
     def get(self, job_id: str) -> dict | None:
         with self._tx() as c:
             row = c.execute(select(_jobs).where(_jobs.c.id == _text(job_id))).mappings().first()
         return None if row is None else _job(row)
 
-    def list(self) -> list[dict]:
+    def list(self, *, limit: int | None = None, offset: int = 0, owner: str | None = None) -> list[dict]:
+        """Jobs oldest first, `limit` of them from `offset`; only `owner`'s when given."""
+        q = select(_jobs).order_by(_jobs.c.created, _jobs.c.id).limit(limit).offset(offset or None)
+        if owner is not None:
+            q = q.where(_jobs.c.owner == _text(owner))
         with self._tx() as c:
-            rows = c.execute(select(_jobs).order_by(_jobs.c.created, _jobs.c.id)).mappings().all()
+            rows = c.execute(q).mappings().all()
         return [_job(r) for r in rows]
+
+    def count(self) -> int:
+        with self._tx() as c:
+            return c.execute(select(func.count()).select_from(_jobs)).scalar_one()
+
+    def unsettled(self) -> list[dict]:
+        """Jobs whose record may still change: not finished, or finished but not yet released."""
+        with self._tx() as c:
+            rows = c.execute(select(_jobs).where(_jobs.c.released == 0).order_by(_jobs.c.created)).mappings().all()
+        return [_job(r) for r in rows]
+
+    def find_idempotent(self, owner: str | None, key: str) -> dict | None:
+        """The job `owner` submitted with Idempotency-Key `key`, with its `request`, or None."""
+        q = select(_jobs).where(_jobs.c.idem_key == _text(key),
+                                _jobs.c.owner.is_(None) if owner is None else _jobs.c.owner == _text(owner))
+        with self._tx() as c:
+            row = c.execute(q).mappings().first()
+        return None if row is None else _job(row)
 
     def set_status(self, job_id: str, status: dict) -> None:
         with self._tx() as c:
@@ -206,9 +274,9 @@ class JobStore:
                 {"job_id": _text(job_id), "idx": start + i, "time": e.get("time") or 0.0, "kind": _text(e.get("kind") or ""),
                  "data": _dumps(e)} for i, e in enumerate(events)])
 
-    def events(self, job_id: str, since: int = 0) -> list[dict]:
+    def events(self, job_id: str, since: int = 0, limit: int | None = None) -> list[dict]:
         q = (select(_events.c.data).where(_events.c.job_id == _text(job_id), _events.c.idx >= max(0, since))
-             .order_by(_events.c.idx))
+             .order_by(_events.c.idx).limit(limit))
         with self._tx() as c:
             return [json.loads(d) for d in c.execute(q).scalars()]
 
@@ -221,9 +289,13 @@ class JobStore:
             self._upsert(_metrics, ["job_id", "step"], [
                 {"job_id": _text(job_id), "step": int(m["step"]), "time": m.get("time"), "data": _dumps(m)} for m in rows])
 
-    def metrics(self, job_id: str, since: int = 0, limit: int | None = None) -> list[dict]:
+    def metrics(self, job_id: str, since: int = 0, limit: int | None = None, stride: int = 1) -> list[dict]:
+        """Rows after step `since`, oldest first; with `stride` > 1 only steps that are multiples of it
+        (a long run's chart in a bounded number of points)."""
         q = (select(_metrics.c.data).where(_metrics.c.job_id == _text(job_id), _metrics.c.step > since)
              .order_by(_metrics.c.step).limit(limit))
+        if stride > 1:
+            q = q.where(_metrics.c.step % stride == 0)
         with self._tx() as c:
             return [json.loads(d) for d in c.execute(q).scalars()]
 
@@ -258,4 +330,5 @@ def _job(row) -> dict:
     d["spec"] = json.loads(d["spec"])
     d["status"] = json.loads(d["status"])
     d["released"] = bool(d["released"])
+    d["request"] = None if d.get("request") is None else json.loads(d["request"])
     return d

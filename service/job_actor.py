@@ -85,6 +85,14 @@ class LocalLauncher:
         with self._lock:
             return list(self._runners)
 
+    def gone(self, job_id: str) -> bool:
+        """Runners live in this process only: one this launcher does not hold has ended for good."""
+        with self._lock:
+            return job_id not in self._runners
+
+    def where(self) -> str:
+        return "this process"
+
     def release(self, job_id: str, timeout_s: float = 10.0) -> None:
         with self._lock:
             runner = self._runners.pop(job_id, None)
@@ -214,6 +222,31 @@ class RayLauncher:
         except ValueError:  # no live actor by that name
             return None
         return RayHandle(actor, job_id, self.timeout_s, self.namespace)
+
+    def gone(self, job_id: str) -> bool:
+        """Whether the Ray cluster this process is connected to knows the job's actor as DEAD (and not
+        as alive or restarting). An actor it has never heard of is not gone: the job may run on another
+        cluster. False when Ray's state API cannot answer (e.g. no dashboard)."""
+        try:
+            from ray.util.state import list_actors
+
+            found = [a for a in list_actors(filters=[("name", "=", actor_name(job_id))], limit=100, timeout=10,
+                                            raise_on_missing_output=False)
+                     if getattr(a, "ray_namespace", self.namespace) == self.namespace]
+        except Exception:
+            logger.info("job %s: Ray's state API did not answer; its coordinator is not taken for gone", job_id,
+                        exc_info=True)
+            return False
+        return bool(found) and all(a.state == "DEAD" for a in found)
+
+    def where(self) -> str:
+        """The Ray cluster this process joined (its GCS address)."""
+        try:
+            import ray
+
+            return f"the Ray cluster at {ray.get_runtime_context().gcs_address}"
+        except Exception:
+            return "a Ray cluster this process is not connected to"
 
     def release(self, job_id: str, timeout_s: float = 10.0) -> None:
         import ray

@@ -2,7 +2,10 @@
 
 The code lives in:
   service.specs        request checks: validate_spec, SpecError, resolve_run_dir, check_paths
-  service.job_manager  JobManager, its seams (JobHandle, Launcher, Store) and errors (JobNotFound, JobConflict)
+  service.job_manager  JobManager (its syncing half: service.job_sync)
+  service.job_types    its seams (JobHandle, Launcher, Store) and errors (JobNotFound, JobConflict)
+  service.areas        the directories each job owns
+  service.limits       the sizes a request may name
   service.status       JobStatus, the one status record (service.state.TERMINAL: the final states)
   service.driver       JobRunner, the one job driver (the job actor's body, elastron run and demo)
   service.run_files    what a run directory says when the coordinator is gone (events, metrics, checkpoints)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 from service.events import Event, EventLog, read_events
@@ -34,9 +35,41 @@ def job_events(path: Path, job_id: str) -> EventLog:
 
 
 def last_logged_step(run_dir: Path) -> int:
-    """The step of the last complete line of RUN_DIR/metrics.jsonl (rank 0 writes one per step), or 0."""
-    rows = read_metrics(run_dir / "metrics.jsonl", after=0)
-    return rows[-1]["step"] if rows else 0
+    """The step of the last complete line of RUN_DIR/metrics.jsonl (rank 0 writes one per step), or 0.
+    Reads the file from its end, a block at a time: a million-step log costs one block, not the file."""
+    path = run_dir / "metrics.jsonl"
+    try:
+        f = path.open("rb")
+    except FileNotFoundError:
+        return 0
+    with f:
+        end = f.seek(0, 2)
+        tail = b""
+        while end > 0:
+            start = max(0, end - _BLOCK)
+            f.seek(start)
+            tail = f.read(end - start) + tail
+            end = start
+            lines = tail.split(b"\n")
+            for line in reversed(lines[1:] if start else lines):  # lines[0] may be cut short
+                if (m := _metric(line)) is not None:
+                    return m["step"]
+            tail = lines[0] if start else b""
+            if len(tail) > _MAX_LINE:
+                return 0  # no line ends within a sane length: not a metrics log
+    return 0
+
+
+_BLOCK = 1 << 16
+_MAX_LINE = 1 << 20
+
+
+def _metric(line: bytes | str) -> dict | None:
+    try:
+        m = json.loads(line)
+    except ValueError:
+        return None
+    return m if isinstance(m, dict) and isinstance(m.get("step"), int) and not isinstance(m["step"], bool) else None
 
 
 def where_it_stopped(prior: list[Event], run_dir: Path) -> tuple[int, str | None, dict | None]:
@@ -48,38 +81,59 @@ def where_it_stopped(prior: list[Event], run_dir: Path) -> tuple[int, str | None
     return last_step, last_state, layout
 
 
+def iter_metrics(path: Path, *, after: int, before: int | None = None) -> Iterator[dict]:
+    """Rows of metrics.jsonl with after < step (< before), streamed line by line (a torn last line is
+    skipped): memory stays bounded whatever the file's length."""
+    try:
+        f = path.open("r", errors="replace")
+    except FileNotFoundError:
+        return
+    with f:
+        for line in f:
+            m = _metric(line)
+            if m is not None and m["step"] > after and (before is None or m["step"] < before):
+                yield m
+
+
 def read_metrics(path: Path, *, after: int) -> list[dict]:
-    """Rows of metrics.jsonl after step `after` (a torn last line is skipped)."""
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            m = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(m, dict) and isinstance(m.get("step"), int) and m["step"] > after:
-            out.append(m)
-    return out
+    """Rows of metrics.jsonl after step `after`, as a list (see iter_metrics)."""
+    return list(iter_metrics(path, after=after))
 
 
 def list_checkpoints(ck: str | None, run_dir: str) -> dict:
-    """The checkpoints directory's entries (a remote checkpoint.dir is not listed)."""
+    """The checkpoints directory's entries (a remote checkpoint.dir is not listed). Entries that vanish
+    while they are listed (retention deletes old checkpoints as new ones commit) are left out."""
     if ck and "://" in ck and not ck.lower().startswith("file://"):
         return {"dir": ck, "latest": None, "entries": [], "note": "remote checkpoint dirs are not listed"}
     d = Path(ck[len("file://"):] if ck and "://" in ck else ck) if ck else Path(run_dir) / "checkpoints"
     entries = []
     latest = None
-    if d.is_dir():
-        for p in sorted(d.iterdir()):
+    try:
+        children = sorted(d.iterdir()) if d.is_dir() else []
+    except OSError:
+        children = []
+    for p in children:
+        try:
             if p.name == "latest" and p.is_file():
                 latest = p.read_text(errors="replace").strip() or None
                 continue
-            m = re.fullmatch(r"step-(\d+)", p.name)
-            entries.append({
-                "name": p.name, "step": int(m.group(1)) if m else None, "is_dir": p.is_dir(),
-                "committed": p.is_dir() and (p / "manifest.json").is_file(),
-                "bytes": sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.is_dir() else p.stat().st_size,
-                "modified": p.stat().st_mtime,
-            })
+            entries.append(_entry(p))
+        except OSError:  # deleted (or replaced) between the listing and the look: not there any more
+            continue
     return {"dir": str(d), "latest": latest, "entries": entries}
+
+
+def _entry(p: Path) -> dict:
+    m = re.fullmatch(r"step-(\d+)", p.name)
+    is_dir = p.is_dir()
+    size = 0
+    if is_dir:
+        for f in p.rglob("*"):
+            try:
+                size += f.stat().st_size if f.is_file() else 0
+            except OSError:
+                pass
+    else:
+        size = p.stat().st_size
+    return {"name": p.name, "step": int(m.group(1)) if m else None, "is_dir": is_dir,
+            "committed": is_dir and (p / "manifest.json").is_file(), "bytes": size, "modified": p.stat().st_mtime}

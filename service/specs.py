@@ -20,9 +20,11 @@ from workers.config import check_data_path as check_data_readable
 __all__ = ["JobConfig", "MAX_GLOBAL_BATCH", "MAX_WORKERS", "REMOTE_SCHEMES", "SpecError", "check_paths", "config_error_loc",
            "resolve_run_dir", "safe_name", "validate_spec"]
 
-REMOTE_SCHEMES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "hdfs", "memory"})
+REMOTE_SCHEMES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "hdfs"})
 """fsspec URL schemes a checkpoint.dir may use: object stores the server does not resolve on its disk.
-file:// is a local path (checked like one); others (zip::, simplecache::, sftp://, ...) are refused."""
+file:// is a local path (checked like one); others (zip::, simplecache::, sftp://, ...) are refused, and
+memory:// with its own reason: it lives in one process, so no checkpoint there survives the coordinator
+or reaches the workers."""
 
 
 class SpecError(ValueError):
@@ -168,6 +170,9 @@ def check_checkpoint_dir(ck: str, *, runs_root: Path) -> None:
         raise SpecError(loc, f"checkpoint.dir {ck!r} must not contain NUL bytes")
     if "://" in ck:
         scheme = ck.split("://", 1)[0].lower()
+        if scheme == "memory":
+            raise SpecError(loc, f"checkpoint.dir {ck!r}: memory:// lives in one process only, so its checkpoints "
+                                 "cannot survive a restart or reach other workers; use a path or an object store")
         if scheme != "file":
             if scheme not in REMOTE_SCHEMES:  # zip::, simplecache::file://, local://, sftp:// ... reach this disk
                 raise SpecError(loc, f"checkpoint.dir {ck!r}: a URL's scheme must be one of "

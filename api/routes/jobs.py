@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query, Response, status
+from fastapi import APIRouter, Header, Query, Response, status
 
 from api.deps import AuthDep, JobsDep
 from api.schemas import (MAX_STEPS, ActionResult, Checkpoints, Deleted, ErrorBody, EventOut, JobCreated, JobDetail,
@@ -23,16 +23,22 @@ Since = Annotated[int, Query(ge=0, le=MAX_STEPS, description="Only rows after th
 
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=JobCreated, dependencies=[AuthDep],
              responses={**INVALID, **AUTH, **CONFLICT, 413: {"model": ErrorBody, "description": "Body too large."}})
-def submit_job(body: JobSubmit, jobs: JobsDep, response: Response) -> JobCreated:
+def submit_job(body: JobSubmit, jobs: JobsDep, response: Response,
+               idempotency_key: Annotated[str | None, Header(min_length=1, max_length=255, description=(
+                   "Makes the submit safe to retry: a repeat with the same key and body returns the first "
+                   "job instead of starting another (409 when the body differs)."))] = None) -> JobCreated:
     """Validate the spec as `elastron run` would (422 names the bad field) and start the job."""
-    job_id = jobs.submit(body.spec_dict(), steps=body.steps, workers=body.workers, run_dir=body.run_dir)
+    job_id = jobs.submit(body.spec_dict(), steps=body.steps, workers=body.workers, run_dir=body.run_dir,
+                         idempotency_key=idempotency_key)
     response.headers["Location"] = f"/api/v1/jobs/{job_id}"
     return JobCreated(id=job_id, run_dir=jobs.record(job_id)["run_dir"])
 
 
 @router.get("", response_model=list[JobSummary])
-def list_jobs(jobs: JobsDep) -> list[dict]:
-    return jobs.list()
+def list_jobs(jobs: JobsDep, limit: Annotated[int, Query(ge=1, le=1000)] = 500,
+              offset: Annotated[int, Query(ge=0, le=MAX_STEPS)] = 0) -> list[dict]:
+    """Jobs, oldest first, `limit` of them from `offset` (page with offset += limit)."""
+    return jobs.list(limit=limit, offset=offset)
 
 
 @router.get("/{job_id}", response_model=JobDetail, responses=NOT_FOUND)
@@ -44,17 +50,21 @@ def get_job(job_id: str, jobs: JobsDep) -> dict:
 
 @router.get("/{job_id}/metrics", response_model=list[MetricRow], responses=NOT_FOUND)
 def job_metrics(job_id: str, jobs: JobsDep, since: Since = 0,
-                limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000) -> list[dict]:
+                limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000,
+                stride: Annotated[int, Query(ge=1, le=MAX_STEPS, description=(
+                    "Only steps that are multiples of this: a long run's curve in fewer points."))] = 1
+                ) -> list[dict]:
     """Per-step metrics after step `since`, oldest first (poll with the last step you have)."""
-    return jobs.metrics(job_id, since, limit)
+    return jobs.metrics(job_id, since, limit, stride)
 
 
 @router.get("/{job_id}/events", response_model=list[EventOut], responses=NOT_FOUND)
 def job_events(job_id: str, jobs: JobsDep,
-               since: Annotated[int, Query(ge=0, le=MAX_STEPS, description="Index of the first event.")] = 0
-               ) -> list[dict]:
-    """The job's events (transitions, resizes, preemption notices, failures, checkpoints) from index `since`."""
-    return jobs.events(job_id, since)
+               since: Annotated[int, Query(ge=0, le=MAX_STEPS, description="Index of the first event.")] = 0,
+               limit: Annotated[int, Query(ge=1, le=10_000)] = 1000) -> list[dict]:
+    """The job's events (transitions, resizes, preemption notices, failures, checkpoints) from index
+    `since`, at most `limit` of them (page with since += the number returned)."""
+    return jobs.events(job_id, since, limit)
 
 
 @router.get("/{job_id}/checkpoints", response_model=Checkpoints, responses=NOT_FOUND)
@@ -90,7 +100,9 @@ def stop_job(job_id: str, jobs: JobsDep) -> dict:
 
 
 @router.delete("/{job_id}", response_model=Deleted, dependencies=[AuthDep],
-               responses={**NOT_FOUND, **AUTH})
-def delete_job(job_id: str, jobs: JobsDep) -> dict:
-    """Stop the job (after its final checkpoint) and forget it. Its run directory and checkpoints stay."""
-    return jobs.delete(job_id)
+               responses={**NOT_FOUND, **AUTH, **CONFLICT})
+def delete_job(job_id: str, jobs: JobsDep, force: bool = False) -> dict:
+    """Stop the job (after its final checkpoint) and forget it. Its run directory and checkpoints stay.
+    A job still saving its final checkpoint after the server's stop timeout is left running (409: retry);
+    `force=true` releases it anyway."""
+    return jobs.delete(job_id, force=force)

@@ -13,7 +13,7 @@ from service.job_manager import JobManager
 router = APIRouter(tags=["ops"])
 
 STATES = ("PENDING", "STARTING", "RUNNING", "RESIZING", "RECOVERING", "WAITING_FOR_CAPACITY", "PAUSED",
-          "SUCCEEDED", "FAILED", "STOPPED")
+          "SUCCEEDED", "FAILED", "STOPPED", "UNKNOWN")
 
 
 class JobCollector:
@@ -67,7 +67,7 @@ def make_registry(jobs: JobManager) -> CollectorRegistry:
 
 @router.get("/healthz", response_model=Health)
 def healthz(jobs: JobsDep) -> Health:
-    return Health(status="ok", jobs=len(jobs.list()))
+    return Health(status="ok", jobs=jobs.count())
 
 
 @router.get("/metrics", response_class=Response,

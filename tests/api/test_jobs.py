@@ -99,9 +99,11 @@ def test_a_job_whose_coordinator_ended_before_the_store_knew_is_read_from_events
     launcher, _ = make_launcher()
     store = JobStore(tmp_path / "jobs.db")
     mgr = JobManager(store, launcher, runs_root=tmp_path / "runs")
-    job_id = mgr.submit(SPEC, steps=4)  # not started: no sync thread, no sync on read
+    job_id = mgr.submit(SPEC, steps=4)  # not started: no sync thread (and reads never sync)
     assert launcher.attach(job_id).join(20)
     launcher._runners.clear()  # the coordinator is gone before anyone synced it
+    assert mgr.get(job_id)["state"] == "PENDING"  # reads are served from the store
+    mgr.sync(job_id)
     j = mgr.get(job_id)
     assert j["state"] == "SUCCEEDED" and j["step"] == 4
     assert [e["to_state"] for e in mgr.events(job_id) if e["kind"] == "transition"][-1] == "SUCCEEDED"

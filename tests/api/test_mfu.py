@@ -59,6 +59,7 @@ def test_a_job_read_from_its_run_dir_shows_the_mfu_of_its_last_step(tmp_path):
     job_id = mgr.submit(SPEC, steps=4)  # not started: nothing syncs until the coordinator is gone
     assert launcher.attach(job_id).join(20)
     launcher._runners.clear()
+    mgr.sync(job_id)  # not started: no background sync
     j = mgr.get(job_id)  # from events.jsonl and metrics.jsonl
     assert j["state"] == "SUCCEEDED" and j["step"] == 4 and j["mfu"] == pytest.approx(0.004)
 

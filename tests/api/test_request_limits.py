@@ -144,7 +144,7 @@ def test_paths_inside_their_roots_are_accepted(env):
     runs = env.tmp / "runs"
     for body in ({"run_dir": "team/exp"}, {"run_dir": str(runs / "abs")},
                  {"spec": with_spec(checkpoint={"dir": f"file://{runs}/ck"})},
-                 {"spec": with_spec(checkpoint={"dir": "memory://elastron/ck"})},
+                 {"spec": with_spec(checkpoint={"dir": "s3://elastron/ck"})},
                  {"spec": with_spec(data={"source": "corpus", "path": str(env.tmp / "data" / "corpus")})},
                  {"spec": with_spec(data={"source": "corpus", "path": str(env.tmp / "data")})}):  # the root itself
         r = env.post(J, json={"spec": SPEC, "steps": 1, **body})
@@ -206,3 +206,28 @@ def test_the_limits_are_documented_in_the_schema(env):
 def test_too_many_suffixes_are_refused(env):
     r = env.post(J, json={"spec": with_spec(data={"suffixes": [f".x{i}" for i in range(65)]})})
     assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "spec", "data", "suffixes"]
+
+
+def test_memory_checkpoints_are_refused_for_jobs(env):
+    """memory:// lives in one process: a restarted coordinator (or another worker) would find nothing."""
+    r = env.post(J, json={"spec": with_spec(checkpoint={"dir": "memory://elastron/ck"})})
+    assert r.status_code == 422, r.text
+    (err,) = r.json()["detail"]
+    assert err["loc"] == ["body", "spec", "checkpoint", "dir"] and "restart" in err["msg"]
+
+
+def test_the_default_data_roots_are_none_not_the_runs_root(tmp_path):
+    """With no ELASTRON_DATA_ROOTS a job cannot read the runs root (other jobs' files, the job store)."""
+    launcher, _ = make_launcher()
+    with TestClient(make_app(tmp_path, launcher)) as c:
+        runs = tmp_path / "runs"
+        (runs / "other-job").mkdir(parents=True)
+        (runs / "other-job" / "a.py").write_text("x = 1\n")
+        r = c.post(J, json={"spec": with_spec(data={"source": "corpus", "path": str(runs / "other-job")})})
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "spec", "data", "path"]
+    stop_all(launcher)
+    from service.job_manager import JobManager
+    from api.store import JobStore
+
+    with pytest.raises(ValueError, match="holds the runs root"):
+        JobManager(JobStore(":memory:"), launcher, runs_root=tmp_path / "runs", data_roots=[tmp_path])

@@ -58,6 +58,7 @@ def test_steps_only_the_dead_coordinator_trained_come_from_metrics_jsonl(tmp_pat
     job_id = mgr.submit(SPEC)
     run_dir = Path(mgr.get(job_id)["run_dir"])
     launcher.handle.rows = [row(s, 10.0 - s) for s in (1, 2, 3)]
+    mgr.sync(job_id)  # not started: no background sync
     assert [m["step"] for m in mgr.metrics(job_id)] == [1, 2, 3]
     # Rank 0 logged steps 4-6 (5 twice: a replay), then the coordinator died; the new one resumed
     # from a checkpoint at step 6 and reports 7 on.
@@ -65,6 +66,7 @@ def test_steps_only_the_dead_coordinator_trained_come_from_metrics_jsonl(tmp_pat
     logged = [row(s, 10.0 - s) for s in (1, 2, 3, 4, 5)] + [row(5, 4.5), row(6, 4.0)]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in logged) + '{"step": 7, "lo')
     launcher.handle.rows = [row(7, 3.0), row(8, 2.0)]
+    mgr.sync(job_id)
     got = mgr.metrics(job_id)
     assert [m["step"] for m in got] == list(range(1, 9))
     assert {m["step"]: m["loss"] for m in got}[5] == 4.5  # the replay: the run as it stands
@@ -114,7 +116,7 @@ def test_a_manager_can_be_started_again_after_close(tmp_path, monkeypatch):
     of the fuzz test fail with CancelledError)."""
     import time
 
-    import service.job_manager as jm
+    import service.job_sync as jm
 
     class Slow(Handle):
         def status(self):
