@@ -8,10 +8,21 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SetWorkers:
-    """Run within a new worker range, acting at once (a user's request needs no settle time)."""
+    """Run within a new worker range, acting at once (a user's request needs no settle time). Holds what
+    the user gave, not a whole range: it is applied to the range current when it is applied
+    (`bounds`), so two quick resizes compose instead of the second undoing the first."""
 
-    min_workers: int
-    max_workers: int
+    workers: int | None = None
+    min_workers: int | None = None
+    max_workers: int | None = None
+
+    def bounds(self, lo: int, hi: int) -> tuple[int, int]:
+        """The range (lo, hi) becomes."""
+        lo = self.min_workers if self.min_workers is not None else lo
+        hi = self.max_workers if self.max_workers is not None else hi
+        if self.workers is not None:
+            lo, hi = min(lo, self.workers), self.workers
+        return lo, hi
 
 
 @dataclass(frozen=True, slots=True)

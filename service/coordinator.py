@@ -32,6 +32,7 @@ from pathlib import Path
 from parallel.planner import Plan, PlanError, plan
 from service.cluster import ClusterSnapshot, ClusterWatcher
 from service.commands import Command, Pause, Resume, SetWorkers, Stop
+from service.metrics_ring import RecentMetrics
 from service.ledger import cap_slots
 from service.node_health import NodeHealth
 from service.options import CoordinatorOptions
@@ -77,7 +78,7 @@ class Coordinator(GroupLifecycle):
         self.plan: Plan | None = None
         self.step_done = 0
         self.committed_step = 0
-        self.metrics: dict[int, dict] = {}
+        self.metrics: dict[int, dict] = RecentMetrics()  # bounded: the store and metrics.jsonl keep the rest
         self.failures: list[Failure] = []
         self.reconfigs: list[Reconfig] = []
         self._open: Reconfig | None = None
@@ -146,16 +147,13 @@ class Coordinator(GroupLifecycle):
 
     def metrics_since(self, step: int = 0) -> list[dict]:
         with self._lock:
-            return [self.metrics[s] for s in sorted(self.metrics) if s > step]
+            return self.metrics.since(step)
 
     def resize(self, *, workers: int | None = None, min_workers: int | None = None,
                max_workers: int | None = None) -> None:
-        lo = min_workers if min_workers is not None else self.policy.config.min_workers
-        hi = max_workers if max_workers is not None else self.policy.config.max_workers
-        if workers is not None:
-            lo, hi = min(lo, workers), workers
-        self._policy_config(lo, hi)  # validate now, in the caller's thread
-        self._commands.put(SetWorkers(min_workers=lo, max_workers=hi))
+        cmd = SetWorkers(workers=workers, min_workers=min_workers, max_workers=max_workers)
+        self._policy_config(*cmd.bounds(self.policy.config.min_workers, self.policy.config.max_workers))  # validate now
+        self._commands.put(cmd)  # applied to the range current then: a second resize composes with the first
 
     def pause(self) -> None:
         self._commands.put(Pause())
@@ -327,8 +325,13 @@ class Coordinator(GroupLifecycle):
     def _apply(self, cmd: Command) -> bool:
         """Apply one user command; False to keep it for a later iteration."""
         match cmd:
-            case SetWorkers(min_workers=lo, max_workers=hi):
-                self.policy.config = self._policy_config(lo, hi)
+            case SetWorkers():
+                try:
+                    self.policy.config = self._policy_config(*cmd.bounds(self.policy.config.min_workers,
+                                                                         self.policy.config.max_workers))
+                except ValueError as e:  # valid alone, not on top of an earlier resize: say so, keep going
+                    self.sm.note("failure", reason=f"resize refused: {e}", step=self.step_done, cause="user")
+                    return True
                 self._user_resize = True  # act now: a user's request needs no settle time
             case Pause() | Stop():
                 kind, target = ("pause", S.PAUSED) if isinstance(cmd, Pause) else ("stop", S.STOPPED)
@@ -336,14 +339,21 @@ class Coordinator(GroupLifecycle):
                     return True
                 if not self.sm.can(target):  # e.g. pause while STARTING: apply once it is running
                     return False
+                lost = None
                 if self.group is not None:
                     try:
                         self.committed_step = self.group.checkpoint()
                     except WorkerFailure as e:
-                        logger.warning("job %s: checkpoint before %s failed (%s); resuming will restart from "
-                                       "step %d", self.job_id, kind, e, self.committed_step)
+                        lost = (f"the checkpoint before {kind} failed ({e}); the last committed checkpoint is step "
+                                f"{self.committed_step}, so steps after it are lost")
+                        logger.warning("job %s: %s", self.job_id, lost)
+                        self.sm.note("failure", reason=lost, step=self.step_done, cause="user",
+                                     details={"kind": f"checkpoint_before_{kind}"})
                 self._shutdown_group()
-                self.sm.transition(target, reason=f"{kind} requested by user", step=self.step_done, cause="user")
+                if lost and target is S.STOPPED and self.sm.can(S.FAILED):  # not a clean stop: say so
+                    target = S.FAILED
+                self.sm.transition(target, reason=f"{kind} requested by user" + (f", but {lost}" if lost else ""),
+                                   step=self.step_done, cause="user")
             case Resume() if self.sm.state is S.PAUSED:
                 self.sm.transition(S.STARTING, reason="resume requested by user", step=self.step_done, cause="user")
         return True
