@@ -17,7 +17,7 @@ from pathlib import Path
 
 from service.coordinator import Coordinator, CoordinatorOptions
 from service.status import JobStatus
-from workers.config import JobConfig, check_data_path, job_plan, load_config
+from workers.config import JobConfig, check_data_path, job_plan, load_config, resolve_init_from
 from workers.run_dir import check_run_dir
 
 logger = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ def load_job(config: str | Path, *, workers: int | None = None, layout: str | No
     """The job YAML at `config`, parsed once, and its run directory (default runs/NAME), after every check
     that can fail before Ray starts: the options, a readable data path, a forced layout the planner
     accepts, a writable run directory. ValueError (or ConfigError, PlanError) in one line."""
-    cfg = load_config(config)
+    cfg = resolve_init_from(load_config(config))  # the model's shape, before the planner needs it
     check_data_path(cfg.data)
     if workers is not None and layout is not None:
         raise ValueError("give --workers or --layout, not both")
@@ -122,7 +122,7 @@ def load_job(config: str | Path, *, workers: int | None = None, layout: str | No
 def check_local_job(config: str | Path, *, nproc: int, layout: str | None, steps: int | None,
                     run_dir: str | Path) -> JobConfig:
     """`elastron train`'s checks, before any rank starts: those every rank would make."""
-    cfg = load_config(config)
+    cfg = resolve_init_from(load_config(config))  # the model's shape, before the planner needs it
     check_data_path(cfg.data)
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")

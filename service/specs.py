@@ -14,7 +14,7 @@ from typing import Any
 from parallel.layout import Layout
 from parallel.planner import plan
 from service.limits import MAX_GLOBAL_BATCH, MAX_WORKERS, check_limits
-from workers.config import JobConfig, job_constraints
+from workers.config import JobConfig, job_constraints, resolve_init_from
 from workers.config import check_data_path as check_data_readable
 
 __all__ = ["JobConfig", "MAX_GLOBAL_BATCH", "MAX_WORKERS", "REMOTE_SCHEMES", "SpecError", "check_paths", "config_error_loc",
@@ -73,6 +73,10 @@ def validate_spec(spec: Any, *, steps: int | None = None, workers: int | None = 
     for name, v in (("steps", steps), ("workers", workers)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise SpecError((name,), f"{name} must be an integer >= 1, got {v!r}")
+    try:  # the model's shape from init_from's config.json, before the planner needs it
+        cfg = resolve_init_from(cfg)
+    except ValueError as e:
+        raise SpecError(("spec", *config_error_loc(str(e))), str(e)) from None
     try:  # this server reads nothing of data.path, but its workers usually share its filesystem: fail early
         check_data_readable(cfg.data)
     except ValueError as e:
@@ -185,23 +189,22 @@ def check_checkpoint_dir(ck: str, *, runs_root: Path) -> None:
     resolve_run_dir(ck, runs_root=runs_root, default_name="", loc=loc)
 
 
-def check_data_path(path: str, *, data_roots: Sequence[Path]) -> None:
-    """data.path: an absolute path inside (or equal to) one of `data_roots`. Checked before the path is
-    looked at, so a request cannot probe what exists elsewhere on the server."""
-    loc = ("spec", "data", "path")
+def check_data_path(path: str, *, data_roots: Sequence[Path], loc=("spec", "data", "path")) -> None:
+    """data.path (or model.init_from, by `loc`): an absolute path inside (or equal to) one of `data_roots`.
+    Checked before the path is looked at, so a request cannot probe what exists elsewhere on the server."""
     p = _plain(path, loc)
     roots = [Path(r).resolve() for r in data_roots]
     where = " or ".join(str(r) for r in roots) or "(none configured)"
     if not p.is_absolute():
-        raise SpecError(loc, f"data.path {path!r} must be an absolute path inside a data root: {where}")
+        raise SpecError(loc, f"{_field(loc)} {path!r} must be an absolute path inside a data root: {where}")
     if not _inside(_resolve(p, loc), roots, or_root=True):
-        raise SpecError(loc, f"data.path {path!r} is outside the server's data roots: {where} "
+        raise SpecError(loc, f"{_field(loc)} {path!r} is outside the server's data roots: {where} "
                              "(the server's ELASTRON_DATA_ROOTS)")
 
 
 def check_paths(spec: Any, *, run_dir: str | None, runs_root: Path, data_roots: Sequence[Path]) -> None:
     """Every path of a request that the server would resolve, checked on the raw request (before
-    JobConfig looks at the disk): run_dir, checkpoint.dir, data.path."""
+    JobConfig looks at the disk): run_dir, checkpoint.dir, data.path, model.init_from."""
     if run_dir is not None:
         resolve_run_dir(run_dir, runs_root=runs_root, default_name="")
     if not isinstance(spec, dict):
@@ -212,6 +215,9 @@ def check_paths(spec: Any, *, run_dir: str | None, runs_root: Path, data_roots: 
     data = spec.get("data") if isinstance(spec.get("data"), dict) else {}
     if isinstance(data.get("path"), str) and data.get("source", "corpus") != "synthetic":
         check_data_path(data["path"], data_roots=data_roots)
+    model = spec.get("model") if isinstance(spec.get("model"), dict) else {}
+    if isinstance(model.get("init_from"), str):
+        check_data_path(model["init_from"], data_roots=data_roots, loc=("spec", "model", "init_from"))
 
 
 def safe_name(name: str) -> str:

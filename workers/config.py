@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -23,6 +22,7 @@ import yaml
 from models.config import ModelConfig, model_config
 from parallel.layout import Layout
 from parallel.planner import Constraints, Plan, PlanError, plan
+from workers.disk_checks import check_data_path, resolve_init_from  # noqa: F401 (callers import them from here)
 from workers.strict import ConfigError, build
 
 
@@ -41,15 +41,39 @@ class ModelSection:
     """Name of a preset in models.config.PRESETS (tiny, small, 125m, 1b, 8b)."""
     overrides: dict[str, Any] = field(default_factory=dict)
     """ModelConfig fields to change from the preset, e.g. {n_layers: 3}."""
+    init_from: str | None = None
+    """A local Hugging Face Llama directory to start from: its config.json fixes the shape (preset is
+    ignored, overrides may set only max_seq_len); a fresh run loads its weights, a resumed one its own
+    checkpoint. Read where the job enters (`resolve_init_from`), never by this constructor."""
+    resolved: ModelConfig | None = None
+    """The shape `resolve_init_from` read from init_from's config.json (it replaces whatever was given)."""
 
     def __post_init__(self) -> None:
+        if self.init_from is not None:
+            if not self.init_from.strip() or "\x00" in self.init_from:
+                raise ConfigError(f"model.init_from {self.init_from!r} must be a non-blank path without NUL bytes")
+            if bad := sorted(set(self.overrides) - {"max_seq_len"}):
+                raise ConfigError(f"model.overrides {bad} cannot change a model started from model.init_from "
+                                  "(its config.json fixes the shape); only max_seq_len may be overridden")
+        elif self.resolved is not None:
+            raise ConfigError("model.resolved is read from model.init_from's config.json; set init_from instead")
         try:
-            self.build()
+            self.build() if self.is_resolved else None
         except ValueError as e:
             raise ConfigError(f"model: {e}") from None
 
+    @property
+    def is_resolved(self) -> bool:
+        """Whether the model's shape is known (always, unless init_from has not been read yet)."""
+        return self.init_from is None or self.resolved is not None
+
     def build(self) -> ModelConfig:
-        return model_config(self.preset, **self.overrides)
+        if self.init_from is None:
+            return model_config(self.preset, **self.overrides)
+        if self.resolved is None:
+            raise ConfigError(f"model.init_from {self.init_from!r} has not been read: the job's edge calls "
+                              "workers.config.resolve_init_from before the model is built")
+        return dataclasses.replace(self.resolved, **self.overrides)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -74,37 +98,6 @@ class DataConfig:
         _positive("data", self, "seq_len", "max_bytes", "num_samples")
         if self.source == "tokens" and not self.path:
             raise ConfigError("data.path is required when data.source is 'tokens'")
-
-
-def check_data_path(data: DataConfig) -> None:
-    """data.path must be there, of the right kind, and readable by this process: called where the path
-    is read (the data source of every rank) and early at the edges that share its filesystem (the CLI,
-    the API server), never by the config's constructor, which runs wherever the config travels.
-    ConfigError naming the field, in one line."""
-    if data.path is None or data.source == "synthetic":
-        return
-    p = Path(data.path).expanduser()
-    want_dir = data.source == "corpus"
-    if not p.exists():
-        raise ConfigError(f"data.path {data.path!r} does not exist")
-    if want_dir and not p.is_dir():
-        raise ConfigError(f"data.path {data.path!r} must be a directory for source 'corpus'")
-    if not want_dir and not p.is_file():
-        raise ConfigError(f"data.path {data.path!r} must be a file for source 'tokens'")
-    if not os.access(p, os.R_OK | (os.X_OK if want_dir else 0)):
-        raise ConfigError(f"data.path {data.path!r} is not readable by this user; fix its permissions")
-    if want_dir and not _has_file(p, tuple(data.suffixes)):
-        raise ConfigError(f"data.path {data.path!r} holds no readable file ending with {data.suffixes} "
-                          "(see data.suffixes)")
-
-
-def _has_file(root: Path, suffixes: tuple[str, ...]) -> bool:
-    """Whether the corpus under `root` has a readable file ending with `suffixes` (stops at the first)."""
-    for dirpath, _, filenames in os.walk(root):
-        for name in filenames:
-            if name.endswith(suffixes) and os.access(os.path.join(dirpath, name), os.R_OK):
-                return True
-    return False
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -269,6 +262,8 @@ class JobConfig:
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
 
     def __post_init__(self) -> None:
+        if not self.model.is_resolved:
+            return  # judged by resolve_init_from, which builds this config again with the model's shape
         mc = self.model.build()
         if self.data.seq_len > mc.max_seq_len:
             raise ConfigError(f"data.seq_len={self.data.seq_len} exceeds model max_seq_len={mc.max_seq_len}")

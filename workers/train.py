@@ -19,7 +19,7 @@ from pathlib import Path
 
 from parallel.checkpoint.manifest import CheckpointError
 from parallel.layout import Layout
-from workers.config import ConfigError, check_data_path, job_plan, load_config
+from workers.config import ConfigError, check_data_path, job_plan, load_config, resolve_init_from
 from workers.run_dir import check_run_dir
 
 
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     rank, world_size = env_world()
     logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
     try:
-        cfg = load_config(args.config)
+        cfg = resolve_init_from(load_config(args.config))
         check_data_path(cfg.data)
         device = pick_device(cfg.resources.device)
         plan = job_plan(cfg, world_size, layout=args.layout, device_type=device.type)
@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
             m = trainer.resumed_from
             print(f"resumed from {trainer.checkpoint_dir()} step {m.step} (saved under {_layout_text(m.layout)}, "
                   f"now {layout})", flush=True)
+        elif rank == 0 and cfg.model.init_from is not None:
+            print(f"started from {cfg.model.init_from} under {layout}", flush=True)
 
         def report(m):
             if rank == 0:

@@ -175,7 +175,20 @@ class Trainer:
                                                   checksum=c.checksum, io_threads=c.io_threads)
             if resume:
                 self.resume()
+        if resume and self.resumed_from is None and cfg.model.init_from is not None:
+            self.load_init_from()  # a fresh start; the run's own checkpoint, when there is one, wins
         return self
+
+    def load_init_from(self) -> int:
+        """Copy model.init_from's Hugging Face weights into this rank's shards (any layout; each rank
+        reads only its slices); returns the bytes read."""
+        from parallel.hf_import import HFImportError, check_hf_dir, load_hf_weights
+
+        try:  # checked again here, where the files are read: the edge may share no filesystem with us
+            weights = check_hf_dir(Path(self.cfg.model.init_from).expanduser(), self.model_cfg)
+        except HFImportError as e:
+            raise ConfigError(str(e)) from None
+        return load_hf_weights(self.model, weights, self.model_cfg, threads=self.cfg.checkpoint.io_threads)
 
     # -- checkpoints -------------------------------------------------------------------------------
     def checkpoint_dir(self) -> str | None:
