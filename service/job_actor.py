@@ -14,6 +14,10 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from pathlib import Path
+
+from service.command_log import CommandLog
+from service.coordinator import Coordinator
 from service.driver import CoordinatorFactory, JobRunner
 from service.status import JobStatus
 from workers.config import JobConfig
@@ -27,6 +31,47 @@ def actor_name(job_id: str) -> str:
     return f"elastron-job-{job_id}"
 
 
+class JobActorBody(JobRunner):
+    """A REST job's runner: a JobRunner whose commands are logged in RUN_DIR/commands.jsonl once the
+    coordinator accepted them, and replayed into a restarted coordinator before its loop starts
+    (service.command_log): a paused job stays paused across a Ray restart of its actor, a stopped one
+    stops, a resize holds."""
+
+    def __init__(self, job_id: str, cfg: JobConfig, *, run_dir: str | Path,
+                 coordinator_factory: CoordinatorFactory | None = None, **kw):
+        log = CommandLog(Path(run_dir) / "commands.jsonl", job_id)
+        base = coordinator_factory or Coordinator
+
+        def factory(*a, **k):  # JobRunner builds the coordinator, then starts its loop: replay between
+            coord = base(*a, **k)
+            for command, args in log.commands():
+                try:
+                    getattr(coord, command)(**args)
+                except ValueError as e:  # e.g. a resize the spec no longer allows
+                    logger.warning("job %s: logged command %s%s not replayed: %s", job_id, command, args, e)
+            return coord
+
+        self.commands = log
+        super().__init__(job_id, cfg, run_dir=run_dir, coordinator_factory=factory, **kw)
+
+    def resize(self, *, workers: int | None = None, min_workers: int | None = None,
+               max_workers: int | None = None) -> None:
+        super().resize(workers=workers, min_workers=min_workers, max_workers=max_workers)
+        self.commands.append("resize", workers=workers, min_workers=min_workers, max_workers=max_workers)
+
+    def pause(self) -> None:
+        super().pause()
+        self.commands.append("pause")
+
+    def resume(self) -> None:
+        super().resume()
+        self.commands.append("resume")
+
+    def stop(self) -> None:
+        super().stop()
+        self.commands.append("stop")
+
+
 _actor_cls = None
 
 MAX_RESTARTS = 3
@@ -35,13 +80,13 @@ the job's events in the run directory and resumes from the last committed checkp
 
 
 def job_actor_class():
-    """`JobRunner` as a Ray actor class (made on first use so importing this module needs no Ray).
+    """`JobActorBody` as a Ray actor class (made on first use so importing this module needs no Ray).
     Calls are not retried: a command sent to a dying coordinator fails, and the caller sees that."""
     global _actor_cls
     if _actor_cls is None:
         import ray
 
-        _actor_cls = ray.remote(num_cpus=0, max_restarts=MAX_RESTARTS, max_task_retries=0)(JobRunner)
+        _actor_cls = ray.remote(num_cpus=0, max_restarts=MAX_RESTARTS, max_task_retries=0)(JobActorBody)
     return _actor_cls
 
 
@@ -71,8 +116,8 @@ class LocalLauncher:
 
     def launch(self, job_id: str, cfg: JobConfig, *, run_dir: str, steps: int | None,
                workers: int | None) -> JobRunner:
-        runner = JobRunner(job_id, cfg, run_dir=run_dir, steps=steps, workers=workers, options=self.options,
-                           coordinator_factory=self.coordinator_factory)
+        runner = JobActorBody(job_id, cfg, run_dir=run_dir, steps=steps, workers=workers, options=self.options,
+                              coordinator_factory=self.coordinator_factory)
         with self._lock:
             self._runners[job_id] = runner
         return runner

@@ -20,6 +20,8 @@ Changes from the issue's sketch, and why:
     valid layout for its spec) without pretending to start.
   - WAITING_FOR_CAPACITY -> PAUSED: a user can pause a job that is waiting for nodes; otherwise the
     only way to park it would be STOPPED, which is terminal.
+  - PENDING -> PAUSED: a job paused before it starts, or a restarted coordinator replaying the user's
+    pause (service.command_log), stays parked without forming a worker group first.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ _ACTIVE = frozenset({JobState.STARTING, JobState.RUNNING, JobState.RESIZING, Job
 
 _S = JobState
 TRANSITIONS: Mapping[JobState, frozenset[JobState]] = {
-    _S.PENDING: frozenset({_S.STARTING, _S.STOPPED, _S.FAILED}),
+    _S.PENDING: frozenset({_S.STARTING, _S.STOPPED, _S.FAILED, _S.PAUSED}),
     _S.STARTING: frozenset({_S.RUNNING, _S.WAITING_FOR_CAPACITY, _S.FAILED, _S.RECOVERING, _S.STOPPED}),
     _S.RUNNING: frozenset({_S.RESIZING, _S.RECOVERING, _S.PAUSED, _S.SUCCEEDED, _S.FAILED, _S.STOPPED}),
     _S.RESIZING: frozenset({_S.RUNNING, _S.RECOVERING, _S.WAITING_FOR_CAPACITY, _S.FAILED, _S.STOPPED}),

@@ -56,7 +56,8 @@ def test_issue_sketch_transitions_are_all_allowed():
         assert dsts <= TRANSITIONS[src], (src, dsts - TRANSITIONS[src])
     # The only additions, each documented in service/state.py.
     added = {(s, d) for s in ALL for d in TRANSITIONS[s] if d not in sketch.get(s, set())}
-    assert added == {(S.PENDING, S.STOPPED), (S.PENDING, S.FAILED), (S.WAITING_FOR_CAPACITY, S.PAUSED)}
+    assert added == {(S.PENDING, S.STOPPED), (S.PENDING, S.FAILED), (S.WAITING_FOR_CAPACITY, S.PAUSED),
+                     (S.PENDING, S.PAUSED)}
 
 
 def _reachable(start: JobState) -> set[JobState]:
