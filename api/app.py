@@ -19,6 +19,7 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from api.deps import Settings
 from api.routes import api_router, ops_router
@@ -45,7 +46,12 @@ def default_manager(settings: Settings) -> JobManager:
         where = settings.ray_address or os.environ.get("RAY_ADDRESS") or "a new local Ray"
         raise RuntimeError(f"cannot connect to Ray at {where}: "
                            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-    return JobManager(store, RayLauncher(), runs_root=settings.runs_root,
+    launcher = RayLauncher()
+    started = not (settings.ray_address or os.environ.get("RAY_ADDRESS"))
+    logger.info("joined %s%s", launcher.where(),
+                " (a private local Ray started for this server: jobs launched on another cluster show as "
+                "UNKNOWN; give --address to join that one)" if started else "")
+    return JobManager(store, launcher, runs_root=settings.runs_root,
                       data_roots=settings.data_roots, sync_interval_s=settings.sync_interval_s,
                       stop_timeout_s=settings.stop_timeout_s)
 
@@ -85,6 +91,27 @@ class BodyLimit:
         return JSONResponse({"detail": self._detail()}, 413)
 
 
+class SecurityHeaders:
+    """Headers on every response: no framing (clickjacking of the dashboard's buttons), no MIME sniffing."""
+
+    HEADERS = [(b"content-security-policy", b"frame-ancestors 'none'"), (b"x-frame-options", b"DENY"),
+               (b"x-content-type-options", b"nosniff"), (b"referrer-policy", b"no-referrer")]
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def with_headers(msg):
+            if msg["type"] == "http.response.start":
+                msg = {**msg, "headers": [*msg.get("headers", []), *self.HEADERS]}
+            await send(msg)
+
+        return await self.app(scope, receive, with_headers)
+
+
 def create_app(*, jobs: JobManager | None = None, settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings.from_env()
 
@@ -99,9 +126,11 @@ def create_app(*, jobs: JobManager | None = None, settings: Settings | None = No
         finally:
             await run_in_threadpool(app.state.jobs.close)
 
-    app = FastAPI(title="Elastron job control", version="1",
-                  description="Submit, watch and steer elastic training jobs. Mutating endpoints need "
-                              "`Authorization: Bearer TOKEN` when the server has ELASTRON_API_TOKEN set.",
+    # No /docs or /redoc: FastAPI's pages load Swagger UI from a CDN. /openapi.json is served.
+    app = FastAPI(title="Elastron job control", version="1", docs_url=None, redoc_url=None,
+                  description="Submit, watch and steer elastic training jobs. With a token configured, every "
+                              "endpoint but /healthz needs `Authorization: Bearer TOKEN`: the admin token "
+                              "(every job), the read-only token, or a user's token (their own jobs).",
                   lifespan=lifespan)
     app.state.settings = settings
     app.state.jobs = jobs
@@ -110,6 +139,8 @@ def create_app(*, jobs: JobManager | None = None, settings: Settings | None = No
     app.include_router(ops_router)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(settings.allowed_hosts or ["*"]))
+    app.add_middleware(SecurityHeaders)
 
     @app.exception_handler(JobNotFound)
     async def _not_found(request: Request, e: JobNotFound):
@@ -134,30 +165,53 @@ def _is_loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
-def serve(address: str | None = None, host: str = "127.0.0.1", port: int = 8000, store: str | None = None) -> int:
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+def serve(address: str | None = None, host: str = "127.0.0.1", port: int = 8000, store: str | None = None, *,
+          insecure: bool = False, tls_cert: str | None = None, tls_key: str | None = None) -> int:
     """`elastron serve`: the API on host:port (loopback by default), jobs on the Ray cluster at `address`,
-    the job store at `store` (a SQLAlchemy URL or SQLite file path; default ELASTRON_STORE)."""
+    the job store at `store` (a SQLAlchemy URL or SQLite file path; default ELASTRON_STORE). A
+    non-loopback address needs a token (or `insecure`); `tls_cert`/`tls_key` serve HTTPS."""
     import uvicorn
 
     from api.store import redact
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    settings = Settings.from_env(ray_address=address, store_url=store)
-    Path(settings.runs_root).mkdir(parents=True, exist_ok=True)
+    try:
+        settings = Settings.from_env(ray_address=address, store_url=store)
+    except ValueError as e:
+        logger.error("cannot start: %s", e)
+        return 2
+    if (tls_cert is None) != (tls_key is None):
+        logger.error("cannot start: give --tls-cert and --tls-key together")
+        return 2
     if _is_loopback(host):
+        if settings.allowed_hosts is None:  # a DNS-rebinding page must not reach a loopback server
+            settings.allowed_hosts = LOOPBACK_HOSTS
         logger.info("binding %s:%d: loopback only, other machines cannot reach it (use --host 0.0.0.0 to "
                     "expose it, with ELASTRON_API_TOKEN set)", host, port)
-    elif settings.token is None:
-        logger.warning("binding %s:%d with no ELASTRON_API_TOKEN: anyone who can reach it can submit and stop "
-                       "jobs; set ELASTRON_API_TOKEN", host, port)
+    elif not settings.auth and not insecure:
+        logger.error("refusing to bind %s:%d with no token: anyone who can reach it could read, submit and stop "
+                     "jobs. Set ELASTRON_API_TOKEN (and ELASTRON_READ_TOKEN / ELASTRON_USER_TOKENS), or pass "
+                     "--insecure on a network you trust", host, port)
+        return 2
+    elif not settings.auth:
+        logger.warning("binding %s:%d with no token (--insecure): anyone who can reach it can read, submit and "
+                       "stop jobs", host, port)
     else:
-        logger.info("binding %s:%d; mutating endpoints need the bearer token", host, port)
+        logger.info("binding %s:%d; every endpoint but /healthz needs a bearer token", host, port)
+    if not tls_cert and not _is_loopback(host):
+        logger.warning("serving plain HTTP on %s: tokens cross the network in clear; use --tls-cert/--tls-key "
+                       "or a TLS-terminating proxy", host)
     logger.info("runs root %s, store %s, auth %s", settings.runs_root.resolve(), redact(settings.store_url),
-                "on" if settings.token else "off")
+                "on" if settings.auth else "off")
+    Path(settings.runs_root).mkdir(parents=True, exist_ok=True)
     try:  # in the main thread, before binding: a Ray that cannot be reached is one clear line
         jobs = default_manager(settings)
     except Exception as e:
         logger.error("cannot start: %s", e)
         return 1
-    uvicorn.run(create_app(jobs=jobs, settings=settings), host=host, port=port, log_level="info")
+    uvicorn.run(create_app(jobs=jobs, settings=settings), host=host, port=port, log_level="info",
+                ssl_certfile=tls_cert, ssl_keyfile=tls_key)
     return 0

@@ -95,7 +95,8 @@ def _cmd_data_prepare(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from api.app import serve
 
-    return serve(args.address, args.host, args.port, store=args.store)
+    return serve(args.address, args.host, args.port, store=args.store, insecure=args.insecure,
+                 tls_cert=args.tls_cert, tls_key=args.tls_key)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -163,6 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--store", help="job store: a SQLAlchemy URL (sqlite:///PATH, postgresql+psycopg://USER:PASSWORD@"
                                    "HOST/DB) or a SQLite file path (default: ELASTRON_STORE, else RUNS_ROOT/elastron.db)")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow a non-loopback --host without ELASTRON_API_TOKEN (anyone who reaches it controls jobs)")
+    p.add_argument("--tls-cert", help="serve HTTPS with this certificate (PEM); needs --tls-key")
+    p.add_argument("--tls-key", help="private key (PEM) of --tls-cert")
     p.set_defaults(fn=_cmd_serve)
     return ap
 

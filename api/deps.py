@@ -1,11 +1,18 @@
 """Settings and the API's dependencies, as `Annotated` aliases that tests can override
-(`app.dependency_overrides[get_jobs] = ...`)."""
+(`app.dependency_overrides[get_jobs] = ...`).
+
+Who may do what (`Principal`, from the bearer token; with no token configured the server is open, and
+`elastron serve` then binds loopback only):
+  ELASTRON_API_TOKEN     admin: every job, every call
+  ELASTRON_READ_TOKEN    read-only, every job (e.g. for Prometheus' scrape of /metrics)
+  ELASTRON_USER_TOKENS   "alice=TOKEN,bob=TOKEN": each user submits, sees and steers only their own jobs
+"""
 
 from __future__ import annotations
 
 import os
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
 
@@ -26,7 +33,14 @@ class Settings:
     """Directories a job's data.path may lie under; None: none (never the runs root, which holds other
     jobs' files and the store)."""
     token: str | None = None
-    """When set, mutating endpoints need `Authorization: Bearer TOKEN`."""
+    """The admin token: with any token set, every endpoint but /healthz needs `Authorization: Bearer TOKEN`."""
+    read_token: str | None = None
+    """A read-only token that sees every job (e.g. Prometheus)."""
+    user_tokens: dict[str, str] = field(default_factory=dict)
+    """User name -> token: a user sees and steers only the jobs their token submitted."""
+    allowed_hosts: tuple[str, ...] | None = None
+    """Host headers the server answers (TrustedHostMiddleware); None: any. `elastron serve` on loopback
+    defaults to the loopback names, so a DNS-rebinding page cannot reach it."""
     max_body_bytes: int = 1 << 20
     """Larger request bodies get 413."""
     sync_interval_s: float = 0.5
@@ -42,8 +56,18 @@ class Settings:
             self.data_roots = tuple(Path(r) for r in self.data_roots)
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
-        if self.token is not None and not self.token.strip():
-            raise ValueError("an API token must not be empty or blank (unset ELASTRON_API_TOKEN instead)")
+        for what, tok in (("ELASTRON_API_TOKEN", self.token), ("ELASTRON_READ_TOKEN", self.read_token),
+                          *((f"the token of user {u!r}", t) for u, t in self.user_tokens.items())):
+            if tok is not None and not tok.strip():
+                raise ValueError(f"an API token must not be empty or blank ({what})")
+        toks = [t for t in (self.token, self.read_token, *self.user_tokens.values()) if t]
+        if len(set(toks)) != len(toks):
+            raise ValueError("every API token must be different (admin, read-only and user tokens)")
+
+    @property
+    def auth(self) -> bool:
+        """Whether any token is configured (else every call is open)."""
+        return bool(self.token or self.read_token or self.user_tokens)
 
     @classmethod
     def from_env(cls, **overrides) -> "Settings":
@@ -52,7 +76,17 @@ class Settings:
         env = os.environ
         root = env.get("ELASTRON_RUNS_ROOT", "runs")
         kw: dict = {"runs_root": Path(root), "store_url": env.get("ELASTRON_STORE", str(Path(root) / "elastron.db")),
-                    "token": env.get("ELASTRON_API_TOKEN") or None}
+                    "token": env.get("ELASTRON_API_TOKEN") or None, "read_token": env.get("ELASTRON_READ_TOKEN") or None}
+        if env.get("ELASTRON_USER_TOKENS"):
+            users = {}
+            for item in env["ELASTRON_USER_TOKENS"].split(","):
+                name, sep, tok = item.strip().partition("=")
+                if not sep or not name.strip() or not tok.strip():
+                    raise ValueError("ELASTRON_USER_TOKENS must be NAME=TOKEN pairs separated by commas")
+                users[name.strip()] = tok.strip()
+            kw["user_tokens"] = users
+        if env.get("ELASTRON_ALLOWED_HOSTS"):
+            kw["allowed_hosts"] = tuple(h.strip() for h in env["ELASTRON_ALLOWED_HOSTS"].split(",") if h.strip())
         if "ELASTRON_MAX_BODY_BYTES" in env:
             v = env["ELASTRON_MAX_BODY_BYTES"]
             if not v.strip().isdigit():
@@ -75,21 +109,67 @@ def get_jobs(request: Request) -> JobManager:
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 JobsDep = Annotated[JobManager, Depends(get_jobs)]
 
-_bearer = HTTPBearer(auto_error=False, description="Needed on mutating endpoints when the server has "
-                                                   "ELASTRON_API_TOKEN set.")
+_bearer = HTTPBearer(auto_error=False, description="Needed on every endpoint but /healthz when the server has "
+                                                   "a token (ELASTRON_API_TOKEN, ELASTRON_READ_TOKEN, "
+                                                   "ELASTRON_USER_TOKENS).")
 
 
-def require_token(settings: SettingsDep,
-                  creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who made a request: a user (their own jobs), the admin, or the read-only token (every job)."""
+
+    name: str | None
+    can_write: bool
+    sees_all: bool
+
+    @property
+    def owner(self) -> str | None:
+        """The job manager's `owner` argument: None sees every job."""
+        return None if self.sees_all else self.name
+
+
+OPEN = Principal(name=None, can_write=True, sees_all=True)
+
+
+def authenticate(settings: SettingsDep,
+                 creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> Principal:
     """401 without a bearer token, 403 with a wrong one; open when the server has no token."""
-    if settings.token is None:
-        return
+    if not settings.auth:
+        return OPEN
     if creds is None:
-        raise HTTPException(status.HTTP_401_UNAUTHORIZED, "this endpoint needs 'Authorization: Bearer <token>' "
-                            "(the server's ELASTRON_API_TOKEN)", headers={"WWW-Authenticate": "Bearer"})
-    if not secrets.compare_digest(creds.credentials.encode(), settings.token.encode()):
+        raise HTTPException(status.HTTP_401_UNAUTHORIZED, "this endpoint needs 'Authorization: Bearer <token>'",
+                            headers={"WWW-Authenticate": "Bearer"})
+    given = creds.credentials.encode()
+    found = None  # every comparison is made, so the time does not tell which token nearly matched
+    for who, tok in ((Principal("admin", True, True), settings.token),
+                     (Principal("reader", False, True), settings.read_token),
+                     *((Principal(u, True, False), t) for u, t in settings.user_tokens.items())):
+        if tok is not None and secrets.compare_digest(given, tok.encode()) and found is None:
+            found = who
+    if found is None:
         raise HTTPException(status.HTTP_403_FORBIDDEN, "wrong API token")
+    return found
 
 
-AuthDep = Depends(require_token)
-"""For `dependencies=[AuthDep]` on mutating routes."""
+def reader(who: Annotated[Principal, Depends(authenticate)]) -> Principal:
+    return who
+
+
+def writer(who: Annotated[Principal, Depends(authenticate)]) -> Principal:
+    if not who.can_write:
+        raise HTTPException(status.HTTP_403_FORBIDDEN, "this token is read-only")
+    return who
+
+
+def overseer(who: Annotated[Principal, Depends(authenticate)]) -> Principal:
+    """Every job's data at once (/metrics): the admin or the read-only token, not a user."""
+    if not who.sees_all:
+        raise HTTPException(status.HTTP_403_FORBIDDEN, "only the admin or the read-only token sees every job")
+    return who
+
+
+ReaderDep = Annotated[Principal, Depends(reader)]
+WriterDep = Annotated[Principal, Depends(writer)]
+OverseerDep = Annotated[Principal, Depends(overseer)]
+AuthDep = Depends(writer)
+"""For `dependencies=[AuthDep]` on mutating routes that need no principal."""

@@ -253,7 +253,7 @@ class Cluster(BaseModel):
 
 class Health(BaseModel):
     status: str
-    jobs: int
+    jobs: int | None = None
 
 
 class ErrorBody(BaseModel):

@@ -6,8 +6,8 @@ from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from api.deps import JobsDep
-from api.schemas import Health
+from api.deps import JobsDep, OverseerDep, SettingsDep
+from api.schemas import ErrorBody, Health
 from service.job_manager import JobManager
 
 router = APIRouter(tags=["ops"])
@@ -66,11 +66,15 @@ def make_registry(jobs: JobManager) -> CollectorRegistry:
 
 
 @router.get("/healthz", response_model=Health)
-def healthz(jobs: JobsDep) -> Health:
-    return Health(status="ok", jobs=jobs.count())
+def healthz(jobs: JobsDep, settings: SettingsDep) -> Health:
+    """Liveness, open to probes without a token (the job count only when the server has no token)."""
+    return Health(status="ok", jobs=None if settings.auth else jobs.count())
 
 
 @router.get("/metrics", response_class=Response,
-            responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text exposition."}})
-def prometheus(request: Request) -> Response:
+            responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text exposition."},
+                       401: {"model": ErrorBody, "description": "No bearer token."},
+                       403: {"model": ErrorBody, "description": "Not the admin or read-only token."}})
+def prometheus(request: Request, who: OverseerDep) -> Response:
+    """Every job's gauges: needs the admin or the read-only token (ELASTRON_READ_TOKEN) when auth is on."""
     return Response(generate_latest(request.app.state.registry), media_type=CONTENT_TYPE_LATEST)

@@ -300,7 +300,7 @@ def test_healthz_and_dashboard(env):
     assert js.status_code == 200 and "drawChart" in js.text
 
 
-def test_token_guards_mutations_and_leaves_reads_open(tmp_path):
+def test_token_guards_mutations_and_reads(tmp_path):
     launcher, _ = make_launcher()
     with TestClient(make_app(tmp_path, launcher, token="s3cret")) as c:
         r = c.post(J, json={"spec": SPEC})
@@ -313,7 +313,12 @@ def test_token_guards_mutations_and_leaves_reads_open(tmp_path):
         r = c.post(J, json={"spec": SPEC, "steps": 3}, headers={"Authorization": "Bearer s3cret"})
         assert r.status_code == 201
         job_id = r.json()["id"]
-        assert c.get(J).status_code == 200 and c.get(f"{J}/{job_id}").status_code == 200
+        auth = {"Authorization": "Bearer s3cret"}
+        assert c.get(J, headers=auth).status_code == 200 and c.get(f"{J}/{job_id}", headers=auth).status_code == 200
+        for path in ("", f"/{job_id}", f"/{job_id}/events", f"/{job_id}/metrics", f"/{job_id}/checkpoints"):
+            assert c.get(J + path).status_code == 401, path  # issue 15 item 4: reads need the token too
+        assert c.get("/api/v1/cluster").status_code == 401 and c.get("/metrics").status_code == 401
+        assert c.get("/healthz").json() == {"status": "ok", "jobs": None}  # open to probes, no data
         for method, path in [("POST", "/pause"), ("POST", "/resume"), ("POST", "/stop"), ("DELETE", "")]:
             assert c.request(method, f"{J}/{job_id}{path}").status_code == 401, (method, path)
         assert c.post(f"{J}/{job_id}/resize", json={"workers": 1}).status_code == 401
@@ -349,13 +354,20 @@ def test_serve_binds_loopback_by_default_and_says_so(tmp_path, monkeypatch, capl
     assert runs[-1]["host"] == "127.0.0.1" and runs[-1]["port"] == 8000
     assert "loopback only" in caplog.text
     caplog.clear()
-    assert app_module.serve(None, "0.0.0.0", 9000) == 0
-    assert runs[-1]["host"] == "0.0.0.0" and "with no ELASTRON_API_TOKEN" in caplog.text
+    assert app_module.serve(None, "0.0.0.0", 9000) == 2
+    assert len(runs) == 1 and "refusing to bind 0.0.0.0:9000 with no token" in caplog.text
+    assert app_module.serve(None, "0.0.0.0", 9000, insecure=True) == 0  # the explicit override
+    assert runs[-1]["host"] == "0.0.0.0" and "--insecure" in caplog.text
+    monkeypatch.setenv("ELASTRON_API_TOKEN", "t0ken")
+    assert app_module.serve(None, "0.0.0.0", 9000, tls_cert="c.pem", tls_key="k.pem") == 0
+    assert (runs[-1]["ssl_certfile"], runs[-1]["ssl_keyfile"]) == ("c.pem", "k.pem")
+    assert app_module.serve(None, "0.0.0.0", 9000, tls_cert="c.pem") == 2  # a cert needs its key
+    monkeypatch.delenv("ELASTRON_API_TOKEN")
 
     def broken(settings):
         raise RuntimeError("cannot connect to Ray at 10.9.9.9:6379: timed out")
     monkeypatch.setattr(app_module, "default_manager", broken)
-    assert app_module.serve("10.9.9.9:6379") == 1 and len(runs) == 2
+    assert app_module.serve("10.9.9.9:6379") == 1 and len(runs) == 3
     assert "cannot start: cannot connect to Ray at 10.9.9.9:6379" in caplog.text
 
 

@@ -55,3 +55,54 @@ def test_no_request_gets_a_server_error(api_schema, label, mode):
 
     run()
     assert seen and max(seen) < 500
+
+
+# -- with tokens on (issue 15, done-when): the right token never meets a 5xx; no token never gets a 2xx ------
+
+TOKEN = "fuzz-t0ken"
+OPEN_OPERATIONS = {"GET /healthz"}
+"""Open on purpose: liveness probes carry no token (and it shows no data when auth is on)."""
+
+
+@pytest.fixture(scope="module")
+def guarded_schema(tmp_path_factory):
+    launcher, _ = make_launcher(nodes={})
+    app = make_app(tmp_path_factory.mktemp("fuzz-auth"), launcher, token=TOKEN)
+    yield schemathesis.openapi.from_asgi("/openapi.json", app)
+    stop_all(launcher)
+
+
+@pytest.mark.parametrize("label", OPERATIONS)
+def test_with_the_token_no_request_gets_a_server_error(guarded_schema, label):
+    op = guarded_schema.find_operation_by_label(label)
+    seen = []
+
+    @given(case=op.as_strategy(generation_mode=GenerationMode.POSITIVE))
+    @settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
+              database=None)
+    def run(case):
+        response = case.call(headers={"Authorization": f"Bearer {TOKEN}"})
+        seen.append(response.status_code)
+        case.validate_response(response, checks=[not_a_server_error])
+
+    run()
+    assert seen and max(seen) < 500 and min(seen) != 401
+
+
+@pytest.mark.parametrize("label", OPERATIONS)
+def test_without_the_token_no_request_succeeds(guarded_schema, label):
+    op = guarded_schema.find_operation_by_label(label)
+    seen = []
+
+    @given(case=op.as_strategy(generation_mode=GenerationMode.POSITIVE))
+    @settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
+              database=None)
+    def run(case):
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            seen.append(case.call(headers=headers).status_code)
+
+    run()
+    if label in OPEN_OPERATIONS:
+        assert set(seen) == {200}
+    else:
+        assert seen and set(seen) <= {401, 403}, (label, sorted(set(seen)))
