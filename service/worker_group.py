@@ -27,6 +27,10 @@ from workers.config import JobConfig
 logger = logging.getLogger(__name__)
 
 
+CONTROL = "control"
+"""A worker actor's second lane (concurrency group): `abort` runs there while the default lane is busy."""
+
+
 class WorkerFailure(RuntimeError):
     """A worker died or raised. `kind` groups repeated failures of the same sort for the retry budget."""
 
@@ -183,7 +187,7 @@ class WorkerGroup:
         """Ask for one placement group and actor per node, without waiting for either."""
         from workers.actor import Worker
 
-        cls = ray.remote(Worker)
+        cls = ray.remote(concurrency_groups={CONTROL: 1})(Worker)  # `abort` must run while `run` is stuck
         bundle = {"CPU": self.cpus, **({"GPU": self.gpus} if self.gpus else {})}
         out = []
         for nid in nodes:
@@ -325,6 +329,8 @@ class WorkerGroup:
         """After a failure: every member that answers within `timeout_s` with shards it can vouch for
         (Worker.salvage) stays, in old-rank order; the others (dead, stuck in a collective, or holding
         untrusted state) are stopped. Returns each survivor's report by its old rank."""
+        aborts = [m.actor.abort.options(concurrency_group=CONTROL).remote() for m in self.members]
+        ray.wait(aborts, num_returns=len(aborts), timeout=2.0)  # stuck collectives raise; then salvage runs
         refs = [m.actor.salvage.remote() for m in self.members]
         ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[0])
         kept: dict[int, tuple[Member, dict]] = {}

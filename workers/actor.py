@@ -105,6 +105,20 @@ class Worker:
             self.rank = None
         return step
 
+    def abort(self) -> bool:
+        """Abort this rank's process groups. Called on the actor's control lane (its own thread) while
+        another call may be stuck in a collective with a dead peer, so that call raises instead of
+        waiting out the collective timeout (NCCL). Gloo needs no abort: its collectives raise at once
+        when a peer's sockets close; one stuck on a silently vanished host is left to the salvage
+        deadline. Returns whether there was a group to abort."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return False
+        if dist.get_backend() != "gloo":
+            dist.distributed_c10d._abort_process_group()
+        return True
+
     def salvage(self, *, save_timeout_s: float = 2.0) -> dict[str, Any]:
         """After a peer failed: keep this rank's shards for healing from peers, if they can be trusted,
         and leave the broken group. Returns {"held": True, "step", "old_rank", "rows": the metrics of the
