@@ -7,10 +7,14 @@ scaling policy for a decision (service.policy: Noop, Resize, Wait, Fail) and act
 outside (`status`, `events_since`, `metrics_since`, `resize`, `pause`, `resume`, `stop`) are thread-safe:
 commands (service.commands) are queued and applied at the start of the next iteration.
 
-Flows:
-  planned resize / grow   finish the chunk, synchronous checkpoint, plan, re-form survivors, resume (0 redone)
-  preemption notice       the same at once, shrinking off the draining node before its deadline (0 lost)
-  failure (no notice)     tear the group down, resume from the last committed checkpoint on what is left
+Flows (service.reconfigure does them):
+  planned resize / grow   finish the chunk, plan, move the state live from the old workers to the new
+                          ones (parallel.reshard=live; `storage`: a synchronous checkpoint, then load),
+                          resume (0 redone); a durable checkpoint is then written in the background
+  preemption notice       the same at once, the draining node's workers sending before its deadline (0 lost)
+  failure (no notice)     survivors salvage their shards; if they hold every shard (replicas), heal from
+                          them (0 redone), else tear the group down and resume from the last committed
+                          checkpoint on what is left; a live transfer that fails falls back the same way
   too little capacity     WAITING_FOR_CAPACITY with the reason, until the policy can start again
 
 Which nodes are usable (watcher minus unresponsive suspects) is service.node_health.NodeHealth; the
