@@ -232,10 +232,7 @@ class Coordinator(GroupLifecycle):
             self._fail(d.reason)
         elif isinstance(d, Wait):
             if self._heal is not None:  # survivors cannot wait holding their state: it comes back from storage
-                self.sm.note("fallback", reason=f"{d.reason}: the surviving workers are released; the job will "
-                                                f"resume from the last committed checkpoint (step {self.committed_step})",
-                             step=self.step_done, cause="failure")
-                self._shutdown_group()
+                self._drop_heal(d.reason)
             if self.sm.state is not S.WAITING_FOR_CAPACITY:
                 self.sm.transition(S.WAITING_FOR_CAPACITY, reason=d.reason, step=self.step_done)
             time.sleep(min(0.2, self.opts.poll_interval_s))

@@ -131,6 +131,12 @@ class GroupLifecycle:
         self._heal = Heal(old=p, ranks=tuple(sorted(infos)))
         return True
 
+    def _drop_heal(self: Coordinator, why: str) -> None:
+        self.sm.note("fallback", reason=f"{why}: the surviving workers are released; the job will resume from "
+                                        f"the last committed checkpoint (step {self.committed_step})",
+                     step=self.step_done, cause="failure")
+        self._shutdown_group()
+
     def _recover(self: Coordinator, err: WorkerFailure, *, tried: list[str] = (), salvage: bool = True) -> None:
         """`tried`: the nodes a failed re-form was placing workers on (not members yet, but just as
         likely to be the dead ones: e.g. a node killed right after the probe of the previous failure).

@@ -243,6 +243,21 @@ def test_survivors_without_every_shard_fall_back_to_the_last_commit_and_say_why(
     assert "do not hold every shard" in fb["reason"] and "(step 5)" in fb["reason"]
 
 
+def test_survivors_below_min_workers_are_released_and_the_job_resumes_from_storage(tmp_path):
+    c, cluster, G = make_coordinator(tmp_path, {"a": 1, "b": 1}, interval=5, min_workers=2,
+                                     parallel={"dp_mode": "replicate"})
+    G.heals = True
+    advance(c, lambda c: c.step_done >= 7)
+    cluster.dead.add("b")
+    advance(c, lambda c: str(c.sm.state) == "WAITING_FOR_CAPACITY")
+    assert c.group is None and c._heal is None
+    (fb,) = [e for e in c.events_since(0) if e["kind"] == "fallback"]
+    assert "surviving workers are released" in fb["reason"] and "(step 5)" in fb["reason"]
+    cluster.dead.discard("b")
+    advance(c, lambda c: len(c.reconfigs) == 2 and c.step_done >= 6)
+    assert c.reconfigs[-1].transfer == {"path": "storage"} and c.reconfigs[-1].resumed_step == 5
+
+
 def test_bad_resize_is_rejected_in_the_callers_thread(tmp_path):
     c, _, _ = make_coordinator(tmp_path, {"a": 2})
     with pytest.raises(ValueError, match="max_workers=1 is less than min_workers=2"):
