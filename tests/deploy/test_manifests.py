@@ -188,7 +188,7 @@ BREAKAGES = [
 
 @pytest.mark.parametrize("kind, breakage, word", BREAKAGES, ids=[f"{k}-{w}" for k, _, w in BREAKAGES])
 def test_the_schemas_reject_broken_manifests(kind, breakage, word):
-    doc = copy.deepcopy(one(kind))
+    doc = copy.deepcopy(next(d for p in K8S_FILES for d in docs(p) if d.get("kind") == kind))
     assert not schema_errors(doc)
     breakage(doc)
     errors = schema_errors(doc)
@@ -223,14 +223,18 @@ def test_api_sidecar_beside_the_head_and_its_service():
     assert "elastron serve --address auto --host 0.0.0.0" in " ".join(api["command"])
     env = {e["name"]: e for e in api["env"]}
     assert env["ELASTRON_RUNS_ROOT"]["value"] == "/checkpoints"
-    assert env["ELASTRON_STORE"]["value"].startswith("/checkpoints/")
+    store_dir = str(Path(env["ELASTRON_STORE"]["value"]).parent)
+    mount = next(m for m in api["volumeMounts"] if m["mountPath"] == store_dir)
+    vols = {v["name"]: v for v in head["spec"]["volumes"]}
+    claim = vols[mount["name"]]["persistentVolumeClaim"]["claimName"]
+    store = next(d for d in docs(KUBERAY / "storage.yaml") if d["metadata"]["name"] == claim)
+    assert store["spec"]["accessModes"] == ["ReadWriteOnce"], "SQLite WAL must not live on a shared (NFS) claim"
     # the sidecar is a Ray driver: it needs the head's /tmp/ray (raylet sockets)
     tmp = {c["name"]: {m["name"] for m in c["volumeMounts"] if m["mountPath"] == "/tmp/ray"} for c in (ray, api)}
     assert tmp["ray-head"] and tmp["ray-head"] == tmp["elastron-api"]
     svc = one("Service")
     ports = {p["name"]: p for p in svc["spec"]["ports"]}
-    assert {"api", "dashboard", "gcs"} <= set(ports)
-    assert ports["dashboard"]["port"] == 8265 and ports["gcs"]["port"] == 6379
+    assert set(ports) == {"api"} and ports["api"]["port"] == 8000  # not Ray's 8265 (job API) or 6379 (GCS)
     container_ports = {p["name"]: p["containerPort"] for c in (ray, api) for p in c["ports"]}
     for p in ports.values():
         assert container_ports[p["targetPort"]] == p["port"], p
@@ -276,8 +280,22 @@ def test_drain_timeout_fits_in_the_grace_period():
         assert pod.get("restartPolicy") == "Never", where
 
 
+def test_ray_token_auth_is_on_and_the_api_joins_with_the_token():
+    """Ray's job API runs arbitrary code: every Ray cluster of the deploy needs Ray's token."""
+    secrets = {s["metadata"]["name"]: s for s in docs(KUBERAY / "secrets.example.yaml")}
+    for where, spec in cluster_specs().items():
+        auth = spec.get("authOptions") or {}
+        assert auth.get("mode") == "token", where
+        assert "auth_token" in secrets[auth["secretName"]]["stringData"], where
+    api = next(c for _, pod in pod_specs() for c in pod["containers"] if c["name"] == "elastron-api")
+    env = {e["name"]: e for e in api["env"]}
+    assert env["RAY_AUTH_MODE"]["value"] == "token"
+    assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+        "name": cluster_specs()["raycluster"]["authOptions"]["secretName"], "key": "auth_token"}
+
+
 def test_checkpoints_are_shared_by_every_ray_pod():
-    pvc = one("PersistentVolumeClaim")
+    pvc = next(d for d in docs(KUBERAY / "storage.yaml") if d["metadata"]["name"] == "elastron-checkpoints")
     assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
     for where, pod in pod_specs():
         claims = {v["name"] for v in pod["volumes"]
