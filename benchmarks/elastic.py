@@ -1,44 +1,98 @@
-"""Elastron's coordinator vs Ray Train v2 elastic mode, side by side in one run.
+"""Elastic events side by side in one run: Elastron moving state live, Elastron through storage, Ray Train v2.
 
-    cd /work/main && .venv/bin/python benchmarks/elastic.py [--scenarios join kill drain] [--json out.json]
+    cd /work/main && .venv/bin/python benchmarks/elastic.py [--state tiny|1gb] \
+        [--scenarios resize join kill drain] [--systems elastron-live elastron-storage raytrain] [--json out.json]
 
-Same simulated cluster (a head with no worker slots, 1-CPU worker nodes added per scenario), same model
-(tiny preset), same data (byte corpus of the stdlib, seq_len 32, global batch 12), checkpoint every 5
-steps. Per scenario, with the event at step ~10:
-  join   2 nodes, then one joins:           event -> first step at world size 3
-  kill   3 nodes, one removed without notice: event -> first step at world size 2
+Same simulated cluster (a head with no worker slots, 1-CPU worker nodes added per run), same model, same
+data (byte corpus of the stdlib), checkpoint every 5 steps, the event at step ~12. `--state`:
+  tiny  the tiny preset (0.85 M params, 10 MB of state), seq_len 32, global batch 12; the planner's
+        default dp on CPU (replicas).
+  1gb   the small preset with 30 blocks: 88.8 M params, 1.07 GB of fp32 weights + AdamW moments; seq_len
+        16, global batch 6 (short steps: the first step at the new size is part of the figure); FSDP
+        (`parallel.dp_mode: shard`), so every change of size moves shards between workers
+        (`--dp-mode replicate`: replicas, so a kill can heal from the survivors). Ray Train runs the
+        same model under DDP.
+Scenarios (Elastron's systems differ only in `parallel.reshard`: live or storage):
+  resize 2 nodes, the user asks for 1 worker (`coord.resize`). Ray Train has no planned resize: not run.
+  join   2 nodes, then one joins:                  event -> first step at world size 3
+  kill   3 nodes, one removed without notice:      event -> first step at world size 2
   drain  3 nodes, one drained (preemption, 60 s deadline): event -> first step without that node
-and the steps redone or lost. Elastron grows after `--settle` seconds of stable capacity (default 1 s);
-Ray Train's elastic monitor interval is set to 5 s (its default is 60 s), the setting most favourable
-to it. Targets: >= 4x faster reconfiguration in each case, 0 steps redone on join and drain.
+Ray Train v2 (`elastic_raytrain.measure_raytrain`) checkpoints with torch.distributed.checkpoint.
+
+Per run: event -> first step at the new size, the coordinator's timeline after the event (events with
+their offsets), the transfer record (live: handover, transfer, form; storage: the checkpoint and re-form
+events), steps redone or lost, per-step losses. After each scenario's live run, on two of its nodes: raw
+gloo point-to-point (two fresh Ray actors, `batch_isend_irecv` of the bytes the live transfer moved, one
+direction), the denominator of the live transfer's throughput. Elastron grows after `--settle` seconds of
+stable capacity (default 1 s); Ray Train's elastic monitor interval is 5 s (its default is 60 s).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
+import subprocess
 import sys
 import tempfile
 import threading
 import time
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-SCENARIOS = ("join", "kill", "drain")
-EVENT_STEP = 10
+SCENARIOS = ("resize", "join", "kill", "drain")
+SYSTEMS = ("elastron-live", "elastron-storage", "raytrain")
+START_NODES = {"resize": 2, "join": 2, "kill": 3, "drain": 3}
+EVENT_STEP = 12  # between two checkpoints (every 5 steps): the event does not meet a background save
 
 
-def _cfg(steps: int) -> dict:
+@dataclass(frozen=True, slots=True)
+class State:
+    """The workload both systems train: model, data shape and how Elastron spends data parallelism."""
+
+    model: dict
+    """JobConfig `model` section (preset + overrides); Ray Train builds the same ModelConfig."""
+    seq_len: int
+    global_batch_size: int
+    """Divisible by 1, 2 and 3: the world sizes the scenarios pass through."""
+    micro_batch_size: int
+    dp_mode: str
+    lr: float
+    start_timeout_s: float
+    """How long the first steps may take (process start, model build) before the run is abandoned."""
+
+
+STATES = {
+    "tiny": State(model={"preset": "tiny"}, seq_len=32, global_batch_size=12, micro_batch_size=2, dp_mode="auto",
+                  lr=3e-3, start_timeout_s=180),
+    "1gb": State(model={"preset": "small", "overrides": {"n_layers": 30}}, seq_len=16, global_batch_size=6,
+                 micro_batch_size=2, dp_mode="shard", lr=1e-3, start_timeout_s=600),
+}
+
+
+def _cfg(state: State, steps: int, reshard: str) -> dict:
     return {
-        "model": {"preset": "tiny"},
-        "data": {"source": "corpus", "seq_len": 32, "max_bytes": 300_000},
-        "train": {"steps": steps, "global_batch_size": 12, "micro_batch_size": 2, "lr": 3e-3, "warmup_steps": 2},
-        "parallel": {"min_workers": 1, "max_workers": 3},
+        "model": state.model,
+        "data": {"source": "corpus", "seq_len": state.seq_len, "max_bytes": 300_000},
+        "train": {"steps": steps, "global_batch_size": state.global_batch_size,
+                  "micro_batch_size": state.micro_batch_size, "lr": state.lr, "warmup_steps": 2},
+        "parallel": {"min_workers": 1, "max_workers": 3, "dp_mode": state.dp_mode, "reshard": reshard},
         "checkpoint": {"interval_steps": 5, "keep_last": 2},
         "resources": {"device": "cpu", "cpus_per_worker": 1},
     }
+
+
+def state_bytes(state: State) -> int:
+    """fp32 weights + the two AdamW moments of the whole model (each DP replica holds this much)."""
+    from models.llama import build_model
+    from workers.config import JobConfig
+
+    meta = build_model(JobConfig.from_dict(_cfg(state, 1, "live")).model.build())
+    return 3 * 4 * sum(p.numel() for p in meta.parameters())
 
 
 def _wait(cond, timeout: float, what: str):
@@ -49,25 +103,42 @@ def _wait(cond, timeout: float, what: str):
         time.sleep(0.01)
 
 
-def measure_elastron(*, cluster, scenario: str, workdir: str, settle: float = 1.0, steps: int = 200) -> dict:
+def _timeline(events: list[dict], t_event: float, until: float) -> list[list]:
+    """[what, seconds after the event] for each coordinator event from the event to the first step."""
+    out = []
+    for e in events:
+        if t_event <= e["time"] <= until:
+            what = f"-> {e['to_state']}" if e["kind"] == "transition" else e["kind"]
+            out.append([what, round(e["time"] - t_event, 3)])
+    return out
+
+
+def measure_elastron(*, cluster, scenario: str, workdir: str, state: State, reshard: str, settle: float = 1.0,
+                     steps: int = 10_000, raw_reps: int = 3) -> dict:
     import ray
 
     from service.cluster import drain_node
     from service.coordinator import Coordinator, CoordinatorOptions
     from workers.config import JobConfig
 
-    start_n = 2 if scenario == "join" else 3
-    added = [cluster.add_node(num_cpus=1) for _ in range(start_n)]
+    added = [cluster.add_node(num_cpus=1) for _ in range(START_NODES[scenario])]
     cluster.wait_for_nodes()
-    coord = Coordinator(JobConfig.from_dict(_cfg(steps)), run_dir=Path(workdir) / f"elastron-{scenario}",
+    coord = Coordinator(JobConfig.from_dict(_cfg(state, steps, reshard)),
+                        run_dir=Path(workdir) / f"elastron-{reshard}-{scenario}",
                         options=CoordinatorOptions(settle_seconds=settle, chunk_seconds=0.2, poll_interval_s=0.1))
     t = threading.Thread(target=coord.run, daemon=True)
     t.start()
+    victim, out = None, None
     try:
-        _wait(lambda: coord.step_done >= EVENT_STEP and str(coord.sm.state) == "RUNNING", 180, "the event step")
+        _wait(lambda: coord.step_done >= EVENT_STEP and str(coord.sm.state) == "RUNNING", state.start_timeout_s,
+              "the event step")
         before = coord.group.size
         me = ray.get_runtime_context().get_node_id()
-        if scenario == "join":
+        if scenario == "resize":
+            target = 1
+            t_event = time.time()
+            coord.resize(workers=target)
+        elif scenario == "join":
             added.append(cluster.add_node(num_cpus=1))
             t_event = time.time()
             target = before + 1
@@ -82,64 +153,250 @@ def measure_elastron(*, cluster, scenario: str, workdir: str, settle: float = 1.
         n_rc = len(coord.reconfigs)
         # Every reconfiguration after the event counts; the measurement ends at the first step of the
         # one that reaches the target size (intermediate ones, if any, are reported).
-        _wait(lambda: any(r.world_size == target for r in coord.reconfigs[n_rc:]), 180, "the reconfiguration")
+        _wait(lambda: any(r.world_size == target and r.first_step_time for r in coord.reconfigs[n_rc:]), 600,
+              "the first step at the new size")
         after = coord.reconfigs[n_rc:]
         rc = next(r for r in after if r.world_size == target)
-        lost = sum(r.steps_lost for r in after[:after.index(rc) + 1])
-        step_times = sorted(m["step_time"] for m in coord.metrics_since(0))
-        return {"system": "elastron", "scenario": scenario, "event_to_first_step_s": rc.first_step_time - t_event,
-                "decided_after_s": after[0].detected - t_event, "steps_redone_or_lost": lost,
-                "reconfigurations": [r.to_dict() for r in after],
-                "world_size_before": before, "world_size_after": rc.world_size,
-                "workers_started": rc.started, "workers_stopped": rc.stopped,
-                "step_time_s": step_times[len(step_times) // 2]}
+        _wait(lambda: coord.step_done >= rc.resumed_step + 6, 300, "6 steps at the new size")
+        metrics = coord.metrics_since(0)
+        step_times = sorted(m["step_time"] for m in metrics if m["step"] <= (rc.step_before or 0))
+        out = {"system": f"elastron-{reshard}", "scenario": scenario, "path": (rc.transfer or {}).get("path"),
+               "event_to_first_step_s": rc.first_step_time - t_event,
+               "decided_after_s": after[0].detected - t_event,
+               "steps_redone_or_lost": sum(r.steps_lost for r in after[:after.index(rc) + 1]),
+               "timeline": _timeline(coord.events_since(0), t_event, rc.first_step_time),
+               "reconfigurations": [r.to_dict() for r in after],
+               "world_size_before": before, "world_size_after": rc.world_size,
+               "workers_started": rc.started, "workers_stopped": rc.stopped,
+               "step_time_s": step_times[len(step_times) // 2],
+               "losses": {str(m["step"]): m["loss"] for m in metrics}}  # str: as JSON gives them back
+        tr = rc.transfer or {}
+        if tr.get("path") in ("live", "peers"):
+            out["moving_state_s"] = tr["handover_s"] + tr["transfer_s"]
+            out["transfer_throughput_Bps"] = tr["bytes_moved"] / tr["transfer_s"] if tr["transfer_s"] else None
+        else:  # storage: a planned change checkpoints first; every change re-forms and loads
+            out["moving_state_s"] = _storage_seconds(out["timeline"])
     finally:
         coord.stop()
-        t.join(timeout=60)
+        t.join(timeout=180)
+        if out is not None and out.get("transfer_throughput_Bps"):
+            pair = [n for n in added if n is not victim][:2]
+            try:
+                out["raw_gloo"] = measure_raw_gloo(pair[0].node_id, pair[1].node_id,
+                                                   nbytes=out["reconfigurations"][-1]["transfer"]["bytes_moved"],
+                                                   reps=raw_reps)
+                out["transfer_vs_raw"] = out["transfer_throughput_Bps"] / out["raw_gloo"]["throughput_Bps"]
+            except Exception as e:  # noqa: BLE001 - the run's own figures are still worth keeping
+                out["raw_gloo"] = {"error": f"{type(e).__name__}: {e}"}
         for n in added:
             try:
                 cluster.remove_node(n, allow_graceful=False)
-            except Exception:
-                pass
+            except Exception as e:  # noqa: BLE001 - e.g. the killed node, already gone
+                print(f"removing node {n.node_id} failed ({e}); it may already be gone", file=sys.stderr)
+    return out
+
+
+def _storage_seconds(timeline: list[list]) -> float | None:
+    """From the first state change (RESIZING or the failure) to the group re-formed on loaded state."""
+    start = next((s for what, s in timeline if what in ("-> RESIZING", "failure")), None)
+    end = next((s for what, s in timeline if what == "resize"), None)
+    return None if start is None or end is None else end - start
+
+
+# --------------------------------------------------------------------------------------------------
+# Raw gloo point-to-point between two processes on two of the benchmark's nodes.
+# --------------------------------------------------------------------------------------------------
+class _Peer:
+    def __init__(self) -> None:
+        import torch
+
+        torch.set_num_threads(1)
+
+    def free_port(self) -> int:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    def send_recv(self, *, rank: int, port: int, nbytes: int, reps: int) -> list[float]:
+        """[group set-up + first barrier, first message (connection set-up), then `reps` messages]."""
+        import torch
+        import torch.distributed as dist
+
+        t = time.perf_counter()
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        dist.barrier()
+        out = [time.perf_counter() - t]
+        try:
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+            op = dist.isend if rank == 0 else dist.irecv
+            for _ in range(reps + 1):  # the first is a warm-up (connection set-up)
+                dist.barrier()
+                t = time.perf_counter()
+                for w in dist.batch_isend_irecv([dist.P2POp(op, buf, 1 - rank)]):
+                    w.wait()
+                out.append(time.perf_counter() - t)
+            return out
+        finally:
+            dist.destroy_process_group()
+
+
+def measure_raw_gloo(node_a: str, node_b: str, *, nbytes: int, reps: int = 3) -> dict:
+    """`nbytes` from a process on `node_a` to one on `node_b` in one gloo message, `reps` times (after a
+    warm-up); the receiver's clock, from a common barrier to the end of the receive."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    peer = ray.remote(num_cpus=0)(_Peer)
+    a, b = (peer.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote()
+            for n in (node_a, node_b))
+    try:
+        port = ray.get(a.free_port.remote(), timeout=120)
+        got = ray.get([a.send_recv.remote(rank=0, port=port, nbytes=nbytes, reps=reps),
+                       b.send_recv.remote(rank=1, port=port, nbytes=nbytes, reps=reps)], timeout=600)[1]
+    finally:
+        for x in (a, b):
+            ray.kill(x)
+    init_s, first_s, times = got[0], got[1], got[2:]
+    med = statistics.median(times)
+    return {"bytes": nbytes, "seconds": times, "median_s": med, "throughput_Bps": nbytes / med,
+            "group_setup_s": init_s, "first_message_s": first_s,
+            "how": "2 fresh Ray actors on 2 of the run's nodes, one gloo batch_isend_irecv message, one direction"}
+
+
+# --------------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------------
+def _fmt(x, unit="s", nd=2):
+    return "—" if x is None else f"{x:.{nd}f} {unit}".strip()
+
+
+def _system(r: dict) -> str:
+    """The --systems name of a result (measure_raytrain calls itself ray-train-v2)."""
+    return "raytrain" if r["system"] == "ray-train-v2" else r["system"]
+
+
+def table(rows: list[dict]) -> str:
+    lines = [("| scenario | system | path | event → first step | moving state | transfer vs raw gloo | "
+              "steps redone/lost | Ray Train ÷ this |"),
+             "|---|---|---|---|---|---|---|---|"]
+    for sc in SCENARIOS:
+        got = {_system(r): r for r in rows if r["scenario"] == sc}
+        rt = got.get("raytrain")
+        for name in SYSTEMS:
+            r = got.get(name)
+            if r is None:
+                continue
+            t = r.get("event_to_first_step_s")
+            frac = r.get("transfer_vs_raw")
+            if name == "raytrain":
+                path, ratio = "DCP checkpoint", "—"
+                move = r.get("moving_state_s")
+                t_s = _fmt(t) + (" (timeout)" if r.get("timed_out") else "")
+            else:
+                path = r.get("path") or "?"
+                move = r.get("moving_state_s")
+                theirs = rt.get("event_to_first_step_s") if rt else None
+                ratio = f"{theirs / t:.1f}×" if theirs and t else "—"
+                t_s = _fmt(t)
+            frac_s = "—" if frac is None else f"{100 * frac:.0f}%"
+            lines.append(f"| {sc} | {name} | {path} | {t_s} | {_fmt(move)} | {frac_s} | "
+                         f"{r.get('steps_redone_or_lost')} | {ratio} |")
+    return "\n".join(lines)
+
+
+def _loss_agreement(rows: list[dict]) -> dict:
+    """Per scenario: the largest |loss(live) - loss(storage)| over the steps both ran at the new size."""
+    out = {}
+    for sc in SCENARIOS:
+        got = {r["system"]: r for r in rows if r["scenario"] == sc and "losses" in r}
+        a, b = got.get("elastron-live"), got.get("elastron-storage")
+        if not a or not b:
+            continue
+        start = max(a["reconfigurations"][-1]["step_before"], b["reconfigurations"][-1]["step_before"])
+        after = sorted(int(s) for s in set(a["losses"]) & set(b["losses"]) if int(s) > start)
+        out[sc] = {"steps_compared": after, "same_event_step": a["reconfigurations"][-1]["step_before"] ==
+                   b["reconfigurations"][-1]["step_before"],
+                   "max_abs_diff": max((abs(a["losses"][str(s)] - b["losses"][str(s)]) for s in after), default=None)}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--state", choices=tuple(STATES), default="tiny")
     ap.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
+    ap.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    ap.add_argument("--dp-mode", choices=("auto", "shard", "replicate"),
+                    help="Elastron's parallel.dp_mode instead of the state's (replicate: a kill can heal from peers)")
     ap.add_argument("--settle", type=float, default=1.0, help="Elastron: stable capacity needed before growing")
-    ap.add_argument("--json", help="write all results here")
+    ap.add_argument("--json", help="write all results here (merged into the file if it exists)")
     args = ap.parse_args(argv)
 
+    os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
     import ray
     from ray.cluster_utils import Cluster
 
     from benchmarks.elastic_raytrain import measure_raytrain
 
-    rows = []
+    state = STATES[args.state]
+    if args.dp_mode:
+        state = replace(state, dp_mode=args.dp_mode)
+    meta = {"state": args.state, "state_bytes": state_bytes(state), "workload": asdict(state),
+            "date": time.strftime("%Y-%m-%d"), "commit": _commit(), "argv": sys.argv[1:]}
+    print(json.dumps(meta), flush=True)
+    prior = json.loads(Path(args.json).read_text()) if args.json and Path(args.json).exists() else {}
+    rows: list[dict] = [r for r in prior.get("results", [])
+                        if not (r["scenario"] in args.scenarios and _system(r) in args.systems)]
     work = tempfile.mkdtemp(prefix="elastic-bench-")
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
     ray.init(address=cluster.address, log_to_driver=False)
     try:
         for sc in args.scenarios:
-            ours = measure_elastron(cluster=cluster, scenario=sc, workdir=work, settle=args.settle)
-            print(json.dumps(ours), flush=True)
-            theirs = measure_raytrain(cluster=cluster, model_steps=30, ckpt_every=5, scenario=sc,
-                                      workdir=str(Path(work) / f"raytrain-{sc}"))
-            print(json.dumps(theirs), flush=True)
-            rows.append((sc, ours, theirs))
+            for system in args.systems:
+                t0 = time.time()
+                if system == "raytrain":
+                    if sc == "resize":
+                        continue  # Ray Train has no user-driven resize of a running job
+                    r = measure_raytrain(cluster=cluster, model_steps=EVENT_STEP + 10, ckpt_every=5, scenario=sc,
+                                         event_step=EVENT_STEP, workdir=str(Path(work) / f"raytrain-{sc}"),
+                                         model=state.model,
+                                         global_batch_size=state.global_batch_size, seq_len=state.seq_len,
+                                         lr=state.lr, warmup_timeout_s=state.start_timeout_s)
+                else:
+                    try:
+                        r = measure_elastron(cluster=cluster, scenario=sc, workdir=work, state=state,
+                                             reshard=system.split("-")[1], settle=args.settle)
+                    except Exception as e:  # noqa: BLE001 - keep the other runs
+                        r = {"system": system, "scenario": sc, "error": f"{type(e).__name__}: {e}"}
+                r["load_avg_1m"], r["run_s"] = os.getloadavg()[0], round(time.time() - t0, 1)
+                print(json.dumps({k: v for k, v in r.items() if k != "losses"}, default=str), flush=True)
+                rows.append(r)
+                if args.json:
+                    _write(args.json, meta, rows)
     finally:
         ray.shutdown()
         cluster.shutdown()
-    print("\n| scenario | Elastron: event -> first step | Ray Train v2 | speed-up | steps redone/lost (Elastron / Ray Train) |")
-    print("|---|---|---|---|---|")
-    for sc, a, b in rows:
-        ta, tb = a["event_to_first_step_s"], b["event_to_first_step_s"]
-        print(f"| {sc} | {ta:.2f} s | {tb:.1f} s{' (timeout)' if b.get('timed_out') else ''} | "
-              f"{tb / ta:.1f}x | {a['steps_redone_or_lost']} / {b['steps_redone_or_lost']} |")
-    if args.json:
-        Path(args.json).write_text(json.dumps([{"scenario": sc, "elastron": a, "raytrain": b} for sc, a, b in rows],
-                                              indent=2, default=str))
+    print()
+    print(table(rows))
+    print(json.dumps(_loss_agreement(rows), indent=1))
     return 0
+
+
+def _write(path: str, meta: dict, rows: list[dict]) -> None:
+    Path(path).write_text(json.dumps({**meta, "results": rows, "loss_agreement": _loss_agreement(rows)},
+                                     indent=1, default=str) + "\n")
+
+
+def _commit() -> str | None:
+    """HEAD of the tree the code runs from; ELASTIC_BENCH_COMMIT names it for a copy outside git."""
+    if os.environ.get("ELASTIC_BENCH_COMMIT"):
+        return os.environ["ELASTIC_BENCH_COMMIT"]
+    try:
+        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 if __name__ == "__main__":

@@ -18,10 +18,17 @@ What is measured, per scenario (event at step ~10):
          time from the notice to the first step of a group without that node.
 `steps_redone_or_lost` = highest step the pre-event group completed - the step the next group resumed
 from (its checkpoint): all work thrown away, including steps the old group did after the event.
+`moving_state_s` = rank 0's save of the checkpoint the new group resumed from + the slowest rank's load
+of it (`save_s`, `load_s`).
 
-The training function is Elastron's workload: `models` tiny preset, byte corpus from `workers.data`,
-DDP via `ray.train.torch.prepare_model`, AdamW. Rank 0 appends one JSON line per step to a file in the
-run directory; the driver thread watches it to fire the event and computes the metrics from it.
+The training function is Elastron's workload: a `models` preset (tiny unless `model` says otherwise),
+byte corpus from `workers.data`, DDP via `ray.train.torch.prepare_model`, AdamW. Checkpoints are what a
+Ray Train user writes with torch.distributed.checkpoint (DCP): every rank `dcp.save`s the
+`get_state_dict(model, optimizer)` dicts into its own temporary directory and reports it (Ray merges the
+ranks' files into one checkpoint; DCP spreads the replicated DDP state over the ranks), rank 0 adds the
+step and data position as JSON; a restarted group `dcp.load`s them and `set_state_dict`s. Rank 0
+appends one JSON line per step (and per save) to a file in the run directory; every rank one per start;
+the driver thread watches it to fire the event and computes the metrics from it.
 
 Ray 2.60 behaviour that shapes the numbers (read in ray/train/v2, seen in runs on the 2-core box):
 - Growth is noticed only when the AutoscalingCoordinator actor refreshes its node list (a 20 s tick)
@@ -72,7 +79,9 @@ def _append_jsonl(path: str, record: dict) -> None:
 def _train_loop(config: dict) -> None:
     import torch
     import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
     import torch.nn.functional as F
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     import ray.train
     import ray.train.torch
@@ -91,7 +100,8 @@ def _train_loop(config: dict) -> None:
     dist.broadcast(t0, src=0)
     attempt = float(t0.item())
 
-    cfg = model_config("tiny")
+    model_spec = config["model"]
+    cfg = model_config(model_spec["preset"], **model_spec.get("overrides", {}))
     seed, gbs = config["seed"], config["global_batch_size"]
     model = build_model(cfg)
     model.to_empty(device="cpu")
@@ -101,22 +111,27 @@ def _train_loop(config: dict) -> None:
             p.copy_(init_value(cfg, name, tuple(p.shape), seed))
     optimizer = torch.optim.AdamW(model.parameters(), lr=config["lr"], weight_decay=0.1)
 
-    step, position = 0, None
+    ddp = ray.train.torch.prepare_model(model)
+    step, position, load_s = 0, None, None
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
+        t_load = time.perf_counter()
         with checkpoint.as_directory() as d:
-            state = torch.load(os.path.join(d, "state.pt"), weights_only=False)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        step, position = state["step"], DataPosition.from_dict(state["data"])
-    ddp = ray.train.torch.prepare_model(model)
+            msd, osd = get_state_dict(ddp, optimizer)
+            state = {"model": msd, "optim": osd}
+            dcp.load(state, checkpoint_id=d)
+            set_state_dict(ddp, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            with open(os.path.join(d, "extra.json")) as f:
+                extra = json.load(f)
+        step, position = extra["step"], DataPosition.from_dict(extra["data"])
+        load_s = time.perf_counter() - t_load
 
     source = CorpusSource(None, seq_len=config["seq_len"], max_bytes=300_000)
     loader = DataLoader(source, seed=seed, global_batch_size=gbs, micro_batch_size=gbs // ws,
                         dp_rank=rank, dp_size=ws, position=position)
     _append_jsonl(log_path, {"kind": "start", "attempt": attempt, "rank": rank, "world_size": ws,
                              "node_id": ray.get_runtime_context().get_node_id(), "resumed_from": step,
-                             "time": time.time()})
+                             "load_s": load_s, "time": time.time()})
 
     saved_on_preemption = False
     stop_flag = torch.zeros(1)
@@ -144,13 +159,18 @@ def _train_loop(config: dict) -> None:
                                      "preempted": preempted, "jit_checkpoint": jit})
         if step % config["ckpt_every"] == 0 or jit:
             saved_on_preemption = saved_on_preemption or jit
+            t_save = time.perf_counter()
             with tempfile.TemporaryDirectory() as d:
-                ckpt = None
+                msd, osd = get_state_dict(ddp, optimizer)
+                dcp.save({"model": msd, "optim": osd}, checkpoint_id=d)
                 if rank == 0:
-                    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                                "step": step, "data": loader.state_dict()}, os.path.join(d, "state.pt"))
-                    ckpt = ray.train.Checkpoint.from_directory(d)
-                ray.train.report(metrics, checkpoint=ckpt)
+                    with open(os.path.join(d, "extra.json"), "w") as f:
+                        json.dump({"step": step, "data": loader.state_dict()}, f)
+                dcp_s = time.perf_counter() - t_save
+                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
+            if rank == 0:
+                _append_jsonl(log_path, {"kind": "save", "attempt": attempt, "step": step, "dcp_s": dcp_s,
+                                         "save_s": time.perf_counter() - t_save, "time": time.time()})
         elif config["report_every_step"]:
             ray.train.report(metrics)
 
@@ -258,7 +278,8 @@ def _step_intervals(steps: list[dict]) -> dict[int, list[float]]:
 def measure_raytrain(*, cluster, model_steps: int, ckpt_every: int, scenario: str, workdir: str,
                      event_step: int = 10, post_event_steps: int = 8, timeout_s: float = 240.0,
                      warmup_timeout_s: float = 180.0, drain_deadline_s: float = 60.0,
-                     global_batch_size: int = 12, seq_len: int = 32, seed: int = 0,
+                     global_batch_size: int = 12, seq_len: int = 32, seed: int = 0, lr: float = 1e-3,
+                     model: dict | None = None,
                      elastic_resize_monitor_interval_s: float = 5.0, report_every_step: bool = False,
                      health_check_interval_s: float | None = None) -> dict:
     """Run one scenario under Ray Train v2 elastic mode and return its timings.
@@ -268,6 +289,7 @@ def measure_raytrain(*, cluster, model_steps: int, ckpt_every: int, scenario: st
     group (or timed out), checkpointing every `ckpt_every` steps. `global_batch_size` must divide
     by 1, 2 and 3 (the world sizes seen). `elastic_resize_monitor_interval_s` defaults to 5 s rather
     than Ray's 60 s, so the baseline is the fastest reasonable Ray configuration.
+    `model`: a JobConfig `model` section ({"preset", "overrides"}), tiny by default.
     `report_every_step` also calls `ray.train.report(metrics)` on steps without a checkpoint (slow:
     see `_train_loop`). `health_check_interval_s` sets RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (the
     controller's poll period, Ray default 2 s) for this run only.
@@ -313,7 +335,8 @@ def measure_raytrain(*, cluster, model_steps: int, ckpt_every: int, scenario: st
         trainer = TorchTrainer(
             _train_loop,
             train_loop_config={"log_path": str(log_path), "stop_path": str(stop_path), "seed": seed,
-                               "global_batch_size": global_batch_size, "seq_len": seq_len, "lr": 1e-3,
+                               "global_batch_size": global_batch_size, "seq_len": seq_len, "lr": lr,
+                               "model": model or {"preset": "tiny"},
                                "ckpt_every": ckpt_every, "model_steps": model_steps,
                                "report_every_step": report_every_step},
             scaling_config=ScalingConfig(num_workers=(1, _MAX_WORKERS),
@@ -418,13 +441,21 @@ def measure_raytrain(*, cluster, model_steps: int, ckpt_every: int, scenario: st
         result["max_step_at_event"] = max_step_at_event
         result["max_step_old_group"] = max(old_steps)
         if target is not None:
-            resumed = steplog.starts(target["attempt"])[0]["resumed_from"]
+            new_starts = steplog.starts(target["attempt"])
+            resumed = new_starts[0]["resumed_from"]
             result["resumed_from_step"] = resumed
             result["steps_redone_or_lost"] = max(old_steps) - resumed
+            loads = [r["load_s"] for r in new_starts if r.get("load_s") is not None]
+            saves = [r for r in steplog.records if r["kind"] == "save" and r["step"] == resumed]
+            result["load_s"] = round(max(loads), 3) if loads else None
+            result["save_s"] = round(saves[-1]["save_s"], 3) if saves else None
+            if result["load_s"] is not None and result["save_s"] is not None:
+                result["moving_state_s"] = round(result["save_s"] + result["load_s"], 3)
         by_ws = _step_intervals(steps)
         result["step_time_s"] = _median([x for xs in by_ws.values() for x in xs])
         result["step_time_s_by_world_size"] = {ws: _median(xs) for ws, xs in sorted(by_ws.items())}
         result["compute_time_s"] = _median([s["compute_s"] for s in steps])
+        result["save_s_median"] = _median([r["save_s"] for r in steplog.records if r["kind"] == "save"])
         attempts = sorted({r["attempt"] for r in steplog.records if r["kind"] == "start"})
         result["worker_group_starts"] = len(attempts)
         result["fit_s"] = round(fit_state.get("fit_s", time.time() - t_fit), 1)
