@@ -24,6 +24,8 @@ class Worker:
         import torch
 
         torch.set_num_threads(threads)
+        import workers.reshard  # noqa: F401  (here, not in a joiner's first transfer: ~1 s of imports)
+        import workers.trainer  # noqa: F401
         from workers.config import JobConfig
 
         if not isinstance(cfg, JobConfig):  # e.g. a caller still sending the spec as a dict
