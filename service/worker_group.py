@@ -330,9 +330,9 @@ class WorkerGroup:
         (Worker.salvage) stays, in old-rank order; the others (dead, stuck in a collective, or holding
         untrusted state) are stopped. Returns each survivor's report by its old rank."""
         aborts = [m.actor.abort.options(concurrency_group=CONTROL).remote() for m in self.members]
-        ray.wait(aborts, num_returns=len(aborts), timeout=2.0)  # stuck collectives raise; then salvage runs
+        self._replies(aborts, timeout_s=2.0, grace_s=0.5)  # stuck collectives raise; then salvage runs
         refs = [m.actor.salvage.remote() for m in self.members]
-        ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[0])
+        ready = self._replies(refs, timeout_s=timeout_s, grace_s=2.0)
         kept: dict[int, tuple[Member, dict]] = {}
         lost: list[Member] = []
         for m, ref in zip(self.members, refs):
@@ -349,6 +349,21 @@ class WorkerGroup:
         self._stop(lost)
         self.members = [kept[r][0] for r in sorted(kept)]
         return {r: kept[r][1] for r in sorted(kept)}
+
+    @staticmethod
+    def _replies(refs: list, *, timeout_s: float, grace_s: float) -> set:
+        """The refs that finish within `timeout_s`, waiting at most `grace_s` more once the first has: a
+        member on a node that vanished may take Ray many seconds to declare dead, and its peers answer
+        in well under a second."""
+        deadline = time.monotonic() + timeout_s
+        ready: set = set()
+        while len(ready) < len(refs) and time.monotonic() < deadline:
+            done, _ = ray.wait([r for r in refs if r not in ready], num_returns=1,
+                               timeout=max(0.0, deadline - time.monotonic()))
+            if not ready and done:
+                deadline = min(deadline, time.monotonic() + grace_s)
+            ready.update(done)
+        return ready
 
     def checkpoint(self, *, blocking: bool = True) -> int:
         """Save at the current step; blocking waits for the commit, else returns once the save is under
