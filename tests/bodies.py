@@ -26,6 +26,7 @@ def train_body(cfg_dict: dict, layout: str, steps: int, run_dir: str | None = No
     out = {
         "losses": [m.loss for m in metrics],
         "grad_norms": [m.grad_norm for m in metrics],
+        "val_losses": [m.val_loss for m in metrics],
         "steps": [m.step for m in metrics],
         "dp_rank": trainer.dp_rank,
         "samples": samples,

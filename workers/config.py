@@ -93,11 +93,17 @@ class DataConfig:
     """Tokens: element type of the token file."""
     num_samples: int = 100_000
     """Synthetic: number of distinct samples before the order repeats."""
+    val_path: str | None = None
+    """Held-out split for train.eval_interval: a token file (tokens) or a directory of text (corpus).
+    Default for tokens: the val.bin `elastron data prepare` wrote beside data.path; synthetic: samples of
+    another seed."""
 
     def __post_init__(self) -> None:
         _positive("data", self, "seq_len", "max_bytes", "num_samples")
         if self.source == "tokens" and not self.path:
             raise ConfigError("data.path is required when data.source is 'tokens'")
+        if self.val_path is not None and self.source == "synthetic":
+            raise ConfigError("data.val_path means nothing for source 'synthetic' (its held-out samples are seeded)")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -145,9 +151,16 @@ class TrainConfig:
     """Recompute activations in backward, per transformer block, to save memory: none; full (keep only
     each block's input); selective (keep matmul, attention and TP-collective outputs, recompute norms,
     RoPE and pointwise ops). Results are unchanged; parameter names (and checkpoints) too."""
+    eval_interval: int = 0
+    """Every this many steps, the loss on the held-out split (data.val_path) goes into the metrics as
+    val_loss; 0: never."""
+    eval_batches: int = 4
+    """Global batches of the held-out split per evaluation (the same samples every time)."""
 
     def __post_init__(self) -> None:
-        _positive("train", self, "steps", "global_batch_size", "micro_batch_size", "lr", "decay_steps")
+        _positive("train", self, "steps", "global_batch_size", "micro_batch_size", "lr", "decay_steps",
+                  "eval_batches")
+        _positive("train", self, "eval_interval", allow_zero=True)
         _positive("train", self, "warmup_steps", "weight_decay", "grad_clip", "min_lr_ratio", "eps",
                   allow_zero=True)
         if self.global_batch_size % self.micro_batch_size:
@@ -251,6 +264,23 @@ class ResourcesConfig:
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
+class WandbConfig:
+    project: str = "elastron"
+    """W&B project of the run."""
+    mode: Literal["online", "offline", "disabled"] = "online"
+    """online: sync as it runs; offline: write under RUN_DIR/wandb only (`wandb sync` later)."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class LoggingConfig:
+    tensorboard: bool = True
+    """TensorBoard event files in RUN_DIR/tensorboard: loss, val_loss, LR, grad norm, tokens/s, MFU and
+    every reconfiguration (workers.sinks)."""
+    wandb: WandbConfig | None = None
+    """The same to Weights & Biases (needs the wandb package); none: off."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
 class JobConfig:
     name: str = "job"
     """A label for the job."""
@@ -260,8 +290,11 @@ class JobConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self) -> None:
+        if self.train.eval_interval and self.data.source == "corpus" and self.data.val_path is None:
+            raise ConfigError("train.eval_interval needs a held-out split: set data.val_path to a directory of text")
         if not self.model.is_resolved:
             return  # judged by resolve_init_from, which builds this config again with the model's shape
         mc = self.model.build()

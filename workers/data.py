@@ -10,6 +10,7 @@ a checkpoint only has to save two integers.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import sysconfig
@@ -202,6 +203,24 @@ def build_source(cfg: DataConfig, *, seed: int, vocab_size: int) -> Source:
         check_token_meta(cfg.path, vocab_size=vocab_size, dtype=cfg.token_dtype)
         return TokenFileSource(cfg.path, seq_len=cfg.seq_len, vocab_size=vocab_size, dtype=cfg.token_dtype)
     raise ValueError(f"unknown data source {cfg.source!r}; expected corpus, synthetic or tokens")
+
+
+def build_val_source(cfg: DataConfig, *, seed: int, vocab_size: int) -> Source:
+    """The held-out split train.eval_interval evaluates: data.val_path, else for tokens the val.bin that
+    `elastron data prepare` wrote beside data.path, for synthetic samples of another seed."""
+    if cfg.source == "synthetic":
+        return SyntheticSource(num_samples=cfg.num_samples, seq_len=cfg.seq_len, vocab_size=vocab_size,
+                               seed=seed + 2**32)  # a stream no training seed (an int64) draws
+    path = cfg.val_path
+    if path is None and cfg.source == "tokens":
+        from workers.prepare import read_meta
+
+        beside = Path(cfg.path).parent / "val.bin"
+        path = str(beside) if read_meta(cfg.path) is not None and beside.is_file() else None
+    if path is None:
+        raise ValueError("train.eval_interval needs a held-out split: set data.val_path, or point data.path at "
+                         "the train.bin of `elastron data prepare` (it writes val.bin beside it)")
+    return build_source(dataclasses.replace(cfg, path=path, val_path=None), seed=seed, vocab_size=vocab_size)
 
 
 @dataclass(slots=True)

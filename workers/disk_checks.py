@@ -20,20 +20,26 @@ def check_data_path(data: DataConfig) -> None:
     is read (the data source of every rank) and early at the edges that share its filesystem (the CLI,
     the API server), never by the config's constructor, which runs wherever the config travels.
     ConfigError naming the field, in one line."""
-    if data.path is None or data.source == "synthetic":
+    if data.source == "synthetic":
         return
-    p = Path(data.path).expanduser()
+    for name, path in (("data.path", data.path), ("data.val_path", data.val_path)):
+        if path is not None:
+            _check_path(name, path, data)
+
+
+def _check_path(name: str, path: str, data: DataConfig) -> None:
+    p = Path(path).expanduser()
     want_dir = data.source == "corpus"
     if not p.exists():
-        raise ConfigError(f"data.path {data.path!r} does not exist")
+        raise ConfigError(f"{name} {path!r} does not exist")
     if want_dir and not p.is_dir():
-        raise ConfigError(f"data.path {data.path!r} must be a directory for source 'corpus'")
+        raise ConfigError(f"{name} {path!r} must be a directory for source 'corpus'")
     if not want_dir and not p.is_file():
-        raise ConfigError(f"data.path {data.path!r} must be a file for source 'tokens'")
+        raise ConfigError(f"{name} {path!r} must be a file for source 'tokens'")
     if not os.access(p, os.R_OK | (os.X_OK if want_dir else 0)):
-        raise ConfigError(f"data.path {data.path!r} is not readable by this user; fix its permissions")
+        raise ConfigError(f"{name} {path!r} is not readable by this user; fix its permissions")
     if want_dir and not _has_file(p, tuple(data.suffixes)):
-        raise ConfigError(f"data.path {data.path!r} holds no readable file ending with {data.suffixes} "
+        raise ConfigError(f"{name} {path!r} holds no readable file ending with {data.suffixes} "
                           "(see data.suffixes)")
 
 

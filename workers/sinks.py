@@ -3,8 +3,11 @@
 `MetricsSinks` takes each step's metrics on rank 0 and writes them once: a resumed or resized run
 appends to the same TensorBoard directory and resumes the same W&B run (its id is kept in the run
 directory), and steps redone after a failure are not written again (the last written step is kept in
-`RUN_DIR/tensorboard/state.json`). A change of layout is written as a marked event: a text entry
-"dp_shard=2 -> tp=2 (2 -> 2 workers)" and the scalar `reconfiguration/world_size` at that step.
+`RUN_DIR/tensorboard/state.json`). Every reconfiguration is written as a marked event at the first step
+after it: a text entry "grow: dp_shard=2 -> dp_shard=2,tp=2 (2 -> 4 workers), resumed at step 40" and the
+scalar `reconfiguration/world_size`. Under a coordinator the judge of what was a reconfiguration is its
+event log, RUN_DIR/events.jsonl ("resize" events after the first start, read from where the last
+writer stopped); a run without one (torchrun) marks a change of layout between two logged steps.
 
 TensorBoard's file format is small enough to write without TensorFlow or the tensorboard package: a
 file of records (length, masked CRC-32C of the length, an `Event` protobuf, masked CRC-32C of it), the
@@ -15,7 +18,9 @@ reader).
 from __future__ import annotations
 
 import json
+import math
 import os
+import secrets
 import socket
 import struct
 import time
@@ -120,10 +125,12 @@ class MetricsSinks:
     """TensorBoard (always, under RUN_DIR/tensorboard) and W&B (when `wandb` is a dict such as
     {"project": "p", "mode": "offline"}) for one run directory; used on rank 0 only."""
 
-    def __init__(self, run_dir: str | os.PathLike[str], *, wandb: dict[str, Any] | None = None,
-                 config: dict[str, Any] | None = None) -> None:
+    def __init__(self, run_dir: str | os.PathLike[str], *, tensorboard: bool = True,
+                 wandb: dict[str, Any] | None = None, config: dict[str, Any] | None = None) -> None:
         self.dir = Path(run_dir) / "tensorboard"
-        self.tb = TensorBoardWriter(self.dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.tb = TensorBoardWriter(self.dir) if tensorboard else None
+        self.events_path = Path(run_dir) / "events.jsonl"
         self._state_path = self.dir / "state.json"
         try:
             state = json.loads(self._state_path.read_text())
@@ -132,6 +139,7 @@ class MetricsSinks:
         self.last_step: int = int(state.get("last_step", 0))
         self.layout: str | None = state.get("layout")
         self.world_size: int | None = state.get("world_size")
+        self.events_offset: int = int(state.get("events_offset", 0))
         self.wandb_run = None
         if wandb is not None:
             self.wandb_run = _wandb_run(Path(run_dir), wandb, config)
@@ -143,26 +151,59 @@ class MetricsSinks:
         if step <= self.last_step:
             return False
         layout = _layout_text(m.get("layout"))
-        if layout is not None and self.layout is not None and layout != self.layout:
-            note = f"{self.layout} -> {layout} ({self.world_size} -> {m.get('world_size')} workers)"
-            self.tb.text(step, "reconfiguration", note)
-            self.tb.scalars(step, {"reconfiguration/world_size": float(m.get("world_size") or 0)})
-            if self.wandb_run is not None:
-                self.wandb_run.log({"reconfiguration": note, "reconfiguration/world_size": m.get("world_size")},
-                                   step=step)
-        values = {k: float(m[k]) for k in SCALARS if m.get(k) is not None}
-        self.tb.scalars(step, values)
-        if self.wandb_run is not None:
-            self.wandb_run.log(values, step=step)
-        self.tb.flush()
+        if self.events_path.exists():
+            notes = self._new_reconfigurations()
+        elif layout is not None and self.layout is not None and layout != self.layout:
+            notes = [(f"{self.layout} -> {layout} ({self.world_size} -> {m.get('world_size')} workers)",
+                      m.get("world_size"))]
+        else:
+            notes = []
+        for note, world in notes:
+            self._write(step, {"reconfiguration/world_size": float(world or 0)}, text=note)
+        self._write(step, {k: float(m[k]) for k in SCALARS if m.get(k) is not None})
+        if self.tb is not None:
+            self.tb.flush()
         self.last_step, self.layout, self.world_size = step, layout or self.layout, m.get("world_size")
         tmp = self._state_path.with_suffix(".part")
-        tmp.write_text(json.dumps({"last_step": step, "layout": self.layout, "world_size": self.world_size}))
+        tmp.write_text(json.dumps({"last_step": step, "layout": self.layout, "world_size": self.world_size,
+                                   "events_offset": self.events_offset}))
         os.replace(tmp, self._state_path)
         return True
 
+    def _write(self, step: int, values: dict[str, float], *, text: str | None = None) -> None:
+        if self.tb is not None:
+            if text is not None:
+                self.tb.text(step, "reconfiguration", text)
+            self.tb.scalars(step, values)
+        if self.wandb_run is not None:
+            self.wandb_run.log({**values, **({"reconfiguration": text} if text is not None else {})}, step=step)
+
+    def _new_reconfigurations(self) -> list[tuple[str, int | None]]:
+        """(note, new world size) of each reconfiguration in events.jsonl since the last writer's offset;
+        a line still being written is left for the next call."""
+        with open(self.events_path, "rb") as f:
+            f.seek(self.events_offset)
+            data = f.read()
+        end = data.rfind(b"\n") + 1
+        self.events_offset += end
+        out = []
+        for line in data[:end].splitlines():
+            try:
+                e = json.loads(line)
+            except ValueError:
+                continue  # a line cut by a crash: events.py skips it too
+            d = e.get("details") if isinstance(e, dict) else None
+            if e.get("kind") != "resize" or not isinstance(d, dict) or d.get("old_layout") is None:
+                continue  # the first start is no reconfiguration
+            old, new = _layout_text(d.get("old_layout")), _layout_text(d.get("new_layout"))
+            was = math.prod(v for v in d["old_layout"].values() if isinstance(v, int))
+            out.append((f"{e.get('cause') or 'reconfiguration'}: {old} -> {new} ({was} -> {d.get('world_size')} "
+                        f"workers), resumed at step {d.get('resumed_step')}", d.get("world_size")))
+        return out
+
     def close(self) -> None:
-        self.tb.close()
+        if self.tb is not None:
+            self.tb.close()
         if self.wandb_run is not None:
             self.wandb_run.finish()
 
@@ -182,7 +223,7 @@ def _wandb_run(run_dir: Path, opts: dict[str, Any], config: dict[str, Any] | Non
         raise ValueError("logging.wandb is set but the wandb package is not installed; pip install wandb, "
                          "or remove logging.wandb") from None
     id_file = run_dir / "wandb_id"
-    run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+    run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(6)  # W&B: [a-z0-9]
     id_file.write_text(run_id + "\n")
     return wandb.init(project=opts.get("project", "elastron"), mode=opts.get("mode", "online"), id=run_id,
                       resume="allow", dir=str(run_dir), config=config or {})

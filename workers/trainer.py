@@ -10,10 +10,8 @@ from the newest loadable one whatever layout it was saved under, so a run contin
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -40,38 +38,14 @@ from parallel.pipeline import build_schedule
 from parallel.planner import Plan
 from parallel.precision import select_precision
 from workers.config import ConfigError, JobConfig, job_plan
-from workers.data import Batch, DataLoader, build_source
+from workers.data import Batch, DataLoader, build_source, build_val_source
 from workers.lr import lr_at
 from workers.mfu import mfu, peak_flops
+from workers.report import Reporter, StepMetrics
 
 log = logging.getLogger(__name__)
 
 _LR_FIELDS = ("lr", "min_lr_ratio", "warmup_steps", "schedule", "decay_steps", "steps")
-
-
-@dataclass(kw_only=True, slots=True)
-class StepMetrics:
-    step: int
-    """Optimizer steps completed, counting this one (1-based)."""
-    loss: float
-    lr: float
-    grad_norm: float
-    tokens: int
-    """Tokens consumed by the whole job so far (all DP ranks)."""
-    layout: dict
-    world_size: int
-    time: float
-    step_time: float
-    tokens_per_s: float
-    mfu: float | None = None
-    """Model FLOPs utilisation of the whole job for this step (0..1); None where the device's peak is
-    unknown (CPUs, unlisted GPUs). See workers/mfu.py."""
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
 
 
 def _scalar(t: torch.Tensor) -> torch.Tensor:
@@ -106,6 +80,8 @@ class Trainer:
         self._before_update: dict | None = None
         self._mid_step = False
         self.last_metrics: StepMetrics | None = None
+        self.reporter = Reporter(cfg, self.run_dir, rank=self.rank)
+        self.val_loader: DataLoader | None = None
 
     # -- construction ------------------------------------------------------------------------------
     def build(self, *, resume: bool = True) -> "Trainer":
@@ -153,14 +129,15 @@ class Trainer:
 
         self.micro_batch_size = self.plan.micro_batch_size  # the planner's: it may be smaller to fit memory
         self.n_microbatches = self.plan.grad_accum_steps
+        loader = dict(seed=t.seed, global_batch_size=t.global_batch_size, micro_batch_size=self.micro_batch_size,
+                      dp_rank=self.dp_rank, dp_size=layout.dp)
         try:
-            source = build_source(cfg.data, seed=t.seed, vocab_size=self.model_cfg.vocab_size)
+            self.loader = DataLoader(build_source(cfg.data, seed=t.seed, vocab_size=self.model_cfg.vocab_size), **loader)
+            if t.eval_interval:
+                val = build_val_source(cfg.data, seed=t.seed, vocab_size=self.model_cfg.vocab_size)
+                self.val_loader = DataLoader(val, **loader)
         except ValueError as e:  # e.g. a corpus with too little text: the same verdict on every rank
             raise ConfigError(f"data: {e}") from None
-        self.loader = DataLoader(
-            source, seed=t.seed, global_batch_size=t.global_batch_size,
-            micro_batch_size=self.micro_batch_size, dp_rank=self.dp_rank, dp_size=layout.dp,
-        )
         self.schedule = None
         if layout.pp_enabled:
             self.schedule = build_schedule(
@@ -280,6 +257,7 @@ class Trainer:
         """Before the process group goes away: let a save in flight commit (bounded wait, since its
         peers may be dead after a failure; a failed or abandoned save is logged, never raised). Returns
         False if a save was abandoned still running."""
+        self.reporter.close()
         return self.checkpointer.close(timeout_s=timeout_s) if self.checkpointer is not None else True
 
     # -- one optimizer step ------------------------------------------------------------------------
@@ -292,36 +270,57 @@ class Trainer:
             return t.pin_memory().to(self.device, non_blocking=True)
         return t.to(self.device)
 
-    def _forward_backward(self, batch: Batch) -> torch.Tensor:
-        """Accumulate gradients of the mean loss over this rank's samples; return the summed
+    def _forward_backward(self, batch: Batch, *, backward: bool = True) -> torch.Tensor:
+        """Accumulate gradients of the mean loss over this rank's samples (`backward`); return the summed
         per-microbatch mean losses on ranks that compute the loss (zero elsewhere)."""
         total = torch.zeros((), device=self.device)
         if self.schedule is not None:
             x, y = batch.stacked()
             x, y = self._to_device(x), self._to_device(y)
             losses: list[torch.Tensor] = []
+            run = self.schedule.step if backward else self.schedule.eval
             with self._loss_ctx():
                 if self.is_first_stage:
-                    self.schedule.step(x, target=y if self.is_last_stage else None, losses=losses)
+                    run(x, target=y if self.is_last_stage else None, losses=losses)
                 elif self.is_last_stage:
-                    self.schedule.step(target=y, losses=losses)
+                    run(target=y, losses=losses)
                 else:
-                    self.schedule.step()
+                    run()
             for loss in losses:
                 total += _scalar(loss).detach().float()
             return total
         n = len(batch.inputs)
         for i, (x, y) in enumerate(zip(batch.inputs, batch.targets)):
-            set_grad_sync(self.model, i == n - 1)
+            if backward:
+                set_grad_sync(self.model, i == n - 1)
             with self._loss_ctx():
                 loss = cross_entropy(self.model(self._to_device(x)), self._to_device(y))
-                (loss / n).backward()
+                if backward:
+                    (loss / n).backward()
             total += _scalar(loss).detach().float()
         return total
 
+    def _global_mean(self, loss_sum: torch.Tensor) -> float:
+        """Mean loss over the global batch: every loss-computing rank holds the mean over its samples;
+        there are dp x tp of them (TP ranks hold the same value), the other stages contribute zero."""
+        loss = loss_sum / self.n_microbatches
+        dist.all_reduce(loss)
+        return loss.item() / (self.layout.dp * self.layout.tp)
+
+    def evaluate(self) -> float:
+        """Mean loss over train.eval_batches global batches of the held-out split (collective): the same
+        samples in the same order every time and under every layout, since the loader restarts at 0."""
+        n = self.cfg.train.eval_batches
+        self.val_loader.load_state_dict({"consumed_samples": 0, "seed": self.cfg.train.seed})
+        total = torch.zeros((), device=self.device)
+        with torch.no_grad():
+            for _ in range(n):
+                total += self._forward_backward(self.val_loader.next_batch(), backward=False)
+        return self._global_mean(total / n)
+
     def train_step(self) -> StepMetrics:
-        t0 = time.perf_counter()
-        lr = lr_at(self.step, self.cfg.train)
+        t0, t = time.perf_counter(), self.cfg.train
+        lr = lr_at(self.step, t)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self._before_update = self.loader.state_dict()  # where the data was, while weights are unchanged
@@ -338,24 +337,18 @@ class Trainer:
         self.optimizer.step()
         self.step += 1
 
-        # Mean loss over the global batch: every loss-computing rank holds the mean over its samples;
-        # there are dp x tp of them (TP ranks hold the same value), the other stages contribute zero.
-        loss = loss_sum / self.n_microbatches
-        dist.all_reduce(loss)
-        loss = loss.item() / (self.layout.dp * self.layout.tp)
+        loss = self._global_mean(loss_sum)
         dt = time.perf_counter() - t0
-        tokens_step = self.cfg.train.global_batch_size * self.cfg.data.seq_len
+        val_loss = self.evaluate() if self.val_loader is not None and self.step % t.eval_interval == 0 else None
+        tokens_step = t.global_batch_size * self.cfg.data.seq_len
         tokens_per_s = tokens_step / dt if dt > 0 else 0.0
         m = StepMetrics(
             step=self.step, loss=loss, lr=lr, grad_norm=float(grad_norm), tokens=self.loader.position.consumed_samples * self.cfg.data.seq_len,
             layout=self.layout.to_dict(), world_size=self.layout.world_size, time=time.time(), step_time=dt,
             tokens_per_s=tokens_per_s,
-            mfu=mfu(tokens_per_s, self.flops_per_token, self.layout.world_size, self.peak_flops),
+            mfu=mfu(tokens_per_s, self.flops_per_token, self.layout.world_size, self.peak_flops), val_loss=val_loss,
         )
-        if self.rank == 0 and self.run_dir is not None:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            with open(self.run_dir / "metrics.jsonl", "a") as f:
-                f.write(m.to_json() + "\n")
+        self.reporter.write(m)
         # Periodic saves live here rather than in fit() so that callers driving train_step() themselves
         # (the Ray worker actor) get them too.
         self._mid_step = False

@@ -1,10 +1,14 @@
 """Tier 2: every layout trains the same model as one process does.
 
-Per-step losses over 5 steps (each within 1e-4 relative) and the gathered parameters after them (each
-tensor within 1e-4 relative in norm) must match the single-process run (fp32, CPU, gloo, same global batch).
+Per-step losses over 5 steps (each within 1e-4 relative), the validation loss on a held-out directory at
+step 5, and the gathered parameters after them (each tensor within 1e-4 relative in norm) must match the
+single-process run (fp32, CPU, gloo, same global batch).
 """
 
 from __future__ import annotations
+
+import os
+import sysconfig
 
 import pytest
 import torch
@@ -21,9 +25,10 @@ RTOL = 1e-4
 def tiny_cfg(**parallel) -> dict:
     return {
         "model": {"preset": "tiny", "overrides": {"n_layers": 3}},  # 3 layers: pp=2 gets uneven stages
-        "data": {"source": "corpus", "seq_len": 32, "max_bytes": 300_000},
+        "data": {"source": "corpus", "seq_len": 32, "max_bytes": 300_000,
+                 "val_path": os.path.join(sysconfig.get_paths()["stdlib"], "json")},  # held out: not in the first 300 kB
         "train": {"steps": 20, "global_batch_size": 8, "micro_batch_size": 2, "lr": 3e-3, "warmup_steps": 2,
-                  "seed": 1234},
+                  "seed": 1234, "eval_interval": STEPS, "eval_batches": 2},
         "parallel": {"max_workers": 4, **parallel},
     }
 
@@ -50,6 +55,8 @@ def assert_matches(reference: dict, results: list[dict]) -> None:
         assert len(r["losses"]) == STEPS
         torch.testing.assert_close(torch.tensor(r["losses"], dtype=torch.float64),
                                    torch.tensor(reference["losses"], dtype=torch.float64), rtol=RTOL, atol=0)
+        assert r["val_losses"][:-1] == [None] * (STEPS - 1)
+        assert r["val_losses"][-1] == pytest.approx(reference["val_losses"][-1], rel=RTOL)
     params = merged_params(results)
     assert params.keys() == reference["params"].keys()
     for name, ref in reference["params"].items():
@@ -85,6 +92,7 @@ def test_layout_matches_single_process(reference, layout, parallel):
 def test_losses_decrease_and_differ_by_seed(reference):
     """Guards the comparison above against a degenerate run (e.g. a constant loss would match anything)."""
     assert reference["losses"][-1] < reference["losses"][0]
+    assert reference["val_losses"][-1] != pytest.approx(reference["losses"][-1], rel=1e-3)  # another split
     cfg = tiny_cfg()
     cfg["train"]["seed"] = 99
     (other,) = run_ranks(1, train_body, cfg, "dp=1", 2)

@@ -57,3 +57,43 @@ def test_wandb_without_the_package_is_one_clear_error(tmp_path, monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_wandb)
     with pytest.raises(ValueError, match="wandb package is not installed"):
         MetricsSinks(tmp_path, wandb={"project": "p", "mode": "offline"})
+
+
+def test_reconfigurations_come_from_the_coordinators_event_log_once(tmp_path):
+    import json
+
+    dp2, grown = {"dp_shard": 2, "tp": 1}, {"dp_shard": 2, "tp": 2}
+
+    def resize(cause, old, new, world, resumed):
+        return json.dumps({"kind": "resize", "cause": cause, "step": resumed, "details": {
+            "old_layout": old, "new_layout": new, "world_size": world, "resumed_step": resumed}}) + "\n"
+
+    events = tmp_path / "events.jsonl"
+    events.write_text(json.dumps({"kind": "transition", "step": 0}) + "\n" + resize("planned", None, dp2, 2, 0))
+    sinks = MetricsSinks(tmp_path)
+    assert sinks.log(step(1, 4.0, dp2, 2)) and sinks.log(step(2, 3.9, dp2, 2))  # the first start: no mark
+    sinks.close()
+    with open(events, "a") as f:  # the coordinator grows the job; the line after it is still being written
+        f.write(resize("grow", dp2, grown, 4, 2) + '{"kind": "fail')
+    again = MetricsSinks(tmp_path)  # the new group's rank 0, in another process
+    assert again.log(step(3, 3.8, grown, 4)) and again.log(step(4, 3.7, grown, 4))
+    again.close()
+    acc = read(tmp_path / "tensorboard")
+    texts = [(t.step, t.tensor_proto.string_val[0].decode()) for t in acc.Tensors("reconfiguration")]
+    assert texts == [(3, "grow: dp_shard=2 -> dp_shard=2,tp=2 (2 -> 4 workers), resumed at step 2")]
+    assert [(e.step, e.value) for e in acc.Scalars("reconfiguration/world_size")] == [(3, 4.0)]
+
+
+def test_wandb_offline_run_is_resumed_not_duplicated(tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="wandb is optional (pip install wandb); TensorBoard is tested above")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    opts = {"project": "elastron-test", "mode": "offline"}
+    first = MetricsSinks(tmp_path, wandb=opts, tensorboard=False)
+    assert first.log(step(1, 4.0, {"dp_shard": 2}, 2))
+    run_id = first.wandb_run.id
+    first.close()
+    again = MetricsSinks(tmp_path, wandb=opts, tensorboard=False)
+    assert again.wandb_run.id == run_id  # the same W&B run continues
+    assert not again.log(step(1, 9.0, {"dp_shard": 2}, 2)) and again.log(step(2, 3.9, {"dp_shard": 2}, 2))
+    again.close()
+    assert list((tmp_path / "wandb").glob(f"offline-run-*-{run_id}"))

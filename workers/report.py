@@ -1,0 +1,84 @@
+"""What a step reports, and where it goes: one `StepMetrics` per optimizer step, written by rank 0 to
+RUN_DIR/metrics.jsonl (the run's record, which the API reads) and to the sinks users watch (TensorBoard
+and, optionally, Weights & Biases: workers.sinks). The sinks are best effort: a run never stops because
+an event file or W&B could not be written; it logs why, once, and trains on."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from workers.config import JobConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class StepMetrics:
+    step: int
+    """Optimizer steps completed, counting this one (1-based)."""
+    loss: float
+    lr: float
+    grad_norm: float
+    tokens: int
+    """Tokens consumed by the whole job so far (all DP ranks)."""
+    layout: dict
+    world_size: int
+    time: float
+    step_time: float
+    tokens_per_s: float
+    mfu: float | None = None
+    """Model FLOPs utilisation of the whole job for this step (0..1); None where the device's peak is
+    unknown (CPUs, unlisted GPUs). See workers/mfu.py."""
+    val_loss: float | None = None
+    """Loss on the held-out split, on steps that evaluate (train.eval_interval); None on the others."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+
+class Reporter:
+    """Rank 0's writer of step metrics; does nothing on other ranks or without a run directory."""
+
+    def __init__(self, cfg: JobConfig, run_dir: Path | None, *, rank: int) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir if rank == 0 else None
+        self.sinks = None
+        lg = cfg.logging
+        self._want_sinks = self.run_dir is not None and (lg.tensorboard or lg.wandb is not None)
+
+    def write(self, m: StepMetrics) -> None:
+        if self.run_dir is None:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.run_dir / "metrics.jsonl", "a") as f:
+            f.write(m.to_json() + "\n")
+        if not self._want_sinks:
+            return
+        try:
+            if self.sinks is None:
+                from workers.sinks import MetricsSinks
+
+                lg = self.cfg.logging
+                self.sinks = MetricsSinks(self.run_dir, tensorboard=lg.tensorboard,
+                                          wandb=asdict(lg.wandb) if lg.wandb is not None else None,
+                                          config=self.cfg.to_dict())
+            self.sinks.log(m.to_dict())
+        except Exception:
+            self._want_sinks = False
+            log.warning("metrics for TensorBoard/W&B are no longer written for this run (metrics.jsonl still "
+                        "is); check logging.* in the job config and that %s is writable", self.run_dir,
+                        exc_info=True)
+
+    def close(self) -> None:
+        if self.sinks is not None:
+            try:
+                self.sinks.close()
+            except Exception:
+                log.warning("closing the TensorBoard/W&B writers failed", exc_info=True)
+            self.sinks = None
