@@ -149,6 +149,7 @@ class JobSummary(BaseModel):
     total_steps: int | None = None
     world_size: int = _status("world_size", 0)
     loss: float | None = None
+    val_loss: float | None = _status("val_loss")
     tokens_per_s: float | None = None
     mfu: float | None = _status("mfu")
     layout: Layout | None = _status("layout")
@@ -183,6 +184,7 @@ class JobDetail(JobSummary):
 class MetricRow(_Out):
     step: int
     loss: float | None = None
+    val_loss: float | None = Field(None, description="Loss on the held-out split; only on steps that evaluate.")
     tokens_per_s: float | None = None
     mfu: float | None = Field(None, description="Model FLOPs utilisation of the step (0..1); null where unknown.")
     time: float | None = None

@@ -141,7 +141,8 @@ class Coordinator(GroupLifecycle):
                 job_id=self.job_id, state=sm["state"], reason=sm["reason"], cause=sm["cause"], since=sm["since"],
                 layout=self.plan.layout.to_dict() if running else sm["layout"], step=self.step_done,
                 total_steps=self.total_steps, world_size=self.plan.world_size if running else 0,
-                loss=last.get("loss"), tokens_per_s=last.get("tokens_per_s"), committed_step=self.committed_step,
+                loss=last.get("loss"), val_loss=self.metrics.val_loss, tokens_per_s=last.get("tokens_per_s"),
+                committed_step=self.committed_step,
                 min_workers=self.policy.config.min_workers, max_workers=self.policy.config.max_workers,
                 run_dir=str(self.run_dir), reconfigurations=dict(Counter(r["cause"] for r in recs)),
                 steps_lost=sum(r["steps_lost"] for r in recs), events=len(self.events))

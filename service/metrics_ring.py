@@ -17,11 +17,15 @@ class RecentMetrics(dict):
         super().__init__()
         self.keep = keep
         self._in_order = True
+        self.val_loss: float | None = None
+        """The newest evaluation's val_loss: train.eval_interval makes it rarer than the rows kept."""
 
     def __setitem__(self, step: int, row: dict) -> None:
         if step not in self and self and step < next(reversed(self)):
             self._in_order = False  # a step older than the newest, evicted before: sort in since()
         super().__setitem__(step, row)
+        if row.get("val_loss") is not None:
+            self.val_loss = row["val_loss"]
         while len(self) > self.keep:
             del self[next(iter(self))]
 

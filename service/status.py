@@ -54,6 +54,8 @@ class JobStatus:
     layout: dict | None = None
     """Layout.to_dict() of the group that runs now (or of the last one)."""
     loss: float | None = None
+    val_loss: float | None = None
+    """Loss on the held-out split at the last evaluation (train.eval_interval); None before one."""
     tokens_per_s: float | None = None
     mfu: float | None = None
     """Model FLOPs utilisation at the last step (0..1); None where the device's peak is unknown."""

@@ -28,6 +28,7 @@ class JobCollector:
         g = {k: GaugeMetricFamily(f"elastron_job_{k}", doc, labels=labels) for k, doc in (
             ("step", "Last completed optimizer step."),
             ("loss", "Training loss at the last step."),
+            ("val_loss", "Loss on the held-out split at the last evaluation (train.eval_interval)."),
             ("tokens_per_second", "Training throughput at the last step."),
             ("mfu", "Model FLOPs utilisation (0..1) at the last step; no sample where unknown (e.g. on CPUs)."),
             ("world_size", "Workers in the current worker group (0 when none)."),
@@ -43,7 +44,7 @@ class JobCollector:
         for j in self.jobs.list():
             lv = [j["id"], j["name"]]
             by_state[j["state"]] = by_state.get(j["state"], 0) + 1
-            for key, src in (("step", "step"), ("loss", "loss"), ("tokens_per_second", "tokens_per_s"),
+            for key, src in (("step", "step"), ("loss", "loss"), ("val_loss", "val_loss"), ("tokens_per_second", "tokens_per_s"),
                              ("mfu", "mfu"), ("world_size", "world_size"), ("committed_step", "committed_step")):
                 if isinstance(j.get(src), (int, float)) and not isinstance(j.get(src), bool):
                     g[key].add_metric(lv, float(j[src]))

@@ -108,7 +108,8 @@ async function loadJob() {
   }
   if (evSince === view.events.length) view.events.push(...evs);
   showJob(job);
-  drawChart($("loss-chart"), view.metrics.filter((m) => m.loss != null).map((m) => [m.step, m.loss]), "#3366cc");
+  drawChart($("loss-chart"), view.metrics.filter((m) => m.loss != null).map((m) => [m.step, m.loss]), "#3366cc",
+            [[view.metrics.filter((m) => m.val_loss != null).map((m) => [m.step, m.val_loss]), "#e07b00"]]);
   drawChart($("tps-chart"), view.metrics.filter((m) => m.tokens_per_s != null).map((m) => [m.step, m.tokens_per_s]), "#2a9d5c");
   drawTimeline($("timeline"), view.events, job);
   showEvents(view.events);
@@ -158,16 +159,19 @@ function niceTicks(lo, hi, n) {
 }
 
 // A line chart of points [[x, y], ...] on a canvas; the point count goes into data-points.
-function drawChart(canvas, pts, color) {
+// `more`: further [pts, color] series on the same axes (the loss chart's validation loss, in orange).
+function drawChart(canvas, pts, color, more = []) {
   const ctx = canvas.getContext("2d");
   const W = canvas.width, H = canvas.height, L = 56, R = 12, T = 10, B = 26;
   ctx.clearRect(0, 0, W, H);
   canvas.dataset.points = String(pts.length);
+  canvas.dataset.morePoints = more.map(([p]) => p.length).join(",");
   ctx.font = "11px system-ui, sans-serif";
   ctx.fillStyle = "#778";
   if (!pts.length) { ctx.fillText("no data yet", W / 2 - 30, H / 2); return; }
   let x0 = pts[0][0], x1 = pts[pts.length - 1][0];
-  let y0 = Math.min(...pts.map((p) => p[1])), y1 = Math.max(...pts.map((p) => p[1]));
+  const ys = [pts, ...more.map(([p]) => p)].flat().map((p) => p[1]);
+  let y0 = Math.min(...ys), y1 = Math.max(...ys);
   if (x1 === x0) x1 = x0 + 1;
   if (y1 === y0) { y0 -= Math.abs(y0) * 0.1 || 1; y1 += Math.abs(y1) * 0.1 || 1; }
   const sx = (x) => L + (x - x0) / (x1 - x0) * (W - L - R);
@@ -181,12 +185,15 @@ function drawChart(canvas, pts, color) {
   }
   ctx.textAlign = "center";
   for (const v of niceTicks(x0, x1, 6)) ctx.fillText(String(v), sx(v), H - 8);
-  ctx.strokeStyle = color;
-  ctx.lineWidth = 1.5;
-  ctx.beginPath();
-  pts.forEach(([x, y], i) => (i ? ctx.lineTo(sx(x), sy(y)) : ctx.moveTo(sx(x), sy(y))));
-  ctx.stroke();
-  if (pts.length === 1) { ctx.fillStyle = color; ctx.fillRect(sx(pts[0][0]) - 2, sy(pts[0][1]) - 2, 4, 4); }
+  for (const [ps, c] of [[pts, color], ...more]) {
+    ctx.strokeStyle = c;
+    ctx.lineWidth = 1.5;
+    ctx.beginPath();
+    ps.forEach(([x, y], i) => (i ? ctx.lineTo(sx(x), sy(y)) : ctx.moveTo(sx(x), sy(y))));
+    ctx.stroke();
+    ctx.fillStyle = c;
+    if (ps.length === 1 || c !== color) ps.forEach(([x, y]) => ctx.fillRect(sx(x) - 2, sy(y) - 2, 4, 4));
+  }
 }
 
 // Layout segments from the "resize" events (each re-formation of the worker group), with marks for

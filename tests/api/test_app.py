@@ -264,6 +264,10 @@ def test_prometheus_metrics_per_job(env):
                 samples[key] = s.value
     assert samples[("elastron_job_step", ())] == 5
     assert samples[("elastron_job_loss", ())] == pytest.approx(2.0)
+    assert samples[("elastron_job_val_loss", ())] == pytest.approx(5.0)  # the last evaluation: step 4
+    assert env.get(f"{J}/{job_id}").json()["val_loss"] == pytest.approx(5.0)
+    rows = env.get(f"{J}/{job_id}/metrics").json()
+    assert [(m["step"], m["val_loss"]) for m in rows if m["val_loss"] is not None] == [(2, 10.0), (4, 5.0)]
     assert samples[("elastron_job_tokens_per_second", ())] == pytest.approx(1050.0)
     assert samples[("elastron_job_world_size", ())] == 2
     assert samples[("elastron_job_parallel_degree", (("axis", "dp"),))] == 2

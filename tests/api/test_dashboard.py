@@ -43,6 +43,8 @@ def test_live_charts_and_resize_from_the_dashboard(tmp_path):
             first = points(page, "loss-chart")
             page.wait_for_function(f"() => +document.getElementById('loss-chart').dataset.points > {first}")
             assert points(page, "tps-chart") > 0
+            # validation loss in the loss chart: the fake rows evaluate every second step
+            page.wait_for_function("() => +document.getElementById('loss-chart').dataset.morePoints >= 1")
             # MFU next to tokens/s: the fake rows carry 0.001 * step
             page.wait_for_function("() => /^[0-9]+[.][0-9]%$/.test(document.getElementById('mfu').textContent)")
 
