@@ -72,4 +72,5 @@ def resolve_init_from(cfg: "JobConfig", *, weights: bool = True) -> "JobConfig":
         raise ConfigError(str(e)) from None
     except OSError as e:  # a path that cannot even be looked at (name too long, ...)
         raise ConfigError(f"model.init_from {m.init_from!r} cannot be read: {e.strerror or e}") from None
-    return dataclasses.replace(cfg, model=dataclasses.replace(m, resolved=shape))
+    # Absolute, as the caller meant it: the ranks may start in another working directory.
+    return dataclasses.replace(cfg, model=dataclasses.replace(m, init_from=str(directory.absolute()), resolved=shape))

@@ -1,0 +1,78 @@
+"""docs/hugging-face.md at toy size: a tiny random Hugging Face Llama (made by transformers, no download)
+and a folder of text -> `elastron data prepare` -> `elastron train` with examples/continue-pretraining.yaml
+(init_from, val_loss, TensorBoard) on 2 ranks -> `elastron export` -> transformers loads the result."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+ROOT = Path(__file__).resolve().parents[2]
+ELASTRON = [sys.executable, "-c", "import sys; from api.cli import main; sys.exit(main())"]
+WORDS = "the quick brown fox jumps over a lazy dog while early birds catch worms in time".split()
+
+
+def elastron(*args: str, cwd: Path) -> str:
+    r = subprocess.run([*ELASTRON, *args], cwd=cwd, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, f"elastron {' '.join(args)}:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+    return r.stdout
+
+
+def test_walkthrough_from_a_model_directory_and_a_folder_of_text(tmp_path):
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    # The user's starting point: a model directory with its tokenizer, and a folder of text.
+    model_dir, text = tmp_path / "models" / "my-llama", tmp_path / "my-text"
+    text.mkdir(parents=True)
+    for i in range(40):
+        (text / f"doc{i}.txt").write_text(" ".join(WORDS[(i + j) % len(WORDS)] for j in range(30)))
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator([" ".join(WORDS)] * 5, trainers.BpeTrainer(vocab_size=60, special_tokens=["<unk>", "</s>"]))
+    torch.manual_seed(0)
+    hf = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  vocab_size=64, intermediate_size=48, max_position_embeddings=64,
+                                  tie_word_embeddings=False)
+    transformers.LlamaForCausalLM(hf).float().save_pretrained(model_dir)
+    tok.save(str(model_dir / "tokenizer.json"))
+
+    # 1. Prepare the data with the model's tokenizer.
+    elastron("data", "prepare", "my-text", "--tokenizer", "models/my-llama", "--out", "data/my-text",
+             "--val-fraction", "0.25", cwd=tmp_path)
+    meta = json.loads((tmp_path / "data" / "my-text" / "meta.json").read_text())
+    assert meta["tokens"]["val"] > 17 and meta["dtype"] == "uint16"
+
+    # 2. The example config, shrunk to toy size (the paths are the walkthrough's own).
+    cfg = yaml.safe_load((ROOT / "examples" / "continue-pretraining.yaml").read_text())
+    assert cfg["model"]["init_from"] == "models/my-llama" and cfg["data"]["path"] == "data/my-text/train.bin"
+    cfg["data"].update(seq_len=16, token_dtype=meta["dtype"])
+    cfg["train"].update(steps=4, global_batch_size=4, micro_batch_size=2, warmup_steps=1, dtype="float32",
+                        eval_interval=2, eval_batches=1)
+    cfg["checkpoint"]["interval_steps"] = 2
+    cfg["parallel"]["max_workers"] = 2
+    cfg["resources"] = {"device": "cpu"}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(cfg))
+
+    # 3. Train from the model (local ranks; `elastron run` takes the same config onto Ray).
+    out = elastron("train", "job.yaml", "--nproc", "2", "--layout", "dp=2", "--run-dir", "runs/my-llama", cwd=tmp_path)
+    assert "started from" in out
+    run = tmp_path / "runs" / "my-llama"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["val_loss"] is not None for r in rows] == [False, True, False, True]
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+
+    # 4. Export, and transformers loads what came out.
+    elastron("export", "runs/my-llama/checkpoints", "my-llama-continued", cwd=tmp_path)
+    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "my-llama-continued")
+    assert back.config.vocab_size == 64 and back.config.num_hidden_layers == 2
