@@ -244,9 +244,15 @@ class CheckpointConfig:
     (cryptographic), sha256, or none (scratch runs only: corruption then goes unnoticed)."""
     io_threads: int = 2
     """Files each rank writes, and reads, in parallel."""
+    resume_from: str | None = None
+    """Start from the checkpoints under this directory even though another job or another model config
+    wrote them (without it such a checkpoint is refused). Read only, and only while this job has no
+    checkpoint of its own; naming this job's own checkpoint directory only waives the check."""
 
     def __post_init__(self) -> None:
         _positive("checkpoint", self, "interval_steps", "keep_last", "io_threads")
+        if self.resume_from is not None and (not isinstance(self.resume_from, str) or not self.resume_from.strip()):
+            raise ConfigError(f"checkpoint.resume_from must be a directory path, got {self.resume_from!r}")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

@@ -42,6 +42,7 @@ from workers.data import Batch, DataLoader, build_source, build_val_source
 from workers.lr import lr_at
 from workers.mfu import mfu, peak_flops
 from workers.report import Reporter, StepMetrics
+from workers.resume import refuse_foreign
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +190,7 @@ class Trainer:
             "layout": self.layout.to_dict(),
             "world_size": self.layout.world_size,
             "model_config": self.model_cfg.to_dict(),
+            "job_name": self.cfg.name,
             "job_config_digest": self.cfg.digest(),
             "lr_schedule": {"step": self.step, **{k: getattr(t, k) for k in _LR_FIELDS}},
             "data": {**self.loader.state_dict(), "epoch": self.loader.position.epoch(n_samples)},
@@ -197,11 +199,20 @@ class Trainer:
 
     def resume(self) -> Manifest | None:
         """Load the newest loadable checkpoint (any layout) and restore step, data position and RNG."""
-        m = self.checkpointer.load_latest(self.model, self.optimizer, expected=self._expected_tensors())
+        src, named = self.checkpointer, self.cfg.checkpoint.resume_from
+        m = src.load_latest(self.model, self.optimizer, expected=self._expected_tensors())
+        if m is None and named and named.rstrip("/") != str(src.root).rstrip("/"):
+            c = self.cfg.checkpoint  # another job's checkpoints, named on purpose: read, never written
+            src = CheckpointManager(named, keep_last=c.keep_last, io_threads=c.io_threads, read_only=True)
+            m = src.load_latest(self.model, self.optimizer, expected=self._expected_tensors())
         if m is None:
             return None
-        self.restore_state(m.step, m.state, where=f"checkpoint {self.checkpointer.root} step {m.step}")
-        self.checkpointer.last_saved_step = self.checkpointer.last_committed_step = m.step  # no re-save at m.step
+        where = f"checkpoint {src.root} step {m.step}"
+        if not named:
+            refuse_foreign(m.state, job_name=self.cfg.name, model_config=self.model_cfg.to_dict(), where=where)
+        self.restore_state(m.step, m.state, where=where)
+        if src is self.checkpointer:
+            self.checkpointer.last_saved_step = self.checkpointer.last_committed_step = m.step  # no re-save
         self.resumed_from = m
         return m
 

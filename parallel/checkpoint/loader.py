@@ -137,7 +137,7 @@ def load_newest(mgr: "CheckpointManager", model: nn.Module, optimizer: torch.opt
                 "It was neither skipped nor set aside, and no older checkpoint was loaded, so no progress "
                 "is lost: resume again once the storage is reachable")
         if not out.problems:
-            if skipped and mgr.rank == 0:
+            if skipped and mgr.rank == 0 and not mgr.read_only:  # another job's checkpoints stay as they are
                 _set_aside(mgr, skipped)
                 log.warning("resumed from %s after skipping %d newer checkpoint(s)", path, len(skipped))
             return out.manifest

@@ -43,15 +43,7 @@ from parallel.checkpoint import state as state_mod
 from parallel.checkpoint.checksum import DEFAULT as DEFAULT_CHECKSUM
 from parallel.checkpoint.checksum import check_algorithm
 from parallel.checkpoint.comm import Comm
-from parallel.checkpoint.manifest import (
-    MANIFEST_NAME,
-    CheckpointError,
-    Chunk,
-    FileEntry,
-    Manifest,
-    TensorEntry,
-    describe,
-)
+from parallel.checkpoint.manifest import MANIFEST_NAME, CheckpointError, Chunk, FileEntry, Manifest, TensorEntry, describe
 from parallel.checkpoint.loader import load_newest
 from parallel.checkpoint.storage import Storage, open_storage
 from parallel.checkpoint.tensor_io import dtype_name
@@ -91,7 +83,7 @@ class CheckpointManager:
 
     def __init__(self, root: str, *, keep_last: int = 3, async_save: bool = True,
                  storage_options: dict[str, Any] | None = None, timeout_s: float = 600.0,
-                 checksum: str = DEFAULT_CHECKSUM, io_threads: int = 2) -> None:
+                 checksum: str = DEFAULT_CHECKSUM, io_threads: int = 2, read_only: bool = False) -> None:
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 (the newest checkpoint is always kept), got {keep_last}")
         if io_threads < 1:
@@ -100,11 +92,12 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.async_save = async_save
         self.checksum = check_algorithm(checksum)
-        self.io_threads = io_threads
-        """Files written (per rank) and read in parallel."""
+        self.io_threads = io_threads  # files written (per rank) and read in parallel
+        self.read_only = read_only
+        """Another job's checkpoints (`checkpoint.resume_from`): loaded, never saved, cleaned or set aside."""
         self._comm = Comm(timeout_s)
         self.rank = self._comm.rank
-        if self.rank == 0:
+        if self.rank == 0 and not read_only:
             self._remove_stale_staging()
         self._comm.barrier()
         self._stager = state_mod.Stager()
@@ -146,6 +139,8 @@ class CheckpointManager:
         thread while the caller goes on, and the optimizer's next `step()` waits for it (a step pre-hook).
         Only for callers that change parameters and optimizer state through `optimizer.step()` alone, as a
         training loop does: forward and backward then overlap the copy instead of waiting for it."""
+        if self.read_only:
+            raise CheckpointError(f"{self.root} was opened read-only (checkpoint.resume_from): nothing is saved there")
         t0 = time.perf_counter()
         if blocking is None:
             blocking = not self.async_save
