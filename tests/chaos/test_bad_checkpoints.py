@@ -145,6 +145,7 @@ def test_a_bad_checkpoint_never_crowds_good_ones_out_of_retention(tmp_path, stor
         again = CheckpointManager(root, keep_last=1)
         assert again.load_latest(*tiny_model(seed=1)).step == 2
         again.save(3, model, opt, state={}, blocking=True)
+        again.flush()  # a blocking save returns at the commit; retention finishes in the writer thread
         fresh = CheckpointManager(root, keep_last=1)
         assert fresh.load_latest(*tiny_model(seed=2)).step == 3
         left = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root.removeprefix("memory://"), detail=False))
