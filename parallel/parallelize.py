@@ -210,10 +210,13 @@ def _wait_async_output(module: nn.Module, args, out):
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, *, seed: int, device: torch.device) -> None:
-    """Allocate this rank's shards on `device` and fill them with its slice of the global initial values."""
+def materialize(model: nn.Module, *, seed: int, device: torch.device, init: bool = True) -> None:
+    """Allocate this rank's shards on `device` and fill them with its slice of the global initial values
+    (`init=False`: leave them unset, for a caller that overwrites every element, e.g. a live reshard)."""
     model.to_empty(device=device)
     model.init_buffers(device)
+    if not init:
+        return
     cfg = model.cfg
     for name, p in model.named_parameters():
         full = init_value(cfg, name, tuple(p.shape), seed).to(device)

@@ -72,7 +72,7 @@ class Worker:
         device = self._init_group(rank, world_size, master_addr, master_port, timeout_s)
         t1 = time.perf_counter()
         self.trainer = Trainer(self.cfg, plan=Plan.from_dict(plan), device=device,
-                               run_dir=self.run_dir).build(resume=not adopt)
+                               run_dir=self.run_dir).build(resume=not adopt, init_weights=not adopt)
         if adopt:
             got, self.received = self.received, None
             self.trainer.adopt(got.pieces, got.optimizer_steps, got.state)

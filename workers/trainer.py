@@ -85,9 +85,10 @@ class Trainer:
         self.val_loader: DataLoader | None = None
 
     # -- construction ------------------------------------------------------------------------------
-    def build(self, *, resume: bool = True) -> "Trainer":
+    def build(self, *, resume: bool = True, init_weights: bool = True) -> "Trainer":
         """Build model, optimizer, data and schedule for this rank; `resume`: load the newest committed
-        checkpoint (off when the state arrives another way, e.g. `adopt()` after a live reshard)."""
+        checkpoint (off when the state arrives another way, e.g. `adopt()` after a live reshard, which
+        also needs no initial values: `init_weights=False` leaves the shards allocated but unset)."""
         cfg, layout = self.cfg, self.layout
         # Checks every rank makes alike, before any collective: a bad option fails fast, never hangs.
         t = cfg.train
@@ -119,7 +120,7 @@ class Trainer:
             activation_checkpointing=t.activation_checkpointing,
             compile=t.compile,
         )
-        materialize(model, seed=cfg.train.seed, device=self.device)
+        materialize(model, seed=cfg.train.seed, device=self.device, init=init_weights)
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.flops_per_token = self.model_cfg.flops_per_token(cfg.data.seq_len)

@@ -67,7 +67,7 @@ def live_body(cfg_dict: dict, old: str, new: str, ports: list[int], run_dir: str
     if rank < new_l.world_size:
         init(ports[2], new_l.world_size)
         fed = Trainer(JobConfig.from_dict({**cfg_dict, "checkpoint": {"async_save": False}}), layout=new_l,
-                      device=cpu).build()
+                      device=cpu).build(resume=False, init_weights=False)  # as a worker that adopts builds it
         fed.adopt(received.pieces, received.optimizer_steps, received.state)
         resumed = Trainer(cfg, layout=new_l, device=cpu, run_dir=run_dir).build()
         if resumed.resumed_from is None or resumed.step != 3 or fed.step != 3:
