@@ -279,7 +279,8 @@ class WorkerGroup:
         (spares first); old members and joiners form one transfer group and run the exchange plan
         (workers.reshard); leavers stop; the new training group forms and adopts what it received.
         `survivors`: after a failure, the old ranks of the members, which `salvage()` already made hand
-        over. Returns (started, stopped, timings). Raises WorkerFailure if any part fails: the caller
+        over. Returns (started, stopped, timings; `transfer_parts`: the slowest worker's seconds per phase of
+        the transfer call). Raises WorkerFailure if any part fails: the caller
         falls back to the last committed checkpoint (every member, joiners included, is in `members`
         then, so a shutdown releases them all)."""
         t0 = time.perf_counter()
@@ -310,7 +311,8 @@ class WorkerGroup:
         formed = self.form(new, adopt=True)
         return len(started), len(leavers), {
             "step": formed["step"], "handover_s": t1 - t0, "transfer_s": t2 - t1, "form_s": formed["form_s"],
-            "bytes_moved": sum(r["bytes_received"] for r in moved)}
+            "bytes_moved": sum(r["bytes_received"] for r in moved),
+            "transfer_parts": {k: max(r["timings"].get(k, 0.0) for r in moved) for k in moved[0]["timings"]}}
 
     def run(self, *, until_step: int, steps: int, should_abort=lambda: False) -> list[dict]:
         """`steps` training steps on every rank (the same count everywhere); rank 0's metrics. Polls

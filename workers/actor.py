@@ -158,16 +158,20 @@ class Worker:
         from workers.runtime import destroy_process_group
 
         self.leave()
+        t0 = time.perf_counter()
         try:
             device = self._init_group(rank, world_size, master_addr, master_port, timeout_s)
+            t1 = time.perf_counter()
             got = exchange(self.handover, model=self.cfg.model.build(), old=Plan.from_dict(old_plan).layout,
                            new=Plan.from_dict(new_plan).layout, old_rank=old_rank, new_rank=new_rank,
                            old_to_group=old_to_group, new_to_group=new_to_group, nodes=nodes, device=device)
         finally:
             self.handover = None
+            t2 = time.perf_counter()
             destroy_process_group()
         self.received = got if new_rank is not None else None
-        return {"bytes_received": got.bytes_received}
+        return {"bytes_received": got.bytes_received,
+                "timings": {"rendezvous": t1 - t0, **got.timings, "leave": time.perf_counter() - t2}}
 
     def leave(self) -> None:
         """Drop the trainer and the process group; the process stays warm for the next layout."""

@@ -13,7 +13,8 @@ but tensors and one JSON state document travels.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+import time
 from typing import Any
 
 import torch
@@ -43,6 +44,8 @@ class Received:
     state: dict[str, Any]
     bytes_received: int = 0
     """Bytes that came over the network to this worker (pieces it kept from its own shards excluded)."""
+    timings: dict[str, float] = field(default_factory=dict)
+    """Seconds in each phase on this worker: agree (optimizer steps), plan, state (JSON), send_recv."""
 
 
 def hand_over(trainer: Any) -> Handover:
@@ -65,6 +68,7 @@ def exchange(handover: Handover | None, *, model: ModelConfig, old: Layout, new:
     members). `*_to_group`: layout rank -> rank in the group (of the old ranks, only those still alive:
     after a failure the survivors, who must hold every box between them); `nodes`: group rank -> node
     id, so pieces come from the same node when a replica there has them."""
+    clock = _Clock()
     meta = build_model(model)
     shapes = {n: tuple(p.shape) for n, p in meta.named_parameters()}
     dtypes = {n: p.dtype for n, p in meta.named_parameters()}
@@ -74,6 +78,7 @@ def exchange(handover: Handover | None, *, model: ModelConfig, old: Layout, new:
     steps: dict[str, int] = {}
     for part in gathered:
         steps.update(part)
+    clock.lap("agree")
     states = ("exp_avg", "exp_avg_sq") if steps else ()  # no AdamW state before the first step
     old_b = {r: b for r, b in boxes(old, shapes, model.n_layers, states).items() if r in old_to_group}  # survivors
     new_b = boxes(new, shapes, model.n_layers, states)
@@ -83,13 +88,27 @@ def exchange(handover: Handover | None, *, model: ModelConfig, old: Layout, new:
     plan = plan_exchange(old_b, new_b, same_worker=same_worker,
                          old_node={r: nodes[g] for r, g in old_to_group.items() if g in nodes},
                          new_node={r: nodes[g] for r, g in new_to_group.items() if g in nodes})
+    clock.lap("plan")
     box = [handover.state if handover and handover.state is not None else None]
     dist.broadcast_object_list(box, src=old_to_group[min(old_to_group)])  # the lowest old rank still here
+    clock.lap("state")
     key_dtype = {f"{prefix}{n}": dt for n, dt in dtypes.items()
                  for prefix in ("model.", *(f"optim.{st}." for st in states))}  # moments share the param's dtype
     pieces = transfer(plan, old_rank=old_rank, new_rank=new_rank, held=handover.held if handover else None,
                       dtypes=key_dtype, old_to_group=old_to_group, new_to_group=new_to_group, device=device)
+    clock.lap("send_recv")
     me = dist.get_rank()
     got = sum(t.box.numel * key_dtype[t.key].itemsize for t in plan
               if new_to_group[t.dst] == me and old_to_group[t.src] != me)
-    return Received(pieces=pieces, optimizer_steps=steps, state=box[0], bytes_received=got)
+    return Received(pieces=pieces, optimizer_steps=steps, state=box[0], bytes_received=got, timings=clock.laps)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.laps: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name] = now - self._t
+        self._t = now
