@@ -86,8 +86,7 @@ class Coordinator(GroupLifecycle):
         self.failures: list[Failure] = []
         self.reconfigs: list[Reconfig] = []
         self._open: Reconfig | None = None
-        self._heal = None
-        """service.reconfigure.Heal while a failed group's survivors wait to heal from peers."""
+        self._heal = None  # service.reconfigure.Heal while a failed group's survivors wait to heal from peers
         self._commands: queue.Queue[Command] = queue.Queue()
         self._user_resize = False
         self.grant: dict[str, int] | None = None
@@ -301,6 +300,7 @@ class Coordinator(GroupLifecycle):
             self._open.first_step(rows[0], self.metrics.get(self._open.step_before))
             self.reconfigs.append(self._open)
             self._open = None
+            self._durable_checkpoint()  # after a live move: the fallback checkpoint, now that it trains
         if self.sm.state is not S.RUNNING:
             self.sm.transition(S.RUNNING, reason="training", layout=self.plan.layout, step=self.step_done)
 

@@ -90,13 +90,25 @@ class GroupLifecycle:
         self._formed(p, old.layout.to_dict(), moved["step"], started, stopped, cause=cause, t0=t0,
                      reason=f"{reason}; {mib:.0f} MiB of state {how} in {moved['transfer_s']:.2f}s",
                      transfer={"path": "live" if survivors is None else "peers", **moved})
+        self._durable_due = True
+
+    _durable_due = False
+    """A layout was formed from live state and has no checkpoint yet: write one after its first step."""
+
+    def _durable_checkpoint(self: Coordinator) -> None:
+        """After the first step at a layout formed from live state: a durable checkpoint in the background
+        (it stages during the next step and commits while training goes on), so a later failure has a
+        fallback. Not before that first step, which on a busy worker it would slow down."""
+        if not self._durable_due:
+            return
+        self._durable_due = False
         try:
             step = self.group.checkpoint(blocking=False)
         except WorkerFailure as e:
             self._recover(e)
             return
-        self.sm.note("checkpoint", reason=f"durable checkpoint of step {step} under {p.layout} writing in the "
-                                          "background", step=step, cause=cause)
+        self.sm.note("checkpoint", reason=f"durable checkpoint of step {step} under {self.plan.layout} writing "
+                                          "in the background", step=step)
 
     def _salvage(self: Coordinator) -> bool:
         """After a failure without notice: keep the surviving workers and their state when, between them,
@@ -215,7 +227,7 @@ class GroupLifecycle:
         self.sm.transition(S.FAILED, reason=reason, step=self.step_done)
 
     def _shutdown_group(self) -> None:
-        self._heal = None
+        self._heal, self._durable_due = None, False
         if self.group is not None:
             self.group.shutdown()
             self.group = None

@@ -191,10 +191,12 @@ def test_a_planned_resize_moves_state_live_then_writes_a_durable_checkpoint_in_t
     rc = c.reconfigs[-1]
     assert rc.transfer["path"] == "live" and rc.transfer["bytes_moved"] == 1 << 20
     assert rc.step_before == rc.resumed_step == 7 and rc.steps_lost == 0  # not the step-5 commit
-    kinds = [(e["kind"], e["reason"]) for e in c.events_since(0)]
-    live = next(i for i, (k, r) in enumerate(kinds) if k == "resize" and "moved live" in r)
-    durable = next(i for i, (k, r) in enumerate(kinds) if k == "checkpoint" and "in the background" in r)
-    assert live < durable and c.committed_step >= 7
+    advance(c, lambda c: c.step_done >= 9)
+    events = c.events_since(0)
+    live = next(i for i, e in enumerate(events) if e["kind"] == "resize" and "moved live" in e["reason"])
+    durable = next(i for i, e in enumerate(events) if e["kind"] == "checkpoint" and "in the background" in e["reason"])
+    # written once the new layout has trained its first step (8), not while that step runs
+    assert live < durable and events[durable]["step"] == 8 and c.committed_step >= 8
 
 
 def test_reshard_storage_resizes_through_a_blocking_checkpoint(tmp_path):
