@@ -258,6 +258,16 @@ def build_adamw(params: list[nn.Parameter], *, fused: bool, **hyper) -> torch.op
     return torch.optim.AdamW(param_groups(params), **hyper, **impl)
 
 
+def reshard_after_eval(model: nn.Module) -> None:
+    """Put FSDP2's sharded parameters back after forward-only passes. Without a backward nothing
+    reshards the units that keep their parameters after forward: the module would keep exposing the
+    unsharded (bf16 under mixed precision) tensors as its parameters, and a checkpoint or a live
+    hand-over right after an evaluation would read those instead of the fp32 shards."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
 def set_grad_sync(model: nn.Module, sync: bool) -> None:
     """Skip gradient reduction on all but the last microbatch of an accumulation (FSDP2 or DDP).
 

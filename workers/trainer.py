@@ -32,6 +32,7 @@ from parallel.parallelize import (
     cross_entropy,
     materialize,
     parallelize,
+    reshard_after_eval,
     set_grad_sync,
 )
 from parallel.pipeline import build_schedule
@@ -328,6 +329,7 @@ class Trainer:
         with torch.no_grad():
             for _ in range(n):
                 total += self._forward_backward(self.val_loader.next_batch(), backward=False)
+        reshard_after_eval(self.model)
         return self._global_mean(total / n)
 
     def train_step(self) -> StepMetrics:
