@@ -123,7 +123,7 @@ def load_hf_weights(model: nn.Module, weights: HFWeights, cfg: ModelConfig, *, t
         else:
             targets[key] = Target(local, offsets)
     n = read_into(LocalStorage(str(weights.directory)), str(weights.directory), weights.manifest, targets,
-                  threads=threads, verify=False, file_keys=weights.file_keys)
+                  threads=threads, verify=False, file_keys=weights.file_keys, read_through=False)
     with torch.no_grad():
         for whole, local, start, heads in fixups:
             local.copy_(halves_to_interleaved(whole, heads)[start:start + local.shape[0]])
