@@ -44,8 +44,13 @@ def test_a_detached_job_actor_survives_its_manager_and_is_found_by_name(local_ra
         j = wait_for(lambda: (x := second.get(job_id))["state"] == "SUCCEEDED" and x, timeout=60, what="done")
         assert [m["step"] for m in second.metrics(job_id)] == list(range(1, 41))
         assert j["reconfigurations"] == {"planned": 1, "user": 1} and j["steps_lost"] == 0
-        with pytest.raises(ValueError):  # released once its final state was stored
-            ray.get_actor(actor_name(job_id), namespace=NAMESPACE)
+        def released() -> bool:  # once its final state was stored (the sync thread stores, then releases)
+            try:
+                ray.get_actor(actor_name(job_id), namespace=NAMESPACE)
+                return False
+            except ValueError:
+                return True
+        wait_for(released, timeout=30, what="the finished job's actor released")
 
         doomed = second.submit(SPEC, steps=10_000)
         wait_for(lambda: second.get(doomed)["step"] >= 2, timeout=90, what="second job trains")
