@@ -1,6 +1,8 @@
 """Tier 2: a Trainer started from a Hugging Face Llama (model.init_from) under dp, tp=2, pp=2 and 2x2 takes
 the first step on the same model transformers computes: its loss equals transformers' loss on the same
-batch (fp32, 1e-4 relative), and init_from -> 0 steps -> export gives back the very same weights."""
+batch, and the logits of that step's forward (on every rank holding the output projection: the last
+pipeline stage, gathered across TP ranks) equal transformers' logits on the very inputs that rank saw (fp32,
+1e-4); and init_from -> 0 steps -> export gives back the very same weights."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ def job(hf_dir: str) -> dict:
 
 def first_step_body(cfg_dict: dict, layout: str, run_dir: str) -> dict:
     import torch
+    from torch.distributed.tensor import DTensor
 
     from parallel.layout import Layout
     from workers.config import JobConfig, resolve_init_from
@@ -33,9 +36,23 @@ def first_step_body(cfg_dict: dict, layout: str, run_dir: str) -> dict:
     cfg = resolve_init_from(JobConfig.from_dict(cfg_dict))  # as the trainer's edge does
     trainer = Trainer(cfg, layout=Layout.parse(layout), device=torch.device("cpu"), run_dir=run_dir).build()
     trainer.fit(0)  # 0 steps: only the final save, of the weights as loaded
+    # The first step's own forward, before its optimizer update: the inputs this rank is given and the
+    # output projection's result for each microbatch, in order (the pipeline schedule runs them in order).
+    inputs, logits = [], []
+    trainer.on_batch = lambda batch: inputs.append(batch.stacked()[0])
+    if trainer.model.output is not None:  # the last pipeline stage only
+        trainer.model.output.register_forward_hook(lambda mod, args, out: logits.append(out.detach()))
     m = trainer.train_step()
+    # The step's microbatches are its last forwards: a pipeline stage's first step runs one more before
+    # them, on uninitialised tensors, to infer its shapes. Under TP the logits are vocab-sharded DTensors:
+    # gather them (a collective over the TP ranks, which all hold the output projection).
+    assert not logits or len(logits) >= trainer.n_microbatches, len(logits)
+    logits = [t.full_tensor() if isinstance(t, DTensor) else t for t in logits[-trainer.n_microbatches:]]
     trainer.close()
-    return {"loss": m.loss}
+    out = {"loss": m.loss, "inputs": inputs[0]}
+    if logits:
+        out["logits"] = torch.cat(logits)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +66,13 @@ def hf(tmp_path_factory):
     return str(path), model
 
 
+def transformers_logits(model, inputs):
+    import torch
+
+    with torch.no_grad():
+        return model(inputs).logits.float()
+
+
 def transformers_loss(model, cfg_dict: dict) -> float:
     """transformers' mean next-token loss on the trainer's first global batch."""
     import torch
@@ -59,13 +83,13 @@ def transformers_loss(model, cfg_dict: dict) -> float:
     src = SyntheticSource(num_samples=d["num_samples"], seq_len=d["seq_len"], vocab_size=HF["vocab_size"], seed=SEED)
     ids = global_sample_ids(0, t["global_batch_size"], n_samples=len(src), seed=SEED)
     tokens = torch.from_numpy(__import__("numpy").stack([src.sample(int(i)) for i in ids]))
-    with torch.no_grad():
-        logits = model(tokens[:, :-1]).logits.float()
+    logits = transformers_logits(model, tokens[:, :-1])
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).item()
 
 
 @pytest.mark.parametrize("layout", ["dp=2", "tp=2", "pp=2", "dp=2,tp=2"])
 def test_first_step_and_export_match_transformers(hf, tmp_path, layout):
+    import torch
     from safetensors.torch import load_file
 
     from parallel.layout import Layout
@@ -77,6 +101,14 @@ def test_first_step_and_export_match_transformers(hf, tmp_path, layout):
     want = transformers_loss(model, cfg)
     for r in results:
         assert r["loss"] == pytest.approx(want, rel=1e-4), (layout, r["loss"], want)
+    lay = Layout.parse(layout)
+    holders = [rank for rank, r in enumerate(results) if "logits" in r]
+    assert len(holders) == lay.world_size // lay.pp, (layout, holders)  # every rank of the last stage
+    for rank in holders:
+        got, x = results[rank]["logits"], results[rank]["inputs"]
+        assert got.shape == (*x.shape, HF["vocab_size"]), (layout, rank, got.shape)
+        torch.testing.assert_close(got, transformers_logits(model, x), rtol=1e-4, atol=1e-4,
+                                   msg=lambda m, rank=rank: f"{layout} rank {rank}: {m}")
 
     out = export_checkpoint(tmp_path / "run" / "checkpoints", tmp_path / "export")  # what `elastron export` runs
     back, orig = load_file(str(out / "model.safetensors")), load_file(f"{path}/model.safetensors")
