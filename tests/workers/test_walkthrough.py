@@ -1,6 +1,8 @@
 """docs/hugging-face.md at toy size: a tiny random Hugging Face Llama (made by transformers, no download)
-and a folder of text -> `elastron data prepare` -> `elastron train` with examples/continue-pretraining.yaml
-(init_from, val_loss, TensorBoard) on 2 ranks -> `elastron export` -> transformers loads the result."""
+and a folder of text -> `elastron data prepare` -> `elastron run` with examples/continue-pretraining.yaml
+(init_from, val_loss, TensorBoard) on a local Ray of 2 CPUs -> `elastron export` -> transformers loads the
+result. The page's no-Ray line, `elastron train`, runs the same config on 2 local ranks beside it and gives
+the same losses."""
 
 from __future__ import annotations
 
@@ -13,16 +15,21 @@ from pathlib import Path
 import pytest
 import yaml
 
+pytestmark = pytest.mark.e2e  # `elastron run` starts a local Ray
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
+pytest.importorskip("ray")
 ROOT = Path(__file__).resolve().parents[2]
 ELASTRON = [sys.executable, "-c", "import sys; from api.cli import main; sys.exit(main())"]
 WORDS = "the quick brown fox jumps over a lazy dog while early birds catch worms in time".split()
 
 
 def elastron(*args: str, cwd: Path) -> str:
+    # No RAY_ADDRESS: `elastron run` must start its own local Ray, as on the user's laptop; its workers find
+    # this checkout through PYTHONPATH, which the local Ray passes on.
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     r = subprocess.run([*ELASTRON, *args], cwd=cwd, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+                       env={**env, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0"})
     assert r.returncode == 0, f"elastron {' '.join(args)}:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
     return r.stdout
 
@@ -63,16 +70,27 @@ def test_walkthrough_from_a_model_directory_and_a_folder_of_text(tmp_path):
     cfg["resources"] = {"device": "cpu"}
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(cfg))
 
-    # 3. Train from the model (local ranks; `elastron run` takes the same config onto Ray).
-    out = elastron("train", "job.yaml", "--nproc", "2", "--layout", "dp=2", "--run-dir", "runs/my-llama", cwd=tmp_path)
-    assert "started from" in out
+    # 3. Run it elastically from the model: the page's `elastron run`, on a local Ray.
+    out = elastron("run", "job.yaml", "--run-dir", "runs/my-llama", cwd=tmp_path)
+    assert "SUCCEEDED at step 4/4" in out, out
     run = tmp_path / "runs" / "my-llama"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert [r["val_loss"] is not None for r in rows] == [False, True, False, True]
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
 
-    # 4. Export, and transformers loads what came out.
+    # The same config without Ray (`elastron train`, 2 local ranks) starts from the same weights and reads
+    # the same batches, so it gives the same losses: the Ray workers did start from the model.
+    out = elastron("train", "job.yaml", "--nproc", "2", "--layout", "dp=2", "--run-dir", "runs/no-ray", cwd=tmp_path)
+    assert "started from" in out
+    local = [json.loads(line) for line in (tmp_path / "runs" / "no-ray" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in local], rel=1e-4)
+    assert [r["val_loss"] for r in rows[1::2]] == pytest.approx([r["val_loss"] for r in local[1::2]], rel=1e-4)
+
+    # 4. Export, and transformers loads what came out: the model it started from, 4 small steps on.
     elastron("export", "runs/my-llama/checkpoints", "my-llama-continued", cwd=tmp_path)
     back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "my-llama-continued")
     assert back.config.vocab_size == 64 and back.config.num_hidden_layers == 2
+    start = transformers.LlamaForCausalLM.from_pretrained(model_dir).state_dict()
+    moved = {k: (v - start[k]).abs().max().item() for k, v in back.state_dict().items()}
+    assert 0 < max(moved.values()) < 1e-3, moved  # Adam at lr 3e-5 moves each weight by at most ~lr a step
