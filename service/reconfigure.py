@@ -44,7 +44,7 @@ class GroupLifecycle:
         self.sm.transition(S.RESIZING, reason=reason, step=self.step_done, cause=cause)
         if workers and self.cfg.parallel.reshard == "live" and self.plan is not None and self.group is not None \
                 and self.group.size:
-            self._live_resize(workers, self.watcher.latest or snap, cause=cause, reason=reason, t0=t0)
+            self._reform(workers, self.watcher.latest or snap, cause=cause, reason=reason, t0=t0, live=True)
             return
         try:
             self.committed_step = self.group.checkpoint()
@@ -58,18 +58,6 @@ class GroupLifecycle:
             self.sm.transition(S.WAITING_FOR_CAPACITY, reason=reason, step=self.step_done)
             return
         self._reform(workers, self.watcher.latest or snap, cause=cause, reason=reason, t0=t0)
-
-    def _live_resize(self: Coordinator, workers: int, snap: ClusterSnapshot, *, cause: str, reason: str,
-                     t0: float) -> None:
-        """The state moves from the live workers of the old layout to those of the new one over the
-        network (WorkerGroup.reshard)."""
-        try:
-            p = self._plan(workers)
-            nodes = self._assign(p, snap)
-        except (PlanError, ValueError) as e:
-            self._fail(f"cannot plan {workers} workers: {e}")
-            return
-        self._move_live(self.plan, p, nodes, survivors=None, cause=cause, reason=reason, t0=t0)
 
     def _move_live(self: Coordinator, old: Plan, p: Plan, nodes: list[str], *, survivors: list[int] | None,
                    cause: str, reason: str, t0: float) -> None:
@@ -167,7 +155,10 @@ class GroupLifecycle:
         self._open = Reconfig(cause="failure", detected=t0, step_before=self.step_done,
                               old_layout=self.plan.layout.to_dict() if self.plan else None)
 
-    def _reform(self: Coordinator, workers: int, snap: ClusterSnapshot, *, cause: str, reason: str, t0: float | None = None) -> None:
+    def _reform(self: Coordinator, workers: int, snap: ClusterSnapshot, *, cause: str, reason: str,
+                t0: float | None = None, live: bool = False) -> None:
+        """Plan `workers` and form the group for it: from the live workers' state (`live`, or a pending
+        heal from a failed group's survivors), else from the last committed checkpoint."""
         t0 = t0 or time.time()
         try:
             p = self._plan(workers)
@@ -175,9 +166,10 @@ class GroupLifecycle:
         except (PlanError, ValueError) as e:
             self._fail(f"cannot plan {workers} workers: {e}")
             return
-        if self._heal is not None:  # after a failure the survivors hold every shard: heal from them
+        if live or self._heal is not None:  # a heal: after a failure the survivors hold every shard
             heal, self._heal = self._heal, None
-            self._move_live(heal.old, p, nodes, survivors=list(heal.ranks), cause=cause, reason=reason, t0=t0)
+            old, survivors = (heal.old, list(heal.ranks)) if heal is not None else (self.plan, None)
+            self._move_live(old, p, nodes, survivors=survivors, cause=cause, reason=reason, t0=t0)
             return
         old = self.plan.layout.to_dict() if self.plan else None
         if self.group is None:

@@ -93,18 +93,12 @@ class Worker:
         """Keep this rank's shards and the JSON state (waiting for a save in flight), then leave the
         training group: the state stays in this process for the transfer. Returns the step."""
         from workers.reshard import hand_over
-        from workers.runtime import destroy_process_group
 
         if self.trainer is None:
             raise RuntimeError("worker has not joined a group")
         self.handover = hand_over(self.trainer)
         step = self.trainer.step
-        try:
-            self.trainer.close()
-        finally:
-            self.trainer = None
-            destroy_process_group()
-            self.rank = None
+        self.leave()
         return step
 
     def abort(self) -> bool:
