@@ -206,6 +206,9 @@ class GroupLifecycle:
         self.sm.transition(S.RUNNING, reason=f"running {p.layout}", layout=p.layout, step=resumed, cause=cause)
 
     def _finish(self) -> None:
+        if self._open is not None:  # re-formed at the last step: no step left to close its record with
+            self.reconfigs.append(self._open)
+            self._open = None
         try:
             self.committed_step = self.group.checkpoint()
         except WorkerFailure as e:

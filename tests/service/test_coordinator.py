@@ -260,6 +260,24 @@ def test_survivors_below_min_workers_are_released_and_the_job_resumes_from_stora
     assert c.reconfigs[-1].transfer == {"path": "storage"} and c.reconfigs[-1].resumed_step == 5
 
 
+def test_a_recovery_that_resumes_at_the_last_step_is_still_recorded(tmp_path):
+    """The last step is done and committed; the final checkpoint call then finds a worker gone. The new
+    group resumes at the last step and finishes without training: its reconfiguration is recorded all
+    the same (it was lost, since records were only closed by a first step)."""
+    c, _, G = make_coordinator(tmp_path, {"a": 2, "b": 2}, steps=10, interval=5)
+    advance(c, lambda c: c.step_done >= 10)
+    real = G.checkpoint
+
+    def dies_once(self, *, blocking=True):
+        G.checkpoint = real
+        raise WorkerFailure("died", "a worker died during checkpoint")
+    G.checkpoint = dies_once
+    advance(c, lambda c: c.sm.state.is_terminal)
+    assert str(c.sm.state) == "SUCCEEDED"
+    (rc,) = changes(c)
+    assert rc.cause == "failure" and rc.resumed_step == 10 and rc.first_step_time is None
+
+
 def test_bad_resize_is_rejected_in_the_callers_thread(tmp_path):
     c, _, _ = make_coordinator(tmp_path, {"a": 2})
     with pytest.raises(ValueError, match="max_workers=1 is less than min_workers=2"):
