@@ -1,0 +1,158 @@
+"""A simulated day on a shared cluster: Elastron's scheduler (shrink first, pause last) against whole-job
+preemption (Kueue-style), both on the same seeded stream of jobs (issue 16, deliverable 7).
+
+    .venv/bin/python benchmarks/shared_cluster.py [--seed 0] [--hours 24] [--resize-s 30] \
+        [--checkpoint-interval-s 1800] [--restart-s 120] [--jobs-per-hour 7] [--out out.json]
+
+No Ray and no sleeping: a discrete-event clock jumps from event to event (arrivals, completions, the end
+of a resize, restart or release). Cluster: `--nodes` x `--workers-per-node` (16 x 8 = 128 one-CPU workers).
+
+The model (workload, both policies and what they assume): benchmarks/shared_cluster_sim.py.
+
+Metrics: arrival -> workers held for the urgent jobs (median, p95, max); utilisation = useful work
+done within the day (work later lost to an eviction does not count) / (workers x day); workers held
+but not progressing (resizes, restarts); work lost; mean job completion time (arrival -> done). The run
+goes on after the day, without arrivals, until every job is done. Targets (issue 16): an urgent job is
+admitted within one `--resize-s` of its arrival when shrinking could free its minimum then; utilisation
+>= the baseline's; work lost <= 10% of the baseline's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.shared_cluster_sim import (  # noqa: E402
+    URGENT, JobSpec, SimConfig, SimResult, run_baseline, run_elastron, workload)
+
+WORK_LOST_FRACTION = 0.10
+
+
+def _pct(xs: list[float], q: float) -> float:
+    """Nearest-rank percentile (nan for no data)."""
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[max(0, math.ceil(q * len(s)) - 1)]
+
+
+def summarize(res: SimResult, cfg: SimConfig) -> dict:
+    waits = [r.granted_at - r.spec.arrival for r in res.runs if r.spec.priority == URGENT]
+    shrinkable = [r.granted_at - r.spec.arrival for r in res.runs
+                  if r.spec.priority == URGENT and r.shrink_could_admit]
+    jct = [r.finished_at - r.spec.arrival for r in res.runs]
+    urgent_jct = [r.finished_at - r.spec.arrival for r in res.runs if r.spec.priority == URGENT]
+    denom = cfg.capacity * cfg.day_s
+    out = {
+        "urgent_jobs": len(waits),
+        "urgent_wait_s": {"median": _pct(waits, 0.5), "p95": _pct(waits, 0.95), "max": _pct(waits, 1.0)},
+        "utilisation": res.useful_day / denom,
+        "held": res.held_day / denom,
+        "idle_held_worker_s": res.idle_held,
+        "work_lost_worker_s": res.lost,
+        "mean_jct_h": statistics.fmean(jct) / 3600 if jct else float("nan"),
+        "mean_urgent_jct_h": statistics.fmean(urgent_jct) / 3600 if urgent_jct else float("nan"),
+        "last_done_h": res.end / 3600,
+        "counts": dict(res.counts),
+    }
+    if res.system == "elastron":
+        out["urgent_shrinkable"] = len(shrinkable)
+        out["urgent_shrinkable_within_resize"] = sum(w <= cfg.resize_s + 1e-6 for w in shrinkable)
+        out["schedule_calls"] = len(res.sched_s)
+        out["schedule_ms"] = {"mean": 1e3 * statistics.fmean(res.sched_s) if res.sched_s else 0.0,
+                              "max": 1e3 * max(res.sched_s, default=0.0)}
+    return out
+
+
+def targets(el: dict, base: dict) -> dict[str, bool]:
+    return {
+        "urgent_admitted_within_resize": el["urgent_shrinkable_within_resize"] == el["urgent_shrinkable"],
+        "utilisation_ge_baseline": el["utilisation"] >= base["utilisation"],
+        "work_lost_le_10pct_of_baseline": el["work_lost_worker_s"] <= WORK_LOST_FRACTION * base["work_lost_worker_s"],
+    }
+
+
+def render(el: dict, base: dict, cfg: SimConfig, specs: list[JobSpec]) -> str:
+    ok = targets(el, base)
+    offered = sum(s.work for s in specs) / (cfg.capacity * cfg.day_s)
+    kinds = {k: sum(s.kind == k for s in specs) for k in ("batch", "team", "urgent")}
+
+    def w(d: dict, k: str) -> str:
+        return f"{d['urgent_wait_s'][k]:.0f}"
+
+    def mark(key: str) -> str:
+        return "met" if ok[key] else "**missed**"
+
+    rows = [
+        ("urgent jobs: arrival → workers, median / p95 / max (s)",
+         f"{w(el, 'median')} / {w(el, 'p95')} / {w(el, 'max')}", f"{w(base, 'median')} / {w(base, 'p95')} / "
+         f"{w(base, 'max')}", ""),
+        (f"urgent jobs shrinking could admit: held workers within {cfg.resize_s:g} s",
+         f"{el['urgent_shrinkable_within_resize']} of {el['urgent_shrinkable']}", "",
+         f"all ({mark('urgent_admitted_within_resize')})"),
+        ("utilisation (useful work / capacity, day)", f"{el['utilisation']:.1%}", f"{base['utilisation']:.1%}",
+         f">= baseline ({mark('utilisation_ge_baseline')})"),
+        ("workers held (day)", f"{el['held']:.1%}", f"{base['held']:.1%}", ""),
+        ("held, no progress: resizes, restarts (worker-h)", f"{el['idle_held_worker_s'] / 3600:.1f}",
+         f"{base['idle_held_worker_s'] / 3600:.1f}", ""),
+        ("work lost (worker-h)", f"{el['work_lost_worker_s'] / 3600:.1f}", f"{base['work_lost_worker_s'] / 3600:.1f}",
+         f"<= 10% of baseline ({mark('work_lost_le_10pct_of_baseline')})"),
+        ("mean job completion time, all / urgent (h)", f"{el['mean_jct_h']:.2f} / {el['mean_urgent_jct_h']:.2f}",
+         f"{base['mean_jct_h']:.2f} / {base['mean_urgent_jct_h']:.2f}", ""),
+        ("last job done (h)", f"{el['last_done_h']:.1f}", f"{base['last_done_h']:.1f}", ""),
+        ("decisions", ", ".join(f"{v} {k}s" for k, v in el["counts"].items()),
+         f"{base['counts']['eviction']} evictions", ""),
+    ]
+    head = (f"{len(specs)} jobs ({kinds['batch']} batch p0, {kinds['team']} team p5, {kinds['urgent']} urgent "
+            f"p{URGENT}) over {cfg.hours:g} h on {cfg.nodes} x {cfg.workers_per_node} workers, offered load "
+            f"{offered:.0%}; resize {cfg.resize_s:g} s, restart {cfg.restart_s:g} s, baseline checkpoint every "
+            f"{cfg.checkpoint_interval_s:g} s; schedule(): {el['schedule_calls']} calls, mean "
+            f"{el['schedule_ms']['mean']:.1f} ms, max {el['schedule_ms']['max']:.1f} ms\n\n")
+    lines = ["| metric | Elastron (shrink first) | baseline (whole-job preemption) | target |", "|---|---|---|---|"]
+    lines += [f"| {' | '.join(r)} |" for r in rows]
+    return head + "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    d = SimConfig()
+    ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--hours", type=float, default=d.hours)
+    ap.add_argument("--resize-s", type=float, default=d.resize_s)
+    ap.add_argument("--checkpoint-interval-s", type=float, default=d.checkpoint_interval_s)
+    ap.add_argument("--restart-s", type=float, default=d.restart_s)
+    ap.add_argument("--jobs-per-hour", type=float, default=d.jobs_per_hour)
+    ap.add_argument("--nodes", type=int, default=d.nodes)
+    ap.add_argument("--workers-per-node", type=int, default=d.workers_per_node)
+    ap.add_argument("--out", help="write the results as JSON here")
+    a = ap.parse_args(argv)
+    cfg = SimConfig(seed=a.seed, hours=a.hours, resize_s=a.resize_s, checkpoint_interval_s=a.checkpoint_interval_s,
+                    restart_s=a.restart_s, jobs_per_hour=a.jobs_per_hour, nodes=a.nodes,
+                    workers_per_node=a.workers_per_node)
+    specs = workload(cfg)
+    t0 = time.perf_counter()
+    el = summarize(run_elastron(cfg, specs), cfg)
+    base = summarize(run_baseline(cfg, specs), cfg)
+    print(render(el, base, cfg, specs))
+    print(f"\n(simulated in {time.perf_counter() - t0:.1f} s)")
+    if a.out:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                text=True).stdout.strip()
+        doc = {"config": asdict(cfg), "commit": commit, "argv": sys.argv[1:] if argv is None else argv,
+               "jobs": [asdict(s) for s in specs], "elastron": el, "baseline": base, "targets": targets(el, base)}
+        Path(a.out).write_text(json.dumps(doc, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
