@@ -34,6 +34,7 @@ KINDS = {
     ("v1", "ConfigMap"): "io.k8s.api.core.v1.ConfigMap",
     ("v1", "PersistentVolumeClaim"): "io.k8s.api.core.v1.PersistentVolumeClaim",
     ("v1", "Secret"): "io.k8s.api.core.v1.Secret",
+    ("networking.k8s.io/v1", "NetworkPolicy"): "io.k8s.api.networking.v1.NetworkPolicy",
 }
 
 
@@ -183,6 +184,9 @@ BREAKAGES = [
     ("Service", lambda d: d["spec"]["ports"][0].update(prot=8000), "prot"),
     ("PersistentVolumeClaim", lambda d: d["spec"].update(accessModes="ReadWriteMany"), "accessModes"),
     ("ConfigMap", lambda d: d.update(date={}), "date"),
+    ("NetworkPolicy", lambda d: d["spec"].update(ingres=[]), "ingres"),
+    ("NetworkPolicy", lambda d: d["spec"].update(policyTypes="Ingress"), "policyTypes"),
+    ("NetworkPolicy", lambda d: d["spec"]["ingress"][0]["from"][0].update(podSelctor={}), "podSelctor"),
 ]
 
 
@@ -317,7 +321,9 @@ def test_rayjob_cluster_matches_the_raycluster():
     assert head_job["containers"][0]["image"] == head_ours["containers"][0]["image"]
     assert head_job["nodeSelector"] == head_ours["nodeSelector"]
     gpu_ours = next(g for g in ours["workerGroupSpecs"] if g["groupName"] == "gpu-spot")
-    gpu_job = next(g for g in jobs["workerGroupSpecs"] if g["groupName"] == "gpu-spot")
+    gpu_job = copy.deepcopy(next(g for g in jobs["workerGroupSpecs"] if g["groupName"] == "gpu-spot"))
+    # the one difference: the job's pods carry the label its NetworkPolicies select (test_network_policy.py)
+    gpu_job["template"]["metadata"]["labels"].pop("app.kubernetes.io/instance")
     assert gpu_job == gpu_ours
 
 
@@ -333,7 +339,8 @@ def test_kustomize_renders_and_overrides_the_image(tmp_path):
     out = subprocess.run([kubectl, "kustomize", str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     rendered = [d for d in yaml.safe_load_all(out.stdout) if d]
-    assert {d["kind"] for d in rendered} == {"RayCluster", "Service", "ConfigMap", "PersistentVolumeClaim"}
+    assert {d["kind"] for d in rendered} == {"RayCluster", "Service", "ConfigMap", "PersistentVolumeClaim",
+                                             "NetworkPolicy"}
     assert all(d["metadata"]["namespace"] == "elastron" for d in rendered)
     images = re.findall(r"image: (\S+)", out.stdout)
     assert images and all(i.startswith("probe.example.org/elastron:probe-") for i in images), images

@@ -1,4 +1,4 @@
-"""Regenerate k8s-core.json: the Kubernetes core/v1 object schemas the deploy manifests use.
+"""Regenerate k8s-core.json: the Kubernetes core/v1 and networking/v1 object schemas the deploy manifests use.
 
 Source: the strict JSON schemas shipped in the `kubernetes-validate` wheel on PyPI (generated from the
 Kubernetes OpenAPI spec by the kubernetes-json-schema project; Apache-2.0). Only the definitions
@@ -22,6 +22,7 @@ ROOTS = [
     "io.k8s.api.core.v1.PodTemplateSpec",
     "io.k8s.api.core.v1.Secret",
     "io.k8s.api.core.v1.Service",
+    "io.k8s.api.networking.v1.NetworkPolicy",
     # KubeRay's own fields embed these (autoscalerOptions, headService, Redis credentials):
     "io.k8s.api.core.v1.EnvFromSource",
     "io.k8s.api.core.v1.EnvVar",
@@ -74,7 +75,8 @@ def extract(schema_dir: Path) -> dict:
         _refs(keep[name], found)
         todo.extend(sorted(found - keep.keys()))
     return {"$schema": "https://json-schema.org/draft/2020-12/schema",
-            "$comment": f"Kubernetes {schema_dir.name.split('-')[0]} core schemas (strict), subset; see extract_k8s.py",
+            "$comment": f"Kubernetes {schema_dir.name.split('-')[0]} core/v1 and networking/v1 schemas (strict), subset; "
+                        "see extract_k8s.py",
             "$defs": dict(sorted(keep.items()))}
 
 
