@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shlex
 import tomllib
 from functools import cache
 from pathlib import Path
@@ -54,4 +55,28 @@ def pod_specs() -> list[tuple[str, dict]]:
     for where, spec in cluster_specs().items():
         out.append((f"{where}/head", spec["headGroupSpec"]["template"]["spec"]))
         out += [(f"{where}/{g['groupName']}", g["template"]["spec"]) for g in spec.get("workerGroupSpecs", [])]
+    return out
+
+
+_WRAPPERS = {"exec", "nohup", "setsid"}
+
+
+def shell_commands(text: str) -> list[list[str]]:
+    """The programs a shell line runs, each as [program, *args]: split at `;`, `&&`, `||` and newlines;
+    `VAR=value`, exec/nohup/setsid and start-stop-daemon's own options dropped (its --startas program
+    kept); cut at the first redirection or `&`. `export VAR=...` alone yields nothing."""
+    out = []
+    for part in re.split(r";|&&|\|\||\n", text):
+        words = shlex.split(part)
+        if words[:1] == ["export"]:
+            continue
+        words = words[:next((i for i, w in enumerate(words) if w.startswith((">", "<", "2>", "&"))), len(words))]
+        while words and (words[0] in _WRAPPERS or re.fullmatch(r"[A-Za-z_]\w*=.*", words[0])):
+            words = words[1:]
+        if words[:1] == ["start-stop-daemon"] and "--startas" in words:
+            i = words.index("--startas")
+            rest = words[i + 2:]
+            words = [words[i + 1], *(rest[1:] if rest[:1] == ["--"] else rest)]
+        if words:
+            out.append(words)
     return out

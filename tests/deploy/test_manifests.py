@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from tests.deploy.helpers import (ALL_YAML, CUDA_OF_TORCH, DEPLOY, DOCKERFILE, K8S_FILES, KUBERAY, LAUNCHER, ROOT,
-                                  cluster_specs, docs, one, pins, pod_specs)
+                                  cluster_specs, docs, one, pins, pod_specs, shell_commands)
 
 SCHEMAS = Path(__file__).parent / "schemas"
 
@@ -69,14 +69,9 @@ def elastron_commands() -> list[list[str]]:
     for _, pod in pod_specs():
         for c in pod["containers"]:
             texts.append(" ".join(c.get("command", []) + c.get("args", [])))
-    texts += yaml.safe_load(LAUNCHER.read_text()).get("worker_start_ray_commands", [])
-    cmds = []
-    for text in texts:
-        for part in re.split(r";|&&|\n", text):
-            words = shlex.split(part.replace("exec ", "", 1))
-            if words and words[0] == "elastron":
-                cmds.append(words[1:])
-    return cmds
+    launcher = yaml.safe_load(LAUNCHER.read_text())
+    texts += launcher.get("head_start_ray_commands", []) + launcher.get("worker_start_ray_commands", [])
+    return [argv[1:] for text in texts for argv in shell_commands(text) if Path(argv[0]).name == "elastron"]
 
 
 # -- parsing and versions -----------------------------------------------------------------------------
