@@ -2,7 +2,8 @@
 restarts a job actor whose process died) knows what the user asked: a paused job stays paused, a
 stopped one stops, a resize holds. One JSON line per command a coordinator accepted, written (and
 fsynced) before the caller is answered; a restarted JobRunner replays this job's lines in order, before
-its loop starts (resizes compose, service.commands.SetWorkers; the last of pause/resume/stop wins).
+its loop starts (resizes compose, service.commands.SetWorkers; the last of pause/resume/stop wins; the
+last grant of the shared-cluster scheduler holds).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-COMMANDS = ("resize", "pause", "resume", "stop")
+COMMANDS = ("resize", "pause", "resume", "stop", "set_grant")
 
 
 class CommandLog:

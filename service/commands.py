@@ -25,14 +25,30 @@ class SetWorkers:
         return lo, hi
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Pause:
-    """Checkpoint, release the workers, wait in PAUSED until Resume."""
+    """Checkpoint, release the workers, wait in PAUSED until Resume. `by`: "user", or "scheduler" when
+    the shared-cluster scheduler gives the workers to a job of higher priority (`reason` says which)."""
+
+    by: str = "user"
+    reason: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Grant:
+    """The shared-cluster scheduler's grant: plan onto these workers only ({node_id: workers}; {} none).
+    `reason` is the decision in words; a job granted too few to start is QUEUED at `queue_position`."""
+
+    nodes: dict[str, int]
+    reason: str
+    queue_position: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Resume:
-    """Start again from the last checkpoint (PAUSED only)."""
+    """Start again from the last checkpoint (PAUSED only); `by` "user" or "scheduler"."""
+
+    by: str = "user"
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,4 +56,4 @@ class Stop:
     """Checkpoint, release the workers, end in STOPPED."""
 
 
-Command = SetWorkers | Pause | Resume | Stop
+Command = SetWorkers | Pause | Grant | Resume | Stop

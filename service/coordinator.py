@@ -35,7 +35,8 @@ from pathlib import Path
 
 from parallel.planner import Plan, PlanError, plan
 from service.cluster import ClusterSnapshot, ClusterWatcher
-from service.commands import Command, Pause, Resume, SetWorkers, Stop
+from service.commands import Command
+from service.coordinator_commands import Commands
 from service.metrics_ring import RecentMetrics
 from service.ledger import cap_slots
 from service.node_health import NodeHealth
@@ -44,6 +45,7 @@ from service.policy import Decision, Fail, Failure, PolicyConfig, Resize, Scalin
 from service.reconfig import Reconfig
 from service.reconfigure import GroupLifecycle
 from service.run_files import job_events, where_it_stopped
+from service.specs import worker_range
 from service.state import JobState, StateMachine
 from service.status import JobStatus
 from service.worker_group import Group, WorkerFailure, WorkerGroup, assign_nodes, probe_nodes
@@ -53,7 +55,7 @@ logger = logging.getLogger(__name__)
 S = JobState
 
 
-class Coordinator(GroupLifecycle):
+class Coordinator(Commands, GroupLifecycle):
     worker_group_cls: Callable[..., Group] = WorkerGroup  # seam: tests swap in a fake group
 
     def __init__(self, cfg: JobConfig, *, run_dir: str | Path, total_steps: int | None = None,
@@ -68,11 +70,7 @@ class Coordinator(GroupLifecycle):
         self.opts = options or CoordinatorOptions()
         self.constraints = job_constraints(cfg, layout=layout)  # a forced layout (argument or config) in it
         self.forced = self.constraints.layout
-        lo, hi = cfg.parallel.min_workers, cfg.parallel.max_workers
-        if workers is not None:
-            lo, hi = min(lo, workers), workers
-        if self.forced is not None:
-            lo = hi = self.forced.world_size
+        lo, hi = worker_range(cfg, workers, layout=layout)
         self.events = job_events(self.run_dir / "events.jsonl", self.job_id)
         self.sm = StateMachine(self.job_id, sink=self.events.append)
         self.policy = ScalingPolicy(self._policy_config(lo, hi), size_for=self._size_for)
@@ -92,13 +90,15 @@ class Coordinator(GroupLifecycle):
         self.grant: dict[str, int] | None = None
         """{node_id: workers} the shared-cluster scheduler grants this job (service.scheduler); None: the
         whole cluster. Assign a new dict to change it: placement and the policy read it each iteration."""
+        self.queue: tuple[int | None, str] = (None, "")
+        """(place, reason) the scheduler gave with a grant too small to start on (shown while QUEUED)."""
         o = self.opts
         self.health = NodeHealth(probe_nodes, probe_timeout_s=o.probe_timeout_s, suspect_seconds=o.suspect_seconds,
                                  reprobe_interval_s=o.reprobe_interval_s, include_head=o.include_head)
         self._handlers: dict[JobState, Callable[[ClusterSnapshot], None]] = {
             S.PENDING: self._on_pending, S.STARTING: self._on_starting, S.RUNNING: self._on_running,
             S.RESIZING: self._on_resizing, S.RECOVERING: self._on_recovering,
-            S.WAITING_FOR_CAPACITY: self._on_waiting_for_capacity}
+            S.WAITING_FOR_CAPACITY: self._on_waiting_for_capacity, S.QUEUED: self._on_waiting_for_capacity}
         """One handler per state that acts; PAUSED and the terminal states wait for a command or nothing."""
         self._lock = threading.RLock()
         if len(self.events):
@@ -136,8 +136,12 @@ class Coordinator(GroupLifecycle):
             # group has formed): never a new layout with the old size, or the size of a group half re-formed.
             running = self.group is not None and self.plan is not None
             recs = [r.to_dict() for r in list(self.reconfigs)]
+            queued = self.sm.state is S.QUEUED
             return JobStatus(
-                job_id=self.job_id, state=sm["state"], reason=sm["reason"], cause=sm["cause"], since=sm["since"],
+                job_id=self.job_id, state=sm["state"], reason=(queued and self.queue[1]) or sm["reason"],
+                cause=sm["cause"], since=sm["since"], priority=self.cfg.scheduling.priority,
+                held=dict(self.group.nodes()) if running else {}, grant=None if self.grant is None else dict(self.grant),
+                queue_position=self.queue[0] if queued else None,
                 layout=self.plan.layout.to_dict() if running else sm["layout"], step=self.step_done,
                 total_steps=self.total_steps, world_size=self.plan.world_size if running else 0,
                 loss=last.get("loss"), val_loss=self.metrics.val_loss, tokens_per_s=last.get("tokens_per_s"),
@@ -152,21 +156,6 @@ class Coordinator(GroupLifecycle):
     def metrics_since(self, step: int = 0) -> list[dict]:
         with self._lock:
             return self.metrics.since(step)
-
-    def resize(self, *, workers: int | None = None, min_workers: int | None = None,
-               max_workers: int | None = None) -> None:
-        cmd = SetWorkers(workers=workers, min_workers=min_workers, max_workers=max_workers)
-        self._policy_config(*cmd.bounds(self.policy.config.min_workers, self.policy.config.max_workers))  # validate now
-        self._commands.put(cmd)  # applied to the range current then: a second resize composes with the first
-
-    def pause(self) -> None:
-        self._commands.put(Pause())
-
-    def resume(self) -> None:
-        self._commands.put(Resume())
-
-    def stop(self) -> None:
-        self._commands.put(Stop())
 
     # -- the loop ------------------------------------------------------------------------------------------
     def run(self, on_tick=None) -> JobState:
@@ -198,6 +187,10 @@ class Coordinator(GroupLifecycle):
 
     # -- one handler per state -----------------------------------------------------------------------------
     def _on_pending(self, snap: ClusterSnapshot) -> None:
+        if self.grant is not None and not self._usable(snap):  # launched by the scheduler, nothing granted yet
+            self.sm.transition(S.QUEUED, reason=self.queue[1] or "waiting for the shared-cluster scheduler",
+                               step=self.step_done)
+            return
         self.sm.transition(S.STARTING, reason="starting", step=self.step_done, cause="planned")
         self._on_starting(snap)
 
@@ -210,7 +203,8 @@ class Coordinator(GroupLifecycle):
         self._start_or_wait(snap)
 
     def _on_waiting_for_capacity(self, snap: ClusterSnapshot) -> None:
-        """No workers held: start again once the policy sees enough usable workers."""
+        """No workers held (WAITING_FOR_CAPACITY, QUEUED): start again once the policy sees enough usable
+        (and granted) workers."""
         self._start_or_wait(snap)
 
     def _on_resizing(self, snap: ClusterSnapshot) -> None:
@@ -233,11 +227,12 @@ class Coordinator(GroupLifecycle):
         elif isinstance(d, Wait):
             if self._heal is not None:  # survivors cannot wait holding their state: it comes back from storage
                 self._drop_heal(d.reason)
-            if self.sm.state is not S.WAITING_FOR_CAPACITY:
-                self.sm.transition(S.WAITING_FOR_CAPACITY, reason=d.reason, step=self.step_done)
+            target = S.QUEUED if d.by_scheduler else S.WAITING_FOR_CAPACITY
+            if self.sm.state is not target:
+                self.sm.transition(target, reason=(d.by_scheduler and self.queue[1]) or d.reason, step=self.step_done)
             time.sleep(min(0.2, self.opts.poll_interval_s))
         elif isinstance(d, Resize):
-            if self.sm.state is S.WAITING_FOR_CAPACITY:
+            if self.sm.state in (S.WAITING_FOR_CAPACITY, S.QUEUED):
                 self.sm.transition(S.RECOVERING if self.step_done else S.STARTING,
                                    reason=f"capacity is back: {d.reason}", step=self.step_done, cause=d.cause)
             self._reform(d.workers, snap, cause=d.cause, reason=d.reason)
@@ -311,54 +306,6 @@ class Coordinator(GroupLifecycle):
         if not step_time:
             return 1
         return max(1, min(100, int(self.opts.chunk_seconds / step_time)))
-
-    def _apply_commands(self) -> None:
-        deferred = []
-        while True:
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            if not self._apply(cmd):
-                deferred.append(cmd)
-        for cmd in deferred:
-            self._commands.put(cmd)
-
-    def _apply(self, cmd: Command) -> bool:
-        """Apply one user command; False to keep it for a later iteration."""
-        match cmd:
-            case SetWorkers():
-                try:
-                    self.policy.config = self._policy_config(*cmd.bounds(self.policy.config.min_workers,
-                                                                         self.policy.config.max_workers))
-                except ValueError as e:  # valid alone, not on top of an earlier resize: say so, keep going
-                    self.sm.note("failure", reason=f"resize refused: {e}", step=self.step_done, cause="user")
-                    return True
-                self._user_resize = True  # act now: a user's request needs no settle time
-            case Pause() | Stop():
-                kind, target = ("pause", S.PAUSED) if isinstance(cmd, Pause) else ("stop", S.STOPPED)
-                if self.sm.state.is_terminal or self.sm.state is target:
-                    return True
-                if not self.sm.can(target):  # e.g. pause while STARTING: apply once it is running
-                    return False
-                lost = None
-                if self.group is not None:
-                    try:
-                        self.committed_step = self.group.checkpoint()
-                    except WorkerFailure as e:
-                        lost = (f"the checkpoint before {kind} failed ({e}); the last committed checkpoint is step "
-                                f"{self.committed_step}, so steps after it are lost")
-                        logger.warning("job %s: %s", self.job_id, lost)
-                        self.sm.note("failure", reason=lost, step=self.step_done, cause="user",
-                                     details={"kind": f"checkpoint_before_{kind}"})
-                self._shutdown_group()
-                if lost and target is S.STOPPED and self.sm.can(S.FAILED):  # not a clean stop: say so
-                    target = S.FAILED
-                self.sm.transition(target, reason=f"{kind} requested by user" + (f", but {lost}" if lost else ""),
-                                   step=self.step_done, cause="user")
-            case Resume() if self.sm.state is S.PAUSED:
-                self.sm.transition(S.STARTING, reason="resume requested by user", step=self.step_done, cause="user")
-        return True
 
     def _policy_config(self, lo: int, hi: int) -> PolicyConfig:
         return PolicyConfig(min_workers=lo, max_workers=hi, settle_seconds=self.opts.settle_seconds,

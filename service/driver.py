@@ -79,11 +79,11 @@ class JobRunner:
                max_workers: int | None = None) -> None:
         self.coord.resize(workers=workers, min_workers=min_workers, max_workers=max_workers)
 
-    def pause(self) -> None:
-        self.coord.pause()
+    def pause(self, *, by: str = "user", reason: str | None = None) -> None:
+        self.coord.pause(by=by, reason=reason)
 
-    def resume(self) -> None:
-        self.coord.resume()
+    def resume(self, *, by: str = "user") -> None:
+        self.coord.resume(by=by)
 
     def stop(self) -> None:
         self.coord.stop()

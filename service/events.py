@@ -18,11 +18,12 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-KINDS = ("transition", "resize", "preemption", "failure", "fallback", "checkpoint", "capacity", "info")
+KINDS = ("transition", "resize", "preemption", "failure", "fallback", "checkpoint", "capacity", "schedule", "info")
 """Known event kinds. Others are accepted (a newer writer may add some); these are the ones we emit."""
 
-CAUSES = ("planned", "grow", "preemption", "failure", "user")
-"""Why a job changed size or state; None where no cause applies."""
+CAUSES = ("planned", "grow", "preemption", "failure", "user", "scheduler")
+"""Why a job changed size or state; None where no cause applies. "scheduler": the shared-cluster scheduler
+paused it to give its workers to a job of higher priority (its shrinks are "planned")."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

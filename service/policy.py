@@ -51,6 +51,8 @@ class Resize:
 @dataclass(frozen=True, slots=True)
 class Wait:
     reason: str
+    by_scheduler: bool = False
+    """The scheduler's grant, not the cluster, is what is too small (the job is QUEUED, not waiting)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +153,8 @@ class ScalingPolicy:
             why = f"{usable_workers} usable workers < min_workers={c.min_workers}"
             return self._reset(Wait(f"{why}; {drains}" if drains else why))
         if granted is not None and granted < c.min_workers:
-            return self._reset(Wait(f"the scheduler grants {granted} workers < min_workers={c.min_workers}"))
+            return self._reset(Wait(f"the scheduler grants {granted} workers < min_workers={c.min_workers}",
+                                    by_scheduler=True))
         offered = usable_workers if c.max_workers is None else min(usable_workers, c.max_workers)
         by_grant = granted is not None and granted < offered  # the grant, not the cluster, limits the offer
         offered = granted if by_grant else offered

@@ -92,6 +92,18 @@ def validate_spec(spec: Any, *, steps: int | None = None, workers: int | None = 
     return cfg
 
 
+def worker_range(cfg: JobConfig, workers: int | None = None, *, layout: str | None = None) -> tuple[int, int]:
+    """(min, max) workers a job may run on: parallel.min/max_workers; `workers` (a request's or `elastron
+    run --workers`) caps them; a forced layout (config, or `layout`) fixes both to its world size."""
+    lo, hi = cfg.parallel.min_workers, cfg.parallel.max_workers
+    if workers is not None:
+        lo, hi = min(lo, workers), workers
+    forced = job_constraints(cfg, layout=layout).layout
+    if forced is not None:
+        lo = hi = forced.world_size
+    return lo, hi
+
+
 def _check_forced_world_size(spec: Any) -> None:
     """A forced parallel.layout's world size within MAX_WORKERS, before JobConfig plans it."""
     pc = spec.get("parallel") if isinstance(spec, dict) else None

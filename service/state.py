@@ -12,6 +12,7 @@ Lifecycle (who moves it):
   RUNNING -> RESIZING               policy says Resize (grow, or shrink ahead of a drain deadline)
   RUNNING/STARTING/RESIZING -> RECOVERING   a worker or node died; restart from the last checkpoint
   * -> WAITING_FOR_CAPACITY         fewer usable workers than min_workers; no workers held
+  * -> QUEUED                       on a shared cluster, the scheduler grants fewer than min_workers
   RUNNING -> PAUSED                 user pause (after a checkpoint); PAUSED -> STARTING on resume
   SUCCEEDED / FAILED / STOPPED      terminal: no way out
 
@@ -20,6 +21,9 @@ Changes from the issue's sketch, and why:
     valid layout for its spec) without pretending to start.
   - WAITING_FOR_CAPACITY -> PAUSED: a user can pause a job that is waiting for nodes; otherwise the
     only way to park it would be STOPPED, which is terminal.
+  - QUEUED (issue 16), entered where WAITING_FOR_CAPACITY is when the shared-cluster scheduler, not the
+    cluster, is why the job cannot start; left the same ways, and to WAITING_FOR_CAPACITY when it is
+    granted workers the cluster then lacks.
   - PENDING -> PAUSED: a job paused before it starts, or a restarted coordinator replaying the user's
     pause (service.command_log), stays parked without forming a worker group first.
 """
@@ -51,6 +55,8 @@ class JobState(StrEnum):
     """Restarting after an unplanned loss (worker crash, node death) from the last checkpoint."""
     WAITING_FOR_CAPACITY = "WAITING_FOR_CAPACITY"
     """Fewer usable workers than min_workers; holds no workers until capacity returns."""
+    QUEUED = "QUEUED"
+    """On a shared cluster: waiting for the scheduler to grant min_workers (its place and why: the status)."""
     PAUSED = "PAUSED"
     """Stopped by the user after a checkpoint; can be resumed."""
     SUCCEEDED = "SUCCEEDED"
@@ -75,12 +81,13 @@ _ACTIVE = frozenset({JobState.STARTING, JobState.RUNNING, JobState.RESIZING, Job
 
 _S = JobState
 TRANSITIONS: Mapping[JobState, frozenset[JobState]] = {
-    _S.PENDING: frozenset({_S.STARTING, _S.STOPPED, _S.FAILED, _S.PAUSED}),
-    _S.STARTING: frozenset({_S.RUNNING, _S.WAITING_FOR_CAPACITY, _S.FAILED, _S.RECOVERING, _S.STOPPED}),
+    _S.PENDING: frozenset({_S.STARTING, _S.QUEUED, _S.STOPPED, _S.FAILED, _S.PAUSED}),
+    _S.STARTING: frozenset({_S.RUNNING, _S.WAITING_FOR_CAPACITY, _S.QUEUED, _S.FAILED, _S.RECOVERING, _S.STOPPED}),
     _S.RUNNING: frozenset({_S.RESIZING, _S.RECOVERING, _S.PAUSED, _S.SUCCEEDED, _S.FAILED, _S.STOPPED}),
     _S.RESIZING: frozenset({_S.RUNNING, _S.RECOVERING, _S.WAITING_FOR_CAPACITY, _S.FAILED, _S.STOPPED}),
-    _S.RECOVERING: frozenset({_S.RUNNING, _S.WAITING_FOR_CAPACITY, _S.FAILED, _S.STOPPED}),
-    _S.WAITING_FOR_CAPACITY: frozenset({_S.STARTING, _S.RECOVERING, _S.PAUSED, _S.STOPPED, _S.FAILED}),
+    _S.RECOVERING: frozenset({_S.RUNNING, _S.WAITING_FOR_CAPACITY, _S.QUEUED, _S.FAILED, _S.STOPPED}),
+    _S.WAITING_FOR_CAPACITY: frozenset({_S.STARTING, _S.RECOVERING, _S.QUEUED, _S.PAUSED, _S.STOPPED, _S.FAILED}),
+    _S.QUEUED: frozenset({_S.STARTING, _S.RECOVERING, _S.WAITING_FOR_CAPACITY, _S.PAUSED, _S.STOPPED, _S.FAILED}),
     _S.PAUSED: frozenset({_S.STARTING, _S.STOPPED}),
     _S.SUCCEEDED: frozenset(),
     _S.FAILED: frozenset(),

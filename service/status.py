@@ -37,8 +37,8 @@ def layout_short(layout: Mapping | None) -> str:
 @dataclass(kw_only=True, slots=True, frozen=True)
 class JobStatus:
     state: str
-    """PENDING, STARTING, RUNNING, RESIZING, RECOVERING, WAITING_FOR_CAPACITY, PAUSED, SUCCEEDED, FAILED
-    or STOPPED (service.state.JobState)."""
+    """PENDING, STARTING, RUNNING, RESIZING, RECOVERING, WAITING_FOR_CAPACITY, QUEUED, PAUSED, SUCCEEDED,
+    FAILED or STOPPED (service.state.JobState)."""
     reason: str = ""
     """Why the job is in its state."""
     since: float | None = None
@@ -75,6 +75,14 @@ class JobStatus:
     """Why the coordinator's loop crashed, if it did."""
     pid: int | None = None
     """Process of the coordinator."""
+    priority: int = 0
+    """scheduling.priority: on a shared cluster, higher goes first."""
+    held: dict[str, int] = dataclasses.field(default_factory=dict)
+    """{node_id: workers} the group runs on now."""
+    grant: dict[str, int] | None = None
+    """{node_id: workers} the shared-cluster scheduler grants the job; None: no scheduler."""
+    queue_position: int | None = None
+    """While QUEUED: its place in the scheduler's queue (1 = next)."""
 
     @property
     def degrees(self) -> dict[str, int] | None:

@@ -270,6 +270,21 @@ class ResourcesConfig:
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
+class SchedulingConfig:
+    priority: int = 0
+    """On a shared cluster (the REST service): higher-priority jobs are admitted first, and shrink or pause
+    lower-priority ones to get their workers."""
+    weight: float = 1.0
+    """Share of the spare workers among jobs of equal priority."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.weight, (int, float)) or isinstance(self.weight, bool) or not 0 < self.weight < 1e6:
+            raise ConfigError(f"scheduling.weight must be a number > 0 and < 1e6, got {self.weight!r}")
+        if not -1_000_000 <= self.priority <= 1_000_000:
+            raise ConfigError(f"scheduling.priority must be between -1000000 and 1000000, got {self.priority}")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
 class WandbConfig:
     project: str = "elastron"
     """W&B project of the run."""
@@ -297,6 +312,7 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
 
     def __post_init__(self) -> None:
         if self.train.eval_interval and self.data.source == "corpus" and self.data.val_path is None:

@@ -12,8 +12,8 @@ from service.job_manager import JobManager
 
 router = APIRouter(tags=["ops"])
 
-STATES = ("PENDING", "STARTING", "RUNNING", "RESIZING", "RECOVERING", "WAITING_FOR_CAPACITY", "PAUSED",
-          "SUCCEEDED", "FAILED", "STOPPED", "UNKNOWN")
+STATES = ("PENDING", "STARTING", "RUNNING", "RESIZING", "RECOVERING", "WAITING_FOR_CAPACITY", "QUEUED",
+          "PAUSED", "SUCCEEDED", "FAILED", "STOPPED", "UNKNOWN")
 
 
 class JobCollector:

@@ -244,7 +244,9 @@ def test_a_grant_caps_the_start_and_a_grant_below_min_is_a_wait_that_says_so():
     assert p.decide(0.0, current_workers=0, usable_workers=8, granted=3) == Resize(
         workers=3, cause="planned", reason="start on 3 workers (8 usable, 3 granted)")
     assert p.decide(0.0, current_workers=0, usable_workers=8, granted=1) == Wait(
-        "the scheduler grants 1 workers < min_workers=2")
+        "the scheduler grants 1 workers < min_workers=2", by_scheduler=True)  # the job is QUEUED
+    assert p.decide(0.0, current_workers=0, usable_workers=1, granted=None) == Wait(
+        "1 usable workers < min_workers=2", by_scheduler=False)  # the cluster is why: WAITING_FOR_CAPACITY
 
 
 def test_a_smaller_grant_is_a_planned_shrink_not_a_failure():

@@ -56,8 +56,10 @@ def test_issue_sketch_transitions_are_all_allowed():
         assert dsts <= TRANSITIONS[src], (src, dsts - TRANSITIONS[src])
     # The only additions, each documented in service/state.py.
     added = {(s, d) for s in ALL for d in TRANSITIONS[s] if d not in sketch.get(s, set())}
+    queued = {(S.PENDING, S.QUEUED), (S.STARTING, S.QUEUED), (S.RECOVERING, S.QUEUED), (S.WAITING_FOR_CAPACITY, S.QUEUED)} | {
+        (S.QUEUED, d) for d in (S.STARTING, S.RECOVERING, S.WAITING_FOR_CAPACITY, S.PAUSED, S.STOPPED, S.FAILED)}
     assert added == {(S.PENDING, S.STOPPED), (S.PENDING, S.FAILED), (S.WAITING_FOR_CAPACITY, S.PAUSED),
-                     (S.PENDING, S.PAUSED)}
+                     (S.PENDING, S.PAUSED)} | queued
 
 
 def _reachable(start: JobState) -> set[JobState]:
