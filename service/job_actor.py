@@ -38,12 +38,16 @@ class JobActorBody(JobRunner):
     stops, a resize holds."""
 
     def __init__(self, job_id: str, cfg: JobConfig, *, run_dir: str | Path,
-                 coordinator_factory: CoordinatorFactory | None = None, **kw):
+                 coordinator_factory: CoordinatorFactory | None = None, grant: dict[str, int] | None = None, **kw):
+        """`grant`: the shared-cluster scheduler's first grant ({} for a job that starts QUEUED; None: no
+        scheduler), set before the loop starts so that the job never plans onto the whole cluster."""
         log = CommandLog(Path(run_dir) / "commands.jsonl", job_id)
         base = coordinator_factory or Coordinator
 
         def factory(*a, **k):  # JobRunner builds the coordinator, then starts its loop: replay between
             coord = base(*a, **k)
+            if grant is not None:
+                coord.grant = dict(grant)
             for command, args in log.commands():
                 try:
                     getattr(coord, command)(**args)
@@ -59,13 +63,17 @@ class JobActorBody(JobRunner):
         super().resize(workers=workers, min_workers=min_workers, max_workers=max_workers)
         self.commands.append("resize", workers=workers, min_workers=min_workers, max_workers=max_workers)
 
-    def pause(self) -> None:
-        super().pause()
-        self.commands.append("pause")
+    def pause(self, *, by: str = "user", reason: str | None = None) -> None:
+        super().pause(by=by, reason=reason)
+        self.commands.append("pause", by=by, reason=reason)
 
-    def resume(self) -> None:
-        super().resume()
-        self.commands.append("resume")
+    def resume(self, *, by: str = "user") -> None:
+        super().resume(by=by)
+        self.commands.append("resume", by=by)
+
+    def set_grant(self, nodes: dict[str, int], reason: str, queue_position: int | None = None) -> None:
+        self.coord.set_grant(nodes, reason, queue_position)
+        self.commands.append("set_grant", nodes=nodes, reason=reason, queue_position=queue_position)
 
     def stop(self) -> None:
         super().stop()
@@ -115,9 +123,9 @@ class LocalLauncher:
         self._lock = threading.Lock()
 
     def launch(self, job_id: str, cfg: JobConfig, *, run_dir: str, steps: int | None,
-               workers: int | None) -> JobRunner:
+               workers: int | None, grant: dict[str, int] | None = None) -> JobRunner:
         runner = JobActorBody(job_id, cfg, run_dir=run_dir, steps=steps, workers=workers, options=self.options,
-                              coordinator_factory=self.coordinator_factory)
+                              coordinator_factory=self.coordinator_factory, grant=grant)
         with self._lock:
             self._runners[job_id] = runner
         return runner
@@ -149,6 +157,10 @@ class LocalLauncher:
 
     def cluster(self):
         return None if self.cluster_fn is None else self.cluster_fn()
+
+    def in_use(self, snap) -> dict[str, tuple[float, float]] | None:
+        """What is in use per node (None: unknown; the runners here use no Ray resources)."""
+        return None
 
 
 class RayHandle:
@@ -201,11 +213,14 @@ class RayHandle:
     def resize(self, **kw) -> None:
         self._call("resize", **kw)
 
-    def pause(self) -> None:
-        self._call("pause")
+    def pause(self, **kw) -> None:
+        self._call("pause", **kw)
 
-    def resume(self) -> None:
-        self._call("resume")
+    def resume(self, **kw) -> None:
+        self._call("resume", **kw)
+
+    def set_grant(self, nodes: dict[str, int], reason: str, queue_position: int | None = None) -> None:
+        self._call("set_grant", nodes, reason, queue_position)
 
     def stop(self) -> None:
         self._call("stop")
@@ -239,7 +254,7 @@ class RayLauncher:
         self.coordinator_factory = coordinator_factory
 
     def launch(self, job_id: str, cfg: JobConfig, *, run_dir: str, steps: int | None,
-               workers: int | None) -> RayHandle:
+               workers: int | None, grant: dict[str, int] | None = None) -> RayHandle:
         import ray
 
         opts: dict[str, Any] = dict(name=actor_name(job_id), namespace=self.namespace, lifetime="detached",
@@ -256,7 +271,7 @@ class RayLauncher:
                                                                          soft=True)
         actor = job_actor_class().options(**opts).remote(
             job_id, cfg, run_dir=run_dir, steps=steps, workers=workers, options=self.options,
-            coordinator_factory=self.coordinator_factory)
+            coordinator_factory=self.coordinator_factory, grant=grant)
         return RayHandle(actor, job_id, self.timeout_s, self.namespace)
 
     def attach(self, job_id: str) -> RayHandle | None:
@@ -305,3 +320,9 @@ class RayLauncher:
         from service.cluster import ClusterWatcher
 
         return ClusterWatcher().poll()
+
+    def in_use(self, snap) -> dict[str, tuple[float, float]] | None:
+        """{node_id: (cpus, gpus)} Ray reports in use: what jobs outside the service hold shows here."""
+        from service.cluster import resources_in_use
+
+        return resources_in_use(snap)

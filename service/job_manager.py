@@ -21,14 +21,16 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from service.areas import areas_of, overlap
+from service.job_scheduling import JobScheduling, queued_status
 from service.job_sync import SYNC_THREADS, UNKNOWN, JobSyncing
 from service.job_types import (JobConflict, JobGone, JobHandle, JobNotFound, JobUnavailable, Launcher,
                                Store)
 from service.run_files import list_checkpoints
+from service.scheduler import Quota
 from service.specs import SpecError, check_paths, resolve_run_dir, safe_name, validate_spec
 from service.state import TERMINAL
 from service.status import JobStatus
@@ -39,12 +41,15 @@ __all__ = ["JobConflict", "JobHandle", "JobManager", "JobNotFound", "JobUnavaila
            "SYNC_THREADS", "TERMINAL", "UNKNOWN"]
 
 
-class JobManager(JobSyncing):
+class JobManager(JobSyncing, JobScheduling):
     def __init__(self, store: Store, launcher: Launcher, *, runs_root: str | Path, sync_interval_s: float = 0.5,
                  stop_timeout_s: float = 10.0, clock: Callable[[], float] = time.time,
-                 data_roots: Sequence[str | Path] | None = None):
+                 data_roots: Sequence[str | Path] | None = None, quotas: Mapping[str, Quota] | None = None,
+                 shared: bool = False):
         """`data_roots`: directories a spec's data.path may lie under (None or empty: none, so data.path
-        is refused; never the runs root, where other jobs' files and the store live)."""
+        is refused; never the runs root, where other jobs' files and the store live). `quotas`: per
+        owner (user name), the workers and jobs its jobs may hold. `shared`: schedule the jobs on one
+        shared cluster (service.job_scheduling)."""
         self.store, self.launcher = store, launcher
         self.runs_root = Path(runs_root)
         self.data_roots = [Path(r) for r in data_roots or ()]
@@ -56,6 +61,7 @@ class JobManager(JobSyncing):
         self.sync_interval_s, self.stop_timeout_s, self.clock = sync_interval_s, stop_timeout_s, clock
         self._submit_lock = threading.Lock()  # area checks + insert, atomically
         self._init_sync()
+        self._init_scheduling(quotas, shared)
 
     # -- jobs ----------------------------------------------------------------------------------------------
     def submit(self, spec: dict, *, steps: int | None = None, workers: int | None = None,
@@ -71,6 +77,10 @@ class JobManager(JobSyncing):
         rd = resolve_run_dir(run_dir, runs_root=self.runs_root, default_name=f"{safe_name(cfg.name)}-{job_id}")
         now = self.clock()
         total = steps or cfg.train.steps
+        grant = self.first_grant()
+        status = JobStatus.submitted(total_steps=total, now=now)
+        if grant is not None:
+            status = queued_status(status, "waiting for the shared-cluster scheduler's first round")
         request = {"spec": spec, "steps": steps, "workers": workers, "run_dir": run_dir}
         # The job lock: the sync thread must not look for the coordinator before it is launched.
         lock = self._lock_of(job_id)
@@ -86,16 +96,18 @@ class JobManager(JobSyncing):
                 self.store.create({
                     "id": job_id, "name": cfg.name, "spec": spec, "steps": steps, "workers": workers,
                     "run_dir": str(rd), "created": now, "owner": owner, "idempotency_key": idempotency_key,
-                    "request": request, "status": JobStatus.submitted(total_steps=total, now=now).to_dict(),
+                    "request": request, "status": status.to_dict(),
                 })
+                self._cfgs[job_id] = cfg
             try:
                 self._handles[job_id] = self.launcher.launch(job_id, cfg, run_dir=str(rd), steps=steps,
-                                                             workers=workers)
+                                                             workers=workers, grant=grant)
             except Exception as e:
                 logger.warning("job %s: could not start its coordinator; it is recorded as FAILED", job_id,
                                exc_info=True)
                 self.store.set_status(job_id, JobStatus.not_started(e, total_steps=total, now=now).to_dict())
                 self.store.mark_released(job_id)
+        self._schedule_quietly()  # admitted now if its workers are free
         return job_id
 
     def _check_areas(self, run_dir: str, checkpoint_dir: str | None) -> None:

@@ -65,6 +65,7 @@ class JobSyncing:
         self._sync_round()
         for f in list(self._inflight.values()):
             f.result()  # _sync_quietly logs and swallows a job's sync errors
+        self._schedule_quietly()
         self._stop.clear()
         self._thread = threading.Thread(target=self._loop, name="JobManager-sync", daemon=True)
         self._thread.start()
@@ -83,6 +84,14 @@ class JobSyncing:
     def _loop(self) -> None:
         while not self._stop.wait(self.sync_interval_s):
             self._sync_round()
+            self._schedule_quietly()
+
+    def _schedule_quietly(self) -> None:
+        """A scheduling round (service.job_scheduling), its errors logged: the next round tries again."""
+        try:
+            self.schedule_round()
+        except Exception:
+            logger.warning("the scheduling round failed; the next one tries again", exc_info=True)
 
     def _sync_round(self) -> None:
         """Sync every unsettled job, each on a pool thread; a job whose last sync is still running is

@@ -1,0 +1,107 @@
+"""Tier 1: one scheduling round of the service (service.shared_cluster.plan_round), pure: from the jobs'
+statuses to what their coordinators are told."""
+
+from __future__ import annotations
+
+from service.cluster import snapshot_from
+from service.scheduler import Phase, Quota
+from service.shared_cluster import JobView, PauseJob, ResumeJob, SetGrant, plan_round
+
+
+def cluster(**cpus: int):
+    return snapshot_from([{"NodeID": nid, "Alive": True, "Resources": {"CPU": float(c)}} for nid, c in cpus.items()],
+                         {}, now=0.0)
+
+
+def job(job_id, *, state="RUNNING", held=None, grant=None, lo=1, hi=None, prio=0, t=0.0, **kw) -> JobView:
+    return JobView(job_id=job_id, state=state, held=held or {}, grant=grant, min_workers=lo, max_workers=hi,
+                   priority=prio, submitted=t, **kw)
+
+
+def by_job(actions):
+    out: dict[str, list] = {}
+    for a in actions:
+        out.setdefault(a.job_id, []).append(a)
+    return out
+
+
+def test_phases_follow_the_status():
+    assert job("a", state="QUEUED").phase is Phase.QUEUED
+    assert job("a", state="PENDING", grant={}).phase is Phase.QUEUED  # holds nothing yet
+    assert job("a", state="STARTING", grant={"n": 2}).phase is Phase.RUNNING  # granted, group forming
+    assert job("a", state="PAUSED", cause="scheduler").phase is Phase.PAUSED
+    assert job("a", state="PAUSED", cause="user").phase is None  # a user's pause is left alone
+    assert job("a", state="SUCCEEDED", held={"n": 1}).phase is None
+    assert job("a", state="UNKNOWN", held={"n": 1}).phase is None
+    # shrinking: it holds its old workers until its group has shrunk; growing: its grant
+    assert job("a", held={"n": 4}, grant={"n": 2}).holding() == {"n": 4}
+    assert job("a", held={"n": 2}, grant={"n": 2, "m": 2}).holding() == {"m": 2, "n": 2}
+
+
+def test_a_queued_job_is_started_on_free_workers_and_told_its_place_otherwise():
+    r = plan_round(cluster(n=4), [job("a", state="QUEUED", lo=2, hi=2, t=1), job("b", state="QUEUED", lo=4, t=2)])
+    acts = by_job(r.actions)
+    assert acts["a"] == [SetGrant(job_id="a", nodes={"n": 2}, reason="admitted on 2 workers (min 2, priority 0)")]
+    (b,) = acts["b"]
+    assert b.nodes == {} and b.queue_position == 1 and "needs 4 workers" in b.reason
+    # told once: the same place and reason are not sent again
+    again = plan_round(cluster(n=4), [job("a", grant={"n": 2}, lo=2, hi=2, t=1),
+                                      job("b", state="QUEUED", grant={}, lo=4, t=2, queue_position=1, reason=b.reason)])
+    assert again.actions == ()
+
+
+def test_a_higher_priority_job_waits_for_the_shrink_it_causes_then_starts():
+    low = job("low", held={"n": 4}, grant={"n": 4}, lo=2, t=1)
+    high = job("high", state="QUEUED", lo=2, hi=2, prio=10, t=2)
+    acts = by_job(plan_round(cluster(n=4), [low, high]).actions)
+    assert acts["low"] == [SetGrant(job_id="low", nodes={"n": 2}, reason="shrunk 4→2 to admit job high (priority 10)")]
+    (h,) = acts["high"]
+    assert h.nodes == {} and "waiting for the workers" in h.reason  # low still runs on them
+
+    # next round: low was told 2 but its group still runs 4 -> high still waits, nothing is sent twice
+    low = job("low", held={"n": 4}, grant={"n": 2}, lo=2, t=1)
+    high = job("high", state="QUEUED", grant={}, lo=2, hi=2, prio=10, t=2, queue_position=1, reason=h.reason)
+    assert plan_round(cluster(n=4), [low, high]).actions == ()
+
+    # low's group has shrunk: high is started on the two workers it gave up
+    low = job("low", held={"n": 2}, grant={"n": 2}, lo=2, t=1)
+    acts = by_job(plan_round(cluster(n=4), [low, high]).actions)
+    assert acts == {"high": [SetGrant(job_id="high", nodes={"n": 2},
+                                      reason="admitted on 2 workers (min 2, priority 10)")]}
+
+
+def test_pause_is_sent_at_once_and_a_paused_job_is_resumed_once_capacity_is_free():
+    low = job("low", held={"n": 2}, grant={"n": 2}, lo=2, t=1)
+    high = job("high", state="QUEUED", lo=4, hi=4, prio=5, t=2)
+    acts = by_job(plan_round(cluster(n=4), [low, high]).actions)
+    assert acts["low"] == [PauseJob(job_id="low", reason="paused (checkpoint first, was 2 workers) to admit job "
+                                                         "high (priority 5)")]
+    # low is paused (by the scheduler) and high finished: low gets its workers back and is resumed
+    low = job("low", state="PAUSED", cause="scheduler", grant={"n": 2}, lo=2, t=1)
+    done = job("high", state="SUCCEEDED", held={}, grant={"n": 4}, lo=4, prio=5, t=2)
+    acts = by_job(plan_round(cluster(n=4), [low, done]).actions)
+    assert acts["low"][0].nodes == {"n": 4} and acts["low"][1] == ResumeJob(job_id="low")
+    assert "high" not in acts
+
+
+def test_a_user_paused_job_gives_its_grant_back_and_an_unknown_job_keeps_what_it_held():
+    acts = by_job(plan_round(cluster(n=4), [job("p", state="PAUSED", cause="user", grant={"n": 2}),
+                                            job("u", state="UNKNOWN", held={"n": 3}),
+                                            job("q", state="QUEUED", lo=1, hi=4, t=3)]).actions)
+    assert acts["p"][0].nodes == {}
+    assert acts["q"] == [SetGrant(job_id="q", nodes={"n": 1}, reason="admitted on 1 workers (min 1, priority 0)")]
+    assert "u" not in acts
+
+
+def test_workers_used_outside_the_service_are_never_granted():
+    r = plan_round(cluster(n=4), [job("q", state="QUEUED", lo=1, hi=4)], in_use={"n": (3.0, 0.0)})
+    assert r.ledger.node("n").outside_cpus == 3.0
+    assert by_job(r.actions)["q"][0].nodes == {"n": 1}
+
+
+def test_a_grant_is_sent_to_a_running_job_that_never_had_one_and_quotas_hold():
+    a = job("a", held={"n": 2}, grant=None, owner="ann", t=1)
+    b = job("b", state="QUEUED", owner="ann", t=2)
+    acts = by_job(plan_round(cluster(n=4), [a, b], {"ann": Quota(max_jobs=1)}).actions)
+    assert acts["a"][0].nodes == {"n": 4} and acts["a"][0].reason.startswith("grown 2→4")  # no max_workers: all
+    assert "quota" in acts["b"][0].reason and acts["b"][0].queue_position == 1
