@@ -53,7 +53,8 @@ def default_manager(settings: Settings) -> JobManager:
                 "UNKNOWN; give --address to join that one)" if started else "")
     return JobManager(store, launcher, runs_root=settings.runs_root,
                       data_roots=settings.data_roots, sync_interval_s=settings.sync_interval_s,
-                      stop_timeout_s=settings.stop_timeout_s)
+                      stop_timeout_s=settings.stop_timeout_s, quotas=settings.quotas,
+                      shared=settings.schedule)
 
 
 class BodyLimit:

@@ -34,6 +34,11 @@ def _layout(j: dict) -> str:
     return f"dp={d['dp']} tp={d['tp']} pp={d['pp']}" if d else "-"
 
 
+def _state(j: dict) -> str:
+    """The state, with the place in the queue of a QUEUED job ("QUEUED #2")."""
+    return f"{j['state']} #{j['queue_position']}" if j.get("queue_position") else j["state"]
+
+
 def _when(t: float | None) -> str:
     return "-" if t is None else time.strftime("%H:%M:%S", time.localtime(t))
 
@@ -75,9 +80,9 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     if not jobs:
         print("no jobs")
         return 0
-    rows = [(j["id"], j["name"], j["state"], f"{j.get('step') or 0}/{j.get('total_steps') or '?'}", _fmt(j.get("loss")),
-             _fmt(j.get("tokens_per_s"), 0), j.get("world_size", 0), _layout(j)) for j in jobs]
-    print(table(["id", "name", "state", "step", "loss", "tokens/s", "workers", "layout"], rows))
+    rows = [(j["id"], j["name"], _state(j), j.get("priority", 0), f"{j.get('step') or 0}/{j.get('total_steps') or '?'}",
+             _fmt(j.get("loss")), _fmt(j.get("tokens_per_s"), 0), j.get("world_size", 0), _layout(j)) for j in jobs]
+    print(table(["id", "name", "state", "prio", "step", "loss", "tokens/s", "workers", "layout"], rows))
     return 0
 
 
@@ -86,7 +91,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     with _client(args) as c:
         j = c.job(args.id)
     rows = [
-        ("state", j["state"]), ("reason", j.get("reason") or "-"),
+        ("state", _state(j)), ("reason", j.get("reason") or "-"), ("priority", j.get("priority", 0)),
+        ("workers held", ", ".join(f"{n[:8]}:{k}" for n, k in sorted((j.get("held") or {}).items())) or "-"),
         ("step", f"{j.get('step') or 0}/{j.get('total_steps') or '?'}"), ("loss", _fmt(j.get("loss"))),
         ("tokens/s", _fmt(j.get("tokens_per_s"), 0)), ("layout", _layout(j)), ("world size", j.get("world_size", 0)),
         ("workers range", f"{j.get('min_workers', '-')}..{j.get('max_workers', '-')}"),

@@ -20,6 +20,7 @@ from fastapi import Depends, HTTPException, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from service.job_manager import JobManager
+from service.scheduler import Quota
 
 
 @dataclass(kw_only=True, slots=True)
@@ -49,6 +50,11 @@ class Settings:
     """DELETE waits this long for a job's final checkpoint before releasing its coordinator."""
     ray_address: str | None = None
     """Ray cluster for the default (Ray) launcher; None: RAY_ADDRESS, else a private local Ray."""
+    schedule: bool = True
+    """Share the cluster among the jobs (service.job_scheduling): grants, queue, priorities, quotas.
+    ELASTRON_SCHEDULE=0 turns it off: each job then plans onto the whole cluster, as if it were alone."""
+    quotas: dict[str, Quota] = field(default_factory=dict)
+    """User name -> the workers and running jobs that user's jobs may hold on the shared cluster."""
 
     def __post_init__(self) -> None:
         self.runs_root = Path(self.runs_root)
@@ -72,7 +78,8 @@ class Settings:
     @classmethod
     def from_env(cls, **overrides) -> "Settings":
         """ELASTRON_RUNS_ROOT, ELASTRON_STORE, ELASTRON_API_TOKEN, ELASTRON_MAX_BODY_BYTES,
-        ELASTRON_DATA_ROOTS (os.pathsep-separated), then `overrides`."""
+        ELASTRON_DATA_ROOTS (os.pathsep-separated), ELASTRON_SCHEDULE, ELASTRON_QUOTAS (`parse_quotas`), then
+        `overrides`."""
         env = os.environ
         root = env.get("ELASTRON_RUNS_ROOT", "runs")
         kw: dict = {"runs_root": Path(root), "store_url": env.get("ELASTRON_STORE", str(Path(root) / "elastron.db")),
@@ -85,6 +92,12 @@ class Settings:
                     raise ValueError("ELASTRON_USER_TOKENS must be NAME=TOKEN pairs separated by commas")
                 users[name.strip()] = tok.strip()
             kw["user_tokens"] = users
+        if env.get("ELASTRON_SCHEDULE", "1").strip() not in ("0", "1"):
+            raise ValueError(f"ELASTRON_SCHEDULE must be 1 (share the cluster among jobs) or 0, got "
+                             f"{env['ELASTRON_SCHEDULE']!r}")
+        kw["schedule"] = env.get("ELASTRON_SCHEDULE", "1").strip() == "1"
+        if env.get("ELASTRON_QUOTAS"):
+            kw["quotas"] = parse_quotas(env["ELASTRON_QUOTAS"])
         if env.get("ELASTRON_ALLOWED_HOSTS"):
             kw["allowed_hosts"] = tuple(h.strip() for h in env["ELASTRON_ALLOWED_HOSTS"].split(",") if h.strip())
         if "ELASTRON_MAX_BODY_BYTES" in env:
@@ -96,6 +109,21 @@ class Settings:
             kw["data_roots"] = tuple(Path(r) for r in env["ELASTRON_DATA_ROOTS"].split(os.pathsep) if r)
         kw.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**kw)
+
+
+def parse_quotas(text: str) -> dict[str, Quota]:
+    """`NAME=WORKERS:JOBS,...` (e.g. `ann=8:2,bob=4:`; an empty part is no limit) -> {name: Quota}."""
+    out = {}
+    for item in text.split(","):
+        name, sep, limits = item.strip().partition("=")
+        workers, colon, jobs = limits.partition(":")
+        parts = [p.strip() for p in (workers, jobs)]
+        if not sep or not colon or not name.strip() or not all(p == "" or p.isdigit() for p in parts):
+            raise ValueError(f"ELASTRON_QUOTAS: {item.strip()!r} is not NAME=WORKERS:JOBS (whole numbers, "
+                             "empty for no limit), e.g. ann=8:2,bob=4:")
+        out[name.strip()] = Quota(max_workers=int(parts[0]) if parts[0] else None,
+                                  max_jobs=int(parts[1]) if parts[1] else None)
+    return out
 
 
 def get_settings(request: Request) -> Settings:

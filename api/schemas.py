@@ -158,6 +158,9 @@ class JobSummary(BaseModel):
     created: float
     updated: float
     owner: str | None = Field(None, description="The user whose token submitted the job (none without users).")
+    priority: int = _status("priority", 0)
+    queue_position: int | None = _status("queue_position")
+    held: dict[str, int] = _status("held", default_factory=dict)
 
 
 class JobDetail(JobSummary):
@@ -179,6 +182,7 @@ class JobDetail(JobSummary):
     running: bool | None = _status("running")
     error: str | None = _status("error")
     pid: int | None = _status("pid")
+    grant: dict[str, int] | None = _status("grant")
 
 
 class MetricRow(_Out):
@@ -251,6 +255,16 @@ class Cluster(BaseModel):
     time: float
     nodes: list[Node]
     usable_workers: int
+
+
+class QuotaUsage(BaseModel):
+    """One user's quota on the shared cluster and what their jobs hold now."""
+
+    owner: str
+    max_workers: int | None = Field(description="Most workers the user's jobs may hold together; null: no limit.")
+    max_jobs: int | None = Field(description="Most of the user's jobs holding workers at once; null: no limit.")
+    workers_held: int
+    jobs_running: int
 
 
 class Health(BaseModel):

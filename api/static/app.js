@@ -62,12 +62,20 @@ async function refreshJobs() {
     const tr = el("tr");
     tr.dataset.id = j.id;
     if (j.id === view.jobId) tr.classList.add("selected");
-    tr.append(el("td", j.id), el("td", j.name), el("td", j.state, `badge s-${j.state}`),
-              el("td", `${j.step ?? 0}/${j.total_steps ?? "?"}`), el("td", fmt(j.loss)), el("td", j.world_size));
+    const state = el("td", j.queue_position ? `${j.state} #${j.queue_position}` : j.state, `badge s-${j.state}`);
+    state.title = j.reason || "";
+    const held = el("td", j.world_size);
+    held.title = Object.entries(j.held || {}).map(([n, k]) => `${n.slice(0, 8)}: ${k}`).join(", ");
+    tr.append(el("td", j.id), el("td", j.name), state, el("td", j.priority ?? 0),
+              el("td", `${j.step ?? 0}/${j.total_steps ?? "?"}`), el("td", fmt(j.loss)), held);
     tr.addEventListener("click", () => select(j.id));
     return tr;
   }));
   $("no-jobs").hidden = jobs.length > 0;
+  // The scheduler's queue, in order, each with why it waits.
+  const queued = jobs.filter((j) => j.queue_position).sort((a, b) => a.queue_position - b.queue_position);
+  $("queue").replaceChildren(...queued.map((j) => el("li", `${j.name} (${j.id}, priority ${j.priority ?? 0}): ${j.reason || "waiting"}`)));
+  $("queue").hidden = queued.length === 0;
   if (!view.jobId && jobs.length) select((location.hash.match(/job=(\w+)/) || [])[1] || jobs[jobs.length - 1].id);
 }
 

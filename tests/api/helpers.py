@@ -52,9 +52,10 @@ def make_launcher(nodes: dict[str, int] | None = None, **kw) -> tuple[LocalLaunc
 def make_app(tmp_path: Path, launcher: LocalLauncher, *, token: str | None = None, db: Path | str | None = None,
              **settings):
     s = Settings(runs_root=tmp_path / "runs", store_url=str(db or tmp_path / "jobs.db"), token=token,
-                 sync_interval_s=0.05, stop_timeout_s=10.0, **settings)
+                 sync_interval_s=0.05, stop_timeout_s=10.0, **{"schedule": False, **settings})
     mgr = JobManager(JobStore(s.store_url), launcher, runs_root=s.runs_root, data_roots=s.data_roots,
-                     sync_interval_s=s.sync_interval_s, stop_timeout_s=s.stop_timeout_s)
+                     sync_interval_s=s.sync_interval_s, stop_timeout_s=s.stop_timeout_s, quotas=s.quotas,
+                     shared=s.schedule)
     return create_app(jobs=mgr, settings=s)
 
 

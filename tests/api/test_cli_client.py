@@ -48,8 +48,8 @@ def test_the_whole_job_lifecycle_from_the_command_line(server, tmp_path, capsys)
 
     assert run(["jobs"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["id", "name", "state", "step", "loss", "tokens/s", "workers", "layout"]
-    assert lines[2].split()[:4] == [job_id, "tiny", "RUNNING", "3/30"]
+    assert lines[0].split() == ["id", "name", "state", "prio", "step", "loss", "tokens/s", "workers", "layout"]
+    assert lines[2].split()[:5] == [job_id, "tiny", "RUNNING", "0", "3/30"]
 
     assert run(["resize", job_id, "2"]) == 0
     assert f"resize of job {job_id} accepted" in capsys.readouterr().out
@@ -103,3 +103,10 @@ def test_a_server_that_does_not_answer_is_one_line_naming_the_url(capsys, monkey
     assert run(["jobs", "--server", f"http://127.0.0.1:{port}"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"cannot reach the Elastron server at http://127.0.0.1:{port}" in err[0]
+
+
+def test_a_queued_job_shows_its_place_in_the_queue():
+    from api.cli_client import _state
+
+    assert _state({"state": "QUEUED", "queue_position": 2}) == "QUEUED #2"
+    assert _state({"state": "RUNNING", "queue_position": None}) == "RUNNING"

@@ -78,3 +78,40 @@ def test_live_charts_and_resize_from_the_dashboard(tmp_path):
             browser.close()
             httpx.post(f"{url}{J}/{job_id}/stop")
     stop_all(launcher)
+
+
+def test_the_queue_priorities_and_held_workers_fit_at_1400_px(tmp_path):
+    launcher, _ = make_launcher({"a": 2}, step_s=0.02)
+    spec = {**SPEC, "name": "a-rather-long-job-name-that-must-wrap-inside-its-column",
+            "parallel": {"min_workers": 2, "max_workers": 2}}
+    with live_server(make_app(tmp_path, launcher, schedule=True)) as url, sync_api.sync_playwright() as pw:
+        running = httpx.post(url + J, json={"spec": spec, "steps": 100_000}).json()["id"]
+        queued = httpx.post(url + J, json={"spec": {**spec, "scheduling": {"priority": -1}}, "steps": 5}).json()["id"]
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.set_default_timeout(TIMEOUT_MS)
+            page.goto(url + "/")
+            row = f"#jobs tbody tr[data-id='{queued}']"
+            page.wait_for_function(f"() => document.querySelector(\"{row} td:nth-child(3)\")?.textContent === 'QUEUED #1'")
+            assert page.text_content(f"{row} td:nth-child(4)") == "-1"  # its priority
+            assert "needs 2 workers" in page.get_attribute(f"{row} td:nth-child(3)", "title")
+            page.wait_for_function("() => !document.getElementById('queue').hidden")
+            assert page.text_content("#queue li").startswith(f"{spec['name']} ({queued}, priority -1): needs 2 workers")
+            run_row = f"#jobs tbody tr[data-id='{running}']"
+            page.wait_for_function(f"() => document.querySelector(\"{run_row} td:nth-child(7)\")?.textContent === '2'")
+            assert page.get_attribute(f"{run_row} td:nth-child(7)", "title") == "a: 2"
+            # every column fits: the table is no wider than its panel, and no cell is cut off at its right
+            fits = page.evaluate("""() => {
+                const t = document.getElementById('jobs'), p = document.getElementById('jobs-panel');
+                const last = t.querySelector('thead th:last-child').getBoundingClientRect();
+                return t.scrollWidth <= p.clientWidth + 1 && last.right <= p.getBoundingClientRect().right + 1;
+            }""")
+            assert fits
+            assert errors == []
+        finally:
+            browser.close()
+            httpx.post(f"{url}{J}/{running}/stop")
+    stop_all(launcher)
