@@ -87,11 +87,17 @@ class JobSyncing:
             self._schedule_quietly()
 
     def _schedule_quietly(self) -> None:
-        """A scheduling round (service.job_scheduling), its errors logged: the next round tries again."""
+        """A scheduling round (service.job_scheduling), its errors logged (the traceback at most every
+        TRACEBACK_EVERY_S): the next round tries again."""
         try:
             self.schedule_round()
-        except Exception:
-            logger.warning("the scheduling round failed; the next one tries again", exc_info=True)
+        except Exception as e:
+            now = time.monotonic()
+            loud = now - self._last_traceback.get("", -TRACEBACK_EVERY_S) >= TRACEBACK_EVERY_S
+            if loud:
+                self._last_traceback[""] = now
+            logger.warning("the scheduling round failed (%s: %s); the next one tries again", type(e).__name__, e,
+                           exc_info=loud)
 
     def _sync_round(self) -> None:
         """Sync every unsettled job, each on a pool thread; a job whose last sync is still running is
