@@ -31,6 +31,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from dataclasses import replace
 from typing import Iterator, NamedTuple
 
 from models.config import ModelConfig
@@ -334,3 +335,13 @@ def plan(world_size: int, model: ModelConfig, constraints: Constraints) -> Plan:
     return Plan(layout=lay, world_size=w, available=world_size, micro_batch_size=choice.mb,
                 grad_accum_steps=c.global_batch_size // (choice.mb * lay.dp), memory_bytes=choice.memory,
                 reasons=tuple(reasons))
+
+
+def size_for(offered: int, model: ModelConfig, constraints: Constraints) -> int | None:
+    """The most workers of `offered` the job can use (its plan's world size), whatever its min_workers;
+    None when no layout fits on any of them. What the coordinator asks before a resize and the
+    shared-cluster scheduler before it grants (a worker granted beyond it would sit idle)."""
+    try:
+        return plan(offered, model, replace(constraints, min_workers=1, max_workers=offered)).world_size
+    except ValueError:  # PlanError, or no worker offered at all
+        return None

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from parallel.planner import Plan, PlanError, plan
+from parallel.planner import Plan, PlanError, plan, size_for
 from service.cluster import ClusterSnapshot, ClusterWatcher
 from service.commands import Command
 from service.coordinator_commands import Commands
@@ -315,10 +315,7 @@ class Coordinator(Commands, GroupLifecycle):
         return plan(workers, self.model_cfg, replace(self.constraints, min_workers=1, max_workers=workers))
 
     def _size_for(self, offered: int) -> int | None:
-        try:
-            return self._plan(offered).world_size
-        except ValueError:  # PlanError, or no worker offered at all (max_workers=0)
-            return None
+        return size_for(offered, self.model_cfg, self.constraints)
 
     def _probe(self, nodes: list[str]) -> set[str]:
         return self.health.probe(nodes)

@@ -98,7 +98,8 @@ class JobManager(JobSyncing, JobScheduling):
                     "run_dir": str(rd), "created": now, "owner": owner, "idempotency_key": idempotency_key,
                     "request": request, "status": status.to_dict(),
                 })
-                self._cfgs[job_id] = cfg
+                if self.shared:
+                    self._cfgs[job_id] = cfg
             try:
                 self._handles[job_id] = self.launcher.launch(job_id, cfg, run_dir=str(rd), steps=steps,
                                                              workers=workers, grant=grant)

@@ -24,7 +24,8 @@ from service.scheduler import Quota
 from service.shared_cluster import Action, JobView, PauseJob, ResumeJob, Round, SetGrant, plan_round
 from service.specs import validate_spec, worker_range
 from service.status import JobStatus
-from workers.config import JobConfig
+from parallel.planner import size_for
+from workers.config import JobConfig, job_constraints
 
 logger = logging.getLogger("service.job_manager")
 
@@ -42,6 +43,7 @@ class JobScheduling:
         self._cfgs: dict[str, JobConfig] = {}
         self._told: dict[str, Action] = {}
         """The last command each job was sent (not sent again)."""
+        self._sizers: dict = {}
         self._granted: dict[str, dict[str, int]] = {}
         """The last grant each job was sent: its grant, whether or not its status shows it yet."""
         self._round_lock = threading.Lock()
@@ -61,9 +63,9 @@ class JobScheduling:
             if snap is None:
                 return None
             views = [v for row in self.store.unsettled() if (v := self._job_view(row)) is not None]
-            for gone in {*self._told, *self._granted} - {v.job_id for v in views}:
-                self._told.pop(gone, None)
-                self._granted.pop(gone, None)
+            for gone in {*self._told, *self._granted, *self._sizers} - {v.job_id for v in views}:
+                for memo in (self._told, self._granted, self._sizers, self._cfgs):
+                    memo.pop(gone, None)
             r = plan_round(snap, views, self.quotas, in_use=self.launcher.in_use(snap))
             for a in r.actions:
                 self._carry_out(a)
@@ -103,7 +105,20 @@ class JobScheduling:
                        shape=WorkerShape(cpus=cfg.resources.cpus_per_worker, gpus=cfg.resources.gpus_per_worker),
                        state=st.state, cause=st.cause, held=dict(st.held),
                        grant=self._granted.get(row["id"], st.grant),  # sent, perhaps not in its status yet
-                       queue_position=st.queue_position, reason=st.reason)
+                       queue_position=st.queue_position, reason=st.reason, size_for=self._sizer(row["id"], cfg))
+
+    def _sizer(self, job_id: str, cfg: JobConfig):
+        """The job's planner answer, cached: the most of n workers it can use."""
+        if job_id not in self._sizers:
+            model, constraints, memo = cfg.model.build(), job_constraints(cfg), {}
+
+            def sizer(n: int) -> int | None:
+                if n not in memo:
+                    memo[n] = size_for(n, model, constraints)
+                return memo[n]
+
+            self._sizers[job_id] = sizer
+        return self._sizers[job_id]
 
     def _cfg_of(self, row: dict) -> JobConfig | None:
         cfg = self._cfgs.get(row["id"])

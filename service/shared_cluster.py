@@ -25,7 +25,7 @@ workers are free. Shrinks and pauses are sent at once.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from service.cluster import ClusterSnapshot
@@ -58,6 +58,9 @@ class JobView:
     """What the scheduler granted it last; None: never granted (launched without a scheduler)."""
     queue_position: int | None = None
     reason: str = ""
+    size_for: Callable[[int], int | None] | None = field(default=None, compare=False)
+    """The most of n workers the job can use (its planner's answer, parallel.planner.size_for); None: all.
+    A worker granted beyond it would sit idle: grants are trimmed to it, and max_workers capped."""
 
     def holding(self) -> dict[str, int]:
         grant = self.grant or {}
@@ -121,7 +124,7 @@ def plan_round(snap: ClusterSnapshot, jobs: Sequence[JobView], quotas: Mapping[s
     ledger = ledger_of(snap, jobs, in_use=in_use, include_head=include_head)
     scheduled = [j for j in jobs if j.phase is not None]
     requests = [JobRequest(job_id=j.job_id, owner=j.owner, priority=j.priority, min_workers=j.min_workers,
-                           max_workers=j.max_workers, weight=j.weight, submitted=j.submitted, phase=j.phase,
+                           max_workers=_cap(j, ledger), weight=j.weight, submitted=j.submitted, phase=j.phase,
                            shape=j.shape) for j in scheduled]
     s = schedule(ledger, requests, quotas)
     free = {nid: list(v) for nid, v in ledger.free().items()}
@@ -149,6 +152,7 @@ def _tell(j: JobView, s: Schedule, free: dict[str, list[float]]) -> list[Action]
         return [SetGrant(job_id=j.job_id, nodes={}, reason=d.reason, queue_position=d.position)]
     if j.phase is Phase.PAUSED and not want:
         return [SetGrant(job_id=j.job_id, nodes={}, reason="paused by the scheduler")] if j.grant else []
+    want = _usable(j, want, now)
     more = {nid: k - now.get(nid, 0) for nid, k in want.items() if k > now.get(nid, 0)}
     if not _fits(more, j.shape, free):
         if isinstance(d, (Start, Grow)) and j.phase is not Phase.RUNNING:
@@ -167,6 +171,27 @@ def _tell(j: JobView, s: Schedule, free: dict[str, list[float]]) -> list[Action]
     if j.phase is Phase.PAUSED:
         out.append(ResumeJob(job_id=j.job_id))
     return out
+
+
+def _cap(j: JobView, ledger: Ledger) -> int | None:
+    """The job's max_workers, lowered to what it can use of the whole cluster."""
+    whole = sum(j.shape.fit(n.cpus - n.outside_cpus, n.gpus - n.outside_gpus) for n in ledger.nodes if n.usable)
+    top = whole if j.max_workers is None else min(j.max_workers, whole)
+    use = j.size_for(top) if j.size_for is not None and top >= 1 else None
+    return use if use is not None and use >= j.min_workers else j.max_workers
+
+
+def _usable(j: JobView, want: dict[str, int], now: Mapping[str, int]) -> dict[str, int]:
+    """`want` trimmed to the most workers the job can use, keeping the nodes it holds most on."""
+    n = sum(want.values())
+    use = j.size_for(n) if j.size_for is not None and n else None
+    if use is None or use >= n or use < j.min_workers:
+        return want
+    out: dict[str, int] = {}
+    for nid in sorted(want, key=lambda x: (-now.get(x, 0), -want[x], x)):
+        if k := min(want[nid], use - sum(out.values())):
+            out[nid] = k
+    return dict(sorted(out.items()))
 
 
 def _fits(more: Mapping[str, int], shape: WorkerShape, free: Mapping[str, list[float]]) -> bool:

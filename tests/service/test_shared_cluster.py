@@ -105,3 +105,14 @@ def test_a_grant_is_sent_to_a_running_job_that_never_had_one_and_quotas_hold():
     acts = by_job(plan_round(cluster(n=4), [a, b], {"ann": Quota(max_jobs=1)}).actions)
     assert acts["a"][0].nodes == {"n": 4} and acts["a"][0].reason.startswith("grown 2→4")  # no max_workers: all
     assert "quota" in acts["b"][0].reason and acts["b"][0].queue_position == 1
+
+
+def test_grants_stop_at_what_the_job_can_use_so_no_worker_sits_idle():
+    even = lambda n: n - n % 2 or None  # noqa: E731  (a job whose layouts need an even world size)
+    r = plan_round(cluster(n=5), [job("a", state="QUEUED", lo=2, size_for=even, t=1),
+                                  job("b", state="QUEUED", lo=1, hi=1, t=2)])
+    acts = by_job(r.actions)
+    assert acts["a"][0].nodes == {"n": 4}  # not 5: the fifth would idle
+    assert acts["b"][0].nodes == {"n": 1}  # ... and goes to b instead
+    r = plan_round(cluster(n=5), [job("a", state="QUEUED", lo=2, hi=3, size_for=even)])
+    assert by_job(r.actions)["a"][0].nodes == {"n": 2}
