@@ -14,9 +14,10 @@ is called with the ledger of grants and every unfinished job; its ledger is the 
   - a job whose grant is above what it holds (Start, Grow, a resume: Grow from 0) takes its workers as
     soon as they are free on the granted nodes (after the releases in flight), then makes no progress
     for `--resize-s` (a running job's grow) or `--restart-s` (a start or a resume from its checkpoint);
-  - a grant on other nodes than the job holds (the policy moves workers in some resizes) is carried out
-    as the release, then the growth: two planned resizes; below its minimum, mid-move, a job makes no
-    progress. Releases and moves in flight land on the newest grant.
+  - a grant on other nodes than the job holds (a move: the policy avoids them, counted as "moving
+    resize" when the job's size changes too, "same-size move" when not) is carried out as the release,
+    then the growth: two planned resizes; below its minimum, mid-move, a job makes no progress.
+    Releases and moves in flight land on the newest grant.
 Other events (a release, the end of a resize) do not call the policy: it is idempotent (calling it again
 on its own result changes nothing), so such a call would decide nothing.
 Baseline (`run_baseline`), modelled on Kueue's BestEffortFIFO queue with priority preemption:
@@ -207,7 +208,8 @@ def run_elastron(cfg: SimConfig, specs: list[JobSpec]) -> SimResult:
     nodes = tuple(NodeCapacity(node_id=f"n{i:02d}", cpus=float(cfg.workers_per_node)) for i in range(cfg.nodes))
     res = SimResult(system="elastron", capacity={n.node_id: cfg.workers_per_node for n in nodes},
                     runs=[_Run(s) for s in specs],
-                    counts=dict.fromkeys(("shrink", "pause", "grow", "resume", "moving resize"), 0))
+                    counts=dict.fromkeys(("shrink", "pause", "grow", "resume", "moving resize", "same-size move"),
+                                         0))
     ledger, arrivals, live, t = Ledger(nodes=nodes), sorted(specs, key=lambda s: s.arrival), [], 0.0
     by_id = {r.spec.job_id: r for r in res.runs}
     while arrivals or live:
@@ -253,10 +255,11 @@ def _reschedule(res: SimResult, ledger: Ledger, live: list[_Run], t: float, cfg:
     res.counts["pause"] += len(s.pauses)
     res.counts["grow"] += sum(1 for g in s.returns if g.before)
     res.counts["resume"] += sum(1 for g in s.returns if not g.before)
-    for d in (*s.resizes, *(g for g in s.returns if g.before)):
-        old, new = ledger.held(d.job_id).as_dict(), dict(d.nodes)
+    for h in ledger.holdings:  # a running job that gains a worker on one node and loses one on another
+        old, new = h.as_dict(), s.grant(h.job_id)
         gains, loses = (any(k > b.get(n, 0) for n, k in a.items()) for a, b in ((new, old), (old, new)))
-        res.counts["moving resize"] += gains and loses
+        if gains and loses:
+            res.counts["moving resize" if sum(new.values()) != h.workers else "same-size move"] += 1
     for r in live:
         new = s.grant(r.spec.job_id)
         if new == r.target:

@@ -5,8 +5,8 @@ and the per-owner quotas, and returns a `Schedule`: starts, shrinks, pauses, gro
 with a reason, plus the ledger after them. No clock, no Ray, no state: the same inputs (in any order)
 give the same schedule. A job paused by its user holds nothing and wants nothing: leave it out.
 
-Capacity is shared in two passes, so that every running job is shrunk toward its minimum before any
-job is paused ("shrink first, pause last"):
+How many workers each job gets is decided in two passes, so that every running job is shrunk toward its
+minimum before any job is paused ("shrink first, pause last"); where they run, in a third:
   1. Minimums, in admission order: priority (high first); within a priority running jobs, then jobs
      paused by the scheduler, then queued ones; then submission time, then id. A job is kept or admitted
      when its `min_workers` fit in what the jobs before it left (and its owner's quota allows). A
@@ -17,11 +17,16 @@ job is paused ("shrink first, pause last"):
   2. The rest, by priority (high first): within one priority, one worker at a time to the job with the
      fewest extra workers per unit of weight ("each gets at least its minimum, the rest by weight"), up
      to its max_workers and its owner's quota. Extras never displace a minimum.
+  3. Placement: every running job keeps the workers it holds, up to its new count (a shrink gives up
+     the nodes where it has fewest first); the workers jobs gain go to their own nodes first, then to
+     the nodes free now, then to what the shrinks gave up. A resize then only removes workers where
+     they are or adds some: it moves no one, unless its nodes lost capacity (draining, used outside).
 
-Placement is per node: a worker of a job's shape (CPUs, GPUs) must fit on one node. Running jobs keep
-their nodes where they can (a planned resize then moves no one); new jobs go to free nodes first.
-Workers on draining nodes are not granted again. Quotas: per owner, at most `max_jobs` jobs holding
-workers and at most `max_workers` workers held, both checked on the schedule's result.
+Placement is per node: a worker of a job's shape (CPUs, GPUs) must fit on one node. Passes 1 and 2
+place workers too, to know that they fit; where pass 3's packing does not (workers of different shapes
+can fragment the nodes), theirs stands. Workers on draining nodes are not granted again. Quotas: per
+owner, at most `max_jobs` jobs holding workers and at most `max_workers` workers held, both checked on
+the schedule's result.
 """
 
 from __future__ import annotations
@@ -59,19 +64,37 @@ class _Pool:
                 self.free[nid][0] -= k * shape.cpus
                 self.free[nid][1] -= k * shape.gpus
 
-    def take(self, shape: WorkerShape, n: int, order: list[str]) -> dict[str, int] | None:
-        """Place n workers filling nodes in `order` (then the rest by id); None, taking nothing, if they
-        do not all fit."""
-        got: dict[str, int] = {}
+    def keep(self, shape: WorkerShape, held: Mapping[str, int], n: int) -> dict[str, int]:
+        """Up to n of the workers `held` ({node: workers}), where they still fit (a node that shrank or
+        filled up outside the service keeps fewer)."""
+        got = self._kept(shape, held, n)
+        self.remove(shape, got)
+        return got
+
+    def take(self, shape: WorkerShape, n: int, order: list[str], held: Mapping[str, int] | None = None
+             ) -> dict[str, int] | None:
+        """Place n workers: first where `held` has them (as `keep`), then filling nodes in `order`, then
+        the rest by id; None, taking nothing, if they do not all fit."""
+        got = self._kept(shape, held or {}, n)
         for nid in order + [x for x in self.free if x not in order]:
-            if len(got) and sum(got.values()) >= n:
+            if sum(got.values()) >= n:
                 break
-            k = min(n - sum(got.values()), self.fit(shape, nid))
+            # one shape: k workers placed on a node leave exactly k fewer that fit there
+            k = min(n - sum(got.values()), self.fit(shape, nid) - got.get(nid, 0))
             if k > 0:
-                got[nid] = k
+                got[nid] = got.get(nid, 0) + k
         if sum(got.values()) < n:
             return None
         self.remove(shape, got)
+        return got
+
+    def _kept(self, shape: WorkerShape, held: Mapping[str, int], n: int) -> dict[str, int]:
+        """The nodes with the most workers first, so that a shrink empties the nodes it leaves."""
+        got: dict[str, int] = {}
+        for nid in sorted((x for x in held if x in self.free), key=lambda x: (-held[x], x)):
+            k = min(held[nid], n - sum(got.values()), self.fit(shape, nid))
+            if k > 0:
+                got[nid] = k
         return got
 
 
@@ -106,6 +129,7 @@ def schedule(ledger: Ledger, jobs: Iterable[JobRequest], quotas: Mapping[str, Qu
     free_now = ledger.free()
     # What the scheduled jobs hold is theirs to redistribute; other holdings (jobs not listed) stay put.
     pool = _Pool(Ledger(nodes=ledger.nodes, holdings=tuple(h for h in ledger.holdings if h.job_id in unknown)).free())
+    start = pool.copy()
 
     alloc: dict[str, dict[str, int]] = {}
     protected: dict[str, dict[str, int]] = {}  # what a running job holds above its minimum, per node
@@ -127,7 +151,7 @@ def schedule(ledger: Ledger, jobs: Iterable[JobRequest], quotas: Mapping[str, Qu
         mine = held[j.job_id]
         view = pool
         if j.phase is Phase.RUNNING:
-            got = pool.take(j.shape, j.min_workers, _order(j, mine, free_now, pool))
+            got = pool.take(j.shape, j.min_workers, _order(j, mine, free_now, pool), held=mine)
         else:
             view = pool.copy()
             for other in jobs:
@@ -179,11 +203,31 @@ def schedule(ledger: Ledger, jobs: Iterable[JobRequest], quotas: Mapping[str, Qu
             if best is None:
                 break
             j = best[1]
-            got = pool.take(j.shape, 1, _order(j, {**held[j.job_id], **alloc[j.job_id]}, free_now, pool))
+            mine, have = held[j.job_id], alloc[j.job_id]
+            back = {nid: k - have.get(nid, 0) for nid, k in mine.items() if k > have.get(nid, 0)}
+            got = pool.take(j.shape, 1, _order(j, have, free_now, pool), held=back)
             alloc[j.job_id][next(iter(got))] = alloc[j.job_id].get(next(iter(got)), 0) + 1
             owner_workers[j.owner] += 1
 
+    alloc = _place(jobs, {jid: sum(a.values()) for jid, a in alloc.items()}, held, start, free_now) or alloc
     return _explain(ledger, jobs, alloc, before, why_not, quota_bound, quotas, unknown)
+
+
+def _place(jobs: list[JobRequest], counts: dict[str, int], held: dict[str, dict[str, int]], pool: _Pool,
+           free_now: Mapping[str, tuple[float, float]]) -> dict[str, dict[str, int]] | None:
+    """Pass 3, where: every running job keeps the workers it holds, up to its new count (a shrink keeps
+    its nodes with the most workers); then, in admission order, the workers jobs gain go to their own
+    nodes first, then to the nodes free now. None when that does not fit (workers of different shapes
+    can fragment the nodes): then the packing of passes 1 and 2 stands."""
+    out = {j.job_id: pool.keep(j.shape, held[j.job_id], counts[j.job_id]) for j in jobs if j.job_id in counts}
+    for j in jobs:
+        if j.job_id in counts and (n := counts[j.job_id] - sum(out[j.job_id].values())):
+            got = pool.take(j.shape, n, _order(j, out[j.job_id], free_now, pool))
+            if got is None:
+                return None
+            for nid, k in got.items():
+                out[j.job_id][nid] = out[j.job_id].get(nid, 0) + k
+    return out
 
 
 def _trim(nodes: dict[str, int], room: int) -> dict[str, int]:

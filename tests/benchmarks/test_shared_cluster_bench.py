@@ -73,6 +73,11 @@ def test_elastron_loses_no_work_and_admits_urgent_jobs_within_one_resize(runs):
     assert len(res.sched_s) == 2 * len(res.runs)  # one schedule() per arrival and per completion
 
 
+def test_no_resize_moves_workers_between_nodes(runs):
+    """One-CPU workers never fragment a node, so the policy keeps every running job where it is."""
+    assert runs["elastron"].counts["moving resize"] == runs["elastron"].counts["same-size move"] == 0
+
+
 def test_same_seed_same_day():
     specs = workload(CFG)
     assert specs == workload(CFG)

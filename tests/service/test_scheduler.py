@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import re
 
@@ -177,6 +178,27 @@ def test_workers_on_a_draining_node_are_not_granted_again():
     assert s.grant("r") == {"a": 4}
 
 
+# -- placement: a resize keeps the workers where they are --------------------------------------------------
+def test_a_shrink_keeps_the_job_on_the_nodes_it_holds():
+    # found by benchmarks/shared_cluster.py: r0 was shrunk onto n0:2, n1:2, moving a worker to n0
+    led = ledger({"n0": 4, "n1": 4}, {"r0": {"n0": 1, "n1": 4}})
+    s = schedule(led, [job("r0", R, priority=5, max_workers=6), job("q", priority=5, max_workers=6, submitted=1)])
+    assert s.decision("r0").after == 4
+    assert s.grant("r0") == {"n1": 4} and s.grant("q") == {"n0": 4}
+
+
+def test_a_grow_keeps_every_worker_the_job_holds():
+    s = schedule(ledger({"a": 4, "b": 4}, {"r": {"a": 1, "b": 3}}), [job("r", R, max_workers=6)])
+    assert s.grant("r") == {"a": 2, "b": 4}  # was a:4, b:2: one worker moved from b
+
+
+def test_a_worker_that_needs_a_whole_node_may_still_move_a_running_job():
+    # pass 3 cannot keep r on a:1, b:1 and fit a 4-CPU worker: the packing of passes 1 and 2 stands
+    led = ledger({"a": 4, "b": 4}, {"r": {"a": 1, "b": 1}})
+    s = schedule(led, [job("r", R, min_workers=2, max_workers=2), job("x", priority=10, shape=WorkerShape(cpus=4))])
+    assert s.grant("x") == {"a": 1} and s.grant("r") == {"b": 2}
+
+
 @pytest.mark.parametrize("kw, match", [
     ({"min_workers": 0}, "min_workers"), ({"min_workers": 4, "max_workers": 2}, "max_workers"),
     ({"weight": 0}, "weight"), ({"priority": 1.5}, "priority"), ({"job_id": ""}, "job_id")])
@@ -273,6 +295,25 @@ def test_a_schedule_carried_out_is_stable(seed):
     s2 = schedule(s.ledger, again, quotas)
     assert (s2.grants, s2.resizes, s2.pauses, s2.returns) == ((), (), (), ())
     assert sizes(s2) == after
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_a_running_job_never_gains_a_worker_on_one_node_while_losing_one_on_another(seed):
+    """A shrink keeps a subset of the workers the job holds, a grow all of them: a resize moves no one. Only
+    a node that starts draining (a third of the scenarios) takes workers away that come back elsewhere."""
+    led, jobs, quotas = _scenario(seed)
+    rng = random.Random(-1 - seed)
+    if rng.random() < 1 / 3:
+        gone = rng.choice(led.nodes).node_id
+        led = dataclasses.replace(led, nodes=tuple(dataclasses.replace(n, usable=n.node_id != gone)
+                                                   for n in led.nodes))
+    s = schedule(led, jobs, quotas)
+    usable = {n.node_id for n in led.nodes if n.usable}
+    for h in led.holdings:
+        was, now = {nid: k for nid, k in h.nodes if nid in usable}, s.grant(h.job_id)
+        gains = sorted(nid for nid, k in now.items() if k > was.get(nid, 0))
+        loses = sorted(nid for nid, k in was.items() if k > now.get(nid, 0))
+        assert not (gains and loses), f"{h.job_id} held {was}, granted {now}"
 
 
 def test_lost_capacity_shrinks_then_pauses_and_says_so():
