@@ -9,9 +9,9 @@ How many workers each job gets is decided in two passes, so that every running j
 minimum before any job is paused ("shrink first, pause last"); where they run, in a third:
   1. Minimums, in admission order: priority (high first); within a priority running jobs, then jobs
      paused by the scheduler, then queued ones; then submission time, then id. A job is kept or admitted
-     when its `min_workers` fit in what the jobs before it left (and its owner's quota allows). A
-     queued or paused job may not take what a *higher*-priority job holds now above its minimum: a job
-     is never shrunk to admit a lower-priority one. It may take what equal or lower-priority jobs hold
+     when its `min_workers` fit in what the jobs before it left (and its owner's quota allows). No job
+     may take what a *higher*-priority job holds now above its minimum: a job is never shrunk to admit
+     or keep a lower-priority one. A queued or paused job may take what equal or lower-priority jobs hold
      above their minimums (they shrink), then the minimums of lower-priority jobs, which come later in
      this order and so are paused when nothing is left for them (the lowest first).
   2. The rest, by priority (high first): within one priority, one worker at a time to the job with the
@@ -149,14 +149,15 @@ def schedule(ledger: Ledger, jobs: Iterable[JobRequest], quotas: Mapping[str, Qu
                                 f"{owner_workers.get(j.owner, 0)} of the {q.max_workers} its quota allows"
             continue
         mine = held[j.job_id]
-        view = pool
+        # What jobs of higher priority hold above their minimum is not to be taken, not even by a
+        # running job whose own nodes were taken by a job before it (it is paused instead).
+        view = pool.copy()
+        for other in jobs:
+            if other.priority > j.priority and other.job_id in protected:
+                view.remove(other.shape, protected[other.job_id])
         if j.phase is Phase.RUNNING:
-            got = pool.take(j.shape, j.min_workers, _order(j, mine, free_now, pool), held=mine)
+            got = view.take(j.shape, j.min_workers, _order(j, mine, free_now, view), held=mine)
         else:
-            view = pool.copy()
-            for other in jobs:
-                if other.priority > j.priority and other.job_id in protected:
-                    view.remove(other.shape, protected[other.job_id])
             # Leave running jobs still to come their minimum where it is, if that is enough: then a
             # shrink moves none of their workers. Otherwise take it (they are paused, or move).
             spare = view.copy()
@@ -173,8 +174,7 @@ def schedule(ledger: Ledger, jobs: Iterable[JobRequest], quotas: Mapping[str, Qu
                                  f"needs {j.min_workers} workers of {j.shape}; {view.count(j.shape)} can be granted "
                                  f"without taking them from jobs of priority >= {j.priority}")
             continue
-        if j.phase is not Phase.RUNNING:
-            pool.remove(j.shape, got)
+        pool.remove(j.shape, got)
         alloc[j.job_id] = got
         owner_jobs[j.owner] = owner_jobs.get(j.owner, 0) + 1
         owner_workers[j.owner] = owner_workers.get(j.owner, 0) + j.min_workers
