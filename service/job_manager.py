@@ -101,8 +101,9 @@ class JobManager(JobSyncing, JobScheduling):
                 if self.shared:
                     self._cfgs[job_id] = cfg
             try:
+                shared = {} if grant is None else {"grant": grant}  # a launcher for unscheduled jobs needs none
                 self._handles[job_id] = self.launcher.launch(job_id, cfg, run_dir=str(rd), steps=steps,
-                                                             workers=workers, grant=grant)
+                                                             workers=workers, **shared)
             except Exception as e:
                 logger.warning("job %s: could not start its coordinator; it is recorded as FAILED", job_id,
                                exc_info=True)
