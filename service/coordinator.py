@@ -86,6 +86,7 @@ class Coordinator(Commands, GroupLifecycle):
         self._open: Reconfig | None = None
         self._heal = None  # service.reconfigure.Heal while a failed group's survivors wait to heal from peers
         self._commands: queue.Queue[Command] = queue.Queue()
+        self._woken = threading.Event()
         self._user_resize = False
         self.grant: dict[str, int] | None = None
         """{node_id: workers} the shared-cluster scheduler grants this job (service.scheduler); None: the
@@ -180,7 +181,7 @@ class Coordinator(Commands, GroupLifecycle):
         handler = self._handlers.get(self.sm.state)
         if handler is None:  # PAUSED (a command moves it on) or terminal
             if self.sm.state is S.PAUSED:
-                time.sleep(0.05)
+                self._nap(0.05)
             return self.sm.state
         handler(self.watcher.latest or self.watcher.poll())
         return self.sm.state
@@ -230,7 +231,7 @@ class Coordinator(Commands, GroupLifecycle):
             target = S.QUEUED if d.by_scheduler else S.WAITING_FOR_CAPACITY
             if self.sm.state is not target:
                 self.sm.transition(target, reason=(d.by_scheduler and self.queue[1]) or d.reason, step=self.step_done)
-            time.sleep(min(0.2, self.opts.poll_interval_s))
+            self._nap(min(0.2, self.opts.poll_interval_s))
         elif isinstance(d, Resize):
             if self.sm.state in (S.WAITING_FOR_CAPACITY, S.QUEUED):
                 self.sm.transition(S.RECOVERING if self.step_done else S.STARTING,

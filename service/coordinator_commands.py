@@ -24,20 +24,20 @@ class Commands:
                max_workers: int | None = None) -> None:
         cmd = SetWorkers(workers=workers, min_workers=min_workers, max_workers=max_workers)
         self._policy_config(*cmd.bounds(self.policy.config.min_workers, self.policy.config.max_workers))  # validate now
-        self._commands.put(cmd)  # applied to the range current then: a second resize composes with the first
+        self._enqueue(cmd)  # applied to the range current then: a second resize composes with the first
 
     def pause(self, *, by: str = "user", reason: str | None = None) -> None:
         if by not in PAUSERS:
             raise ValueError(f"pause by must be one of {PAUSERS}, got {by!r}")
-        self._commands.put(Pause(by=by, reason=reason))
+        self._enqueue(Pause(by=by, reason=reason))
 
     def resume(self, *, by: str = "user") -> None:
         if by not in PAUSERS:
             raise ValueError(f"resume by must be one of {PAUSERS}, got {by!r}")
-        self._commands.put(Resume(by=by))
+        self._enqueue(Resume(by=by))
 
     def stop(self) -> None:
-        self._commands.put(Stop())
+        self._enqueue(Stop())
 
     def set_grant(self, nodes: dict[str, int], reason: str, queue_position: int | None = None) -> None:
         """The shared-cluster scheduler's grant (service.shared_cluster): plan onto these workers only."""
@@ -46,9 +46,18 @@ class Commands:
             raise ValueError(f"a grant is {{node_id: workers >= 1}}, got {nodes!r}")
         if not isinstance(reason, str) or not reason:
             raise ValueError("a grant needs its reason (a non-empty string)")
-        self._commands.put(Grant(nodes=dict(nodes), reason=reason, queue_position=queue_position))
+        self._enqueue(Grant(nodes=dict(nodes), reason=reason, queue_position=queue_position))
+
+    def _enqueue(self, cmd: Command) -> None:
+        self._commands.put(cmd)
+        self._woken.set()  # a loop napping while it waits (QUEUED, PAUSED, ...) acts on it at once
 
     # -- in the loop -----------------------------------------------------------------------------------------
+    def _nap(self, seconds: float) -> None:
+        """Wait up to `seconds`, less if a command arrives."""
+        self._woken.wait(seconds)
+        self._woken.clear()
+
     def _apply_commands(self) -> None:
         deferred = []
         while True:

@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -84,6 +85,9 @@ class JobSyncing:
     def _loop(self) -> None:
         while not self._stop.wait(self.sync_interval_s):
             self._sync_round()
+            # The scheduling round decides on the statuses this sync round brings (a shrink that just
+            # ended frees the workers a queued job waits for), not on the previous round's.
+            wait_futures(list(self._inflight.values()), timeout=self.sync_interval_s)
             self._schedule_quietly()
 
     def _schedule_quietly(self) -> None:

@@ -136,6 +136,11 @@ def plan_round(snap: ClusterSnapshot, jobs: Sequence[JobView], quotas: Mapping[s
         if j.phase is None and j.state == "PAUSED" and j.grant:
             actions.append(SetGrant(job_id=j.job_id, nodes={}, reason="paused by its user: its workers go to "
                                                                       "other jobs until it is resumed"))
+    # What frees workers goes first: a coordinator slow to answer (one just launched) must not hold up
+    # the shrinks and pauses the jobs waiting for their workers depend on.
+    held = {j.job_id: sum(j.holding().values()) for j in jobs}
+    actions.sort(key=lambda a: not (isinstance(a, PauseJob)
+                                    or (isinstance(a, SetGrant) and sum(a.nodes.values()) < held[a.job_id])))
     return Round(schedule=s, ledger=ledger, actions=tuple(actions))
 
 

@@ -53,7 +53,9 @@ def test_a_queued_job_is_started_on_free_workers_and_told_its_place_otherwise():
 def test_a_higher_priority_job_waits_for_the_shrink_it_causes_then_starts():
     low = job("low", held={"n": 4}, grant={"n": 4}, lo=2, t=1)
     high = job("high", state="QUEUED", lo=2, hi=2, prio=10, t=2)
-    acts = by_job(plan_round(cluster(n=4), [low, high]).actions)
+    r = plan_round(cluster(n=4), [low, high])
+    assert [a.job_id for a in r.actions] == ["low", "high"]  # what frees workers is sent first
+    acts = by_job(r.actions)
     assert acts["low"] == [SetGrant(job_id="low", nodes={"n": 2}, reason="shrunk 4→2 to admit job high (priority 10)")]
     (h,) = acts["high"]
     assert h.nodes == {} and "waiting for the workers" in h.reason  # low still runs on them
