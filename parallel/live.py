@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+import time
 from typing import Any
 
 import torch
@@ -58,7 +59,8 @@ def _slice(t: torch.Tensor, have: Box, want: Box) -> torch.Tensor:
 
 def transfer(plan: list[Transfer], *, old_rank: int | None, new_rank: int | None, held: Held | None,
              dtypes: dict[str, torch.dtype], old_to_group: dict[int, int], new_to_group: dict[int, int],
-             group: Any = None, device: torch.device | str = "cpu") -> dict[str, list[tuple[Box, torch.Tensor]]]:
+             group: Any = None, device: torch.device | str = "cpu",
+             timings: dict[str, float] | None = None) -> dict[str, list[tuple[Box, torch.Tensor]]]:
     """Run this worker's part of `plan` on `group` (collective over every worker in it). `old_rank` /
     `new_rank`: this worker's rank in each layout (None if it has none there); `*_to_group`: layout
     rank -> rank in `group`. Returns the pieces this worker receives as a new rank, by key; pieces it
@@ -80,25 +82,46 @@ def transfer(plan: list[Transfer], *, old_rank: int | None, new_rank: int | None
             recvs[src].append(t)
     if (sends and held is None) or (old_rank is None and sends) or (new_rank is None and recvs):
         raise CheckpointError(f"exchange plan gives worker {me} a part it cannot play")
+    clock = _Laps(timings)
     ops, inbox = [], {}
     for dst, ts in sorted(sends.items()):
         parts = [_slice(held.tensors[t.key], held.boxes[t.key], t.box).contiguous().reshape(-1).view(torch.uint8)
                  for t in ts]
         ops.append(dist.P2POp(dist.isend, torch.cat(parts).to(device), _peer(group, dst), group))
+    clock.lap("pack")
     for src, ts in sorted(recvs.items()):
         nbytes = sum(t.box.numel * dtypes[t.key].itemsize for t in ts)
         inbox[src] = torch.empty(nbytes, dtype=torch.uint8, device=device)
         ops.append(dist.P2POp(dist.irecv, inbox[src], _peer(group, src), group))
+    clock.lap("alloc")
     if ops:
-        for work in dist.batch_isend_irecv(ops):
+        works = dist.batch_isend_irecv(ops)
+        clock.lap("post")
+        one_per_op = len(works) == len(ops)  # gloo; NCCL coalesces the batch into one work
+        for op, work in zip(ops, works):
             work.wait()
+            clock.lap(("wait_send" if op.op is dist.isend else "wait_recv") if one_per_op else "wait")
     for src, buf in inbox.items():
         pos = 0
         for t in recvs[src]:
             n = t.box.numel * dtypes[t.key].itemsize
             received[t.key].append((t.box, buf[pos:pos + n].view(dtypes[t.key]).reshape(t.box.sizes)))
             pos += n
+    clock.lap("unpack")
     return dict(received)
+
+
+class _Laps:
+    """Adds the seconds since the previous lap to `into[name]` (no-op without `into`)."""
+
+    def __init__(self, into: dict[str, float] | None) -> None:
+        self.into, self.t = into, time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        if self.into is not None:
+            self.into[name] = self.into.get(name, 0.0) + now - self.t
+        self.t = now
 
 
 def _peer(group: Any, rank_in_group: int) -> int:

@@ -45,7 +45,14 @@ class Received:
     bytes_received: int = 0
     """Bytes that came over the network to this worker (pieces it kept from its own shards excluded)."""
     timings: dict[str, float] = field(default_factory=dict)
-    """Seconds in each phase on this worker: agree (optimizer steps), plan, state (JSON), send_recv."""
+    """Seconds in each phase on this worker: agree (optimizer steps), plan, state (JSON), send_recv, and
+    the parts of send_recv as `send_recv.<part>` (`SEND_RECV_PARTS`)."""
+
+
+SEND_RECV_PARTS = ("pack", "alloc", "post", "wait_send", "wait_recv", "wait", "unpack")
+"""What `parallel.live.transfer` times: packing the slices it sends, allocating receive buffers, posting
+the ops, waiting for its sends / its receives (or for the batch, where it is one work), the received
+pieces' views."""
 
 
 def hand_over(trainer: Any) -> Handover:
@@ -94,9 +101,12 @@ def exchange(handover: Handover | None, *, model: ModelConfig, old: Layout, new:
     clock.lap("state")
     key_dtype = {f"{prefix}{n}": dt for n, dt in dtypes.items()
                  for prefix in ("model.", *(f"optim.{st}." for st in states))}  # moments share the param's dtype
+    parts = dict.fromkeys(SEND_RECV_PARTS, 0.0)
     pieces = transfer(plan, old_rank=old_rank, new_rank=new_rank, held=handover.held if handover else None,
-                      dtypes=key_dtype, old_to_group=old_to_group, new_to_group=new_to_group, device=device)
+                      dtypes=key_dtype, old_to_group=old_to_group, new_to_group=new_to_group, device=device,
+                      timings=parts)
     clock.lap("send_recv")
+    clock.laps.update({f"send_recv.{k}": v for k, v in parts.items()})
     me = dist.get_rank()
     got = sum(t.box.numel * key_dtype[t.key].itemsize for t in plan
               if new_to_group[t.dst] == me and old_to_group[t.src] != me)
