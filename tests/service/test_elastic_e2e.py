@@ -16,6 +16,7 @@ from service.coordinator import Coordinator, CoordinatorOptions
 from tests.bodies import train_body
 from tests.multiproc import run_ranks
 from workers.config import JobConfig
+from workers.reshard import SEND_RECV_PARTS
 
 pytestmark = pytest.mark.e2e
 
@@ -163,7 +164,8 @@ def test_planned_resize_redoes_no_steps(cluster, nodes, reference, tmp_path):
     assert rc.old_layout["dp_replicate"] * rc.old_layout["dp_shard"] == 2 and rc.world_size == 1
     assert rc.started == 0 and rc.stopped == 1  # the surviving actor was reused
     assert rc.transfer["path"] == "live"  # no storage: the survivor held a whole replica, 0 bytes to move
-    assert set(rc.transfer["transfer_parts"]) == {"rendezvous", "agree", "plan", "state", "send_recv", "leave"}
+    assert set(rc.transfer["transfer_parts"]) == {"rendezvous", "agree", "plan", "state", "send_recv", "leave",
+                                                  *(f"send_recv.{p}" for p in SEND_RECV_PARTS)}
 
 
 def test_preemption_notice_checkpoints_just_in_time_and_loses_nothing(cluster, nodes, reference, tmp_path):
