@@ -18,6 +18,8 @@ counters) travels as JSON from the old rank 0.
 
 from __future__ import annotations
 
+import ctypes
+import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 import time
@@ -83,16 +85,24 @@ def transfer(plan: list[Transfer], *, old_rank: int | None, new_rank: int | None
     if (sends and held is None) or (old_rank is None and sends) or (new_rank is None and recvs):
         raise CheckpointError(f"exchange plan gives worker {me} a part it cannot play")
     clock = _Laps(timings)
-    ops, inbox = [], {}
+    ops = []
     for dst, ts in sorted(sends.items()):
-        parts = [_slice(held.tensors[t.key], held.boxes[t.key], t.box).contiguous().reshape(-1).view(torch.uint8)
-                 for t in ts]
-        ops.append(dist.P2POp(dist.isend, torch.cat(parts).to(device), _peer(group, dst), group))
+        for msg in _messages(ts, dtypes):
+            parts = [_slice(held.tensors[t.key], held.boxes[t.key], t.box) for t in msg]
+            # A piece that is a contiguous run of its shard (FSDP dim-0 shards, whole tensors) goes as a
+            # view: the network reads it where it lies. Only small pieces are packed (one copy).
+            buf = _bytes(parts[0]) if len(parts) == 1 else torch.cat([_bytes(x) for x in parts])
+            ops.append(dist.P2POp(dist.isend, buf.to(device), _peer(group, dst), group))
     clock.lap("pack")
+    inbox: list[tuple[list[Transfer], torch.Tensor]] = []
     for src, ts in sorted(recvs.items()):
-        nbytes = sum(t.box.numel * dtypes[t.key].itemsize for t in ts)
-        inbox[src] = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        ops.append(dist.P2POp(dist.irecv, inbox[src], _peer(group, src), group))
+        buf = _untouched(sum(_nbytes(t, dtypes) for t in ts), device)
+        pos = 0
+        for msg in _messages(ts, dtypes):
+            n = sum(_nbytes(t, dtypes) for t in msg)
+            inbox.append((msg, buf[pos:pos + n]))
+            ops.append(dist.P2POp(dist.irecv, buf[pos:pos + n], _peer(group, src), group))
+            pos += n
     clock.lap("alloc")
     if ops:
         works = dist.batch_isend_irecv(ops)
@@ -101,14 +111,64 @@ def transfer(plan: list[Transfer], *, old_rank: int | None, new_rank: int | None
         for op, work in zip(ops, works):
             work.wait()
             clock.lap(("wait_send" if op.op is dist.isend else "wait_recv") if one_per_op else "wait")
-    for src, buf in inbox.items():
+    for msg, buf in inbox:
         pos = 0
-        for t in recvs[src]:
-            n = t.box.numel * dtypes[t.key].itemsize
+        for t in msg:
+            n = _nbytes(t, dtypes)
             received[t.key].append((t.box, buf[pos:pos + n].view(dtypes[t.key]).reshape(t.box.sizes)))
             pos += n
     clock.lap("unpack")
     return dict(received)
+
+
+PACK_BELOW = 1 << 20
+"""Pieces smaller than this (bytes) travel packed into one message per pair: a P2P op each would cost
+more than copying them (norm weights, biases, thin shards)."""
+
+
+def _nbytes(t: Transfer, dtypes: dict[str, torch.dtype]) -> int:
+    return t.box.numel * dtypes[t.key].itemsize
+
+
+def _messages(ts: list[Transfer], dtypes: dict[str, torch.dtype]) -> list[list[Transfer]]:
+    """The messages between one pair, in the order both sides post them: the small pieces packed into
+    one, then every other piece on its own. Decided from the plan alone, so sender and receiver agree."""
+    small = [t for t in ts if _nbytes(t, dtypes) < PACK_BELOW]
+    return ([small] if small else []) + [[t] for t in ts if _nbytes(t, dtypes) >= PACK_BELOW]
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s bytes as a flat uint8 tensor: a view if `t` is contiguous, else a copy."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+HUGE_PAGES = True
+"""Ask the kernel for 2 MiB pages for receive buffers on CPU (MADV_HUGEPAGE; Linux, transparent huge
+pages in `madvise` or `always` mode): the first touch of fresh memory is the receive's main cost on small
+pages (see docs/benchmarks.md, issue 13)."""
+_HUGE = 2 << 20
+
+
+def _untouched(nbytes: int, device: torch.device | str) -> torch.Tensor:
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    if HUGE_PAGES and sys.platform == "linux" and buf.device.type == "cpu" and nbytes >= 2 * _HUGE:
+        start = -(-buf.data_ptr() // _HUGE) * _HUGE
+        _madvise(start, (buf.data_ptr() + nbytes) // _HUGE * _HUGE - start)
+    return buf
+
+
+def _madvise(addr: int, length: int) -> None:
+    global _libc
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL(None, use_errno=True)
+            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        _libc.madvise(addr, length, 14)  # MADV_HUGEPAGE; a refusal only costs speed
+    except (OSError, AttributeError):
+        pass
+
+
+_libc: Any = None
 
 
 class _Laps:

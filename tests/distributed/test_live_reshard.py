@@ -26,10 +26,15 @@ CFG = {
 }
 
 
-def live_body(cfg_dict: dict, old: str, new: str, ports: list[int], run_dir: str) -> list[str]:
+def live_body(cfg_dict: dict, old: str, new: str, ports: list[int], run_dir: str,
+              pack_below: int | None = None) -> list[str]:
     import torch
     import torch.distributed as dist
 
+    from parallel import live
+
+    if pack_below is not None:  # the tiny model's pieces are all small: make most travel on their own
+        live.PACK_BELOW = pack_below
     from parallel.checkpoint.state import collect, local_box
     from parallel.layout import Layout
     from workers.config import JobConfig
@@ -103,4 +108,19 @@ def test_live_reshard_equals_the_checkpoint_path(tmp_path, old, new):
     world = max(Layout.parse(old).world_size, Layout.parse(new).world_size)
     ports = [free_port() for _ in range(3)]
     problems = [p for r in run_ranks(world, live_body, CFG, old, new, ports, str(tmp_path)) for p in r]
+    assert problems == []
+
+
+@pytest.mark.parametrize("old,new,pack_below", [
+    ("dp=2", "tp=2", 4096),           # FSDP row shards cut into TP columns: non-contiguous pieces, copied
+    ("pp=2", "dp=3", 4096),           # uneven FSDP shards, contiguous runs sent as views; norms packed
+    ("dp_shard=2,tp=2", "dp=1", 0),   # every piece its own message
+])
+def test_live_reshard_with_pieces_sent_one_by_one(tmp_path, old, new, pack_below):
+    from parallel.layout import Layout
+
+    world = max(Layout.parse(old).world_size, Layout.parse(new).world_size)
+    ports = [free_port() for _ in range(3)]
+    problems = [p for r in run_ranks(world, live_body, CFG, old, new, ports, str(tmp_path), pack_below)
+                for p in r]
     assert problems == []
