@@ -13,9 +13,13 @@ survivor, as in a planned resize on live workers). Each repetition runs, in rota
   storage: a blocking checkpoint save under the old layout plus a cold load into a fresh trainer of the
           new layout (what the storage path moves).
 
-Reported: medians, the live transfer's throughput as a fraction of raw gloo, and live vs storage. The
-event -> first-step figures of a whole resize (coordinator included) are not here yet: the coordinator
-does not use the live path yet (issue 13, deliverable 3).
+Reported: medians, the live transfer's throughput as a fraction of raw gloo, and live vs storage, and
+the parts of the send/recv step per rank (`parallel.live.transfer`'s timings).
+
+With fewer ranks in `--new` than in `--old` (e.g. `--layers 30 --old dp=2 --new dp=1`: the 1 GB user
+resize of benchmarks/elastic.py without the coordinator), the benchmark instead runs the worker's side of
+a planned shrink (`shrink_body`) with the send/recv variants of `VARIANTS` interleaved, and reports the
+send/recv parts of each against raw gloo between the same processes.
 """
 
 from __future__ import annotations
@@ -78,9 +82,12 @@ def body(cfg_dict: dict, old: str, new: str, work: str, reps: int) -> dict:
             steps.update(part)
         dist.barrier()
         t = time.perf_counter()
+        parts: dict[str, float] = {}
         pieces = live.transfer(plan, old_rank=rank, new_rank=rank, held=held, dtypes=dtypes,
-                               old_to_group=ident, new_to_group=ident)
+                               old_to_group=ident, new_to_group=ident, timings=parts)
         out["transfer"].append(time.perf_counter() - t)
+        for k, v in parts.items():
+            out.setdefault(f"transfer.{k}", []).append(v)
         t = time.perf_counter()
         dst.adopt(pieces, steps, state)
         out["adopt"].append(time.perf_counter() - t)
@@ -134,18 +141,136 @@ def body(cfg_dict: dict, old: str, new: str, work: str, reps: int) -> dict:
         t.numel() * 4 for t in live.hold(src.model, src.optimizer).tensors.values()), "sent": sent, "recv": recv}
 
 
+VARIANTS = {  # the send/recv knobs of parallel.live: (PACK_BELOW, HUGE_PAGES)
+    "packed": (1 << 62, False),  # every piece packed into one message per pair, 4 KiB pages: before a5e4a31
+    "views": (None, False),      # pieces of >= 1 MiB sent as they lie, one op each
+    "views+huge": (None, True),  # ... and receive buffers on transparent huge pages (the default)
+}
+
+
+def shrink_body(cfg_dict: dict, old: str, new: str, ports: list[int], reps: int, variants: list[str]) -> list[dict]:
+    """A planned shrink as the coordinator runs it (workers.reshard: hand over, transfer group of every
+    old worker, exchange, new group, build without initial values, adopt), on 1-thread ranks like the
+    1-CPU Ray workers; the send/recv variants interleaved, each followed by raw gloo between the same
+    processes (a warm buffer, then a fresh one) of the bytes the last old rank sent to rank 0."""
+    import torch
+    import torch.distributed as dist
+
+    from parallel import live
+    from parallel.layout import Layout
+    from workers.config import JobConfig
+    from workers.reshard import exchange, hand_over
+    from workers.trainer import Trainer
+
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dist.destroy_process_group()
+    old_l, new_l = Layout.parse(old), Layout.parse(new)
+    cfg, cpu, port = JobConfig.from_dict(cfg_dict), torch.device("cpu"), iter(ports)
+
+    def init(size: int) -> None:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{next(port)}", rank=rank, world_size=size)
+
+    init(world)
+    trainer = Trainer(cfg, layout=old_l, device=cpu).build()
+    trainer.train_step()
+    handover = hand_over(trainer)
+    trainer.close()
+    dist.destroy_process_group()
+    out, default_pack = [], live.PACK_BELOW
+    for i in range(reps * len(variants)):
+        variant = variants[(i + i // len(variants)) % len(variants)]  # rotate the order every round
+        pack_below, live.HUGE_PAGES = VARIANTS[variant]
+        live.PACK_BELOW = pack_below or default_pack
+        init(world)
+        dist.barrier()
+        got = exchange(handover, model=cfg.model.build(), old=old_l, new=new_l, old_rank=rank,
+                       new_rank=rank if rank < new_l.world_size else None,
+                       old_to_group={r: r for r in range(world)},
+                       new_to_group={r: r for r in range(new_l.world_size)})
+        rec = {"variant": variant, "timings": dict(got.timings), "bytes_received": got.bytes_received}
+        nbytes = [got.bytes_received]
+        dist.broadcast_object_list(nbytes, src=0)
+        if rank in (0, world - 1) and nbytes[0]:
+            warm = torch.ones(nbytes[0], dtype=torch.uint8)
+            for name in ("raw_warm", "raw_fresh"):
+                dist.barrier()
+                t = time.perf_counter()
+                buf = warm if name == "raw_warm" else torch.empty(nbytes[0], dtype=torch.uint8)
+                op, peer = (dist.irecv, world - 1) if rank == 0 else (dist.isend, 0)
+                for w in dist.batch_isend_irecv([dist.P2POp(op, buf, peer)]):
+                    w.wait()
+                rec[name] = time.perf_counter() - t
+            del warm, buf
+        else:
+            for _ in range(2 if nbytes[0] else 0):
+                dist.barrier()
+        dist.destroy_process_group()
+        if rank < new_l.world_size:
+            init(new_l.world_size)
+            fed = Trainer(cfg, layout=new_l, device=cpu).build(resume=False, init_weights=False)
+            t = time.perf_counter()
+            fed.adopt(got.pieces, got.optimizer_steps, got.state)
+            rec["adopt"] = time.perf_counter() - t
+            fed.close()
+            del fed
+            dist.destroy_process_group()
+        else:
+            next(port)
+        del got
+        out.append(rec)
+    return out
+
+
+def shrink_report(res: list[list[dict]], variants: list[str]) -> dict:
+    """Per variant, medians: the slowest rank's send_recv and each of its parts, rank 0's adopt, raw gloo."""
+    med = statistics.median
+    rows = {}
+    for v in variants:
+        idx = [i for i, rec in enumerate(res[0]) if rec["variant"] == v]
+        keys = [k for k in res[0][0]["timings"] if k.startswith("send_recv")]
+        row = {k: med([max(r[i]["timings"][k] for r in res) for i in idx]) for k in keys}
+        row.update({k: med([res[0][i].get(k, 0.0) for i in idx]) for k in ("adopt", "raw_warm", "raw_fresh")})
+        row["send_recv_vs_raw_warm"] = row["raw_warm"] / row["send_recv"]
+        rows[v] = row
+    print(f"{res[0][0]['bytes_received'] / 1e9:.2f} GB to rank 0; medians of {len(idx)} runs per variant, "
+          "slowest rank per part\n")
+    cols = [k for k in rows[variants[0]] if k != "send_recv_vs_raw_warm" and any(r[k] for r in rows.values())]
+    print("| variant | " + " | ".join(c.replace("send_recv.", "") for c in cols) + " | send/recv vs raw warm |")
+    print("|---" * (len(cols) + 2) + "|")
+    for v, row in rows.items():
+        print(f"| {v} | " + " | ".join(f"{row[c]:.3f}" for c in cols) + f" | {100 * row['send_recv_vs_raw_warm']:.0f}% |")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--old", default="tp=2")
     ap.add_argument("--new", default="dp=2")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
+                    help="send/recv variants to interleave when --new has fewer ranks than --old")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
 
     from benchmarks.checkpoint import _cfg
     from parallel.layout import Layout
     from tests.multiproc import run_ranks
+    from tests.ports import free_port
+
+    old_world, new_world = Layout.parse(args.old).world_size, Layout.parse(args.new).world_size
+    if new_world < old_world:
+        cfg = _cfg("small", args.layers, None)
+        cfg["checkpoint"]["async_save"] = False
+        ports = [free_port() for _ in range(1 + 2 * args.reps * len(args.variants))]
+        res = run_ranks(old_world, shrink_body, cfg, args.old, args.new, ports, args.reps, args.variants,
+                        timeout=3600)
+        r = {"date": time.strftime("%Y-%m-%d"), "old": args.old, "new": args.new, "reps": args.reps,
+             "variants": shrink_report(res, args.variants), "runs": res, "load_avg": os.getloadavg()[0]}
+        if args.json:
+            Path(args.json).write_text(json.dumps(r, indent=1) + "\n")
+        return 0
 
     work = tempfile.mkdtemp(prefix="elastron-live-bench-")
     try:
@@ -154,13 +279,15 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in res[0]["runs"].items()}
+    parts = {k: [round(statistics.median(r["runs"][k][1:]), 4) for r in res]  # the warm-up run left out
+             for k in res[0]["runs"] if k.startswith("transfer.")}
     moved = res[0]["moved_bytes_total"]
     state = sum(r["state_bytes_rank"] for r in res)
     r = {"date": time.strftime("%Y-%m-%d"), "old": args.old, "new": args.new, "reps": args.reps,
          "state_bytes": state, "network_bytes": moved, "medians_s": med,
          "live_vs_raw_throughput": med["raw"] / med["live"], "storage_vs_live": med["storage"] / med["live"],
          "transfer_vs_raw_throughput": med["raw"] / med["transfer"],
-         "runs": res[0]["runs"], "load_avg": os.getloadavg()[0]}
+         "transfer_parts_by_rank": parts, "runs": res[0]["runs"], "load_avg": os.getloadavg()[0]}
     print(f"State {state / 1e9:.2f} GB ({args.old} -> {args.new}, every worker a survivor); "
           f"{moved / 1e9:.2f} GB cross the network; medians of {args.reps} interleaved runs.\n")
     print("| path | s | note |\n|---|---|---|")
@@ -171,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{100 * r['live_vs_raw_throughput']:.0f}% |")
     print(f"| storage path (blocking save + cold load) | {med['storage']:.2f} | live is "
           f"{r['storage_vs_live']:.1f}x faster |")
+    print("\nsend/recv parts, median s per rank: " + ", ".join(f"{k[9:]} {v}" for k, v in parts.items()))
     print(json.dumps(r, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(r, indent=1) + "\n")
