@@ -141,10 +141,10 @@ def body(cfg_dict: dict, old: str, new: str, work: str, reps: int) -> dict:
         t.numel() * 4 for t in live.hold(src.model, src.optimizer).tensors.values()), "sent": sent, "recv": recv}
 
 
-VARIANTS = {  # the send/recv knobs of parallel.live: (PACK_BELOW, HUGE_PAGES)
-    "packed": (1 << 62, False),  # every piece packed into one message per pair, 4 KiB pages: before a5e4a31
-    "views": (None, False),      # pieces of >= 1 MiB sent as they lie, one op each
-    "views+huge": (None, True),  # ... and receive buffers on transparent huge pages (the default)
+VARIANTS = {  # the send/recv knobs of parallel.live: (PACK_BELOW, PREFAULT)
+    "packed": (1 << 62, False),   # every piece packed into one message per pair: before a5e4a31
+    "views": (None, False),       # pieces of >= PACK_BELOW sent from where they lie, one op each
+    "views+prefault": (None, True),  # ... and receive buffers faulted in while the receives run (default)
 }
 
 
@@ -180,7 +180,7 @@ def shrink_body(cfg_dict: dict, old: str, new: str, ports: list[int], reps: int,
     out, default_pack = [], live.PACK_BELOW
     for i in range(reps * len(variants)):
         variant = variants[(i + i // len(variants)) % len(variants)]  # rotate the order every round
-        pack_below, live.HUGE_PAGES = VARIANTS[variant]
+        pack_below, live.PREFAULT = VARIANTS[variant]
         live.PACK_BELOW = pack_below or default_pack
         init(world)
         dist.barrier()

@@ -7,8 +7,9 @@ A resize on live workers goes:
   2. old and new workers (survivors, leavers still before their deadline, joiners) form one transfer
      group; `transfer()` runs the exchange plan (`parallel/exchange.py`, computed identically on every
      worker from the two layouts): a survivor copies what it keeps locally, every other piece travels
-     in one message per (sender, receiver) pair, all of them posted at once (batched point-to-point:
-     gloo on CPU, NCCL on GPU);
+     as its own message, sent from where it lies in the old shard when it is a contiguous run of it
+     (small pieces packed into one message per (sender, receiver) pair), all of them posted at once
+     (batched point-to-point: gloo on CPU, NCCL on GPU);
   3. the new training group is formed, the new model and optimizer are built, and `fill()` copies the
      received pieces into their shards (the same box intersection a checkpoint load uses).
 The result is bitwise what a save under the old layout and a load under the new one give
@@ -19,6 +20,7 @@ counters) travels as JSON from the old rank 0.
 from __future__ import annotations
 
 import ctypes
+import mmap
 import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -95,8 +97,9 @@ def transfer(plan: list[Transfer], *, old_rank: int | None, new_rank: int | None
             ops.append(dist.P2POp(dist.isend, buf.to(device), _peer(group, dst), group))
     clock.lap("pack")
     inbox: list[tuple[list[Transfer], torch.Tensor]] = []
+    bufs = []
     for src, ts in sorted(recvs.items()):
-        buf = _untouched(sum(_nbytes(t, dtypes) for t in ts), device)
+        bufs.append(buf := torch.empty(sum(_nbytes(t, dtypes) for t in ts), dtype=torch.uint8, device=device))
         pos = 0
         for msg in _messages(ts, dtypes):
             n = sum(_nbytes(t, dtypes) for t in msg)
@@ -107,6 +110,10 @@ def transfer(plan: list[Transfer], *, old_rank: int | None, new_rank: int | None
     if ops:
         works = dist.batch_isend_irecv(ops)
         clock.lap("post")
+        if PREFAULT:
+            for buf in reversed(bufs):
+                _prefault(buf)
+            clock.lap("prefault")
         one_per_op = len(works) == len(ops)  # gloo; NCCL coalesces the batch into one work
         for op, work in zip(ops, works):
             work.wait()
@@ -121,9 +128,11 @@ def transfer(plan: list[Transfer], *, old_rank: int | None, new_rank: int | None
     return dict(received)
 
 
-PACK_BELOW = 1 << 20
+PACK_BELOW = 64 << 10
 """Pieces smaller than this (bytes) travel packed into one message per pair: a P2P op each would cost
-more than copying them (norm weights, biases, thin shards)."""
+more than copying them (norm weights, biases, thin shards). With 1 MiB, packing the 2 -> 1 resize's
+mid-sized pieces still cost 0.09 s of 0.45 s; with 64 KiB, 0.01 s and no slower wire time than with
+every piece on its own (benchmarks/live_reshard.py)."""
 
 
 def _nbytes(t: Transfer, dtypes: dict[str, torch.dtype]) -> int:
@@ -142,33 +151,40 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-HUGE_PAGES = True
-"""Ask the kernel for 2 MiB pages for receive buffers on CPU (MADV_HUGEPAGE; Linux, transparent huge
-pages in `madvise` or `always` mode): the first touch of fresh memory is the receive's main cost on small
-pages (see docs/benchmarks.md, issue 13)."""
-_HUGE = 2 << 20
+PREFAULT = True
+"""While its receives run, a CPU worker faults in the pages of its receive buffers from their far end
+(MADV_POPULATE_WRITE, Linux 5.14+), so the first touch of fresh memory, the receive's main cost once the
+bytes are no longer packed (0.3-0.6 s per GB on the 2-core VM of docs/benchmarks.md), is split between
+gloo's receiving thread and this one, which would otherwise only wait."""
+_PAGE = mmap.PAGESIZE
 
 
-def _untouched(nbytes: int, device: torch.device | str) -> torch.Tensor:
-    buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    if HUGE_PAGES and sys.platform == "linux" and buf.device.type == "cpu" and nbytes >= 2 * _HUGE:
-        start = -(-buf.data_ptr() // _HUGE) * _HUGE
-        _madvise(start, (buf.data_ptr() + nbytes) // _HUGE * _HUGE - start)
-    return buf
+def _prefault(buf: torch.Tensor, chunk: int = 8 << 20) -> None:
+    """Fault in `buf`'s pages, last chunk first. Concurrent writes into `buf` are safe: populating a page
+    maps it and leaves its contents alone. Stops at the first refusal (an old kernel, not Linux)."""
+    if buf.device.type != "cpu" or sys.platform != "linux":
+        return
+    lo = -(-buf.data_ptr() // _PAGE) * _PAGE
+    hi = (buf.data_ptr() + buf.numel() * buf.element_size()) // _PAGE * _PAGE
+    while hi > lo:
+        start = max(lo, hi - chunk)
+        if not _madvise(start, hi - start, 23):  # MADV_POPULATE_WRITE
+            return
+        hi = start
 
 
-def _madvise(addr: int, length: int) -> None:
+_libc: Any = None
+
+
+def _madvise(addr: int, length: int, advice: int) -> bool:
     global _libc
     try:
         if _libc is None:
             _libc = ctypes.CDLL(None, use_errno=True)
             _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        _libc.madvise(addr, length, 14)  # MADV_HUGEPAGE; a refusal only costs speed
+        return _libc.madvise(addr, length, advice) == 0
     except (OSError, AttributeError):
-        pass
-
-
-_libc: Any = None
+        return False
 
 
 class _Laps:

@@ -49,10 +49,10 @@ class Received:
     the parts of send_recv as `send_recv.<part>` (`SEND_RECV_PARTS`)."""
 
 
-SEND_RECV_PARTS = ("pack", "alloc", "post", "wait_send", "wait_recv", "wait", "unpack")
+SEND_RECV_PARTS = ("pack", "alloc", "post", "prefault", "wait_send", "wait_recv", "wait", "unpack")
 """What `parallel.live.transfer` times: packing the slices it sends, allocating receive buffers, posting
-the ops, waiting for its sends / its receives (or for the batch, where it is one work), the received
-pieces' views."""
+the ops, faulting in the receive buffers' pages while the receives run, waiting for its sends / its
+receives (or for the batch, where it is one work), the received pieces' views."""
 
 
 def hand_over(trainer: Any) -> Handover:
