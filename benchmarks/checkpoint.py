@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import shutil
 import statistics
@@ -336,7 +337,7 @@ def summarize(save: dict, load: dict, asy: dict, args: argparse.Namespace, load_
     r["dcp_async_block_fraction"] = a["dcp_blocked"] / a["blocking_save"]
     r["step_during_write_ratio"] = a["elastron_step_during"] / a["normal_step"]
     r["dcp_step_during_write_ratio"] = a["dcp_step_during"] / a["normal_step"]
-    r["met"] = {
+    met = {
         "save_fraction": r["save_fraction"] >= TARGETS["save_fraction"],
         "save_vs_dcp": r["save_vs_dcp"] >= TARGETS["save_vs_dcp"],
         "load_cold_ratio": r["load_cold_ratio"] <= TARGETS["load_cold_ratio"],
@@ -344,11 +345,12 @@ def summarize(save: dict, load: dict, asy: dict, args: argparse.Namespace, load_
         "async_block_fraction": r["async_block_fraction"] <= TARGETS["async_block_fraction"],
         "step_during_write_ratio": r["step_during_write_ratio"] <= TARGETS["step_during_write_ratio"],
     }
+    r["met"] = {k: None if math.isnan(r[k]) else ok for k, ok in met.items()}  # None: not run (--skip-async)
     return r
 
 
 def table(r: dict) -> str:
-    yes = {True: "yes", False: "**no**"}
+    yes = {True: "yes", False: "**no**", None: "not run"}
     gb = r["state_bytes"] / 1e9
     m = r["met"]
     return "\n".join([
