@@ -60,7 +60,15 @@ class NodeHealth:
     @staticmethod
     def any_gone(snap: ClusterSnapshot | None, nodes: Iterable[str]) -> bool:
         """Whether the watcher lists any of `nodes` as dead or not at all (None: nothing known yet)."""
-        return snap is not None and any((n := snap.node(nid)) is None or not n.alive for nid in nodes)
+        return bool(NodeHealth.gone(snap, nodes))
+
+    @staticmethod
+    def gone(snap: ClusterSnapshot | None, nodes: Iterable[str]) -> set[str]:
+        """The nodes among `nodes` the watcher lists as dead or not at all (none while nothing is known):
+        nothing there answers, so nobody should wait for it or probe it."""
+        if snap is None:
+            return set()
+        return {nid for nid in nodes if (n := snap.node(nid)) is None or not n.alive}
 
     def usable_nodes(self, snap: ClusterSnapshot) -> list[NodeInfo]:
         """Alive, not draining, not a suspect (and not the head unless include_head)."""

@@ -98,14 +98,15 @@ class GroupLifecycle:
         self.sm.note("checkpoint", reason=f"durable checkpoint of step {step} under {self.plan.layout} writing "
                                           "in the background", step=step)
 
-    def _salvage(self: Coordinator) -> bool:
+    def _salvage(self: Coordinator, gone: set[str]) -> bool:
         """After a failure without notice: keep the surviving workers and their state when, between them,
         they hold every shard at one step (data-parallel replicas), so the group heals from peers
-        (`self._heal`); else say why, and the caller falls back to the last committed checkpoint."""
+        (`self._heal`); else say why, and the caller falls back to the last committed checkpoint.
+        `gone`: nodes the watcher lists as dead (their workers are not asked)."""
         g, p = self.group, self.plan
         if self.cfg.parallel.reshard != "live" or g is None or p is None or not g.size:
             return False
-        infos = g.salvage()
+        infos = g.salvage(gone=gone)
         steps = {i["step"] for i in infos.values()}
         rows = max((i["rows"] for i in infos.values()), key=len, default=[])
         last_row = rows[-1]["step"] if rows else self.step_done
@@ -145,9 +146,10 @@ class GroupLifecycle:
         with self._lock:
             self.failures.append(Failure(time=t0, kind=err.kind, error=str(err)))
         nodes = sorted(set(self.group.nodes() if self.group is not None else ()) | set(tried))
-        if not salvage or self._heal is not None or not self._salvage():  # a failed heal is not healed again
+        gone = self.health.gone(self.watcher.latest, nodes)  # known dead: neither waited for nor probed
+        if not salvage or self._heal is not None or not self._salvage(gone):  # a failed heal is not healed again
             self._shutdown_group()
-        dead = self._probe(nodes)
+        dead = gone | self._probe([n for n in nodes if n not in gone])
         self.sm.note("failure", reason=str(err), step=self.step_done, cause="failure",
                      details={"kind": err.kind, "unresponsive_nodes": sorted(dead)})
         if self.sm.can(S.RECOVERING):

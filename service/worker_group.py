@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -60,8 +60,9 @@ class Group(Protocol):
         """Move the live state from `old` to `new` on `nodes` over the network (no storage) and form
         the new group; returns (started, stopped, timings with "step"). `survivors`: the members' old
         ranks after a `salvage()` (a heal from peers)."""
-    def salvage(self) -> dict[int, dict]:
-        """After a failure keep the members whose shards can be trusted; their reports by old rank."""
+    def salvage(self, *, gone: Collection[str] = ()) -> dict[int, dict]:
+        """After a failure keep the members whose shards can be trusted; their reports by old rank.
+        Members on `gone` nodes (known dead) are lost without being asked."""
     def run(self, *, until_step: int, steps: int, should_abort: Callable[[], bool] = ...) -> list[dict]:
         """Train `steps` steps on every rank; rank 0's metrics rows."""
     def checkpoint(self, *, blocking: bool = True) -> int:
@@ -327,19 +328,21 @@ class WorkerGroup:
                 raise WorkerFailure("node", "a node hosting workers died during a step")
         return self._get([refs[0]], "run")[0]
 
-    def salvage(self, *, timeout_s: float = 15.0) -> dict[int, dict]:
+    def salvage(self, *, gone: Collection[str] = (), timeout_s: float = 15.0) -> dict[int, dict]:
         """After a failure: every member that answers within `timeout_s` with shards it can vouch for
         (Worker.salvage) stays, in old-rank order; the others (dead, stuck in a collective, or holding
-        untrusted state) are stopped. Returns each survivor's report by its old rank."""
-        aborts = [m.actor.abort.options(concurrency_group=CONTROL).remote() for m in self.members]
+        untrusted state) are stopped. Members on `gone` nodes, which the cluster watcher already lists
+        as dead, are not asked: their silence would only be waited out (the grace below). Returns each survivor's report by its old rank."""
+        asked = [m for m in self.members if m.node_id not in gone]
+        aborts = [m.actor.abort.options(concurrency_group=CONTROL).remote() for m in asked]
         self._replies(aborts, timeout_s=2.0, grace_s=0.5)  # stuck collectives raise; then salvage runs
-        refs = [m.actor.salvage.remote() for m in self.members]
-        ready = self._replies(refs, timeout_s=timeout_s, grace_s=2.0)
+        refs = {id(m): m.actor.salvage.remote() for m in asked}
+        ready = self._replies(list(refs.values()), timeout_s=timeout_s, grace_s=2.0)
         kept: dict[int, tuple[Member, dict]] = {}
         lost: list[Member] = []
-        for m, ref in zip(self.members, refs):
-            info = None
-            if ref in ready:
+        for m in self.members:
+            info, ref = None, refs.get(id(m))
+            if ref is not None and ref in ready:
                 try:
                     info = ray.get(ref)
                 except RayError:

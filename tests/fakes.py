@@ -74,8 +74,10 @@ class FakeGroup:
             self.step = self.disk.committed
         return {"step": self.step, "form_s": 0.0}
 
-    def salvage(self):
-        """Survivors (members off dead nodes) vouch for their state at the current step when `heals`."""
+    def salvage(self, *, gone=()):
+        """Survivors (members off dead nodes) vouch for their state at the current step when `heals`.
+        Records the nodes it was told are gone (`salvaged_gone`)."""
+        self.salvaged_gone = set(gone)
         if not self.heals:
             self.members = []
             return {}

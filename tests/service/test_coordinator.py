@@ -233,6 +233,22 @@ def test_a_node_death_heals_from_surviving_replicas_with_no_step_redone(tmp_path
     assert not [e for e in c.events_since(0) if e["kind"] == "fallback"]
 
 
+def test_a_node_the_watcher_lists_as_dead_is_neither_waited_for_nor_probed_after_a_failure(tmp_path):
+    """Its workers cannot answer the salvage and its raylet cannot place the probe's bundle: waiting for
+    either only runs out a timeout. It is still reported as unresponsive, and the survivors heal."""
+    c, cluster, G = make_coordinator(tmp_path, {"a": 2, "b": 2}, interval=5, parallel={"dp_mode": "replicate"})
+    G.heals = True
+    probed: list[list[str]] = []
+    c.group_probe = lambda nodes, timeout_s: probed.append(sorted(nodes)) or set(nodes)
+    advance(c, lambda c: c.step_done >= 7)
+    cluster.dead.add("b")
+    advance(c, lambda c: len(c.reconfigs) == 2 and c.step_done >= 8)
+    assert c.group.salvaged_gone == {"b"} and probed == [["a"]]
+    (fail,) = [e for e in c.events_since(0) if e["kind"] == "failure"]
+    assert fail["details"]["unresponsive_nodes"] == ["b"]
+    assert c.reconfigs[-1].transfer["path"] == "peers" and c.reconfigs[-1].steps_lost == 0
+
+
 def test_survivors_without_every_shard_fall_back_to_the_last_commit_and_say_why(tmp_path):
     c, cluster, G = make_coordinator(tmp_path, {"a": 2, "b": 2}, interval=5, parallel={"dp_mode": "shard"})
     G.heals = True
