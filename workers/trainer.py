@@ -126,7 +126,7 @@ class Trainer:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.flops_per_token = self.model_cfg.flops_per_token(cfg.data.seq_len)
         self.peak_flops = peak_flops(torch.cuda.get_device_name(self.device) if cuda else None, t.dtype)
-        fused = t.fused_optimizer if t.fused_optimizer is not None else cuda
+        fused = t.fused_optimizer if t.fused_optimizer is not None else True
         self.optimizer = build_adamw(self.params, fused=fused, lr=lr_at(0, t), betas=(t.beta1, t.beta2),
                                      eps=t.eps, weight_decay=t.weight_decay)
 

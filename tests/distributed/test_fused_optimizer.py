@@ -1,8 +1,9 @@
-"""Tier 2: AdamW's fused kernel with DTensor parameters (FSDP2 and TP) on CPU ranks joined by gloo.
+"""Tier 2: AdamW's fused kernel and the foreach one with DTensor parameters (FSDP2 and TP) on CPU ranks
+joined by gloo.
 
-CUDA takes fused AdamW by default (`train.fused_optimizer: null`); CPU keeps foreach, so this file is where
-CI runs the fused path: the same layouts as tests/distributed/test_equivalence.py, the same 1e-4 bound
-against the single-process (foreach) run. Fused and foreach differ in the last bits of each update only.
+Fused AdamW is the default on every device (`train.fused_optimizer: null`); this file is where CI runs
+the foreach path: the same layouts as tests/distributed/test_equivalence.py, the same 1e-4 bound against
+the single-process (fused) run. Fused and foreach differ in the last bits of each update only.
 """
 
 from __future__ import annotations
@@ -37,12 +38,12 @@ def _cfg(fused: bool | None) -> dict:
     return c
 
 
-def test_cpu_default_is_foreach():
+def test_cpu_default_is_fused():
     from workers.config import JobConfig
 
     assert JobConfig.from_dict(tiny_cfg()).train.fused_optimizer is None
     (r,) = run_ranks(1, fused_body, _cfg(None), "dp=1", 1)
-    assert r["foreach"] == [True] * len(r["foreach"]) and not any(r["fused"])
+    assert r["fused"] == [True] * len(r["fused"]) and not any(r["foreach"])
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +53,8 @@ def reference() -> dict:
 
 
 @pytest.mark.parametrize("layout", ["dp=2", "tp=2"])  # FSDP2 DTensors; TP DTensors next to plain norms
-def test_fused_adamw_with_dtensor_params_matches_single_process(reference, layout):
-    results = run_ranks(2, fused_body, _cfg(True), layout, STEPS)
+def test_foreach_adamw_with_dtensor_params_matches_single_process(reference, layout):
+    results = run_ranks(2, fused_body, _cfg(False), layout, STEPS)
     for r in results:
-        assert r["fused"] and all(r["fused"]), r["fused"]
+        assert r["foreach"] and all(r["foreach"]) and not any(r["fused"]), r["fused"]
     assert_matches(reference, results)
