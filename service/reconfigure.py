@@ -8,6 +8,7 @@ group; every move is recorded through the coordinator's state machine (`self.sm`
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -147,9 +148,13 @@ class GroupLifecycle:
             self.failures.append(Failure(time=t0, kind=err.kind, error=str(err)))
         nodes = sorted(set(self.group.nodes() if self.group is not None else ()) | set(tried))
         gone = self.health.gone(self.watcher.latest, nodes)  # known dead: neither waited for nor probed
-        if not salvage or self._heal is not None or not self._salvage(gone):  # a failed heal is not healed again
-            self._shutdown_group()
-        dead = gone | self._probe([n for n in nodes if n not in gone])
+        # The probe (up to probe_timeout_s on a dead node) runs while the survivors salvage (up to their
+        # grace for a silent peer): one wait instead of two.
+        with ThreadPoolExecutor(1, thread_name_prefix="probe") as pool:
+            probing = pool.submit(self._probe, [n for n in nodes if n not in gone])
+            if not salvage or self._heal is not None or not self._salvage(gone):  # a failed heal is not healed again
+                self._shutdown_group()
+            dead = gone | probing.result()
         self.sm.note("failure", reason=str(err), step=self.step_done, cause="failure",
                      details={"kind": err.kind, "unresponsive_nodes": sorted(dead)})
         if self.sm.can(S.RECOVERING):

@@ -3,6 +3,8 @@ no torch ranks)."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from parallel.layout import Layout
@@ -247,6 +249,30 @@ def test_a_node_the_watcher_lists_as_dead_is_neither_waited_for_nor_probed_after
     (fail,) = [e for e in c.events_since(0) if e["kind"] == "failure"]
     assert fail["details"]["unresponsive_nodes"] == ["b"]
     assert c.reconfigs[-1].transfer["path"] == "peers" and c.reconfigs[-1].steps_lost == 0
+
+
+def test_the_probe_of_the_failed_groups_nodes_runs_while_the_survivors_salvage(tmp_path):
+    """Both wait out a silent peer (the probe's timeout, the salvage's grace): side by side, not one
+    after the other. Each side waits here for the other to have started; run in turn, they would not meet."""
+    c, cluster, G = make_coordinator(tmp_path, {"a": 2, "b": 2}, interval=5, parallel={"dp_mode": "replicate"})
+    G.heals = True
+    both = threading.Barrier(2, timeout=10)
+    salvage = G.salvage
+
+    def meeting_salvage(self, **kw):
+        both.wait()
+        return salvage(self, **kw)
+
+    def meeting_probe(nodes, timeout_s):
+        both.wait()
+        return {n for n in nodes if n != "b"}
+    G.salvage = meeting_salvage
+    c.group_probe = meeting_probe
+    advance(c, lambda c: c.step_done >= 7)
+    G.fail_next.append("died")  # b is not dead per the watcher: it is probed, and found unresponsive
+    advance(c, lambda c: len(c.reconfigs) == 2 and c.step_done >= 8)
+    (fail,) = [e for e in c.events_since(0) if e["kind"] == "failure"]
+    assert fail["details"]["unresponsive_nodes"] == ["b"] and not both.broken
 
 
 def test_survivors_without_every_shard_fall_back_to_the_last_commit_and_say_why(tmp_path):
