@@ -29,6 +29,7 @@ from torch.distributed._composable.replicate import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.optim.adam import adam
 
 from models.llama import init_value
 from parallel.layout import Layout, MeshAxis
@@ -255,7 +256,52 @@ def build_adamw(params: list[nn.Parameter], *, fused: bool, **hyper) -> torch.op
     """AdamW over `param_groups(params)`: the fused kernel or the foreach one (each group holds tensors of
     one mesh, which both need)."""
     impl = {"fused": True} if fused else {"foreach": True}
-    return torch.optim.AdamW(param_groups(params), **hyper, **impl)
+    return LocalAdamW(param_groups(params), **hyper, **impl)
+
+
+class LocalAdamW(torch.optim.AdamW):
+    """AdamW whose kernels run on the local shards of DTensor parameters.
+
+    The update is element-wise: where a parameter, its gradient and its moments have the same placements,
+    each rank's shards line up element for element, so the kernels on the local tensors write the same
+    bytes as on the DTensors. What is saved is DTensor dispatch: the sharding propagation of each kernel
+    over every tensor of a group, which a fresh trainer (every re-form builds one) pays in full on its
+    first step, 1.6 s of a 3.8 s first step (cProfile) for the 1 GB benchmark state on 2 CPU ranks. The
+    state stays DTensors, as checkpoints and live transfers expect. A group whose gradients are placed
+    otherwise than its parameters goes through DTensor dispatch as before."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
+            has_complex = self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
+            if _aligned(params, grads):
+                params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs = (
+                    [_local(t) for t in ts] for ts in (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs))
+            beta1, beta2 = group["betas"]
+            adam(
+                params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, amsgrad=group["amsgrad"],
+                has_complex=has_complex, beta1=beta1, beta2=beta2, lr=group["lr"],
+                weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
+                foreach=group["foreach"], capturable=group["capturable"], differentiable=group["differentiable"],
+                fused=group["fused"], grad_scale=getattr(self, "grad_scale", None),
+                found_inf=getattr(self, "found_inf", None), decoupled_weight_decay=group["decoupled_weight_decay"])
+        return loss
+
+
+def _aligned(params: list[torch.Tensor], grads: list[torch.Tensor]) -> bool:
+    """Whether every gradient is placed as its parameter (the moments are made like the parameter)."""
+    return all(isinstance(p, DTensor) == isinstance(g, DTensor)
+               and (not isinstance(p, DTensor) or (p.placements == g.placements and p.device_mesh == g.device_mesh))
+               for p, g in zip(params, grads))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def reshard_after_eval(model: nn.Module) -> None:

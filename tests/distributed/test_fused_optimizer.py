@@ -58,3 +58,39 @@ def test_foreach_adamw_with_dtensor_params_matches_single_process(reference, lay
     for r in results:
         assert r["foreach"] and all(r["foreach"]) and not any(r["fused"]), r["fused"]
     assert_matches(reference, results)
+
+
+def local_vs_dtensor_body(cfg_dict: dict, layout: str, steps: int) -> dict:
+    """The same training under `layout` twice from the same start: with the trainer's AdamW (kernels on
+    the local shards) and with torch's own AdamW over the same DTensor parameter groups."""
+    from parallel.layout import Layout
+    from parallel.parallelize import LocalAdamW, param_groups
+    from tests.bodies import full_params
+    from workers.config import JobConfig
+    from workers.trainer import Trainer
+
+    cfg = JobConfig.from_dict(cfg_dict)
+    out = {}
+    for name in ("local", "dtensor"):
+        trainer = Trainer(cfg, layout=Layout.parse(layout, dp_mode=cfg.parallel.dp_mode),
+                          device=torch.device("cpu")).build()
+        assert type(trainer.optimizer) is LocalAdamW
+        if name == "dtensor":
+            hyper = {k: v for k, v in trainer.optimizer.defaults.items() if k != "decoupled_weight_decay"}
+            trainer.optimizer = torch.optim.AdamW(param_groups(trainer.params), **hyper)
+        metrics = trainer.fit(steps)
+        out[name] = {"losses": [m.loss for m in metrics], "grad_norms": [m.grad_norm for m in metrics],
+                     "params": full_params(trainer.model)}
+    return out
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("layout,dp_mode", [("dp=2", "shard"), ("dp=2", "replicate"), ("tp=2", "shard")])
+def test_adamw_on_local_shards_is_bitwise_torchs_adamw_on_dtensors(layout, dp_mode, fused):
+    cfg = _cfg(fused)
+    cfg["parallel"]["dp_mode"] = dp_mode
+    for r in run_ranks(2, local_vs_dtensor_body, cfg, layout, 4):
+        assert r["local"]["losses"] == r["dtensor"]["losses"] and r["local"]["grad_norms"] == r["dtensor"]["grad_norms"]
+        assert r["local"]["params"].keys() == r["dtensor"]["params"].keys()
+        for k, v in r["local"]["params"].items():
+            assert torch.equal(v, r["dtensor"]["params"][k]), k
