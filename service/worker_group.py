@@ -332,7 +332,8 @@ class WorkerGroup:
         """After a failure: every member that answers within `timeout_s` with shards it can vouch for
         (Worker.salvage) stays, in old-rank order; the others (dead, stuck in a collective, or holding
         untrusted state) are stopped. Members on `gone` nodes, which the cluster watcher already lists
-        as dead, are not asked: their silence would only be waited out (the grace below). Returns each survivor's report by its old rank."""
+        as dead, are not asked: their silence would only be waited out (the grace below). Returns each
+        survivor's report by its old rank."""
         asked = [m for m in self.members if m.node_id not in gone]
         aborts = [m.actor.abort.options(concurrency_group=CONTROL).remote() for m in asked]
         self._replies(aborts, timeout_s=2.0, grace_s=0.5)  # stuck collectives raise; then salvage runs
