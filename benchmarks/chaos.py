@@ -195,10 +195,14 @@ class ChaosRun:
                                                                 interval=0.2)
 
     def _regrow(self) -> None:
-        """Replace lost nodes and wait for the job to grow back to its starting size."""
+        """Replace lost nodes and wait for the job to grow back to its starting size, or to have finished
+        its steps meanwhile (a fast job can grow back and end before the replacement node is counted:
+        then there is nothing left to grow into, and the run's checks judge it as they judge any end)."""
+        def grown() -> bool:
+            j = self.job()
+            return j["state"] == "SUCCEEDED" or (j["state"] == "RUNNING" and j["world_size"] >= self.world_size)
         if self.env.restore_nodes():
-            wait(lambda: (j := self.job())["state"] == "RUNNING" and j["world_size"] >= self.world_size, 240,
-                 f"the job to grow back to {self.world_size} workers", interval=0.2)
+            wait(grown, 240, f"the job to grow back to {self.world_size} workers", interval=0.2)
 
 
 def recovery(rec: FaultRecord, events: list[dict], rows: list[dict], *,
