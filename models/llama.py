@@ -4,6 +4,13 @@ Pipeline stages are made by deleting modules (`tok_embeddings`, `norm`, `output`
 `layers` removed); the forward skips what is missing, so every stage keeps the canonical parameter names
 of the unsplit model. Attention infers the local head count from tensor shapes (`view(..., -1, head_dim)`)
 so tensor parallelism can shard wq/wk/wv without the model knowing.
+
+Mixed precision without a wrapper: every weight is cast to the compute dtype where it is used (`Linear`
+and `RMSNorm` to their input's dtype, `Embedding` to its `compute_dtype`), and the cast is a no-op
+wherever the weight already has it (fp32 training; bf16 under FSDP2's mixed precision, which casts when it
+unshards). So the cast points are the same with or without FSDP2: each weight is rounded to bf16 once per
+forward, every matmul and the embedding gather take bf16 operands, norms and RoPE upcast inside. Gradients
+flow back through the cast into the fp32 parameters (`parallel.precision`).
 """
 
 from __future__ import annotations
@@ -18,6 +25,26 @@ from torch import nn
 from models.config import ModelConfig
 
 
+class Linear(nn.Linear):
+    """`nn.Linear` computing in its input's dtype: the weight is cast at use."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+
+class Embedding(nn.Embedding):
+    """`nn.Embedding` that gathers from its table cast to `compute_dtype` (None: the table's own dtype).
+    The table is cast before the gather, as FSDP2 casts it when it unshards, so the gradient of repeated
+    tokens accumulates in the same dtype under every layout."""
+
+    compute_dtype: torch.dtype | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight if self.compute_dtype is None else self.weight.to(self.compute_dtype)
+        return F.embedding(x, w, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq,
+                           self.sparse)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -27,7 +54,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * self.weight.float()).type_as(x)
+        return (out * self.weight.to(x.dtype).float()).type_as(x)
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,10 +107,10 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = cfg.head_dim
         kv = cfg.n_kv_heads * cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, kv, bias=False)
-        self.wv = nn.Linear(cfg.dim, kv, bias=False)
-        self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wq = Linear(cfg.dim, cfg.dim, bias=False)
+        self.wk = Linear(cfg.dim, kv, bias=False)
+        self.wv = Linear(cfg.dim, kv, bias=False)
+        self.wo = Linear(cfg.dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -98,9 +125,9 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.w1 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
-        self.w3 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
-        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.dim, bias=False)
+        self.w1 = Linear(cfg.dim, cfg.ffn_hidden, bias=False)
+        self.w3 = Linear(cfg.dim, cfg.ffn_hidden, bias=False)
+        self.w2 = Linear(cfg.ffn_hidden, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -125,11 +152,11 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.tok_embeddings: Embedding | None = Embedding(cfg.vocab_size, cfg.dim)
         # A ModuleDict keyed by the global layer index keeps names stable when stages drop layers.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.output: Linear | None = Linear(cfg.dim, cfg.vocab_size, bias=False)
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device="meta")
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)

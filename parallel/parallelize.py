@@ -10,7 +10,7 @@ starts from the same global weights. Nothing here renames a parameter: checkpoin
 `forward` and compile uses `nn.Module.compile()`, neither of which inserts a wrapper module
 (`_checkpoint_wrapped_module.`, `_orig_mod.`) into the names that initialisation and checkpoints key on.
 
-Pure replication in fp32 (dp_replicate > 1, nothing else) is DDP rather than FSDP2 on a (dp_replicate, 1)
+Pure replication (dp_replicate > 1, nothing else) is DDP rather than FSDP2 on a (dp_replicate, 1)
 mesh: the composable `replicate()` keeps the model's class and names, builds its DDP reducer lazily at
 the first forward (so after `materialize`, which DDP needs: it broadcasts rank 0's values), and buckets
 gradients into a few all-reduces per step, where FSDP2 issues one per unit inside backward.
@@ -42,22 +42,23 @@ ACMode = Literal["none", "full", "selective"]
 AC_MODES: tuple[str, ...] = ("none", "full", "selective")
 
 
-def dp_mesh(mesh: DeviceMesh, layout: Layout, *, single_rank: bool = False) -> DeviceMesh | None:
-    """The mesh FSDP2 shards over: 1-D dp_shard, or 2-D (dp_replicate, dp_shard) for HSDP/replication.
-    With dp == 1 there is none, unless `single_rank` asks for the size-1 dp_shard axis (mixed precision)."""
+def dp_mesh(mesh: DeviceMesh, layout: Layout) -> DeviceMesh | None:
+    """The mesh FSDP2 shards over: 1-D dp_shard, or 2-D (dp_replicate, dp_shard) for HSDP/replication;
+    None with dp == 1."""
     if layout.dp == 1:
-        return mesh[MeshAxis.DP_SHARD.value] if single_rank else None
+        return None
     if layout.dp_replicate == 1:
         return mesh[MeshAxis.DP_SHARD.value]
     return mesh[(MeshAxis.DP_REPLICATE.value, MeshAxis.DP_SHARD.value)]
 
 
-def uses_ddp(layout: Layout, precision: PrecisionPolicy) -> bool:
-    """Whether `parallelize` replicates with DDP instead of FSDP2: data parallelism by replication only,
-    no TP or PP, fp32. bf16 needs FSDP2's MixedPrecisionPolicy (`parallel.precision`); DDP cannot take
-    TP's DTensor parameters without localising them, and PP stages sync their own gradients."""
+def uses_ddp(layout: Layout) -> bool:
+    """Whether `parallelize` replicates with DDP instead of FSDP2: data parallelism by replication only, no
+    TP or PP. DDP cannot take TP's DTensor parameters without localising them, and PP stages sync their
+    own gradients. bf16 works the same as fp32 here: the model casts its fp32 weights at use
+    (`parallel.precision`), so DDP reduces fp32 gradients, as FSDP2's `reduce_dtype` would."""
     return (layout.dp_replicate > 1 and layout.dp_shard == 1 and not layout.tp_enabled
-            and not layout.pp_enabled and not precision.mixed)
+            and not layout.pp_enabled)
 
 
 def reshard_after_forward(layout: Layout, device_type: str) -> bool:
@@ -91,19 +92,21 @@ def parallelize(
     precision = precision or PrecisionPolicy(param_dtype=None)
     if layout.pp_enabled:
         split_stage(model, mesh.get_local_rank(MeshAxis.PP.value), layout.pp)
+    if model.tok_embeddings is not None:
+        model.tok_embeddings.compute_dtype = precision.param_dtype
     if layout.tp_enabled:
         apply_tp(model, mesh[MeshAxis.TP.value], sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     apply_ac(model, activation_checkpointing)
     if compile:
         apply_compile(model)
-    if uses_ddp(layout, precision):
+    if uses_ddp(layout):
         # Lazy: the DDP reducer (and its broadcast of rank 0's parameters) is built at the first forward,
         # after materialize(). No buffers are synced per forward: the only ones, the RoPE tables, are
         # computed identically on every rank (and DDP is built over the parameters only anyway).
         replicate(model, process_group=mesh[MeshAxis.DP_REPLICATE.value].get_group(),
                   forward_sync_buffers=False)
         return model
-    fsdp = dp_mesh(mesh, layout, single_rank=precision.shard_single_rank)
+    fsdp = dp_mesh(mesh, layout)
     if fsdp is not None:
         mp = precision.mp_policy()
         reshard = reshard_after_forward(layout, mesh.device_type)

@@ -96,7 +96,7 @@ class Trainer:
         cuda = self.device.type == "cuda"
         try:
             precision = select_precision(
-                t.dtype, self.device.type, layout, bf16_supported=not cuda or torch.cuda.is_bf16_supported()
+                t.dtype, self.device.type, bf16_supported=not cuda or torch.cuda.is_bf16_supported()
             )
         except ValueError as e:
             raise ConfigError(str(e)) from None

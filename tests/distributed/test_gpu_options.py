@@ -10,7 +10,8 @@ reference of the same layout:
   3.9e-3), every matmul input is rounded to it, and the differences compound through layers and AdamW
   updates; measured here ~5e-4, so 2e-2 is a loose bound that still fails for a broken cast or a loss
   taken in bf16 at these loss values. It must also differ from fp32 (the cast happened, dp=1 included)
-  and agree across dp=1 and dp=2 within 1e-3 (one mechanism, fp32 gradient reduction).
+  and agree across dp=1 and dp=2 within 1e-3 (the same cast points, fp32 gradient reduction); bf16
+  without FSDP2 (DDP replication, PP, TP: the model casts its weights at use) agrees with dp=1 too.
 - AC full and selective: the same fp32 losses within 1e-6 (the same arithmetic, recomputed).
 - compile: fp32 losses within 1e-4 of eager (inductor fuses and reorders pointwise ops), under dp=2
   (FSDP) and tp=2.
@@ -93,8 +94,9 @@ def variants_body(cfgs: dict[str, dict], layout: str, steps: int, layouts: dict[
 
 
 def single_rank_body(steps: int, with_compile: bool) -> dict:
-    """One rank: fp32 reference and bf16 (dp=1, so no FSDP but for mixed precision), a checkpoint saved
-    with AC on and resumed with AC off, and compile on (2 steps) or the check that refuses it."""
+    """One rank: fp32 reference and bf16 (dp=1: nothing wraps the model, which casts its weights at use),
+    a checkpoint saved with AC on and resumed with AC off, and compile on (2 steps) or the check that
+    refuses it."""
     import torch._inductor.config as inductor_config
 
     from workers.config import ConfigError
@@ -129,12 +131,14 @@ def one_rank() -> dict:
 def two_ranks() -> dict:
     cfgs = {"fp32": _cfg(), "bf16": _cfg(dtype="bfloat16"), "ac_full": _cfg(activation_checkpointing="full"),
             "ac_selective": _cfg(activation_checkpointing="selective")}
-    layouts = {}
+    # bf16 without FSDP2: DDP replication, TP, PP (the model casts its weights at use)
+    layouts = {"bf16_replicate": "dp_replicate=2", "bf16_tp": "tp=2", "bf16_pp": "pp=2"}
+    cfgs.update({name: _cfg(dtype="bfloat16") for name in layouts})
     if _compile_reason() is None:
         cfgs["compile"] = _cfg(compile=True)
         # TP hands the first compiled block an async-collective tensor (parallelize._wait_async_output)
         cfgs["tp_fp32"], cfgs["tp_compile"] = _cfg(), _cfg(compile=True)
-        layouts = {"tp_fp32": "tp=2", "tp_compile": "tp=2"}
+        layouts.update({"tp_fp32": "tp=2", "tp_compile": "tp=2"})
     res = run_ranks(2, variants_body, cfgs, "dp=2", STEPS, layouts)
     for name in cfgs:
         assert res[0][name]["losses"] == res[1][name]["losses"], f"{name}: ranks report different losses"
@@ -269,6 +273,20 @@ def test_bf16_fsdp_close_to_fp32(two_ranks, one_rank):
     assert bf16["losses"] != fp32["losses"]
     _close(bf16["losses"], fp32["losses"], BF16_RTOL)
     _close(bf16["losses"], one_rank["bf16"]["losses"], 1e-3)  # same numerics at dp=1 and dp=2
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("variant,rtol", [
+    ("bf16_replicate", 1e-6),  # DDP: fp32 gradients all-reduced, as FSDP2's reduce_dtype (measured 8.5e-8)
+    ("bf16_pp", 1e-6),         # bf16 activations between stages (measured: equal)
+    ("bf16_tp", 1e-3),         # row-parallel partial sums are added in bf16 (measured 1.4e-4)
+])
+def test_bf16_without_fsdp_casts_and_matches_dp1(two_ranks, one_rank, variant, rtol):
+    got = two_ranks[variant]
+    assert got["compute_dtype"] == "torch.bfloat16" and got["param_dtypes"] == ["torch.float32"]
+    assert got["losses"] != two_ranks["fp32"]["losses"]
+    _close(got["losses"], two_ranks["fp32"]["losses"], BF16_RTOL)
+    _close(got["losses"], one_rank["bf16"]["losses"], rtol)
 
 
 @pytest.mark.dist

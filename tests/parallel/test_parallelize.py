@@ -17,27 +17,21 @@ import torch
 
 from parallel.layout import Layout
 from parallel.parallelize import reshard_after_forward, uses_ddp
-from parallel.precision import PrecisionPolicy
 from tests.bodies import train_body
 from tests.distributed.test_equivalence import tiny_cfg
 from tests.multiproc import run_ranks
 
-FP32 = PrecisionPolicy(param_dtype=None)
-BF16 = PrecisionPolicy(param_dtype=torch.bfloat16)
-
-
-@pytest.mark.parametrize("layout,precision,expected", [
-    ("dp_replicate=2", FP32, True),
-    ("dp_replicate=4", FP32, True),
-    ("dp_replicate=2", BF16, False),  # bf16 needs FSDP2's MixedPrecisionPolicy
-    ("dp=2", FP32, False),
-    ("dp_replicate=2,dp_shard=2", FP32, False),
-    ("dp_replicate=2,tp=2", FP32, False),
-    ("dp_replicate=2,pp=2", FP32, False),
-    ("dp=1", FP32, False),
+@pytest.mark.parametrize("layout,expected", [
+    ("dp_replicate=2", True),  # fp32 or bf16: the model casts its weights at use
+    ("dp_replicate=4", True),
+    ("dp=2", False),
+    ("dp_replicate=2,dp_shard=2", False),
+    ("dp_replicate=2,tp=2", False),
+    ("dp_replicate=2,pp=2", False),
+    ("dp=1", False),
 ])
-def test_which_layouts_use_ddp(layout, precision, expected):
-    assert uses_ddp(Layout.parse(layout), precision) is expected
+def test_which_layouts_use_ddp(layout, expected):
+    assert uses_ddp(Layout.parse(layout)) is expected
 
 
 @pytest.mark.parametrize("layout,device_type,expected", [
