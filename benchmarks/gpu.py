@@ -6,11 +6,14 @@
 
 One process, dp=1. For every setting (micro batch x compile x activation checkpointing) both loops train
 the same model (same initial weights, `models.llama.init_value`) on the same batches (the Trainer's
-synthetic data, recorded through its `on_batch` seam and replayed to the plain loop), one after the
-other, each freed before the next is built:
+synthetic data, recorded through its `on_batch` seam and replayed to the plain loop). By default on
+CUDA one after the other, each freed before the next is built (two 1b loops with AdamW state do not fit
+beside each other at every micro batch); with `--interleave` (the default on CPU, where a shared box's
+load swings within seconds) both are built and their steps alternate, so both see the same load:
 
-  elastron  `Trainer(layout=dp=1).build()`, then `train_step()`: FSDP2 mixed precision on the size-1 axis
-            for bf16, its AdamW (fused on CUDA), its gradient clipping and chunked loss
+  elastron  `Trainer(layout=dp=1).build()`, then `train_step()`: for bf16 the model unwrapped, casting
+            its fp32 weights at use (`parallel.precision`), its fused AdamW on local shards, its
+            gradient clipping (the factor folded into the fused kernel) and its chunked loss
   plain     what one would write by hand: `Transformer` on the device, fp32 master weights,
             `torch.autocast` bf16 (when bf16), per-block `torch.compile` and `torch.utils.checkpoint`
             where the setting says so, `F.cross_entropy` on fp32 logits, `clip_grad_norm_(foreach)`,
@@ -36,7 +39,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 TARGET = 0.97
@@ -134,6 +136,20 @@ def _time(loop, device: torch.device, warmup: int, steps: int) -> list[float]:
     return times
 
 
+def _time_interleaved(loops: list, device: torch.device, warmup: int, steps: int) -> list[list[float]]:
+    """Steps of `loops` in turn (elastron first: it records the batch the plain loop replays)."""
+    times: list[list[float]] = [[] for _ in loops]
+    for i in range(warmup + steps):
+        for loop, ts in zip(loops, times):
+            _sync(device)
+            t0 = time.perf_counter()
+            loop.step()
+            _sync(device)
+            if i >= warmup:
+                ts.append(time.perf_counter() - t0)
+    return times
+
+
 def _profile(loop, device: torch.device, rows: int = 15) -> str:
     from torch.profiler import ProfilerActivity, profile
 
@@ -146,12 +162,9 @@ def _profile(loop, device: torch.device, rows: int = 15) -> str:
     return prof.key_averages().table(sort_by=key, row_limit=rows)
 
 
-def _measure(loop, device, a, tokens_per_step: int, flops_per_token: float, peak) -> dict:
+def _summary(loop, device, a, times: list[float], tokens_per_step: int, flops_per_token: float, peak) -> dict:
     from workers.mfu import mfu
 
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    times = _time(loop, device, a.warmup, a.steps)
     tps = tokens_per_step / statistics.median(times)
     out = {"tokens_per_s": tps, "mfu": mfu(tps, flops_per_token, 1, peak),
            "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
@@ -159,6 +172,12 @@ def _measure(loop, device, a, tokens_per_step: int, flops_per_token: float, peak
     if a.profile:
         out["profile"] = _profile(loop, device)
     return out
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def run_setting(a, device, micro_batch: int, compile_: bool, ac: str) -> dict:
@@ -170,28 +189,38 @@ def run_setting(a, device, micro_batch: int, compile_: bool, ac: str) -> dict:
     tokens = micro_batch * a.seq_len
     fpt = mc.flops_per_token(a.seq_len)
     peak = peak_flops(torch.cuda.get_device_name(device) if device.type == "cuda" else None, a.dtype)
-    res = {"micro_batch": micro_batch, "compile": compile_, "ac": ac}
+    res = {"micro_batch": micro_batch, "compile": compile_, "ac": ac, "interleaved": a.interleave}
     # Each loop compiles from a clean cache: compiled graphs of earlier models and micro batches would
     # count towards dynamo's recompile limit, past which blocks silently run eager.
     torch.compiler.reset()
-    el = Elastron(cfg, device)
-    res["elastron"] = _measure(el, device, a, tokens, fpt, peak)
-    batches, el_losses = el.batches, el.losses
-    del el
-    gc.collect()
     if device.type == "cuda":
-        torch.cuda.empty_cache()
-    torch.compiler.reset()
-    pl = Plain(cfg, device, batches)
-    res["plain"] = _measure(pl, device, a, tokens, fpt, peak)
+        torch.cuda.reset_peak_memory_stats(device)
+    el = Elastron(cfg, device)
+    if a.interleave:
+        # Peak memory is of both loops together here; run without --interleave for each alone.
+        pl = Plain(cfg, device, el.batches)
+        el_times, pl_times = _time_interleaved([el, pl], device, a.warmup, a.steps)
+        res["paired_ratio"] = statistics.median(p / e for e, p in zip(el_times, pl_times))
+    else:
+        el_times = _time(el, device, a.warmup, a.steps)
+    res["elastron"] = _summary(el, device, a, el_times, tokens, fpt, peak)
+    el_losses = el.losses
+    if not a.interleave:
+        batches = el.batches
+        del el
+        _free(device)
+        torch.compiler.reset()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        pl = Plain(cfg, device, batches)
+        pl_times = _time(pl, device, a.warmup, a.steps)
+    res["plain"] = _summary(pl, device, a, pl_times, tokens, fpt, peak)
     n = min(len(el_losses), len(pl.losses))
     pl_losses = [float(x) for x in pl.losses[:n]]
     res["max_loss_rel_diff"] = max(abs(e - p) / abs(p) for e, p in zip(el_losses[:n], pl_losses))
     res["ratio"] = res["elastron"]["tokens_per_s"] / res["plain"]["tokens_per_s"]
     del pl
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    _free(device)
     return res
 
 
@@ -229,6 +258,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--warmup", type=int, default=None, help="untimed steps (default: 4 on cuda, 2 on cpu)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default: 9 on cuda, 5 on cpu)")
     p.add_argument("--profile", action="store_true", help="print a torch.profiler breakdown per loop")
+    p.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=None,
+                   help="alternate the two loops' steps (default: on CPU yes, on CUDA no)")
     p.add_argument("--json", default=None, help="also write the results here")
     a = p.parse_args(argv)
     cuda = a.device == "cuda"
@@ -237,6 +268,7 @@ def main(argv: list[str] | None = None) -> dict:
     a.dtype = a.dtype or ("bfloat16" if cuda else "float32")
     a.warmup = a.warmup if a.warmup is not None else (4 if cuda else 2)
     a.steps = a.steps or (9 if cuda else 5)
+    a.interleave = a.interleave if a.interleave is not None else not cuda
     micro_batches = [int(x) for x in (a.micro_batches or ("4,8" if cuda else "2")).split(",")]
     compiles = _flags(a.compile or ("no,yes" if cuda else "no"))
     acs = [x.strip() for x in a.ac.split(",")]
@@ -256,8 +288,14 @@ def main(argv: list[str] | None = None) -> dict:
         destroy_process_group()
     print(f"{a.preset}, seq {a.seq_len}, {a.dtype}, dp=1, {device.type}"
           f"{' (' + torch.cuda.get_device_name(device) + ')' if cuda else ''}, torch {torch.__version__}; "
-          f"median of {a.steps} steps after {a.warmup}; target elastron/plain >= {TARGET}")
+          f"median of {a.steps} steps after {a.warmup}, "
+          f"{'interleaved' if a.interleave else 'one loop after the other'}; "
+          f"target elastron/plain >= {TARGET}")
     print(table(results))
+    if a.interleave:
+        print("paired (median over steps of plain time / elastron time, steps alternating): "
+              + ", ".join(f"mb {r['micro_batch']} compile {'yes' if r['compile'] else 'no'} AC {r['ac']}: "
+                          f"{r['paired_ratio']:.2f}" for r in results))
     worst = max(r["max_loss_rel_diff"] for r in results)
     print(f"losses: elastron and plain within {worst:.1e} (relative) step by step")
     for r in results:
