@@ -80,6 +80,9 @@ class Hold:
     Tiny-model steps take tens of milliseconds; adding a Ray node takes seconds. Without a hold the job
     can finish before the cluster change it is meant to see (CI saw exactly that). The hold only delays
     the loop between chunks; what the coordinator decides and what the workers compute are unchanged.
+    A job started with a hold trains one step per chunk (`start`): a chunk sized to the coordinator's
+    0.2 s could otherwise carry the job from before `at_step` to its last step (a full-suite run saw a
+    chunk go from step 9 or below to 14 and the job succeed before the node it was to lose was gone).
     """
 
     def __init__(self, at_step: int, *, pace_s: float = 0.0, slow_until=lambda coord: True,
@@ -102,8 +105,9 @@ class Hold:
 def start(tmp_path, *, settle=1000.0, steps=STEPS, hold: Hold | None = None,
           **cfg_over) -> tuple[Coordinator, threading.Thread]:
     d = {**CFG, **cfg_over}
+    chunk_s = 1e-6 if hold is not None else 0.2  # 1e-6: one step per chunk (see Hold)
     coord = Coordinator(JobConfig.from_dict(d), run_dir=tmp_path, total_steps=steps,
-                        options=CoordinatorOptions(settle_seconds=settle, chunk_seconds=0.2, poll_interval_s=0.2))
+                        options=CoordinatorOptions(settle_seconds=settle, chunk_seconds=chunk_s, poll_interval_s=0.2))
     t = threading.Thread(target=coord.run, kwargs={"on_tick": hold}, daemon=True)
     t.start()
     return coord, t
