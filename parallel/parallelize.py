@@ -18,18 +18,15 @@ gradients into a few all-reduces per step, where FSDP2 issues one per unit insid
 
 from __future__ import annotations
 
-from collections import defaultdict
-from typing import Callable, Literal
+from typing import Literal
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable.replicate import DDP as ReplicatedModule
 from torch.distributed._composable.replicate import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.optim.adam import adam
 
 from models.llama import init_value
 from parallel.layout import Layout, MeshAxis
@@ -242,71 +239,6 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def param_groups(params: list[nn.Parameter]) -> list[dict]:
-    """Optimizer param groups, one per device mesh (plain tensors in their own group).
-
-    Foreach optimizer kernels cannot mix DTensors of different meshes, or DTensors and plain tensors (TP
-    without sequence parallel leaves norm weights plain). Every group gets the same hyper-parameters; the
-    LR is set from the global step for all groups, so the number of groups never matters for resuming.
-    """
-    groups: dict[object, list[nn.Parameter]] = defaultdict(list)
-    for p in params:
-        groups[p.device_mesh if isinstance(p, DTensor) else None].append(p)
-    return [{"params": ps} for ps in groups.values()]
-
-
-def build_adamw(params: list[nn.Parameter], *, fused: bool, **hyper) -> torch.optim.AdamW:
-    """AdamW over `param_groups(params)`: the fused kernel or the foreach one (each group holds tensors of
-    one mesh, which both need)."""
-    impl = {"fused": True} if fused else {"foreach": True}
-    return LocalAdamW(param_groups(params), **hyper, **impl)
-
-
-class LocalAdamW(torch.optim.AdamW):
-    """AdamW whose kernels run on the local shards of DTensor parameters.
-
-    The update is element-wise: where a parameter, its gradient and its moments have the same placements,
-    each rank's shards line up element for element, so the kernels on the local tensors write the same
-    bytes as on the DTensors. What is saved is DTensor dispatch: the sharding propagation of each kernel
-    over every tensor of a group, which a fresh trainer (every re-form builds one) pays in full on its
-    first step, 1.6 s of a 3.8 s first step (cProfile) for the 1 GB benchmark state on 2 CPU ranks. The
-    state stays DTensors, as checkpoints and live transfers expect. A group whose gradients are placed
-    otherwise than its parameters goes through DTensor dispatch as before."""
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
-            has_complex = self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
-            if _aligned(params, grads):
-                params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs = (
-                    [_local(t) for t in ts] for ts in (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs))
-            beta1, beta2 = group["betas"]
-            adam(
-                params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, amsgrad=group["amsgrad"],
-                has_complex=has_complex, beta1=beta1, beta2=beta2, lr=group["lr"],
-                weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
-                foreach=group["foreach"], capturable=group["capturable"], differentiable=group["differentiable"],
-                fused=group["fused"], grad_scale=getattr(self, "grad_scale", None),
-                found_inf=getattr(self, "found_inf", None), decoupled_weight_decay=group["decoupled_weight_decay"])
-        return loss
-
-
-def _aligned(params: list[torch.Tensor], grads: list[torch.Tensor]) -> bool:
-    """Whether every gradient is placed as its parameter (the moments are made like the parameter)."""
-    return all(isinstance(p, DTensor) == isinstance(g, DTensor)
-               and (not isinstance(p, DTensor) or (p.placements == g.placements and p.device_mesh == g.device_mesh))
-               for p, g in zip(params, grads))
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
 def reshard_after_eval(model: nn.Module) -> None:
     """Put FSDP2's sharded parameters back after forward-only passes. Without a backward nothing
     reshards the units that keep their parameters after forward: the module would keep exposing the
@@ -330,115 +262,3 @@ def set_grad_sync(model: nn.Module, sync: bool) -> None:
             model.set_reshard_after_backward(sync)
     elif isinstance(model, ReplicatedModule):
         model.set_requires_gradient_sync(sync)
-
-
-@torch.no_grad()
-def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, *, pp_group=None,
-                    optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor:
-    """Global gradient 2-norm over every rank's parameters, and clip to `max_norm` (0 = do not clip).
-
-    Parameters may live on different meshes (TP DTensors, FSDP DTensors, plain tensors on one pipeline
-    stage), so norms are taken per (mesh, placements) group, reduced to full values, then combined; with
-    PP the squared norms of all stages are summed.
-
-    Given an `optimizer` whose every group is fused AdamW, the clip costs no pass over the gradients of
-    its own: the factor goes to the fused kernel as its `grad_scale` (the protocol GradScaler uses; the
-    kernel divides each gradient by it as it reads it, and writes the clipped gradient back), so the
-    next `optimizer.step()` applies it. Otherwise one `_foreach_mul_` clips the local gradients.
-    """
-    groups: dict[object, list[torch.Tensor]] = defaultdict(list)
-    for p in params:
-        if p.grad is not None:
-            g = p.grad
-            key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
-            groups[key].append(g)
-    device = next(iter(params)).device if params else torch.device("cpu")
-    sq = torch.zeros((), dtype=torch.float32, device=device)
-    for gs in groups.values():
-        n = torch.nn.utils.get_total_norm(gs, 2.0, foreach=True)
-        if isinstance(n, DTensor):
-            n = n.full_tensor()
-        sq = sq + n.float() ** 2
-    if pp_group is not None:
-        dist.all_reduce(sq, group=pp_group)
-    total = sq.sqrt()
-    if optimizer is not None and all(g.get("fused") for g in optimizer.param_groups):
-        scale = torch.clamp((total + 1e-6) / max_norm, min=1.0) if max_norm > 0 else None
-        optimizer.grad_scale = scale
-        optimizer.found_inf = torch.zeros((), device=device) if scale is not None else None
-        return total
-    if max_norm > 0:
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        locals_ = [g.to_local() if isinstance(g, DTensor) else g for gs in groups.values() for g in gs]
-        torch._foreach_mul_(locals_, coef)
-    return total
-
-
-CE_CHUNK_ELEMENTS = 1 << 24
-"""Logit elements (tokens x vocabulary) the chunked loss upcasts to fp32 at a time: 64 MiB, ~2k tokens of
-a 32k vocabulary, enough rows per chunk that the kernels stay efficient."""
-
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss over all tokens.
-
-    Vocab-sharded DTensor logits (TP's `loss_parallel`) take DTensor's vocab-parallel loss, which holds
-    only a 1/tp slice of the vocabulary per rank. Plain logits take `chunked_cross_entropy`, which never
-    holds the fp32 upcast of the whole [tokens, vocab] matrix."""
-    if isinstance(logits, DTensor):
-        return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
-    return chunked_cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
-
-
-def chunked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *,
-                          chunk_elements: int = CE_CHUNK_ELEMENTS) -> torch.Tensor:
-    """`F.cross_entropy(logits.float(), targets)` (mean, ignore_index -100) on [N, V] logits, computed
-    chunk_elements // V tokens at a time in fp32.
-
-    The gradient is computed in the same pass and kept in the logits' dtype, the size of the gradient
-    backward would produce anyway; so neither the fp32 logits nor the fp32 log-probabilities that
-    autograd would save for backward ever exist whole (4 + 4 bytes per logit, against 2 for bf16 logits)."""
-    if logits.dim() != 2 or targets.shape != logits.shape[:1]:
-        raise ValueError(f"chunked_cross_entropy wants [N, V] logits and [N] targets, got "
-                         f"{tuple(logits.shape)} and {tuple(targets.shape)}")
-    chunk = max(1, chunk_elements // logits.shape[1])
-    return _ChunkedCrossEntropy.apply(logits, targets, chunk)
-
-
-class _ChunkedCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
-        want_grad = logits.requires_grad
-        grad = torch.empty_like(logits) if want_grad else None
-        total = torch.zeros((), dtype=torch.float32, device=logits.device)
-        count = (targets != -100).sum()
-        for start in range(0, logits.shape[0], chunk):
-            x = logits[start:start + chunk].float()
-            t = targets[start:start + chunk]
-            valid = t != -100
-            t = t.masked_fill(~valid, 0).unsqueeze(1)
-            lse = torch.logsumexp(x, dim=1, keepdim=True)
-            total += ((lse - x.gather(1, t)).squeeze(1) * valid).sum()
-            if want_grad:
-                p = (x - lse).exp_()  # softmax; d loss_sum / d x = softmax - onehot, zero on ignored rows
-                p.scatter_add_(1, t, torch.full_like(t, -1, dtype=p.dtype))
-                p.mul_(valid.unsqueeze(1))
-                grad[start:start + chunk] = p
-        ctx.chunk = chunk
-        ctx.save_for_backward(grad, count)
-        return total / count
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        grad, count = ctx.saved_tensors
-        scale = grad_out.float() / count
-        if grad.dtype == torch.float32:
-            return grad * scale, None, None
-        # Scale in fp32 and round once, as autograd through `.float()` would; chunked, as in forward.
-        out = torch.empty_like(grad)
-        for start in range(0, grad.shape[0], ctx.chunk):
-            out[start:start + ctx.chunk] = grad[start:start + ctx.chunk].float() * scale
-        return out, None, None
-
-
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

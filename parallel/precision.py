@@ -6,7 +6,7 @@ bfloat16 keeps parameters, gradients and optimizer state in fp32 (master weights
 - The model casts each weight where it uses it (`models.llama`: `Linear` and `RMSNorm` to their input's
   dtype, the embedding table to `Embedding.compute_dtype`, which `parallelize` sets to `param_dtype`).
   Activations are bf16, norms and RoPE upcast inside (RoPE tables stay fp32), and the loss is taken on
-  fp32-upcast logits (`parallelize.cross_entropy`). Gradients flow back through the casts into fp32.
+  fp32-upcast logits (`parallel.loss.cross_entropy`). Gradients flow back through the casts into fp32.
 - Under FSDP2 (dp_shard > 1, or HSDP) its `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`
   casts the parameters when it unshards them, which makes the model's casts no-ops: the values and the
   cast points are the same (each weight rounded to bf16 once per forward, every matmul on bf16 operands),

@@ -25,11 +25,10 @@ from parallel.checkpoint.manager import CheckpointManager
 from parallel.checkpoint.manifest import CheckpointError, Manifest
 from parallel.checkpoint.state import capture_rng, restore_rng
 from parallel.layout import Layout, MeshAxis
+from parallel.loss import cross_entropy
+from parallel.optim import build_adamw, clip_grad_norm_
 from parallel.parallelize import (
-    build_adamw,
-    clip_grad_norm_,
     compile_unavailable_reason,
-    cross_entropy,
     materialize,
     parallelize,
     reshard_after_eval,

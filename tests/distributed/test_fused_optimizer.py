@@ -64,7 +64,7 @@ def local_vs_dtensor_body(cfg_dict: dict, layout: str, steps: int) -> dict:
     """The same training under `layout` twice from the same start: with the trainer's AdamW (kernels on
     the local shards) and with torch's own AdamW over the same DTensor parameter groups."""
     from parallel.layout import Layout
-    from parallel.parallelize import LocalAdamW, param_groups
+    from parallel.optim import LocalAdamW, param_groups
     from tests.bodies import full_params
     from workers.config import JobConfig
     from workers.trainer import Trainer

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from parallel.parallelize import chunked_cross_entropy, cross_entropy
+from parallel.loss import chunked_cross_entropy, cross_entropy
 
 
 def _plain(logits, targets):
@@ -70,7 +70,7 @@ def test_rejects_wrong_shapes():
 def test_clip_through_fused_adamw_grad_scale_equals_clipping_the_gradients(max_norm):
     """With a fused AdamW, clip_grad_norm_ hands the factor to the kernel instead of scaling gradients
     itself; the step and the clipped gradients are what scaling them first gives."""
-    from parallel.parallelize import build_adamw, clip_grad_norm_
+    from parallel.optim import build_adamw, clip_grad_norm_
 
     g = torch.Generator().manual_seed(3)
     init = [torch.randn(6, 4, generator=g), torch.randn(4, generator=g)]

@@ -70,7 +70,7 @@ def test_config_fields_defaults_and_validation():
 
 
 def test_loss_is_taken_in_fp32_on_bf16_logits():
-    from parallel.parallelize import cross_entropy
+    from parallel.loss import cross_entropy
 
     logits = torch.randn(2, 3, 7).to(torch.bfloat16)
     targets = torch.randint(0, 7, (2, 3))
@@ -116,7 +116,8 @@ def cast_at_use_body(steps: int, accum: int) -> dict:
 
     from models.config import PRESETS
     from models.llama import build_model
-    from parallel.parallelize import cross_entropy, materialize, parallelize
+    from parallel.loss import cross_entropy
+    from parallel.parallelize import materialize, parallelize
 
     cfg = PRESETS["tiny"]
     layout = Layout()
