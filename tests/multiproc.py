@@ -6,7 +6,8 @@
 ordinary modules such as tests/bodies.py rather than in test files. Each child gets RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR/PORT and OMP_NUM_THREADS=1, and the default process group is initialised before
 `fn` runs and destroyed after. A failure in any rank raises with that rank's traceback; a hang is killed
-after `timeout` seconds.
+after `timeout` seconds, and reported with each rank's exit code (a rank that died without a word
+leaves the others waiting for it) and, 5 s before, every rank's Python stacks on stderr.
 """
 
 from __future__ import annotations
@@ -47,7 +48,12 @@ def _from_wire(x: Any) -> Any:
     return x
 
 
-def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kwargs: dict, q) -> None:
+def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kwargs: dict, q,
+           stacks_after: float | None = None) -> None:
+    if stacks_after is not None:  # a hang shows where each rank is, in the test's captured stderr
+        import faulthandler
+
+        faulthandler.dump_traceback_later(stacks_after, exit=False)
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
@@ -87,7 +93,8 @@ def _run_once(world_size: int, fn: Callable, args: tuple, kwargs: dict, timeout:
     q = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_child, args=(r, world_size, port, fn, args, kwargs, q), daemon=True)
+        ctx.Process(target=_child, args=(r, world_size, port, fn, args, kwargs, q, max(1.0, timeout - 5)),
+                    daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
@@ -100,7 +107,9 @@ def _run_once(world_size: int, fn: Callable, args: tuple, kwargs: dict, timeout:
                 rank, ok, payload = q.get(timeout=timeout)
             except queue.Empty:
                 raise TimeoutError(
-                    f"{world_size - len(results) - len(errors)} rank(s) gave no result within {timeout:.0f}s"
+                    f"{world_size - len(results) - len(errors)} rank(s) gave no result within {timeout:.0f}s "
+                    f"(exit codes by rank, None = still running: {[p.exitcode for p in procs]}; each rank's "
+                    "Python stacks are in the captured stderr)"
                     + "".join(f"\n--- rank {r} ---\n{e}" for r, e in errors.items())
                 ) from None
             (results if ok else errors)[rank] = payload
