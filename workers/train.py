@@ -84,9 +84,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
-        if trainer is not None:
-            trainer.close()  # a save in flight commits (bounded wait), metrics sinks flush
-        destroy_process_group()
+        try:
+            if trainer is not None:
+                trainer.close()  # a save in flight commits (bounded wait), metrics sinks flush
+        finally:
+            destroy_process_group()
     return 0
 
 
