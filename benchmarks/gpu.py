@@ -124,20 +124,9 @@ def _checkpointed(block) -> None:
     block.forward = lambda *args: checkpoint(inner, *args, use_reentrant=False)
 
 
-def _time(loop, device: torch.device, warmup: int, steps: int) -> list[float]:
-    times = []
-    for i in range(warmup + steps):
-        _sync(device)
-        t0 = time.perf_counter()
-        loop.step()
-        _sync(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    return times
-
-
-def _time_interleaved(loops: list, device: torch.device, warmup: int, steps: int) -> list[list[float]]:
-    """Steps of `loops` in turn (elastron first: it records the batch the plain loop replays)."""
+def _time(loops: list, device: torch.device, warmup: int, steps: int) -> list[list[float]]:
+    """Per loop, the times of its steps after `warmup`; with several loops their steps alternate (elastron
+    first: it records the batch the plain loop replays)."""
     times: list[list[float]] = [[] for _ in loops]
     for i in range(warmup + steps):
         for loop, ts in zip(loops, times):
@@ -199,10 +188,10 @@ def run_setting(a, device, micro_batch: int, compile_: bool, ac: str) -> dict:
     if a.interleave:
         # Peak memory is of both loops together here; run without --interleave for each alone.
         pl = Plain(cfg, device, el.batches)
-        el_times, pl_times = _time_interleaved([el, pl], device, a.warmup, a.steps)
+        el_times, pl_times = _time([el, pl], device, a.warmup, a.steps)
         res["paired_ratio"] = statistics.median(p / e for e, p in zip(el_times, pl_times))
     else:
-        el_times = _time(el, device, a.warmup, a.steps)
+        (el_times,) = _time([el], device, a.warmup, a.steps)
     res["elastron"] = _summary(el, device, a, el_times, tokens, fpt, peak)
     el_losses = el.losses
     if not a.interleave:
@@ -213,7 +202,7 @@ def run_setting(a, device, micro_batch: int, compile_: bool, ac: str) -> dict:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         pl = Plain(cfg, device, batches)
-        pl_times = _time(pl, device, a.warmup, a.steps)
+        (pl_times,) = _time([pl], device, a.warmup, a.steps)
     res["plain"] = _summary(pl, device, a, pl_times, tokens, fpt, peak)
     n = min(len(el_losses), len(pl.losses))
     pl_losses = [float(x) for x in pl.losses[:n]]
