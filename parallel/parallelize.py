@@ -18,6 +18,7 @@ gradients into a few all-reduces per step, where FSDP2 issues one per unit insid
 
 from __future__ import annotations
 
+import inspect
 from typing import Literal
 
 import torch
@@ -33,6 +34,14 @@ from parallel.layout import Layout, MeshAxis
 from parallel.pipeline import split_stage
 from parallel.precision import PrecisionPolicy
 from parallel.tensor_parallel import apply_tp
+
+_NO_FORWARD_BUFFER_SYNC = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters
+    else {"broadcast_buffers": False})
+"""DDP's switch for not syncing buffers on every forward: `forward_sync_buffers` in torch 2.13 (the pinned
+version, which deprecates `broadcast_buffers`); torch 2.11, the one on the GPU machines this project is
+measured on, knows only `broadcast_buffers`."""
 
 
 ACMode = Literal["none", "full", "selective"]
@@ -100,8 +109,7 @@ def parallelize(
         # Lazy: the DDP reducer (and its broadcast of rank 0's parameters) is built at the first forward,
         # after materialize(). No buffers are synced per forward: the only ones, the RoPE tables, are
         # computed identically on every rank (and DDP is built over the parameters only anyway).
-        replicate(model, process_group=mesh[MeshAxis.DP_REPLICATE.value].get_group(),
-                  forward_sync_buffers=False)
+        replicate(model, process_group=mesh[MeshAxis.DP_REPLICATE.value].get_group(), **_NO_FORWARD_BUFFER_SYNC)
         return model
     fsdp = dp_mesh(mesh, layout)
     if fsdp is not None:

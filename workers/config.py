@@ -143,9 +143,9 @@ class TrainConfig:
     seed: int = 0
     """Seeds initial weights, data order and dropout-free RNG state."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Compute dtype. bfloat16: FSDP2 mixed precision (bf16 parameters and activations in forward and
-    backward; fp32 master weights, optimizer state, gradient reduction and loss), under every layout,
-    dp=1 included. See parallel/precision.py."""
+    """Compute dtype. bfloat16: bf16 weights (cast at use, or by FSDP2 as it gathers them) and activations
+    in forward and backward; fp32 master weights, optimizer state, gradient reduction and loss, with the
+    same arithmetic under every layout. See parallel/precision.py."""
     compile: bool = False
     """Compile each transformer block with torch.compile (inductor). Needs a C++ compiler on CPU and
     Triton on CUDA; the first step is slow while kernels compile (they are cached on disk)."""
