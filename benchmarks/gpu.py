@@ -22,7 +22,8 @@ load swings within seconds) both are built and their steps alternate, so both se
 One optimizer step is one micro batch (no accumulation). Steps are timed one by one (synchronised on
 CUDA); reported: median tokens/s over the steps after `--warmup`, MFU against the device's dense peak
 (`workers.mfu`; "-" where unknown, e.g. CPUs), peak allocated memory (CUDA only) and elastron/plain.
-`--profile` adds a torch.profiler table (3 steps, top ops by self device time) per loop and setting.
+`--profile` adds a torch.profiler table (3 steps, top ops by self device time) per loop and setting, and
+the ops whose time per step differs most between the two loops (what is left between them, op by op).
 """
 
 from __future__ import annotations
@@ -139,16 +140,46 @@ def _time(loops: list, device: torch.device, warmup: int, steps: int) -> list[li
     return times
 
 
-def _profile(loop, device: torch.device, rows: int = 15) -> str:
+PROFILE_STEPS = 3
+TOTAL = "(total)"
+
+
+def _profile(loop, device: torch.device, rows: int = 15) -> tuple[str, dict[str, list[float]]]:
+    """torch.profiler over `PROFILE_STEPS` steps: the table of the top ops by self device time (CPU time on
+    a CPU), and per op [self ms per step, calls per step] for the difference between the loops."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=acts) as prof:
-        for _ in range(3):
+        for _ in range(PROFILE_STEPS):
             loop.step()
         _sync(device)
-    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=key, row_limit=rows)
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    avgs = prof.key_averages()
+    ops = {e.key: [getattr(e, key) / 1e3 / PROFILE_STEPS, e.count / PROFILE_STEPS] for e in avgs}
+    # On CUDA an op's self device time is that of the kernels it launched, which are listed as entries of
+    # their own too: the total counts the kernels alone (on a CPU, every op).
+    kernels = [e for e in avgs if e.device_type != DeviceType.CPU]
+    total = sum(getattr(e, key) for e in (kernels or avgs)) / 1e3 / PROFILE_STEPS
+    ops = {k: v for k, v in ops.items() if v[0] > 0}
+    ops[TOTAL] = [total, 0.0]
+    return avgs.table(sort_by=key, row_limit=rows), ops
+
+
+def profile_difference(el: dict[str, list[float]], pl: dict[str, list[float]], rows: int = 12) -> str:
+    """The ops where the two loops' self time per step differs most, elastron minus plain, and the totals:
+    what is left between them, op by op."""
+    lines = ["| op | elastron ms/step (calls) | plain ms/step (calls) | elastron - plain ms/step |",
+             "|---|---|---|---|"]
+    zero = [0.0, 0.0]
+    keys = sorted((el.keys() | pl.keys()) - {TOTAL}, key=lambda k: (-abs(el.get(k, zero)[0] - pl.get(k, zero)[0]), k))
+    for k in keys[:rows]:
+        (te, ce), (tp, cp) = el.get(k, zero), pl.get(k, zero)
+        lines.append(f"| {k} | {te:.2f} ({ce:.3g}) | {tp:.2f} ({cp:.3g}) | {te - tp:+.2f} |")
+    te, tp = el[TOTAL][0], pl[TOTAL][0]
+    lines.append(f"| {TOTAL} | {te:.2f} | {tp:.2f} | {te - tp:+.2f} |")
+    return "\n".join(lines)
 
 
 def _summary(loop, device, a, times: list[float], tokens_per_step: int, flops_per_token: float, peak) -> dict:
@@ -159,7 +190,7 @@ def _summary(loop, device, a, times: list[float], tokens_per_step: int, flops_pe
            "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
            "step_ms_median": 1e3 * statistics.median(times)}
     if a.profile:
-        out["profile"] = _profile(loop, device)
+        out["profile"], out["profile_ops"] = _profile(loop, device)
     return out
 
 
@@ -288,10 +319,15 @@ def main(argv: list[str] | None = None) -> dict:
     worst = max(r["max_loss_rel_diff"] for r in results)
     print(f"losses: elastron and plain within {worst:.1e} (relative) step by step")
     for r in results:
+        setting = f"micro batch {r['micro_batch']}, compile {r['compile']}, AC {r['ac']}"
         for name in ("elastron", "plain"):
             if "profile" in r[name]:
-                print(f"\n## profile: {name}, micro batch {r['micro_batch']}, compile {r['compile']}, AC {r['ac']}")
+                print(f"\n## profile: {name}, {setting}")
                 print(r[name].pop("profile"))
+        if "profile_ops" in r["elastron"]:
+            print(f"\n## profile difference, {setting} (self {'device' if cuda else 'CPU'} time per step, "
+                  f"{PROFILE_STEPS} steps)")
+            print(profile_difference(r["elastron"]["profile_ops"], r["plain"]["profile_ops"]))
     if a.json:
         Path(a.json).write_text(json.dumps({"args": vars(a), "results": results}, indent=2))
     return {"results": results}

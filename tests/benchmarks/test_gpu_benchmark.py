@@ -27,3 +27,24 @@ def test_cpu_tiny_run_prints_both_rows(mode):
     assert "losses: elastron and plain within" in out.stdout
     assert ("paired (median over steps" in out.stdout) is (mode == "--interleave")
     assert ("interleaved;" in out.stdout) is (mode == "--interleave")
+    if mode == "--interleave":
+        diff = out.stdout.split("## profile difference, micro batch 1, compile False, AC none")[1].splitlines()
+        total = next(line for line in diff if line.startswith("| (total) |")).split("|")
+        el_ms, pl_ms, d_ms = (float(x) for x in total[2:5])
+        assert el_ms > 0 and pl_ms > 0 and d_ms == pytest.approx(el_ms - pl_ms, abs=0.011)
+
+
+def test_profile_difference_lists_the_largest_gaps_first():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    el = {"aten::mm": [10.0, 4.0], "aten::copy_": [3.0, 30.0], "only_elastron": [0.5, 1.0],
+          gpu.TOTAL: [20.0, 0.0]}
+    pl = {"aten::mm": [9.5, 4.0], "aten::copy_": [1.0, 10.0], "only_plain": [1.0, 2.0], gpu.TOTAL: [15.0, 0.0]}
+    rows = gpu.profile_difference(el, pl).splitlines()[2:]
+    assert [r.split("|")[1].strip() for r in rows] == ["aten::copy_", "only_plain", "aten::mm", "only_elastron",
+                                                       "(total)"]
+    assert rows[0].split("|")[4].strip() == "+2.00" and rows[1].split("|")[4].strip() == "-1.00"
+    assert rows[-1].split("|")[4].strip() == "+5.00"
