@@ -142,6 +142,11 @@ class WorkerGroup:
         self.members: list[Member] = []
         self.spares: list[tuple[str, Any, PlacementGroup, Any]] = []
         """Actors started ahead of a growth (node, actor, pg, info ref), not yet members."""
+        self._unread: list[Any] = []
+        """Refs of calls the group stopped waiting for (the other ranks' `run` once one rank failed, say):
+        read when they have ended (`_settle`), so that their errors, expected after a failure, go to this
+        logger at debug level instead of being printed by Ray as "Unhandled error" tracebacks when the refs
+        are dropped."""
 
     # -- membership ------------------------------------------------------------------------------------
     @property
@@ -253,6 +258,7 @@ class WorkerGroup:
                 logger.debug("placement group removal failed", exc_info=True)
 
     def shutdown(self) -> None:
+        self._settle()
         self._stop(self.members + [Member(a, pg, nid, "") for nid, a, pg, _ in self.spares])
         self.members, self.spares = [], []
 
@@ -318,13 +324,15 @@ class WorkerGroup:
     def run(self, *, until_step: int, steps: int, should_abort=lambda: False) -> list[dict]:
         """`steps` training steps on every rank (the same count everywhere); rank 0's metrics. Polls
         `should_abort` while waiting so a dead node is acted on at once, not after a collective timeout."""
+        self._settle()
         refs = [m.actor.run.remote(until_step=until_step, steps=steps) for m in self.members]
         pending = list(refs)
         while pending:
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=0.2)
             for ref in done:
-                self._get([ref], "run")  # raises WorkerFailure if that rank failed
+                self._get([ref], "run", also=refs)  # raises WorkerFailure if that rank failed
             if pending and should_abort():
+                self._unread += refs
                 raise WorkerFailure("node", "a node hosting workers died during a step")
         return self._get([refs[0]], "run")[0]
 
@@ -354,6 +362,8 @@ class WorkerGroup:
                 lost.append(m)
         self._stop(lost)
         self.members = [kept[r][0] for r in sorted(kept)]
+        self._unread += aborts + list(refs.values())
+        self._settle()  # the survivors' interrupted calls have ended: their salvage ran after them
         return {r: kept[r][1] for r in sorted(kept)}
 
     @staticmethod
@@ -381,16 +391,35 @@ class WorkerGroup:
     def leave(self) -> None:
         self._get([m.actor.leave.remote() for m in self.members], "leave", timeout=60)
 
-    @staticmethod
-    def _get(refs: list, what: str, timeout: float | None = None) -> list:
+    def _settle(self) -> None:
+        """Read the calls the group stopped waiting for that have ended (`_unread`); keep the others."""
+        if not self._unread:
+            return
+        refs = list(dict.fromkeys(self._unread))
+        done, self._unread = ray.wait(refs, num_returns=len(refs), timeout=0)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except RayError as e:
+                logger.debug("a call the group no longer waited for ended in %s: %s", type(e).__name__,
+                             (str(e).strip().splitlines() or [""])[-1])
+
+    def _get(self, refs: list, what: str, timeout: float | None = None, *, also: list = ()) -> list:
+        """`ray.get(refs)`, with a failure as WorkerFailure; then the refs not read (the others of a call
+        on every rank, and `also`) go to `_unread`."""
         try:
             return ray.get(refs, timeout=timeout)
-        except RayActorError as e:
-            raise WorkerFailure("died", f"a worker died during {what}: {str(e).splitlines()[0]}") from e
-        except GetTimeoutError as e:
-            raise WorkerFailure("timeout", f"workers did not finish {what} within {timeout:.0f}s") from e
         except RayError as e:
-            cause = getattr(e, "cause", None)
-            kind = f"error:{type(cause).__name__}" if cause is not None else "error"
-            msg = str(cause) if cause is not None else str(e).splitlines()[-1]
-            raise WorkerFailure(kind, f"a worker raised during {what}: {msg}") from e
+            self._unread += [*refs, *also]
+            raise self._failure(e, what, timeout) from e
+
+    @staticmethod
+    def _failure(e: RayError, what: str, timeout: float | None) -> WorkerFailure:
+        if isinstance(e, RayActorError):
+            return WorkerFailure("died", f"a worker died during {what}: {str(e).splitlines()[0]}")
+        if isinstance(e, GetTimeoutError):
+            return WorkerFailure("timeout", f"workers did not finish {what} within {timeout:.0f}s")
+        cause = getattr(e, "cause", None)
+        kind = f"error:{type(cause).__name__}" if cause is not None else "error"
+        msg = str(cause) if cause is not None else str(e).splitlines()[-1]
+        return WorkerFailure(kind, f"a worker raised during {what}: {msg}")

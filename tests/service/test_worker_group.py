@@ -1,13 +1,15 @@
-"""WorkerGroup on a local Ray: a start that fails releases what it reserved. (The chaos run found a
-failed start leaking its placement groups, so that the next start could not place anything.)"""
+"""WorkerGroup on a local Ray: a start that fails releases what it reserved (the chaos run found a
+failed start leaking its placement groups, so that the next start could not place anything); the other
+ranks' errors after a failed step are read, not left for Ray to print as unhandled."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
 
-from service.worker_group import WorkerFailure, WorkerGroup
+from service.worker_group import Member, WorkerFailure, WorkerGroup
 from tests.ray_local import local_ray  # noqa: F401  (a fixture)
 
 ray = pytest.importorskip("ray")
@@ -46,3 +48,60 @@ def test_the_probe_finds_a_node_alive_while_all_its_cpus_are_reserved(local_ray)
         assert probe_nodes([me], timeout_s=5) == {me}
     finally:
         remove_placement_group(full)
+
+
+class _Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_the_other_ranks_errors_after_a_failed_step_are_read_not_reported_as_unhandled(local_ray, tmp_path):
+    """The demo's kill printed Ray's "Unhandled error" traceback of a surviving rank's `run` (its gloo
+    peer had gone): the group stopped waiting at the first failure and dropped the other refs unread."""
+    from workers.config import JobConfig
+
+    @ray.remote(num_cpus=0)
+    class FailingRank:  # stands in for workers.actor.Worker: a step that raises after `after` seconds
+        def __init__(self, after: float, tag: str) -> None:
+            self.after, self.tag = after, tag
+
+        def run(self, *, until_step: int, steps: int) -> list:
+            time.sleep(self.after)
+            raise RuntimeError(f"{self.tag} lost its peer")
+
+        def ping(self) -> bool:
+            return True
+
+    ray_log, ours = _Collect(), _Collect()
+    logging.getLogger("ray._private.worker").addHandler(ray_log)
+    group_log = logging.getLogger("service.worker_group")
+    group_log.addHandler(ours)
+    level, group_log.level = group_log.level, logging.DEBUG
+    try:
+        first, second = FailingRank.remote(0.0, "rank-0-6f1e"), FailingRank.remote(0.5, "rank-1-6f1e")
+        g = WorkerGroup(JobConfig(), str(tmp_path), cpus_per_worker=0, gpus_per_worker=0, job_id="t")
+        g.members = [Member(first, None, "n", ""), Member(second, None, "n", "")]
+        with pytest.raises(WorkerFailure, match="rank-0-6f1e"):
+            g.run(until_step=1, steps=1)
+        assert ray.get(second.ping.remote(), timeout=30)  # rank 1's run has ended: one call at a time
+        g.shutdown()
+        assert any("rank-1-6f1e" in m for m in ours.messages), ours.messages
+        # Control: Ray does report a failed call that nobody reads once its ref is dropped; once it has,
+        # rank 1's ref (dropped with the group, before it) would have been reported too.
+        control = FailingRank.remote(0.0, "control-6f1e")
+        ref = control.run.remote(until_step=1, steps=1)
+        assert ray.get(control.ping.remote(), timeout=30)
+        del ref, g
+        deadline = time.monotonic() + 30
+        while not any("control-6f1e" in m for m in ray_log.messages):
+            assert time.monotonic() < deadline, "Ray never reported the unread control error"
+            time.sleep(0.1)
+        assert not [m for m in ray_log.messages if "6f1e" in m and "control" not in m], ray_log.messages
+    finally:
+        logging.getLogger("ray._private.worker").removeHandler(ray_log)
+        group_log.removeHandler(ours)
+        group_log.level = level
