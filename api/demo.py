@@ -38,6 +38,26 @@ def _wait(cond, timeout: float, what: str, coord) -> None:
         time.sleep(0.05)
 
 
+class _Pace:
+    """Slows the coordinator's loop, `pace_s` per iteration, from `start()` until `done(coord)` or for at
+    most `cap_s`: the tiny model's remaining steps take a few seconds, about what Ray takes to start
+    a node and the coordinator to settle on it, so unpaced the job could end before the capacity it is
+    given back joins (it did in one of two runs). Only the wall clock changes: what the coordinator
+    decides and what the workers compute are the same."""
+
+    def __init__(self, done, *, pace_s: float = 1.0, cap_s: float = 120.0) -> None:
+        self.done, self.pace_s, self.cap_s = done, pace_s, cap_s
+        self.since: float | None = None
+
+    def start(self) -> None:
+        self.since = time.monotonic()
+
+    def __call__(self, coord) -> None:  # runs between the coordinator's iterations (its on_tick)
+        if self.since is None or time.monotonic() - self.since > self.cap_s or self.done(coord):
+            return
+        time.sleep(self.pace_s)
+
+
 def run_demo(*, steps: int = 100, workers: int = 4, run_dir: str | None = None, layout: str | None = None,
              json_path: str | None = None) -> int:
     import ray
@@ -65,9 +85,10 @@ def run_demo(*, steps: int = 100, workers: int = 4, run_dir: str | None = None, 
         nodes = [cluster.add_node(num_cpus=1) for _ in range(workers)]
         ray.init(address=cluster.address, log_to_driver=False)
         progress = Progress(steps)
+        pace = _Pace(lambda c: c.plan is not None and c.plan.world_size == workers)
         runner = JobRunner("demo", cfg, run_dir=rd, options={"settle_seconds": 2.0, "chunk_seconds": 0.3,
                                                              "poll_interval_s": 0.25},
-                           on_tick=lambda c: progress.update(c.status()))
+                           on_tick=lambda c: (progress.update(c.status()), pace(c)))
         coord = runner.coord
 
         def at_step(n):
@@ -91,7 +112,8 @@ def run_demo(*, steps: int = 100, workers: int = 4, run_dir: str | None = None, 
         cluster.remove_node(victim2, allow_graceful=False)
         reconfigured(3)
         at_step(steps // 2)
-        print("\n>>> capacity added back: 2 nodes join", flush=True)
+        print("\n>>> capacity added back: 2 nodes join (steps paced until the job has grown onto them)", flush=True)
+        pace.start()
         for _ in range(2):
             cluster.add_node(num_cpus=1)
         runner.join(timeout=600)
