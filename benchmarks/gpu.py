@@ -16,7 +16,8 @@ load swings within seconds) both are built and their steps alternate, so both se
             gradient clipping (the factor folded into the fused kernel) and its chunked loss
   plain     what one would write by hand: `Transformer` on the device, fp32 master weights,
             `torch.autocast` bf16 (when bf16), per-block `torch.compile` and `torch.utils.checkpoint`
-            where the setting says so, `F.cross_entropy` on fp32 logits, `clip_grad_norm_(foreach)`,
+            where the setting says so (the whole block recomputed for AC full and selective alike:
+            selective's op policy is Elastron's own, so its rows compare it with full), `F.cross_entropy` on fp32 logits, `clip_grad_norm_(foreach)`,
             AdamW (fused on CUDA, foreach on CPU)
 
 One optimizer step is one micro batch (no accumulation). Steps are timed one by one (synchronised on
