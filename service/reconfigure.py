@@ -108,8 +108,8 @@ class GroupLifecycle:
         if self.cfg.parallel.reshard != "live" or g is None or p is None or not g.size:
             return False
         infos = g.salvage(gone=gone)
-        steps = {i["step"] for i in infos.values()}
-        rows = max((i["rows"] for i in infos.values()), key=len, default=[])
+        steps = {i.step for i in infos.values()}
+        rows = max((i.rows for i in infos.values()), key=len, default=())
         last_row = rows[-1]["step"] if rows else self.step_done
         if not infos:
             why = "no worker answered with state it can vouch for"

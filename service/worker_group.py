@@ -23,6 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from parallel.planner import Plan
 from workers.config import JobConfig
+from workers.report import Salvaged
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ class Group(Protocol):
         """Move the live state from `old` to `new` on `nodes` over the network (no storage) and form
         the new group; returns (started, stopped, timings with "step"). `survivors`: the members' old
         ranks after a `salvage()` (a heal from peers)."""
-    def salvage(self, *, gone: Collection[str] = ()) -> dict[int, dict]:
+    def salvage(self, *, gone: Collection[str] = ()) -> dict[int, Salvaged]:
         """After a failure keep the members whose shards can be trusted; their reports by old rank.
         Members on `gone` nodes (known dead) are lost without being asked."""
     def run(self, *, until_step: int, steps: int, should_abort: Callable[[], bool] = ...) -> list[dict]:
@@ -336,7 +337,7 @@ class WorkerGroup:
                 raise WorkerFailure("node", "a node hosting workers died during a step")
         return self._get([refs[0]], "run")[0]
 
-    def salvage(self, *, gone: Collection[str] = (), timeout_s: float = 15.0) -> dict[int, dict]:
+    def salvage(self, *, gone: Collection[str] = (), timeout_s: float = 15.0) -> dict[int, Salvaged]:
         """After a failure: every member that answers within `timeout_s` with shards it can vouch for
         (Worker.salvage) stays, in old-rank order; the others (dead, stuck in a collective, or holding
         untrusted state) are stopped. Members on `gone` nodes, which the cluster watcher already lists
@@ -347,7 +348,7 @@ class WorkerGroup:
         self._replies(aborts, timeout_s=2.0, grace_s=0.5)  # stuck collectives raise; then salvage runs
         refs = {id(m): m.actor.salvage.remote() for m in asked}
         ready = self._replies(list(refs.values()), timeout_s=timeout_s, grace_s=2.0)
-        kept: dict[int, tuple[Member, dict]] = {}
+        kept: dict[int, tuple[Member, Salvaged]] = {}
         lost: list[Member] = []
         for m in self.members:
             info, ref = None, refs.get(id(m))
@@ -356,8 +357,8 @@ class WorkerGroup:
                     info = ray.get(ref)
                 except RayError:
                     info = None
-            if info is not None and info["held"]:
-                kept[info["old_rank"]] = (m, info)
+            if info is not None and info.held:
+                kept[info.old_rank] = (m, info)
             else:
                 lost.append(m)
         self._stop(lost)

@@ -15,6 +15,7 @@ from service.cluster import ClusterWatcher
 from service.coordinator import Coordinator, CoordinatorOptions
 from service.worker_group import WorkerFailure
 from workers.config import JobConfig
+from workers.report import Salvaged
 
 
 class FakeCluster:
@@ -83,7 +84,7 @@ class FakeGroup:
             return {}
         kept = {r: m for r, m in enumerate(self.members) if m not in self.cluster.dead}
         self.members = list(kept.values())
-        return {r: {"held": True, "step": self.step, "old_rank": r, "rows": []} for r in kept}
+        return {r: Salvaged(held=True, step=self.step, old_rank=r) for r in kept}
 
     def reshard(self, old, new, nodes, *, survivors=None):
         """A live transfer: the step carries over, no checkpoint is read (or written)."""

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from workers.config import JobConfig
+    from workers.report import Salvaged
 
 
 class Worker:
@@ -115,29 +116,29 @@ class Worker:
             dist.distributed_c10d._abort_process_group()
         return True
 
-    def salvage(self, *, save_timeout_s: float = 2.0) -> dict[str, Any]:
+    def salvage(self, *, save_timeout_s: float = 2.0) -> Salvaged:
         """After a peer failed: keep this rank's shards for healing from peers, if they can be trusted,
-        and leave the broken group. Returns {"held": True, "step", "old_rank", "rows": the metrics of the
-        steps the interrupted call finished} or {"held": False, "why"}. Not trusted: no trainer, a step
-        that failed after its weight update, or a checkpoint save left running (it could still write)."""
+        and leave the broken group. Not trusted: no trainer, a step that failed after its weight update,
+        or a checkpoint save left running (it could still write)."""
+        from workers.report import Salvaged
         from workers.reshard import hand_over_salvaged
         from workers.runtime import destroy_process_group
 
         t, self.trainer, self.handover, self.received = self.trainer, None, None, None
         try:
             if t is None:
-                return {"held": False, "why": "no trainer"}
+                return Salvaged(held=False, why="no trainer")
             state = t.salvage_state()
             if not t.close(timeout_s=save_timeout_s):
-                return {"held": False, "why": "a checkpoint save was still running"}
+                return Salvaged(held=False, why="a checkpoint save was still running")
             if state is None:
-                return {"held": False, "why": "the failure struck after a weight update"}
+                return Salvaged(held=False, why="the failure struck after a weight update")
             rows = list(self._rows)
             last = t.last_metrics
             if last is not None and (not rows or rows[-1]["step"] < last.step):
                 rows.append(last.to_dict())
             self.handover = hand_over_salvaged(t, state)
-            return {"held": True, "step": t.step, "old_rank": t.rank, "rows": rows}
+            return Salvaged(held=True, step=t.step, old_rank=t.rank, rows=tuple(rows))
         finally:
             destroy_process_group()
             self.rank = None

@@ -42,6 +42,23 @@ class StepMetrics:
         return json.dumps(asdict(self))
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Salvaged:
+    """What a worker answers after a peer failed (`Worker.salvage`): whether it keeps its shards to heal
+    the group from, and if it does, their step, its rank in the broken layout and the metrics rows of
+    the steps its interrupted call finished; if it does not, why."""
+
+    held: bool
+    why: str | None = None
+    """Why its shards cannot be trusted (when not held)."""
+    step: int | None = None
+    """The step its shards are at (when held)."""
+    old_rank: int | None = None
+    """Its rank in the layout that failed (when held)."""
+    rows: tuple[dict, ...] = ()
+    """StepMetrics rows of the steps the interrupted call finished, oldest first (when held)."""
+
+
 class Reporter:
     """Rank 0's writer of step metrics; does nothing on other ranks or without a run directory."""
 
