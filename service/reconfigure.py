@@ -67,18 +67,18 @@ class GroupLifecycle:
         training goes on. A transfer that fails midway falls back to the last committed checkpoint, and
         the events say so."""
         try:
-            started, stopped, moved = self.group.reshard(old, p, nodes, survivors=survivors)
+            moved = self.group.reshard(old, p, nodes, survivors=survivors)
         except WorkerFailure as e:
             self.sm.note("fallback", reason=f"live state transfer failed ({e}); falling back to the last "
                                             f"committed checkpoint (step {self.committed_step})",
                          step=self.step_done, cause=cause, details={"kind": e.kind})
             self._recover(e, tried=nodes, salvage=False)  # the workers handed their state over: nothing to keep
             return
-        mib = moved["bytes_moved"] / 2**20
+        mib = moved.bytes_moved / 2**20
         how = "moved live" if survivors is None else f"healed from surviving ranks {survivors}"
-        self._formed(p, old.layout.to_dict(), moved["step"], started, stopped, cause=cause, t0=t0,
-                     reason=f"{reason}; {mib:.0f} MiB of state {how} in {moved['transfer_s']:.2f}s",
-                     transfer={"path": "live" if survivors is None else "peers", **moved})
+        self._formed(p, old.layout.to_dict(), moved.step, moved.started, moved.stopped, cause=cause, t0=t0,
+                     reason=f"{reason}; {mib:.0f} MiB of state {how} in {moved.transfer_s:.2f}s",
+                     transfer={"path": "live" if survivors is None else "peers", **moved.record()})
         self._durable_due = True
 
     _durable_due = False
@@ -192,7 +192,7 @@ class GroupLifecycle:
         except WorkerFailure as e:
             self._recover(e, tried=nodes)
             return
-        self._formed(p, old, formed["step"], started, stopped, cause=cause, reason=reason, t0=t0,
+        self._formed(p, old, formed.step, started, stopped, cause=cause, reason=reason, t0=t0,
                      transfer={"path": "storage"})
 
     def _formed(self: Coordinator, p, old: dict | None, resumed: int, started: int, stopped: int, *, cause: str,

@@ -13,7 +13,7 @@ import logging
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import ray
@@ -40,6 +40,45 @@ class WorkerFailure(RuntimeError):
         self.kind = kind
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Formed:
+    """A process group formed over the members (`Group.form`)."""
+
+    step: int
+    """The step every rank resumed at."""
+    form_s: float = 0.0
+    """Seconds from the call until every rank had joined."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Moved:
+    """A live reshard done (`Group.reshard`): the group formed on the new layout, and how it got there."""
+
+    step: int
+    """The step the new layout resumed at (the old layout's, carried over)."""
+    started: int
+    """Workers started for the new layout."""
+    stopped: int
+    """Workers of the old layout stopped."""
+    bytes_moved: int
+    """Bytes the new ranks received from other workers (a survivor's own pieces are not counted)."""
+    handover_s: float = 0.0
+    """Seconds for the old layout's workers to hand their shards over and leave their group."""
+    transfer_s: float = 0.0
+    """Seconds of the transfer call: the transfer group's rendezvous, the plan, the send/recv."""
+    form_s: float = 0.0
+    """Seconds to form the new training group on the received state."""
+    transfer_parts: dict[str, float] = field(default_factory=dict)
+    """The slowest worker's seconds per phase of the transfer call (workers.reshard)."""
+
+    def record(self) -> dict:
+        """The reconfiguration record's transfer fields (events, API): all but the worker counts, which
+        the record keeps in fields of its own."""
+        d = asdict(self)
+        del d["started"], d["stopped"]
+        return d
+
+
 @runtime_checkable
 class Group(Protocol):
     """What the coordinator needs of a worker group: `WorkerGroup` (Ray actors) is one, the fakes in
@@ -53,14 +92,12 @@ class Group(Protocol):
         """One member per entry of `nodes`, survivors kept; returns (started, stopped)."""
     def prewarm(self, nodes: list[str]) -> int:
         """Start workers on `nodes` ahead of a growth, without making them members; returns how many."""
-    def form(self, plan: Plan, *, adopt: bool = False) -> dict:
-        """(Re-)form the process group for `plan`; returns {"step": resumed step, ...}. `adopt`: take
-        the state a `reshard` transfer delivered instead of loading the last checkpoint."""
-    def reshard(self, old: Plan, new: Plan, nodes: list[str], *, survivors: list[int] | None = None
-                ) -> tuple[int, int, dict]:
+    def form(self, plan: Plan, *, adopt: bool = False) -> Formed:
+        """(Re-)form the process group for `plan`. `adopt`: take the state a `reshard` transfer
+        delivered instead of loading the last checkpoint."""
+    def reshard(self, old: Plan, new: Plan, nodes: list[str], *, survivors: list[int] | None = None) -> Moved:
         """Move the live state from `old` to `new` on `nodes` over the network (no storage) and form
-        the new group; returns (started, stopped, timings with "step"). `survivors`: the members' old
-        ranks after a `salvage()` (a heal from peers)."""
+        the new group. `survivors`: the members' old ranks after a `salvage()` (a heal from peers)."""
     def salvage(self, *, gone: Collection[str] = ()) -> dict[int, Salvaged]:
         """After a failure keep the members whose shards can be trusted; their reports by old rank.
         Members on `gone` nodes (known dead) are lost without being asked."""
@@ -264,7 +301,7 @@ class WorkerGroup:
         self.members, self.spares = [], []
 
     # -- collective operations ---------------------------------------------------------------------------
-    def form(self, plan: Plan, *, adopt: bool = False) -> dict:
+    def form(self, plan: Plan, *, adopt: bool = False) -> Formed:
         """(Re-)form the process group over the current members for `plan`, which every rank gets whole
         (layout and micro batch); each builds its trainer and resumes from the latest committed
         checkpoint, or, with `adopt`, takes the state a `reshard` transfer gave it. Returns timings and
@@ -278,17 +315,15 @@ class WorkerGroup:
         steps = {r["step"] for r in res}
         if len(steps) != 1:
             raise WorkerFailure("form", f"ranks resumed at different steps {sorted(steps)}")
-        return {"step": steps.pop(), "form_s": time.perf_counter() - t0}
+        return Formed(step=steps.pop(), form_s=time.perf_counter() - t0)
 
-    def reshard(self, old: Plan, new: Plan, nodes: list[str], *, survivors: list[int] | None = None
-                ) -> tuple[int, int, dict]:
+    def reshard(self, old: Plan, new: Plan, nodes: list[str], *, survivors: list[int] | None = None) -> Moved:
         """Move the live state from `old` (the current members) to `new` on `nodes` over the network,
         no storage: every member hands its shards over and leaves its training group; joiners start
         (spares first); old members and joiners form one transfer group and run the exchange plan
         (workers.reshard); leavers stop; the new training group forms and adopts what it received.
         `survivors`: after a failure, the old ranks of the members, which `salvage()` already made hand
-        over. Returns (started, stopped, timings; `transfer_parts`: the slowest worker's seconds per phase of
-        the transfer call). Raises WorkerFailure if any part fails: the caller
+        over. Raises WorkerFailure if any part fails: the caller
         falls back to the last committed checkpoint (every member, joiners included, is in `members`
         then, so a shutdown releases them all)."""
         t0 = time.perf_counter()
@@ -317,10 +352,10 @@ class WorkerGroup:
         self._stop(leavers)
         self.members = members
         formed = self.form(new, adopt=True)
-        return len(started), len(leavers), {
-            "step": formed["step"], "handover_s": t1 - t0, "transfer_s": t2 - t1, "form_s": formed["form_s"],
-            "bytes_moved": sum(r["bytes_received"] for r in moved),
-            "transfer_parts": {k: max(r["timings"].get(k, 0.0) for r in moved) for k in moved[0]["timings"]}}
+        return Moved(step=formed.step, started=len(started), stopped=len(leavers),
+                     bytes_moved=sum(r["bytes_received"] for r in moved), handover_s=t1 - t0, transfer_s=t2 - t1,
+                     form_s=formed.form_s,
+                     transfer_parts={k: max(r["timings"].get(k, 0.0) for r in moved) for k in moved[0]["timings"]})
 
     def run(self, *, until_step: int, steps: int, should_abort=lambda: False) -> list[dict]:
         """`steps` training steps on every rank (the same count everywhere); rank 0's metrics. Polls

@@ -13,7 +13,7 @@ from collections import Counter
 
 from service.cluster import ClusterWatcher
 from service.coordinator import Coordinator, CoordinatorOptions
-from service.worker_group import WorkerFailure
+from service.worker_group import Formed, Moved, WorkerFailure
 from workers.config import JobConfig
 from workers.report import Salvaged
 
@@ -73,7 +73,7 @@ class FakeGroup:
         self.plan = plan
         if not adopt:
             self.step = self.disk.committed
-        return {"step": self.step, "form_s": 0.0}
+        return Formed(step=self.step)
 
     def salvage(self, *, gone=()):
         """Survivors (members off dead nodes) vouch for their state at the current step when `heals`.
@@ -93,8 +93,7 @@ class FakeGroup:
             raise WorkerFailure("died", "a worker died during state transfer")
         started, stopped = self.scale_to(nodes)
         formed = self.form(new, adopt=True)
-        return started, stopped, {"step": formed["step"], "handover_s": 0.0, "transfer_s": 0.0, "form_s": 0.0,
-                                  "bytes_moved": 1 << 20}
+        return Moved(step=formed.step, started=started, stopped=stopped, bytes_moved=1 << 20)
 
     def run(self, *, until_step, steps, should_abort=lambda: False):
         if self.fail_next:
