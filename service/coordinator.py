@@ -18,7 +18,7 @@ Flows (service.reconfigure does them):
   too little capacity     WAITING_FOR_CAPACITY with the reason, until the policy can start again
 
 Which nodes are usable (watcher minus unresponsive suspects) is service.node_health.NodeHealth; the
-worker group is anything that satisfies service.worker_group.Group (`worker_group_cls` is the seam).
+worker group is anything that satisfies service.group_types.Group (`worker_group_cls` is the seam).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from parallel.planner import Plan, PlanError, plan, size_for
 from service.cluster import ClusterSnapshot, ClusterWatcher
 from service.commands import Command
 from service.coordinator_commands import Commands
+from service.group_types import Group, WorkerFailure
 from service.metrics_ring import RecentMetrics
 from service.ledger import cap_slots
 from service.node_health import NodeHealth
@@ -48,7 +49,7 @@ from service.run_files import job_events, where_it_stopped
 from service.specs import worker_range
 from service.state import JobState, StateMachine
 from service.status import JobStatus
-from service.worker_group import Group, WorkerFailure, WorkerGroup, assign_nodes, probe_nodes
+from service.worker_group import WorkerGroup, assign_nodes, probe_nodes
 from workers.config import JobConfig, job_constraints
 
 logger = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ import queue
 
 from service.commands import Command, Grant, Pause, Resume, SetWorkers, Stop
 from service.state import JobState
-from service.worker_group import WorkerFailure
+from service.group_types import WorkerFailure
 
 logger = logging.getLogger("service.coordinator")
 S = JobState

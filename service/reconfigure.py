@@ -18,7 +18,7 @@ from service.cluster import ClusterSnapshot
 from service.policy import Failure
 from service.reconfig import Reconfig
 from service.state import JobState as S
-from service.worker_group import WorkerFailure
+from service.group_types import WorkerFailure
 
 if TYPE_CHECKING:
     from service.coordinator import Coordinator

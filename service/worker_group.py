@@ -12,9 +12,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Collection
-from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
@@ -22,6 +22,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from parallel.planner import Plan
+from service.group_types import Formed, Moved, WorkerFailure
 from workers.config import JobConfig
 from workers.report import Salvaged
 
@@ -30,85 +31,6 @@ logger = logging.getLogger(__name__)
 
 CONTROL = "control"
 """A worker actor's second lane (concurrency group): `abort` runs there while the default lane is busy."""
-
-
-class WorkerFailure(RuntimeError):
-    """A worker died or raised. `kind` groups repeated failures of the same sort for the retry budget."""
-
-    def __init__(self, kind: str, message: str):
-        super().__init__(message)
-        self.kind = kind
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Formed:
-    """A process group formed over the members (`Group.form`)."""
-
-    step: int
-    """The step every rank resumed at."""
-    form_s: float = 0.0
-    """Seconds from the call until every rank had joined."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Moved:
-    """A live reshard done (`Group.reshard`): the group formed on the new layout, and how it got there."""
-
-    step: int
-    """The step the new layout resumed at (the old layout's, carried over)."""
-    started: int
-    """Workers started for the new layout."""
-    stopped: int
-    """Workers of the old layout stopped."""
-    bytes_moved: int
-    """Bytes the new ranks received from other workers (a survivor's own pieces are not counted)."""
-    handover_s: float = 0.0
-    """Seconds for the old layout's workers to hand their shards over and leave their group."""
-    transfer_s: float = 0.0
-    """Seconds of the transfer call: the transfer group's rendezvous, the plan, the send/recv."""
-    form_s: float = 0.0
-    """Seconds to form the new training group on the received state."""
-    transfer_parts: dict[str, float] = field(default_factory=dict)
-    """The slowest worker's seconds per phase of the transfer call (workers.reshard)."""
-
-    def record(self) -> dict:
-        """The reconfiguration record's transfer fields (events, API): all but the worker counts, which
-        the record keeps in fields of its own."""
-        d = asdict(self)
-        del d["started"], d["stopped"]
-        return d
-
-
-@runtime_checkable
-class Group(Protocol):
-    """What the coordinator needs of a worker group: `WorkerGroup` (Ray actors) is one, the fakes in
-    tests/fakes.py are others. Collective calls raise WorkerFailure when a rank dies or raises."""
-
-    @property
-    def size(self) -> int: ...
-    def nodes(self) -> Counter:
-        """Members per node id."""
-    def scale_to(self, nodes: list[str]) -> tuple[int, int]:
-        """One member per entry of `nodes`, survivors kept; returns (started, stopped)."""
-    def prewarm(self, nodes: list[str]) -> int:
-        """Start workers on `nodes` ahead of a growth, without making them members; returns how many."""
-    def form(self, plan: Plan, *, adopt: bool = False) -> Formed:
-        """(Re-)form the process group for `plan`. `adopt`: take the state a `reshard` transfer
-        delivered instead of loading the last checkpoint."""
-    def reshard(self, old: Plan, new: Plan, nodes: list[str], *, survivors: list[int] | None = None) -> Moved:
-        """Move the live state from `old` to `new` on `nodes` over the network (no storage) and form
-        the new group. `survivors`: the members' old ranks after a `salvage()` (a heal from peers)."""
-    def salvage(self, *, gone: Collection[str] = ()) -> dict[int, Salvaged]:
-        """After a failure keep the members whose shards can be trusted; their reports by old rank.
-        Members on `gone` nodes (known dead) are lost without being asked."""
-    def run(self, *, until_step: int, steps: int, should_abort: Callable[[], bool] = ...) -> list[dict]:
-        """Train `steps` steps on every rank; rank 0's metrics rows."""
-    def checkpoint(self, *, blocking: bool = True) -> int:
-        """Save at the current step (blocking: wait for the commit); returns the step."""
-    def leave(self) -> None:
-        """Drop the process group, keep the processes."""
-    def shutdown(self) -> None:
-        """Stop every worker (and spare)."""
 
 
 @dataclass

@@ -13,7 +13,7 @@ from collections import Counter
 
 from service.cluster import ClusterWatcher
 from service.coordinator import Coordinator, CoordinatorOptions
-from service.worker_group import Formed, Moved, WorkerFailure
+from service.group_types import Formed, Moved, WorkerFailure
 from workers.config import JobConfig
 from workers.report import Salvaged
 

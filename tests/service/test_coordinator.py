@@ -10,7 +10,7 @@ import pytest
 from parallel.layout import Layout
 from parallel.planner import PlanError
 from service.coordinator import Coordinator
-from service.worker_group import WorkerFailure
+from service.group_types import WorkerFailure
 from tests.fakes import advance, make_coordinator
 
 
@@ -348,7 +348,8 @@ def test_status_reports_layout_and_world_size_of_one_plan_while_a_group_re_forms
 
 
 def test_the_real_group_and_the_fakes_satisfy_the_group_protocol(tmp_path):
-    from service.worker_group import Group, WorkerGroup
+    from service.group_types import Group
+    from service.worker_group import WorkerGroup
     from tests.fakes import FakeGroup, GatedGroup
 
     for cls in (WorkerGroup, FakeGroup, GatedGroup):

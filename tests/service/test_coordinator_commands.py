@@ -5,7 +5,7 @@ keeps a bounded window of metrics however long the job."""
 from __future__ import annotations
 
 from service.metrics_ring import RecentMetrics
-from service.worker_group import WorkerFailure
+from service.group_types import WorkerFailure
 from tests.fakes import advance, make_coordinator
 
 

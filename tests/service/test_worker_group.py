@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from service.worker_group import Member, WorkerFailure, WorkerGroup
+from service.group_types import WorkerFailure
+from service.worker_group import Member, WorkerGroup
 from tests.ray_local import local_ray  # noqa: F401  (a fixture)
 
 ray = pytest.importorskip("ray")
