@@ -17,8 +17,9 @@ load swings within seconds) both are built and their steps alternate, so both se
   plain     what one would write by hand: `Transformer` on the device, fp32 master weights,
             `torch.autocast` bf16 (when bf16), per-block `torch.compile` and `torch.utils.checkpoint`
             where the setting says so (the whole block recomputed for AC full and selective alike:
-            selective's op policy is Elastron's own, so its rows compare it with full), `F.cross_entropy` on fp32 logits, `clip_grad_norm_(foreach)`,
-            AdamW (fused on CUDA, foreach on CPU)
+            selective's op policy is Elastron's own, so its rows compare it with full),
+            `F.cross_entropy` on fp32 logits, `clip_grad_norm_(foreach)`, AdamW (fused on CUDA,
+            foreach on CPU)
 
 One optimizer step is one micro batch (no accumulation). Steps are timed one by one (synchronised on
 CUDA); reported: median tokens/s over the steps after `--warmup`, MFU against the device's dense peak
@@ -158,13 +159,12 @@ def _profile(loop, device: torch.device, rows: int = 15) -> tuple[str, dict[str,
         _sync(device)
     key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     avgs = prof.key_averages()
-    ops = {e.key: [getattr(e, key) / 1e3 / PROFILE_STEPS, e.count / PROFILE_STEPS] for e in avgs}
+    ops = {e.key: [getattr(e, key) / 1e3 / PROFILE_STEPS, e.count / PROFILE_STEPS]
+           for e in avgs if getattr(e, key) > 0}
     # On CUDA an op's self device time is that of the kernels it launched, which are listed as entries of
     # their own too: the total counts the kernels alone (on a CPU, every op).
     kernels = [e for e in avgs if e.device_type != DeviceType.CPU]
-    total = sum(getattr(e, key) for e in (kernels or avgs)) / 1e3 / PROFILE_STEPS
-    ops = {k: v for k, v in ops.items() if v[0] > 0}
-    ops[TOTAL] = [total, 0.0]
+    ops[TOTAL] = [sum(getattr(e, key) for e in (kernels or avgs)) / 1e3 / PROFILE_STEPS, 0.0]
     return avgs.table(sort_by=key, row_limit=rows), ops
 
 
