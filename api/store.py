@@ -6,8 +6,8 @@ SQLite is the embedded default (a file path, ``sqlite:///PATH`` or ``:memory:``)
 Schema (version 2; a version-1 store is upgraded in place on open):
   jobs(id PK, name, spec JSON, steps, workers, run_dir, created, updated, state, reason, status JSON, released,
        owner, idem_key, request JSON)
-      `status` is the job's last JobStatus.to_dict() (service.status); `state`/`reason` are copied out
-      of it so lists can filter without parsing JSON. `released` = 1 once the job is finished and its
+      A row is a service.job_record.JobRecord. `status` is the job's last JobStatus.to_dict()
+      (service.status); `state`/`reason` are copied out of it so lists can filter without parsing JSON. `released` = 1 once the job is finished and its
       coordinator let go: nothing about it will change again. `owner`: the user who submitted it (None
       without users); `idem_key`/`request`: the submit's Idempotency-Key and the request it came with.
   events(job_id, idx, time, kind, data JSON)  PK (job_id, idx): idx is the coordinator's event index
@@ -40,6 +40,9 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError
 from sqlalchemy.pool import StaticPool
+
+from service.job_record import JobRecord
+from service.status import JobStatus
 
 SCHEMA_VERSION = 2
 
@@ -210,22 +213,22 @@ class JobStore:
             c.execute(stmt, rows)
 
     # -- jobs --------------------------------------------------------------------------------------------
-    def create(self, job: dict) -> None:
-        st = job["status"]
+    def create(self, job: JobRecord) -> None:
+        st = job.status
         with self._tx() as c:
             c.execute(_jobs.insert().values(
-                id=_text(job["id"]), name=_text(job["name"]), spec=_dumps(job["spec"]), steps=job.get("steps"),
-                workers=job.get("workers"), run_dir=_text(job["run_dir"]), created=job["created"],
-                updated=job["created"], state=_text(st["state"]), reason=_text(st.get("reason") or ""),
-                status=_dumps(st), owner=job.get("owner"), idem_key=job.get("idempotency_key"),
-                request=None if job.get("request") is None else _dumps(job["request"])))
+                id=_text(job.id), name=_text(job.name), spec=_dumps(job.spec), steps=job.steps,
+                workers=job.workers, run_dir=_text(job.run_dir), created=job.created, updated=job.updated,
+                state=_text(st.state), reason=_text(st.reason or ""), status=_dumps(st.to_dict()),
+                released=int(job.released), owner=job.owner, idem_key=job.idempotency_key,
+                request=None if job.request is None else _dumps(job.request)))
 
-    def get(self, job_id: str) -> dict | None:
+    def get(self, job_id: str) -> JobRecord | None:
         with self._tx() as c:
             row = c.execute(select(_jobs).where(_jobs.c.id == _text(job_id))).mappings().first()
         return None if row is None else _job(row)
 
-    def list(self, *, limit: int | None = None, offset: int = 0, owner: str | None = None) -> list[dict]:
+    def list(self, *, limit: int | None = None, offset: int = 0, owner: str | None = None) -> list[JobRecord]:
         """Jobs oldest first, `limit` of them from `offset`; only `owner`'s when given."""
         q = select(_jobs).order_by(_jobs.c.created, _jobs.c.id).limit(limit).offset(offset or None)
         if owner is not None:
@@ -238,13 +241,13 @@ class JobStore:
         with self._tx() as c:
             return c.execute(select(func.count()).select_from(_jobs)).scalar_one()
 
-    def unsettled(self) -> list[dict]:
+    def unsettled(self) -> list[JobRecord]:
         """Jobs whose record may still change: not finished, or finished but not yet released."""
         with self._tx() as c:
             rows = c.execute(select(_jobs).where(_jobs.c.released == 0).order_by(_jobs.c.created)).mappings().all()
         return [_job(r) for r in rows]
 
-    def find_idempotent(self, owner: str | None, key: str) -> dict | None:
+    def find_idempotent(self, owner: str | None, key: str) -> JobRecord | None:
         """The job `owner` submitted with Idempotency-Key `key`, with its `request`, or None."""
         q = select(_jobs).where(_jobs.c.idem_key == _text(key),
                                 _jobs.c.owner.is_(None) if owner is None else _jobs.c.owner == _text(owner))
@@ -252,10 +255,10 @@ class JobStore:
             row = c.execute(q).mappings().first()
         return None if row is None else _job(row)
 
-    def set_status(self, job_id: str, status: dict) -> None:
+    def set_status(self, job_id: str, status: JobStatus) -> None:
         with self._tx() as c:
             c.execute(update(_jobs).where(_jobs.c.id == _text(job_id)).values(
-                status=_dumps(status), state=_text(status["state"]), reason=_text(status.get("reason") or ""),
+                status=_dumps(status.to_dict()), state=_text(status.state), reason=_text(status.reason or ""),
                 updated=time.time()))
 
     def mark_released(self, job_id: str) -> None:
@@ -325,10 +328,9 @@ def _dumps(v) -> str:
     return json.dumps(_finite(v), default=str)
 
 
-def _job(row) -> dict:
-    d = dict(row)
-    d["spec"] = json.loads(d["spec"])
-    d["status"] = json.loads(d["status"])
-    d["released"] = bool(d["released"])
-    d["request"] = None if d.get("request") is None else json.loads(d["request"])
-    return d
+def _job(row) -> JobRecord:
+    return JobRecord(
+        id=row["id"], name=row["name"], spec=json.loads(row["spec"]), run_dir=row["run_dir"], created=row["created"],
+        updated=row["updated"], status=JobStatus.from_dict(json.loads(row["status"])), steps=row["steps"],
+        workers=row["workers"], released=bool(row["released"]), owner=row["owner"], idempotency_key=row["idem_key"],
+        request=None if row["request"] is None else json.loads(row["request"]))

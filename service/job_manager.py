@@ -27,7 +27,7 @@ from pathlib import Path
 from service.areas import areas_of, overlap
 from service.job_scheduling import JobScheduling, queued_status
 from service.job_sync import SYNC_THREADS, UNKNOWN, JobSyncing
-from service.job_types import (JobConflict, JobGone, JobHandle, JobNotFound, JobUnavailable, Launcher,
+from service.job_types import (JobConflict, JobGone, JobHandle, JobNotFound, JobRecord, JobUnavailable, Launcher,
                                Store)
 from service.run_files import list_checkpoints
 from service.scheduler import Quota
@@ -87,17 +87,16 @@ class JobManager(JobSyncing, JobScheduling):
         with lock:
             with self._submit_lock:
                 if idempotency_key is not None and (first := self.store.find_idempotent(owner, idempotency_key)):
-                    if first["request"] != request:
+                    if first.request != request:
                         raise JobConflict(f"Idempotency-Key {idempotency_key!r} was used for another request "
-                                          f"(job {first['id']}); use a new key for a new job")
+                                          f"(job {first.id}); use a new key for a new job")
                     self._forget_lock(job_id, lock)
-                    return first["id"]
+                    return first.id
                 self._check_areas(str(rd), cfg.checkpoint.dir)
-                self.store.create({
-                    "id": job_id, "name": cfg.name, "spec": spec, "steps": steps, "workers": workers,
-                    "run_dir": str(rd), "created": now, "owner": owner, "idempotency_key": idempotency_key,
-                    "request": request, "status": status.to_dict(),
-                })
+                self.store.create(JobRecord(
+                    id=job_id, name=cfg.name, spec=spec, steps=steps, workers=workers, run_dir=str(rd),
+                    created=now, updated=now, owner=owner, idempotency_key=idempotency_key, request=request,
+                    status=status))
                 if self.shared:
                     self._cfgs[job_id] = cfg
             try:
@@ -107,7 +106,7 @@ class JobManager(JobSyncing, JobScheduling):
             except Exception as e:
                 logger.warning("job %s: could not start its coordinator; it is recorded as FAILED", job_id,
                                exc_info=True)
-                self.store.set_status(job_id, JobStatus.not_started(e, total_steps=total, now=now).to_dict())
+                self.store.set_status(job_id, JobStatus.not_started(e, total_steps=total, now=now))
                 self.store.mark_released(job_id)
         self._schedule_quietly()  # admitted now if its workers are free
         return job_id
@@ -116,8 +115,7 @@ class JobManager(JobSyncing, JobScheduling):
         """JobConflict when the new job's run or checkpoint directory is, contains or lies in one of a
         job the server keeps (a deleted job's directories are free again)."""
         mine = areas_of(run_dir, checkpoint_dir)
-        others = ((r["id"], areas_of(r["run_dir"], (r["spec"].get("checkpoint") or {}).get("dir")))
-                  for r in self.store.list())
+        others = ((r.id, areas_of(r.run_dir, r.checkpoint_dir)) for r in self.store.list())
         if hit := overlap(mine, others):
             field, other, their_field, how = hit
             where = run_dir if field == "run_dir" else checkpoint_dir
@@ -149,7 +147,7 @@ class JobManager(JobSyncing, JobScheduling):
     def checkpoints(self, job_id: str, *, owner: str | None = None) -> dict:
         """The checkpoints directory's entries (read-only; a remote checkpoint.dir is not listed)."""
         row = self._mine(job_id, owner)
-        return list_checkpoints((row["spec"].get("checkpoint") or {}).get("dir"), row["run_dir"])
+        return list_checkpoints(row.checkpoint_dir, row.run_dir)
 
     def where(self) -> str:
         return self.launcher.where()
@@ -209,17 +207,17 @@ class JobManager(JobSyncing, JobScheduling):
         is up is left alone (JobConflict: retry, or `force` to release it whatever it is doing)."""
         self._mine(job_id, owner)
         with self._locked_row(job_id) as lock_row:
-            row = self.sync(job_id) if lock_row["state"] != UNKNOWN else lock_row
-            if row["state"] not in TERMINAL and (h := self._handles.get(job_id)) is not None:
+            row = self.sync(job_id) if lock_row.state != UNKNOWN else lock_row
+            if row.state not in TERMINAL and (h := self._handles.get(job_id)) is not None:
                 try:
                     h.stop()
                     deadline = time.monotonic() + self.stop_timeout_s
-                    while time.monotonic() < deadline and self.sync(job_id)["state"] not in TERMINAL:
+                    while time.monotonic() < deadline and self.sync(job_id).state not in TERMINAL:
                         time.sleep(0.05)
                 except (JobGone, JobUnavailable):
                     logger.warning("job %s: coordinator did not take the stop; releasing it anyway", job_id)
                 else:
-                    if self._row(job_id)["state"] not in TERMINAL and not force:
+                    if self._row(job_id).state not in TERMINAL and not force:
                         raise JobConflict(
                             f"job {job_id} is stopping but has not finished its final checkpoint within "
                             f"{self.stop_timeout_s:.0f} s; it was left running so that the save completes: "
@@ -230,36 +228,35 @@ class JobManager(JobSyncing, JobScheduling):
             self.store.delete(job_id)
         self._forget_lock(job_id)
         self._last_traceback.pop(job_id, None)
-        return {"id": job_id, "state": row["state"], "deleted": True, "run_dir": row["run_dir"]}
+        return {"id": job_id, "state": row.state, "deleted": True, "run_dir": row.run_dir}
 
     def _command(self, job_id: str, owner: str | None, action: str, send: Callable[[JobHandle], None],
                  conflict: Callable[[str], str | None]) -> dict:
         self._mine(job_id, owner)
         with self._locked_row(job_id):
             row = self.sync(job_id)
-            if why := conflict(row["state"]):
-                raise JobConflict(f"cannot {action} job {job_id}: it is {row['state']}; {why}")
+            if why := conflict(row.state):
+                raise JobConflict(f"cannot {action} job {job_id}: it is {row.state}; {why}")
             h = self._handles.get(job_id)
             if h is None:
                 raise JobConflict(f"cannot {action} job {job_id}: its coordinator is not running"
-                                  + (f" on {self.launcher.where()}" if row["state"] == UNKNOWN else ""))
+                                  + (f" on {self.launcher.where()}" if row.state == UNKNOWN else ""))
             try:
                 send(h)
             except JobGone as e:
                 raise JobUnavailable(f"cannot {action} job {job_id}: {e}") from None
-            return {"id": job_id, "action": action, "accepted": True, "state": row["state"]}
+            return {"id": job_id, "action": action, "accepted": True, "state": row.state}
 
     # -- helpers -------------------------------------------------------------------------------------------
-    def _mine(self, job_id: str, owner: str | None) -> dict:
-        """The job's row, if `owner` may see it (None: every job); JobNotFound otherwise."""
+    def _mine(self, job_id: str, owner: str | None) -> JobRecord:
+        """The job's record, if `owner` may see it (None: every job); JobNotFound otherwise."""
         row = self._row(job_id)
-        if owner is not None and row.get("owner") != owner:
+        if owner is not None and row.owner != owner:
             raise JobNotFound(job_id)
         return row
 
     @staticmethod
-    def _view(row: dict) -> dict:
-        st = row["status"]
-        return {**st, "id": row["id"], "name": row["name"], "state": row["state"], "run_dir": row["run_dir"],
-                "created": row["created"], "updated": row["updated"], "spec": row["spec"],
-                "steps": row["steps"], "workers": row["workers"], "owner": row.get("owner")}
+    def _view(row: JobRecord) -> dict:
+        return {**row.status.to_dict(), "id": row.id, "name": row.name, "state": row.state, "run_dir": row.run_dir,
+                "created": row.created, "updated": row.updated, "spec": row.spec, "steps": row.steps,
+                "workers": row.workers, "owner": row.owner}

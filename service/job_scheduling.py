@@ -18,7 +18,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import replace
 
-from service.job_types import JobGone, JobUnavailable, Launcher, Store
+from service.job_types import JobGone, JobRecord, JobUnavailable, Launcher, Store
 from service.ledger import WorkerShape
 from service.scheduler import Quota
 from service.shared_cluster import Action, JobView, PauseJob, ResumeJob, Round, SetGrant, plan_round
@@ -93,19 +93,19 @@ class JobScheduling:
         if isinstance(a, SetGrant):
             self._granted[a.job_id] = dict(a.nodes)
 
-    def _job_view(self, row: dict) -> JobView | None:
+    def _job_view(self, row: JobRecord) -> JobView | None:
         cfg = self._cfg_of(row)
         if cfg is None:
             return None
-        st = JobStatus.from_dict(row["status"])
-        lo, hi = worker_range(cfg, row.get("workers"))
-        return JobView(job_id=row["id"], owner=row.get("owner") or "", priority=cfg.scheduling.priority,
+        st = row.status
+        lo, hi = worker_range(cfg, row.workers)
+        return JobView(job_id=row.id, owner=row.owner or "", priority=cfg.scheduling.priority,
                        weight=cfg.scheduling.weight, min_workers=st.min_workers or lo,
-                       max_workers=st.max_workers or hi, submitted=row["created"],
+                       max_workers=st.max_workers or hi, submitted=row.created,
                        shape=WorkerShape(cpus=cfg.resources.cpus_per_worker, gpus=cfg.resources.gpus_per_worker),
                        state=st.state, cause=st.cause, held=dict(st.held),
-                       grant=self._granted.get(row["id"], st.grant),  # sent, perhaps not in its status yet
-                       queue_position=st.queue_position, reason=st.reason, size_for=self._sizer(row["id"], cfg))
+                       grant=self._granted.get(row.id, st.grant),  # sent, perhaps not in its status yet
+                       queue_position=st.queue_position, reason=st.reason, size_for=self._sizer(row.id, cfg))
 
     def _sizer(self, job_id: str, cfg: JobConfig):
         """The job's planner answer, cached: the most of n workers it can use."""
@@ -120,15 +120,15 @@ class JobScheduling:
             self._sizers[job_id] = sizer
         return self._sizers[job_id]
 
-    def _cfg_of(self, row: dict) -> JobConfig | None:
-        cfg = self._cfgs.get(row["id"])
+    def _cfg_of(self, row: JobRecord) -> JobConfig | None:
+        cfg = self._cfgs.get(row.id)
         if cfg is None:
             try:
-                cfg = validate_spec(row["spec"], steps=row.get("steps"), workers=row.get("workers"))
+                cfg = validate_spec(row.spec, steps=row.steps, workers=row.workers)
             except Exception as e:
-                logger.warning("job %s: its spec no longer parses (%s); it is not scheduled", row["id"], e)
+                logger.warning("job %s: its spec no longer parses (%s); it is not scheduled", row.id, e)
                 return None
-            self._cfgs[row["id"]] = cfg
+            self._cfgs[row.id] = cfg
         return cfg
 
     # -- what the API shows -------------------------------------------------------------------------------------
@@ -138,7 +138,7 @@ class JobScheduling:
         held: dict[str, int] = {}
         running: dict[str, int] = {}
         if r is not None:
-            owners = {row["id"]: row.get("owner") or "" for row in self.store.unsettled()}
+            owners = {row.id: row.owner or "" for row in self.store.unsettled()}
             for h in r.ledger.holdings:
                 if h.job_id in owners:
                     o = owners[h.job_id]

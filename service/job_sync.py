@@ -24,10 +24,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from service.job_types import JobGone, JobHandle, JobNotFound, JobUnavailable, Launcher, Store
+from service.job_types import JobGone, JobHandle, JobNotFound, JobRecord, JobUnavailable, Launcher, Store
 from service.run_files import iter_metrics, read_job_events
 from service.state import TERMINAL
-from service.status import JobStatus
 
 logger = logging.getLogger("service.job_manager")
 
@@ -109,9 +108,9 @@ class JobSyncing:
         for row in self.store.unsettled():
             if self._stop.is_set():
                 return
-            busy = self._inflight.get(row["id"])
+            busy = self._inflight.get(row.id)
             if busy is None or busy.done():
-                self._inflight[row["id"]] = self._pool.submit(self._sync_quietly, row["id"])
+                self._inflight[row.id] = self._pool.submit(self._sync_quietly, row.id)
         for job_id in [j for j, f in self._inflight.items() if f.done()]:
             del self._inflight[job_id]  # settled or deleted jobs leave no trace
 
@@ -144,16 +143,16 @@ class JobSyncing:
                 self._locks.pop(job_id, None)
 
     def _locked_row(self, job_id: str):
-        """Context manager: the job's lock, held, yielding its stored row. An id the store does not have
+        """Context manager: the job's lock, held, yielding its stored record. An id the store does not have
         is JobNotFound *before* any lock is made for it: requests for random ids must not grow memory."""
         return _Locked(self, job_id)
 
     # -- sync ----------------------------------------------------------------------------------------------
-    def sync(self, job_id: str) -> dict:
+    def sync(self, job_id: str) -> JobRecord:
         """Pull status, new events and new metrics from the job's coordinator into the store; returns
-        the stored row. A finished job is synced one last time, then its coordinator is released."""
+        the stored record. A finished job is synced one last time, then its coordinator is released."""
         with self._locked_row(job_id) as row:
-            if row["state"] in TERMINAL and row["released"]:
+            if row.state in TERMINAL and row.released:
                 return row
             h = self._handles.get(job_id)
             if h is None:
@@ -176,48 +175,48 @@ class JobSyncing:
             self.store.add_metrics(job_id, self._fill_gap(row, rows))
             if st.mfu is None:  # the coordinator reports loss and tokens/s of the last step, not MFU
                 st = replace(st, mfu=self._mfu_at(job_id, st.step))
-            self.store.set_status(job_id, st.to_dict())
+            self.store.set_status(job_id, st)
             if st.is_terminal:
                 self.launcher.release(job_id, self.stop_timeout_s)
                 self._handles.pop(job_id, None)
                 self.store.mark_released(job_id)
             return self._row(job_id)
 
-    def _not_found(self, row: dict) -> dict:
+    def _not_found(self, row: JobRecord) -> JobRecord:
         """No coordinator for the job where this server looks: finalised if that is known for sure (its
         events end in a final state, or the launcher confirms the coordinator is gone), else UNKNOWN."""
-        job_id = row["id"]
-        events = read_job_events(Path(row["run_dir"]) / "events.jsonl", job_id)
+        job_id = row.id
+        events = read_job_events(Path(row.run_dir) / "events.jsonl", job_id)
         last = next((e for e in reversed(events) if e["kind"] == "transition"), None)
         if (last is not None and last["to_state"] in TERMINAL) or self.launcher.gone(job_id):
             return self._finalize_from_run_dir(row, "no coordinator is running for it", events)
-        if row["state"] != UNKNOWN:
+        if row.state != UNKNOWN:
             where = self.launcher.where()
             logger.warning("job %s: no coordinator found on %s; shown as %s until it is found or confirmed "
                            "gone (is this server connected to the Ray cluster that runs it?)", job_id, where, UNKNOWN)
-            st = JobStatus.from_dict(row["status"])
+            st = row.status
             self.store.set_status(job_id, replace(
                 st, state=UNKNOWN, since=self.clock(), world_size=0, running=None,
                 reason=f"no coordinator found on {where}; last known state {st.state} at step {st.step or 0}. "
-                       "It may run on another Ray cluster: connect this server to that one").to_dict())
+                       "It may run on another Ray cluster: connect this server to that one"))
         return self._row(job_id)
 
-    def _fill_gap(self, row: dict, rows: list[dict]) -> list[dict]:
+    def _fill_gap(self, row: JobRecord, rows: list[dict]) -> list[dict]:
         """`rows` from the coordinator, preceded by the steps between the store's last one and the
         first of `rows`, read from RUN_DIR/metrics.jsonl. A gap appears when a coordinator dies after
         its workers trained steps the store had not pulled yet, and its successor resumes from a
         checkpoint at or after them (it does not train them again, so it never reports them)."""
-        last = self.store.last_step(row["id"])
+        last = self.store.last_step(row.id)
         if not rows or rows[0]["step"] <= last + 1:
             return rows
         logged: dict[int, dict] = {}
-        for m in iter_metrics(Path(row["run_dir"]) / "metrics.jsonl", after=last, before=rows[0]["step"]):
+        for m in iter_metrics(Path(row.run_dir) / "metrics.jsonl", after=last, before=rows[0]["step"]):
             logged[m["step"]] = m  # the last time a step was trained is the run as it stands
         return [logged[s] for s in sorted(logged)] + rows
 
-    def _finalize_from_run_dir(self, row: dict, why: str, events: list[dict] | None = None) -> dict:
+    def _finalize_from_run_dir(self, row: JobRecord, why: str, events: list[dict] | None = None) -> JobRecord:
         """The coordinator is gone: take the final state from the events it wrote."""
-        job_id, run_dir = row["id"], Path(row["run_dir"])
+        job_id, run_dir = row.id, Path(row.run_dir)
         path = run_dir / "events.jsonl"
         if events is None:
             events = read_job_events(path, job_id)
@@ -226,15 +225,15 @@ class JobSyncing:
         after = self.store.last_step(job_id)
         for chunk in _chunks(iter_metrics(run_dir / "metrics.jsonl", after=after)):
             self.store.add_metrics(job_id, chunk)
-        st = JobStatus.from_dict(row["status"]).finalized(events, why=why, now=self.clock())
+        st = row.status.finalized(events, why=why, now=self.clock())
         st = replace(st, mfu=self._mfu_at(job_id, st.step))
         logger.info("job %s: no coordinator; final state %s from %s", job_id, st.state, path)
-        self.store.set_status(job_id, st.to_dict())
+        self.store.set_status(job_id, st)
         self.store.mark_released(job_id)
         return self._row(job_id)
 
     # -- helpers -------------------------------------------------------------------------------------------
-    def _row(self, job_id: str) -> dict:
+    def _row(self, job_id: str) -> JobRecord:
         row = self.store.get(job_id)
         if row is None:
             raise JobNotFound(job_id)
@@ -266,7 +265,7 @@ class _Locked:
         self.owner, self.job_id = owner, job_id
         self.lock: threading.RLock | None = None
 
-    def __enter__(self) -> dict:
+    def __enter__(self) -> JobRecord:
         o = self.owner
         o._row(self.job_id)  # JobNotFound before a lock exists for an unknown id
         self.lock = o._lock_of(self.job_id)

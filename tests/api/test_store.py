@@ -10,15 +10,17 @@ import pytest
 import sqlalchemy as sa
 
 from api.store import SCHEMA_VERSION, JobStore, redact, store_url
+from service.job_record import JobRecord
+from service.status import JobStatus
 
 BACKENDS = ["sqlite-file", "sqlite-memory", "postgresql"]
 PERSISTENT = ["sqlite-file", "postgresql"]
 
 
-def job(job_id: str, created: float = 1.0, **kw) -> dict:
-    return {"id": job_id, "name": "tiny", "spec": {"train": {"steps": 3}}, "steps": 3, "workers": None,
-            "run_dir": f"/runs/{job_id}", "created": created,
-            "status": {"state": "PENDING", "reason": "submitted", "step": 0}, **kw}
+def job(job_id: str, created: float = 1.0, **kw) -> JobRecord:
+    return JobRecord(**{"id": job_id, "name": "tiny", "spec": {"train": {"steps": 3}}, "steps": 3, "workers": None,
+                        "run_dir": f"/runs/{job_id}", "created": created, "updated": created,
+                        "status": JobStatus(state="PENDING", reason="submitted", step=0), **kw})
 
 
 @pytest.fixture
@@ -41,7 +43,7 @@ def test_round_trip_and_persistence_across_instances(url):
     s = JobStore(url)
     s.create(job("a", 1.0))
     s.create(job("b", 2.0))
-    s.set_status("a", {"state": "RUNNING", "reason": "training", "step": 2, "loss": 1.5})
+    s.set_status("a", JobStatus(state="RUNNING", reason="training", step=2, loss=1.5))
     s.add_events("a", 0, [{"time": 1.0, "kind": "transition", "to_state": "STARTING"},
                           {"time": 2.0, "kind": "transition", "to_state": "RUNNING"}])
     s.add_metrics("a", [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}])
@@ -50,10 +52,11 @@ def test_round_trip_and_persistence_across_instances(url):
 
     s = JobStore(url if "://" in url else f"sqlite:///{url}")
     a = s.get("a")
-    assert a["state"] == "RUNNING" and a["reason"] == "training" and a["status"]["loss"] == 1.5
-    assert a["spec"] == {"train": {"steps": 3}} and a["released"] is False and s.get("b")["released"] is True
-    assert a["updated"] >= a["created"] == 1.0 and a["steps"] == 3 and a["workers"] is None
-    assert [j["id"] for j in s.list()] == ["a", "b"]
+    assert a.state == "RUNNING" and a.status.reason == "training" and a.status.loss == 1.5 and a.status.step == 2
+    assert a.spec == {"train": {"steps": 3}} and a.released is False and s.get("b").released is True
+    assert a.updated > a.created == 1.0 and a.steps == 3 and a.workers is None and a.owner is None
+    assert a.status == JobStatus(state="RUNNING", reason="training", step=2, loss=1.5)  # every field round trips
+    assert [j.id for j in s.list()] == ["a", "b"]
     assert s.event_count("a") == 2 and [e["to_state"] for e in s.events("a", 1)] == ["RUNNING"]
     assert s.last_step("a") == 2 and s.last_step("b") == 0
     assert [m["step"] for m in s.metrics("a", 1)] == [2]
@@ -80,11 +83,11 @@ def test_nan_infinity_and_nul_survive_as_json_can_carry_them(url):
     s = JobStore(url)
     s.create(job("a", name="nul\x00name"))
     s.add_metrics("a", [{"step": 1, "loss": float("nan"), "tokens_per_s": float("inf"), "note": "x\x00y"}])
-    s.set_status("a", {"state": "RUNNING", "loss": float("-inf"), "nested": [float("nan")], "reason": "r\x00"})
+    s.set_status("a", JobStatus(state="RUNNING", loss=float("-inf"), layout={"nested": [float("nan")]}, reason="r\x00"))
     assert s.metrics("a") == [{"step": 1, "loss": None, "tokens_per_s": None, "note": "x\x00y"}]
     a = s.get("a")
-    assert a["status"]["loss"] is None and a["status"]["nested"] == [None] and a["status"]["reason"] == "r\x00"
-    assert a["name"] == "nul\ufffdname" and a["reason"] == "r\ufffd"  # plain columns: PostgreSQL has no NUL
+    assert a.status.loss is None and a.status.layout == {"nested": [None]} and a.status.reason == "r\x00"
+    assert a.name == "nul\ufffdname"  # plain columns (name; reason, copied out of status): PostgreSQL has no NUL
     assert s.get("a\x00") is None and s.events("a\x00") == [] and s.last_step("a\x00") == 0
     s.close()
 
@@ -143,7 +146,7 @@ def test_a_store_written_by_the_sqlite3_version_still_opens(tmp_path):
     db.executescript(OLD_SCHEMA)
     db.close()
     s = JobStore(tmp_path / "old.db")
-    assert s.get("old")["released"] is True and s.metrics("old") == [{"step": 1, "loss": 2.0}]
+    assert s.get("old").released is True and s.get("old").state == "SUCCEEDED" and s.metrics("old") == [{"step": 1, "loss": 2.0}]
     s.add_metrics("old", [{"step": 1, "loss": 1.0}])
     assert s.metrics("old") == [{"step": 1, "loss": 1.0}]
 

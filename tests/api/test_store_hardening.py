@@ -15,14 +15,16 @@ from pathlib import Path
 import pytest
 
 from api.store import JobStore, filesystem_type
+from service.job_record import JobRecord
+from service.status import JobStatus
 from service.run_files import iter_metrics, last_logged_step, list_checkpoints
 
 STEPS = 1_000_000
 
 
-def job(job_id: str, created: float, owner: str | None = None) -> dict:
-    return {"id": job_id, "name": "t", "spec": {}, "steps": None, "workers": None, "run_dir": f"/r/{job_id}",
-            "created": created, "owner": owner, "status": {"state": "PENDING", "reason": "", "step": 0}}
+def job(job_id: str, created: float, owner: str | None = None, **kw) -> JobRecord:
+    return JobRecord(id=job_id, name="t", spec={}, run_dir=f"/r/{job_id}", created=created, updated=created,
+                     owner=owner, status=JobStatus(state="PENDING", step=0), **kw)
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +78,8 @@ def test_jobs_and_events_come_in_pages(tmp_path):
     s = JobStore(tmp_path / "j.db")
     for i in range(30):
         s.create(job(f"j{i:02d}", float(i), owner="alice" if i % 3 == 0 else "bob"))
-    assert [j["id"] for j in s.list(limit=5, offset=10)] == [f"j{i}" for i in range(10, 15)]
-    assert [j["id"] for j in s.list(owner="alice", limit=3)] == ["j00", "j03", "j06"]
+    assert [j.id for j in s.list(limit=5, offset=10)] == [f"j{i}" for i in range(10, 15)]
+    assert [j.id for j in s.list(owner="alice", limit=3)] == ["j00", "j03", "j06"]
     assert s.count() == 30 and len(s.unsettled()) == 30
     s.add_events("j00", 0, [{"time": float(i), "kind": "x", "i": i} for i in range(50)])
     assert [e["i"] for e in s.events("j00", 10, 5)] == [10, 11, 12, 13, 14]
@@ -95,9 +97,11 @@ def test_a_version_1_store_gains_the_new_columns_and_keeps_its_rows(tmp_path):
     """)
     db.close()
     s = JobStore(tmp_path / "v1.db")
-    assert s.get("old")["owner"] is None and s.list(owner="alice") == []
-    s.create({**job("new", 2.0, owner="alice"), "idempotency_key": "k", "request": {"spec": {}}})
-    assert s.find_idempotent("alice", "k")["id"] == "new" and s.find_idempotent(None, "k") is None
+    old = s.get("old")
+    assert old.owner is None and old.state == "RUNNING" and old.request is None and s.list(owner="alice") == []
+    s.create(job("new", 2.0, owner="alice", idempotency_key="k", request={"spec": {}}))
+    new = s.find_idempotent("alice", "k")
+    assert new.id == "new" and new.request == {"spec": {}} and s.find_idempotent(None, "k") is None
     s.close()
     assert sqlite3.connect(tmp_path / "v1.db").execute(
         "SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == "2"

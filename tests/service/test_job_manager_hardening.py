@@ -144,7 +144,7 @@ def test_a_coordinator_that_is_not_found_makes_the_job_unknown_not_failed(mgr):
         mgr.sync(job_id)
     j = mgr.get(job_id)
     assert j["state"] == UNKNOWN and "10.0.0.1:6379" in j["reason"] and "last known state RUNNING" in j["reason"]
-    assert job_id not in mgr.launcher.released and not mgr.store.get(job_id)["released"]
+    assert job_id not in mgr.launcher.released and not mgr.store.get(job_id).released
     mgr.launcher.live[job_id] = h  # connected to the right Ray again
     h.step = 4
     mgr.sync(job_id)
@@ -160,7 +160,7 @@ def test_a_job_confirmed_gone_is_finalised(mgr):
     mgr.launcher.dead.add(job_id)  # the launcher's Ray knows the actor as dead
     mgr.sync(job_id)
     j = mgr.get(job_id)
-    assert j["state"] == "FAILED" and "coordinator is gone" in j["reason"] and mgr.store.get(job_id)["released"]
+    assert j["state"] == "FAILED" and "coordinator is gone" in j["reason"] and mgr.store.get(job_id).released
 
 
 def test_a_job_whose_events_end_in_a_final_state_is_finalised_without_confirmation(mgr):
