@@ -1,0 +1,40 @@
+"""The demo's node kill: a simulated node vanishes as a machine does, its raylet's agents with it.
+
+`Cluster.remove_node` alone kills the raylet and returns while the node's agents still run; they then
+publish the raylet's log tail to every driver as an error (two 20-line state dumps in the demo's
+output). This checks the demo's kill leaves none of the node's processes running when it returns.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from api.demo import _vanish
+
+
+def _alive(p) -> bool:
+    """Running (a zombie waiting to be reaped counts as gone)."""
+    import psutil
+
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_a_vanished_node_takes_its_agents_with_it():
+    pytest.importorskip("ray")
+    import psutil
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    try:
+        node = cluster.add_node(num_cpus=1)
+        raylet = psutil.Process(node.all_processes["raylet"][0].process.pid)
+        procs = [raylet, *raylet.children(recursive=True)]
+        assert len(procs) >= 2, f"expected the raylet and its agents, found {[p.name() for p in procs]}"
+        _vanish(cluster, node)
+        assert [p.name() for p in procs if _alive(p)] == []
+        assert node not in cluster.worker_nodes  # and Ray's bookkeeping forgot it
+    finally:
+        cluster.shutdown()
