@@ -139,10 +139,24 @@ def _vanish(cluster, node) -> None:
             r = psutil.Process(info.process.pid)
             watchers += r.children(recursive=True)
             raylets.append(r)
-    for p in watchers + raylets:
+    doomed = watchers + raylets
+    for p in doomed:
         with contextlib.suppress(psutil.Error):
             p.kill()
+    deadline = time.monotonic() + 10.0  # SIGKILL is delivered at once but takes a moment to land
+    while any(_running(p) for p in doomed) and time.monotonic() < deadline:
+        time.sleep(0.01)
     cluster.remove_node(node, allow_graceful=False)  # Ray's bookkeeping of the node; its processes are gone
+
+
+def _running(p) -> bool:
+    """Whether psutil process `p` still runs (a zombie waiting to be reaped has ended)."""
+    import psutil
+
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _summary(runner, rd: Path, t_start: float, json_path: str | None) -> int:
