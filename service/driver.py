@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from service.coordinator import Coordinator, CoordinatorOptions
+from service.specs import check_plannable
 from service.status import JobStatus
 from workers.config import JobConfig, check_data_path, job_plan, load_config, resolve_init_from
 from workers.run_dir import check_run_dir
@@ -110,10 +111,15 @@ def load_job(config: str | Path, *, workers: int | None = None, layout: str | No
         raise ValueError("give --workers or --layout, not both")
     if steps is not None and steps < 1:
         raise ValueError(f"--steps must be >= 1, got {steps}")
-    if layout is not None:  # the planner judges it now, before Ray starts
+    if workers is not None and workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {workers}")
+    # The planner judges the job now, before Ray starts, as the REST API does at submit.
+    if layout is not None:
         from parallel.layout import Layout
 
         job_plan(cfg, Layout.parse(layout, dp_mode=cfg.parallel.dp_mode).world_size, layout=layout)
+    else:
+        check_plannable(cfg, workers)
     rd = Path(run_dir or Path("runs") / cfg.name)
     check_run_dir(cfg, rd)  # a run that cannot write its events must not start
     return cfg, rd

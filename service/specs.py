@@ -17,8 +17,8 @@ from service.limits import MAX_GLOBAL_BATCH, MAX_WORKERS, check_limits
 from workers.config import JobConfig, job_constraints, resolve_init_from
 from workers.config import check_data_path as check_data_readable
 
-__all__ = ["JobConfig", "MAX_GLOBAL_BATCH", "MAX_WORKERS", "REMOTE_SCHEMES", "SpecError", "check_paths", "config_error_loc",
-           "resolve_run_dir", "safe_name", "validate_spec"]
+__all__ = ["JobConfig", "MAX_GLOBAL_BATCH", "MAX_WORKERS", "REMOTE_SCHEMES", "SpecError", "check_paths",
+           "check_plannable", "config_error_loc", "resolve_run_dir", "safe_name", "validate_spec"]
 
 REMOTE_SCHEMES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "hdfs"})
 """fsspec URL schemes a checkpoint.dir may use: object stores the server does not resolve on its disk.
@@ -120,22 +120,38 @@ def _check_forced_world_size(spec: Any) -> None:
 
 
 def _check_layout(cfg: JobConfig, workers: int | None) -> None:
-    """Some worker count the job may run on must have a valid layout, as the planner judges it: a tp
-    that does not divide the heads, a forced layout that does not fit the model or batch, a range with
-    no usable size. The planner's work is bounded by the worker count, the batch and the layer count,
-    which service.limits keeps small."""
+    """The server's bound on the worker count, then `check_plannable`, as SpecErrors naming the field."""
     pc = cfg.parallel
     if pc.layout:
-        loc, hi = ("spec", "parallel", "layout"), Layout.parse(pc.layout, dp_mode=pc.dp_mode).world_size
+        loc = ("spec", "parallel", "layout")
     else:
         loc = ("spec", "parallel") + (("tp",) if pc.tp else ("pp",) if pc.pp else ("max_workers",))
-        hi = workers or pc.max_workers
-    if hi > MAX_WORKERS:
+    if (hi := _most_workers(cfg, workers)) > MAX_WORKERS:
         raise SpecError(loc, f"{hi} workers is more than this server accepts (at most {MAX_WORKERS})")
+    try:
+        check_plannable(cfg, workers)
+    except ValueError as e:
+        raise SpecError(loc, str(e)) from None
+
+
+def check_plannable(cfg: JobConfig, workers: int | None = None) -> None:
+    """ValueError (one line) unless the planner finds a layout for the job on the most workers it may run
+    on: a tp that does not divide the heads, a forced layout that does not fit the model or batch, a
+    range with no usable size. Judged where a job enters (the REST API's validate_spec, `elastron run`),
+    before anything starts: the coordinator cannot tell such a job from one short of capacity, and would
+    wait for capacity that never helps. The planner's work is bounded by the worker count, the batch
+    and the layer count, which service.limits keeps small."""
+    pc, hi = cfg.parallel, _most_workers(cfg, workers)
     try:
         plan(hi, cfg.model.build(), job_constraints(cfg, min_workers=min(pc.min_workers, hi), max_workers=hi))
     except ValueError as e:  # PlanError, or Constraints that contradict themselves (e.g. tp > max_tp)
-        raise SpecError(loc, f"no parallel layout can run this job: {e}") from None
+        raise ValueError(f"no parallel layout can run this job: {e}") from None
+
+
+def _most_workers(cfg: JobConfig, workers: int | None) -> int:
+    """A forced layout's world size, else `workers` (a request's cap) or parallel.max_workers."""
+    pc = cfg.parallel
+    return Layout.parse(pc.layout, dp_mode=pc.dp_mode).world_size if pc.layout else workers or pc.max_workers
 
 
 # -- paths ---------------------------------------------------------------------------------------------------

@@ -235,6 +235,22 @@ def test_elastron_run_checks_the_run_dir_before_starting_ray(tmp_path, capsys):
     assert not ray.is_initialized()
 
 
+@pytest.mark.parametrize("cfg,args,needle", [
+    (patched(CFG, parallel={"tp": 3}), [], "no parallel layout can run this job: no valid layout on 4 down to 1 "
+                                           "workers"),
+    (CFG, ["--workers", "0"], "--workers must be >= 1, got 0"),
+], ids=["tp that divides no head count", "no workers"])
+def test_elastron_run_judges_the_layout_before_starting_ray(tmp_path, capsys, cfg, args, needle):
+    """As the API does at submit: the coordinator cannot tell a job no layout fits from one short of
+    capacity, so it would wait in WAITING_FOR_CAPACITY for good."""
+    import ray
+
+    assert main(["run", write_cfg(tmp_path / "cfg.yaml", cfg), "--run-dir", str(tmp_path / "run"), *args]) == 2
+    err = one_line(capsys.readouterr().err)
+    assert err.startswith("elastron: error: ") and needle in err, err
+    assert not ray.is_initialized() and not (tmp_path / "run").exists()
+
+
 # -- 7: a Ray address that does not answer ----------------------------------------------------------------------
 
 def test_elastron_run_with_a_dead_ray_address_fails_fast_in_one_line(tmp_path):
