@@ -6,6 +6,7 @@ import sys
 import time
 
 from api.render import table
+from service.state import WAITING
 from service.status import JobStatus, layout_short
 
 
@@ -32,6 +33,8 @@ class Progress:
         text = (f"step {step}/{self.total}  loss {loss:.4f}" if loss is not None else f"step {step}/{self.total}")
         text += f"  {tps:,.0f} tok/s" if tps else ""
         text += f"  layout {lay} ({status.world_size} workers)  {state}"
+        if state in WAITING and status.reason:  # what it waits for, e.g. "no usable layout on 2 workers"
+            text += f" ({status.reason})"
         if self.tty:
             now = time.monotonic()
             if now - self._last_draw < 0.1 and state == self._last_state:

@@ -78,6 +78,9 @@ class JobState(StrEnum):
 TERMINAL = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED})
 """The final states, the only definition of them (a StrEnum: `"FAILED" in TERMINAL` holds too)."""
 _ACTIVE = frozenset({JobState.STARTING, JobState.RUNNING, JobState.RESIZING, JobState.RECOVERING})
+WAITING = frozenset({JobState.WAITING_FOR_CAPACITY, JobState.QUEUED, JobState.PAUSED})
+"""Holding no workers until something outside the job changes (the cluster, the scheduler, the user):
+the status's reason says what it waits for."""
 
 _S = JobState
 TRANSITIONS: Mapping[JobState, frozenset[JobState]] = {

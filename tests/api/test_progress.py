@@ -1,0 +1,24 @@
+"""The CLI's progress lines (`elastron run`, `elastron demo`) off a terminal: one per ~5% and per state
+change, and a job that waits says what for."""
+
+from __future__ import annotations
+
+import io
+
+from api.progress import Progress
+from service.status import JobStatus
+
+
+def test_a_waiting_job_says_what_it_waits_for_and_a_running_one_does_not():
+    out = io.StringIO()
+    p = Progress(100, stream=out)
+    p.update(JobStatus(state="RUNNING", reason="running dp=2", step=1, loss=2.5, world_size=2,
+                       layout={"dp_replicate": 2}))
+    p.update(JobStatus(state="RUNNING", reason="running dp=2", step=2, loss=2.4, world_size=2))  # same 5%
+    p.update(JobStatus(state="WAITING_FOR_CAPACITY", step=2, reason="no usable layout on 2 offered workers"))
+    p.update(JobStatus(state="QUEUED", step=2, reason="3rd in the queue"))
+    assert out.getvalue().splitlines() == [
+        "step 1/100  loss 2.5000  layout 2rx1x1 (2 workers)  RUNNING",
+        "step 2/100  layout - (0 workers)  WAITING_FOR_CAPACITY (no usable layout on 2 offered workers)",
+        "step 2/100  layout - (0 workers)  QUEUED (3rd in the queue)",
+    ]
