@@ -147,7 +147,7 @@ def save_body(cfg_dict: dict, layout: str, work: str, reps: int, device: str) ->
     trainer = _setup(cfg_dict, layout, device)
     trainer.train_step()  # creates the AdamW state
     rank, mgr = dist.get_rank(), trainer.checkpointer
-    state = trainer._checkpoint_state()
+    state = trainer.checkpoint_state()
     step = [10_000]
     dcp_dirs: list[str] = []
     dcp_count = itertools.count()
@@ -212,7 +212,7 @@ def load_body(cfg_dict: dict, layout: str, root: str, ckpt: str, dcp_dir: str, r
     theirs = _setup(cfg_dict, layout, device)  # a second fresh trainer for DCP's first load
     rank, world = dist.get_rank(), dist.get_world_size()
     mgr = CheckpointManager(root, keep_last=2)
-    expected = ours._expected_tensors()
+    expected = ours.expected_tensors()
     every = _files(ckpt) + _files(dcp_dir)
     my_share = _files(ckpt)[rank::world]
 

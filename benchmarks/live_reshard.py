@@ -65,7 +65,7 @@ def body(cfg_dict: dict, old: str, new: str, work: str, reps: int) -> dict:
     old_b, new_b = boxes(old_l, shapes, len(meta.layers)), boxes(new_l, shapes, len(meta.layers))
     ident = {r: r for r in range(world)}
     dtypes = {k: torch.float32 for b in list(old_b.values()) + list(new_b.values()) for k in b}
-    state = src._checkpoint_state()
+    state = src.checkpoint_state()
     out: dict[str, list[float]] = {"live": [], "raw": [], "storage": [], "plan": [], "transfer": [], "adopt": []}
     moved = [0]
 

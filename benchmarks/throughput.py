@@ -50,7 +50,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -158,53 +158,23 @@ def _batches(cfg, *, dp_rank: int, dp: int, n: int) -> list:
 
 # -- phases: where an Elastron step's time goes ----------------------------------------------------------
 
-class _Phases:
-    """Seconds inside wrapped callables, summed per name."""
-
-    def __init__(self) -> None:
-        self.t: dict[str, float] = {}
-
-    def wrap(self, name: str, fn: Callable) -> Callable:
-        def inner(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.t[name] = self.t.get(name, 0.0) + time.perf_counter() - t0
-        return inner
-
-
 def _measure_phases(runner: ElastronLoop, n: int) -> dict[str, float]:
-    """Mean ms per step in: data, forward+backward, grad clip, optimizer, loss all-reduce (+ .item()),
-    and the rest (metrics, checkpoint, LR, zero_grad). Untimed extra steps; wrappers removed after."""
+    """Mean ms per step in each of the Trainer's `PHASES` (data with the LR update, forward+backward with
+    zero_grad, grad clip, optimizer, loss all-reduce with its .item()), and the rest (metrics, periodic
+    checkpoint): extra steps, timed through the Trainer's `phase_times` seam."""
     import torch.distributed as dist
 
-    import workers.trainer as tr
-
     trainer = runner.trainer
-    ph = _Phases()
-
-    class _Dist:  # the trainer's `dist`, with all_reduce timed (the trainer calls it once per step)
-        def __getattr__(self, name):
-            return getattr(dist, name)
-        all_reduce = staticmethod(ph.wrap("loss all_reduce", dist.all_reduce))
-
-    # Instance attributes shadow the methods; deleting them afterwards restores the originals.
-    trainer.loader.next_batch = ph.wrap("data", trainer.loader.next_batch)
-    trainer._forward_backward = ph.wrap("forward+backward", trainer._forward_backward)
-    trainer.optimizer.step = ph.wrap("optimizer", trainer.optimizer.step)
-    clip, tr.clip_grad_norm_ = tr.clip_grad_norm_, ph.wrap("grad clip", tr.clip_grad_norm_)
-    tr.dist = _Dist()
+    trainer.phase_times = {}
     try:
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(n):
             runner.step()
         total = time.perf_counter() - t0
+        out = {k: 1e3 * v / n for k, v in trainer.phase_times.items()}
     finally:
-        tr.clip_grad_norm_, tr.dist = clip, dist
-        del trainer.loader.next_batch, trainer._forward_backward, trainer.optimizer.step
-    out = {k: 1e3 * v / n for k, v in ph.t.items()}
+        trainer.phase_times = None
     out["other"] = 1e3 * total / n - sum(out.values())
     out["step"] = 1e3 * total / n
     return out

@@ -61,7 +61,7 @@ def hand_over(trainer: Any) -> Handover:
     """Collect `trainer`'s shards and state before its group goes away (waits for a save in flight)."""
     trainer.flush_checkpoint()
     held = hold(trainer.model, trainer.optimizer)
-    return Handover(held=held, state=trainer._checkpoint_state() if trainer.rank == 0 else None)
+    return Handover(held=held, state=trainer.checkpoint_state() if trainer.rank == 0 else None)
 
 
 def hand_over_salvaged(trainer: Any, state: dict[str, Any]) -> Handover:

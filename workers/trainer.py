@@ -47,6 +47,9 @@ from workers.resume import refuse_foreign
 log = logging.getLogger(__name__)
 
 _LR_FIELDS = ("lr", "min_lr_ratio", "warmup_steps", "schedule", "decay_steps", "steps")
+PHASES = ("data", "forward+backward", "grad clip", "optimizer", "loss all_reduce")
+"""The parts of `Trainer.train_step` that `Trainer.phase_times` times, in order; what follows them (metrics,
+eval, periodic checkpoint) is not timed."""
 
 
 def _scalar(t: torch.Tensor) -> torch.Tensor:
@@ -75,6 +78,10 @@ class Trainer:
         self.rank = dist.get_rank()
         self.step = 0
         self.on_batch: Callable[[Batch], None] | None = None  # seam for tests that audit sample ids
+        self.phase_times: dict[str, float] | None = None
+        """While a dict: seconds in each of `PHASES`, summed over steps (a seam for benchmarks). On CUDA
+        each timed phase ends with a device sync. None: not timed."""
+        self._phase_t = 0.0
         self.checkpointer: CheckpointManager | None = None
         self.resumed_from: Manifest | None = None
         """Manifest of the checkpoint `build()` resumed from, if any."""
@@ -176,13 +183,13 @@ class Trainer:
             return self.cfg.checkpoint.dir
         return str(self.run_dir / "checkpoints") if self.run_dir is not None else None
 
-    def _expected_tensors(self) -> dict[str, tuple[tuple[int, ...], str]]:
+    def expected_tensors(self) -> dict[str, tuple[tuple[int, ...], str]]:
         """Global shape and dtype of every parameter of the whole (unsplit) model, from a meta-device
         copy: lets the loader reject another model's checkpoint before reading it."""
         meta = build_model(self.model_cfg)
         return {n: (tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in meta.named_parameters()}
 
-    def _checkpoint_state(self) -> dict:
+    def checkpoint_state(self) -> dict:
         """Everything besides tensors that resuming needs, as JSON. The LR schedule is the global step
         plus its config (never per-param-group lambdas): `lr_at(step, cfg)` recomputes it under any layout."""
         t = self.cfg.train
@@ -201,11 +208,11 @@ class Trainer:
     def resume(self) -> Manifest | None:
         """Load the newest loadable checkpoint (any layout) and restore step, data position and RNG."""
         src, named = self.checkpointer, self.cfg.checkpoint.resume_from
-        m = src.load_latest(self.model, self.optimizer, expected=self._expected_tensors())
+        m = src.load_latest(self.model, self.optimizer, expected=self.expected_tensors())
         if m is None and named and named.rstrip("/") != str(src.root).rstrip("/"):
             c = self.cfg.checkpoint  # another job's checkpoints, named on purpose: read, never written
             src = CheckpointManager(named, keep_last=c.keep_last, io_threads=c.io_threads, read_only=True)
-            m = src.load_latest(self.model, self.optimizer, expected=self._expected_tensors())
+            m = src.load_latest(self.model, self.optimizer, expected=self.expected_tensors())
         if m is None:
             return None
         where = f"checkpoint {src.root} step {m.step}"
@@ -220,7 +227,7 @@ class Trainer:
     def adopt(self, pieces: dict, optimizer_steps: dict[str, int], state: dict) -> None:
         """Take over the state another layout's workers sent over the network (`parallel.live`): copy
         the pieces into this rank's shards, then restore step, data position and RNG from `state` (what
-        `_checkpoint_state()` gave on the old rank 0)."""
+        `checkpoint_state()` gave on the old rank 0)."""
         from parallel.live import fill
 
         fill(self.model, self.optimizer, pieces, optimizer_steps)
@@ -257,7 +264,7 @@ class Trainer:
             return
         # The loop changes weights and AdamW state only in optimizer.step(): the staging copy of an async
         # save can overlap the next forward/backward, and that step waits for it.
-        self.checkpointer.save(self.step, self.model, self.optimizer, state=self._checkpoint_state(),
+        self.checkpointer.save(self.step, self.model, self.optimizer, state=self.checkpoint_state(),
                                blocking=blocking, overlap_staging=True)
 
     def flush_checkpoint(self) -> None:
@@ -333,6 +340,7 @@ class Trainer:
 
     def train_step(self) -> StepMetrics:
         t0, t = time.perf_counter(), self.cfg.train
+        self._phase_t = t0
         lr = lr_at(self.step, t)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -340,17 +348,22 @@ class Trainer:
         batch = self.loader.next_batch()
         if self.on_batch is not None:
             self.on_batch(batch)
+        self._phase_done("data")
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = self._forward_backward(batch)
+        self._phase_done("forward+backward")
         pp_group = self.mesh[MeshAxis.PP.value].get_group() if self.layout.pp_enabled else None
         grad_norm = clip_grad_norm_(self.params, self.cfg.train.grad_clip, pp_group=pp_group,
                                     optimizer=self.optimizer)
+        self._phase_done("grad clip")
         self._before_update = None
         self._mid_step = True  # weights updated; this step's loss and metrics are not out yet
         self.optimizer.step()
         self.step += 1
+        self._phase_done("optimizer")
 
         loss = self._global_mean(loss_sum)
+        self._phase_done("loss all_reduce")
         dt = time.perf_counter() - t0
         val_loss = self.evaluate() if self.val_loader is not None and self.step % t.eval_interval == 0 else None
         tokens_step = t.global_batch_size * self.cfg.data.seq_len
@@ -371,6 +384,16 @@ class Trainer:
             self.save_checkpoint(blocking=not ckpt.async_save)
         return m
 
+    def _phase_done(self, name: str) -> None:
+        """Add the time since the last phase ended to `phase_times[name]`, when timing."""
+        if self.phase_times is None:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.phase_times[name] = self.phase_times.get(name, 0.0) + now - self._phase_t
+        self._phase_t = now
+
     def salvage_state(self) -> dict | None:
         """After a failure interrupted training (a peer died): the JSON state that goes with this rank's
         weights, for healing from peers; None if they cannot be trusted. A step that failed before the
@@ -382,7 +405,7 @@ class Trainer:
         if self._before_update is not None:
             self.loader.load_state_dict(self._before_update)
             self._before_update = None
-        return self._checkpoint_state()
+        return self.checkpoint_state()
 
     def fit(self, total_steps: int, on_step: Callable[[StepMetrics], None] | None = None) -> list[StepMetrics]:
         """Train until `total_steps` optimizer steps have been taken in the whole run; `train_step` saves
