@@ -130,10 +130,13 @@ class JobManager(JobSyncing, JobScheduling):
         return self.store.count()
 
     def get(self, job_id: str, *, owner: str | None = None) -> dict:
-        """The job as last stored (the background sync keeps it fresh; no coordinator is asked)."""
+        """The job as last stored (the background sync keeps it fresh; no coordinator is asked), as the
+        API shows it: its status's fields with the record's."""
         return self._view(self._mine(job_id, owner))
 
-    record = get
+    def record(self, job_id: str, *, owner: str | None = None) -> JobRecord:
+        """The job's stored record, typed (JobNotFound if `owner` may not see it)."""
+        return self._mine(job_id, owner)
 
     def events(self, job_id: str, since: int = 0, limit: int | None = None, *, owner: str | None = None) -> list[dict]:
         self._mine(job_id, owner)

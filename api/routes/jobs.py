@@ -31,7 +31,7 @@ def submit_job(body: JobSubmit, jobs: JobsDep, who: WriterDep, response: Respons
     job_id = jobs.submit(body.spec_dict(), steps=body.steps, workers=body.workers, run_dir=body.run_dir,
                          idempotency_key=idempotency_key, owner=who.owner)
     response.headers["Location"] = f"/api/v1/jobs/{job_id}"
-    return JobCreated(id=job_id, run_dir=jobs.record(job_id, owner=who.owner)["run_dir"])
+    return JobCreated(id=job_id, run_dir=jobs.record(job_id, owner=who.owner).run_dir)
 
 
 @router.get("", response_model=list[JobSummary], responses=AUTH)

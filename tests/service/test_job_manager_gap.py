@@ -101,10 +101,10 @@ def test_a_slow_coordinator_does_not_hold_up_the_other_jobs(tmp_path):
         time.sleep(0.2)  # the slow job's sync is now stuck
         fast.rows = [row(1, 9.0), row(2, 8.0)]
         deadline = time.monotonic() + 5
-        while mgr.record(fast_id)["step"] != 2:
+        while mgr.record(fast_id).status.step != 2:
             assert time.monotonic() < deadline, "the fast job was not synced while the slow one hung"
             time.sleep(0.02)
-        assert mgr.record(slow_id)["step"] == 0  # its sync is still waiting for an answer
+        assert mgr.record(slow_id).status.step == 0  # its sync is still waiting for an answer
     finally:
         slow.release.set()
         mgr.close()
