@@ -9,7 +9,6 @@ and the loss just before and after.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import tempfile
 import time
@@ -64,7 +63,7 @@ def run_demo(*, steps: int = 100, workers: int = 4, run_dir: str | None = None, 
     import ray
     from ray.cluster_utils import Cluster
 
-    from service.cluster import drain_node
+    from service.cluster import drain_node, kill_node
     from service.driver import JobRunner
     from service.specs import validate_spec
 
@@ -110,7 +109,7 @@ def run_demo(*, steps: int = 100, workers: int = 4, run_dir: str | None = None, 
         at_step(steps * 3 // 10)
         victim2 = next(n for n in candidates if n is not victim and n.node_id in coord.group.nodes())
         print(f"\n>>> node {victim2.node_id[:8]} killed without notice", flush=True)
-        _vanish(cluster, victim2)
+        kill_node(cluster, victim2)
         reconfigured(3)
         at_step(steps // 2)
         print("\n>>> capacity added back: 2 nodes join (steps paced until the job has grown onto them)", flush=True)
@@ -123,40 +122,6 @@ def run_demo(*, steps: int = 100, workers: int = 4, run_dir: str | None = None, 
         ray.shutdown()
         cluster.shutdown()
     return _summary(runner, rd, t_start, json_path)
-
-
-def _vanish(cluster, node) -> None:
-    """Kill a simulated node as a dying machine goes: its raylet and everything the raylet started (its
-    agents, its workers) in the same instant. `Cluster.remove_node` alone kills the raylet first and
-    waits for it, so the node's agents outlive it and publish its last log lines to every driver as an
-    error: two 20-line state dumps in the demo's output that a real dead machine, which takes its
-    agents with it, does not print."""
-    import psutil  # Ray's own dependency (vendored by ray; declared by Elastron too)
-
-    watchers, raylets = [], []
-    for info in (i for infos in node.all_processes.values() for i in infos):
-        with contextlib.suppress(psutil.Error):  # already gone
-            r = psutil.Process(info.process.pid)
-            watchers += r.children(recursive=True)
-            raylets.append(r)
-    doomed = watchers + raylets
-    for p in doomed:
-        with contextlib.suppress(psutil.Error):
-            p.kill()
-    deadline = time.monotonic() + 10.0  # SIGKILL is delivered at once but takes a moment to land
-    while any(_running(p) for p in doomed) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    cluster.remove_node(node, allow_graceful=False)  # Ray's bookkeeping of the node; its processes are gone
-
-
-def _running(p) -> bool:
-    """Whether psutil process `p` still runs (a zombie waiting to be reaped has ended)."""
-    import psutil
-
-    try:
-        return p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def _summary(runner, rd: Path, t_start: float, json_path: str | None) -> int:

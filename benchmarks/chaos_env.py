@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import psutil
 
+from service.cluster import kill_node
 from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,7 +110,8 @@ class ChaosEnv:
         return [pid for n in self.nodes for pid in self.workers_on(n)]
 
     def remove_node(self, node) -> None:
-        self.cluster.remove_node(node, allow_graceful=False)
+        """The node dies as a machine does: its raylet, agents and workers at once (service.cluster.kill_node)."""
+        kill_node(self.cluster, node)
         self.nodes = [n for n in self.nodes if n is not node]
 
     # -- the API server ------------------------------------------------------------------------------------

@@ -261,3 +261,39 @@ def drain_node(node_id: str, *, message: str, deadline_remaining_s: float | None
         node_id, autoscaler_pb2.DrainNodeReason.Value(reason), message, deadline_ms)
     if not accepted:
         raise RuntimeError(f"drain of node {node_id} was rejected: {why}")
+
+
+def kill_node(cluster, node, *, timeout_s: float = 10.0) -> None:
+    """Kill a node of a simulated `ray.cluster_utils.Cluster` as a machine dies: its raylet and
+    everything the raylet started (its agents, its workers) in one instant, then Ray's bookkeeping of it.
+    For the demo, benchmarks and tests. `Cluster.remove_node` alone kills the raylet first and waits:
+    the node's workers outlive it for a moment (and may train on), and its agents publish the raylet's
+    log tail to every driver as an error (a 20-line state dump), neither of which a dead machine does."""
+    import contextlib
+
+    import psutil  # a dependency of Elastron (and vendored by Ray)
+
+    watchers, raylets = [], []
+    for info in (i for infos in node.all_processes.values() for i in infos):
+        with contextlib.suppress(psutil.Error):  # already gone
+            r = psutil.Process(info.process.pid)
+            watchers += r.children(recursive=True)
+            raylets.append(r)
+    doomed = watchers + raylets
+    for p in doomed:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    deadline = time.monotonic() + timeout_s  # SIGKILL is delivered at once but takes a moment to land
+    while any(process_running(p) for p in doomed) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    cluster.remove_node(node, allow_graceful=False)  # its processes are gone; Ray forgets the node
+
+
+def process_running(p) -> bool:
+    """Whether psutil process `p` still runs (a zombie waiting to be reaped has ended)."""
+    import psutil
+
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
