@@ -15,7 +15,7 @@ data (byte corpus of the stdlib), checkpoint every 5 steps, the event at step ~1
 Scenarios (Elastron's systems differ only in `parallel.reshard`: live or storage):
   resize 2 nodes, the user asks for 1 worker (`coord.resize`). Ray Train has no planned resize: not run.
   join   2 nodes, then one joins:                  event -> first step at world size 3
-  kill   3 nodes, one removed without notice:      event -> first step at world size 2
+  kill   3 nodes, one dies without notice (kill_node): event -> first step at world size 2
   drain  3 nodes, one drained (preemption, 60 s deadline): event -> first step without that node
 Ray Train v2 (`elastic_raytrain.measure_raytrain`) checkpoints with torch.distributed.checkpoint.
 
@@ -117,7 +117,7 @@ def measure_elastron(*, cluster, scenario: str, workdir: str, state: State, resh
                      steps: int = 10_000, raw_reps: int = 3) -> dict:
     import ray
 
-    from service.cluster import drain_node
+    from service.cluster import drain_node, kill_node
     from service.coordinator import Coordinator, CoordinatorOptions
     from workers.config import JobConfig
 
@@ -146,7 +146,7 @@ def measure_elastron(*, cluster, scenario: str, workdir: str, state: State, resh
             victim = next(n for n in added if n.node_id in coord.group.nodes() and n.node_id != me)
             t_event = time.time()
             if scenario == "kill":
-                cluster.remove_node(victim, allow_graceful=False)
+                kill_node(cluster, victim)  # raylet, agents and workers at once, as a machine dies
             else:
                 drain_node(victim.node_id, message="benchmark: spot reclaim", deadline_remaining_s=60)
             target = before - 1
@@ -190,7 +190,7 @@ def measure_elastron(*, cluster, scenario: str, workdir: str, state: State, resh
                 out["raw_gloo"] = {"error": f"{type(e).__name__}: {e}"}
         for n in added:
             try:
-                cluster.remove_node(n, allow_graceful=False)
+                kill_node(cluster, n)
             except Exception as e:  # noqa: BLE001 - e.g. the killed node, already gone
                 print(f"removing node {n.node_id} failed ({e}); it may already be gone", file=sys.stderr)
     return out

@@ -11,8 +11,8 @@ measurement. Each call adds its own worker nodes and removes them before returni
 What is measured, per scenario (event at step ~10):
 - join:  2 nodes, ScalingConfig(num_workers=(1, 3)); add a node; time from `add_node` returning to the
          first step at world size 3.
-- kill:  3 nodes; `remove_node(allow_graceful=False)` on a node hosting a worker; time from the kill to
-         the first step of the next worker group (whatever size it settles at).
+- kill:  3 nodes; `service.cluster.kill_node` (raylet, agents and workers at once) on a node hosting a
+         worker; time from the kill to the first step of the next worker group (whatever size it settles at).
 - drain: 3 nodes; a preemption drain notice (60 s deadline) on a node hosting a worker; the train loop
          does what Ray documents (`get_preemption_info()` -> just-in-time checkpoint, keep training);
          time from the notice to the first step of a group without that node.
@@ -247,10 +247,12 @@ def _node_of(cluster, node_id: str):
 def _remove_nodes(cluster, nodes: list) -> None:
     import ray
 
+    from service.cluster import kill_node
+
     for node in nodes:
         if node in cluster.worker_nodes:
             try:
-                cluster.remove_node(node, allow_graceful=False)
+                kill_node(cluster, node)
             except Exception:
                 log.warning("removing node %s failed; it may already be gone", node.node_id, exc_info=True)
     ids = {n.node_id for n in nodes}
@@ -389,9 +391,11 @@ def measure_raytrain(*, cluster, model_steps: int, ckpt_every: int, scenario: st
             if node is None:
                 raise RuntimeError(f"node {victim} hosting rank {starts[-1]['rank']} is not one we added")
             if scenario == "kill":
-                t_event = time.time()  # the node dies during remove_node
-                cluster.remove_node(node, allow_graceful=False)
-                notes.append(f"remove_node took {time.time() - t_event:.1f} s (the event time is its start)")
+                from service.cluster import kill_node
+
+                t_event = time.time()  # the node dies during kill_node: raylet, agents and workers at once
+                kill_node(cluster, node)
+                notes.append(f"kill_node took {time.time() - t_event:.1f} s (the event time is its start)")
             else:
                 from service.cluster import drain_node
 
