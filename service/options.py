@@ -26,4 +26,5 @@ class CoordinatorOptions:
     suspect_seconds: float = 60.0
     """How long such a node stays out (unless Ray confirms it dead first, or a later probe reaches it)."""
     reprobe_interval_s: float = 3.0
-    """While the job waits or starts with suspects left out, how often they are probed again."""
+    """While the job waits or starts with suspects left out, how often they are probed again; and how long
+    a start waits for its workers before it probes the nodes they are still starting on (and as often)."""

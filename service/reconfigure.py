@@ -183,7 +183,9 @@ class GroupLifecycle:
             self.group = self.worker_group_cls(self.cfg, str(self.run_dir),
                                                cpus_per_worker=self.cfg.resources.cpus_per_worker,
                                                gpus_per_worker=self.cfg.resources.gpus_per_worker,
-                                               job_id=self.job_id, start_timeout_s=self.opts.start_timeout_s)
+                                               job_id=self.job_id, start_timeout_s=self.opts.start_timeout_s,
+                                               start_probe_s=self.opts.reprobe_interval_s,
+                                               probe_timeout_s=self.opts.probe_timeout_s)
         try:
             if self.group.size:
                 self.group.leave()

@@ -90,15 +90,28 @@ def probe_nodes(node_ids: list[str], *, timeout_s: float = 2.0) -> set[str]:
     return alive
 
 
+def _placed_on(pg: PlacementGroup) -> list[str]:
+    """The nodes a created placement group's bundles are on."""
+    from ray.util import placement_group_table
+
+    return list((placement_group_table(pg).get("bundles_to_node_id") or {}).values())
+
+
 class WorkerGroup:
     def __init__(self, cfg: JobConfig, run_dir: str, *, cpus_per_worker: float, gpus_per_worker: float,
-                 job_id: str, start_timeout_s: float = 30.0):
+                 job_id: str, start_timeout_s: float = 30.0, start_probe_s: float = 3.0,
+                 probe_timeout_s: float = 2.0):
+        """`start_probe_s`: how long a start waits for its workers before it probes the nodes they are
+        still starting on (and again as often); one that does not answer within `probe_timeout_s` fails
+        the start at once. A node killed just as the group starts on it (the second failure of a double
+        fault) leaves its actor pending until Ray's health checks declare the node dead, ~15 s."""
         self.cfg = cfg
         self.run_dir = run_dir
         self.cpus = cpus_per_worker
         self.gpus = gpus_per_worker
         self.job_id = job_id
         self.start_timeout_s = start_timeout_s
+        self.start_probe_s, self.probe_timeout_s = start_probe_s, probe_timeout_s
         self.members: list[Member] = []
         self.spares: list[tuple[str, Any, PlacementGroup, Any]] = []
         """Actors started ahead of a growth (node, actor, pg, info ref), not yet members."""
@@ -173,11 +186,36 @@ class WorkerGroup:
             self._stop([Member(a, pg, nid, "") for nid, a, pg, _ in launched])
             raise WorkerFailure("start", f"could not place {len(nodes)} worker(s) within {self.start_timeout_s:.0f}s")
         try:
-            infos = self._get([ref for *_, ref in launched], "start", timeout=self.start_timeout_s + 60)
+            infos = self._await_starts(launched, timeout_s=self.start_timeout_s + 60)
         except WorkerFailure:  # none of them is a member yet: release all, or their CPUs stay held
             self._stop([Member(a, pg, nid, "") for nid, a, pg, _ in launched])
             raise
         return [Member(a, pg, i["node_id"], i["ip"]) for (_, a, pg, _), i in zip(launched, infos)]
+
+    def _await_starts(self, launched: list, *, timeout_s: float) -> list[dict]:
+        """Each launched actor's `info`, in order; WorkerFailure as soon as one fails. Every
+        `start_probe_s` while some have not answered, probe the nodes their placement groups landed on:
+        WorkerFailure("node") when one does not answer, instead of waiting out Ray's own detection of a
+        dead node."""
+        pending = {ref: pg for _, _, pg, ref in launched}
+        infos = {}
+        deadline = time.monotonic() + timeout_s
+        next_probe = time.monotonic() + self.start_probe_s
+        while pending:
+            now = time.monotonic()
+            if now >= deadline:
+                raise WorkerFailure("timeout", f"workers did not finish start within {timeout_s:.0f}s")
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, min(deadline, next_probe) - now))
+            for ref in done:
+                del pending[ref]
+                infos[ref] = self._get([ref], "start", timeout=0)[0]  # a failed start raises here
+            if pending and time.monotonic() >= next_probe:
+                nodes = sorted({n for pg in pending.values() for n in _placed_on(pg)})
+                if dead := set(nodes) - probe_nodes(nodes, timeout_s=self.probe_timeout_s):
+                    raise WorkerFailure("node", f"node(s) {', '.join(n[:8] for n in sorted(dead))} stopped "
+                                                f"answering while workers started on them")
+                next_probe = time.monotonic() + self.start_probe_s
+        return [infos[ref] for *_, ref in launched]
 
     def prewarm(self, nodes: list[str]) -> int:
         """Start actors on `nodes` in the background while the group keeps training (a growth is
