@@ -90,13 +90,6 @@ def probe_nodes(node_ids: list[str], *, timeout_s: float = 2.0) -> set[str]:
     return alive
 
 
-def _placed_on(pg: PlacementGroup) -> list[str]:
-    """The nodes a created placement group's bundles are on."""
-    from ray.util import placement_group_table
-
-    return list((placement_group_table(pg).get("bundles_to_node_id") or {}).values())
-
-
 class WorkerGroup:
     def __init__(self, cfg: JobConfig, run_dir: str, *, cpus_per_worker: float, gpus_per_worker: float,
                  job_id: str, start_timeout_s: float = 30.0, start_probe_s: float = 3.0,
@@ -179,39 +172,48 @@ class WorkerGroup:
 
     def _start(self, nodes: list[str]) -> list[Member]:
         launched = self._launch(nodes)
-        pgs = [pg for _, _, pg, _ in launched]
         try:
-            ray.get([pg.ready() for pg in pgs], timeout=self.start_timeout_s)
-        except GetTimeoutError:
-            self._stop([Member(a, pg, nid, "") for nid, a, pg, _ in launched])
-            raise WorkerFailure("start", f"could not place {len(nodes)} worker(s) within {self.start_timeout_s:.0f}s")
-        try:
-            infos = self._await_starts(launched, timeout_s=self.start_timeout_s + 60)
+            infos = self._await_starts(launched)
         except WorkerFailure:  # none of them is a member yet: release all, or their CPUs stay held
             self._stop([Member(a, pg, nid, "") for nid, a, pg, _ in launched])
             raise
         return [Member(a, pg, i["node_id"], i["ip"]) for (_, a, pg, _), i in zip(launched, infos)]
 
-    def _await_starts(self, launched: list, *, timeout_s: float) -> list[dict]:
-        """Each launched actor's `info`, in order; WorkerFailure as soon as one fails. Every
-        `start_probe_s` while some have not answered, probe the nodes their placement groups landed on:
-        WorkerFailure("node") when one does not answer, instead of waiting out Ray's own detection of a
-        dead node."""
-        pending = {ref: pg for _, _, pg, ref in launched}
+    def _await_starts(self, launched: list) -> list[dict]:
+        """Each launched actor's `info`, in order; WorkerFailure as soon as one fails, when a placement
+        group is not placed within `start_timeout_s` ("start"), or when the workers have not answered
+        60 s after that ("timeout"). Every `start_probe_s` while some have not answered, probe the nodes
+        they are starting on (where their placement group landed, else its target): WorkerFailure("node")
+        when one does not answer, instead of waiting out Ray's own detection of a dead node (~15 s for
+        an actor on it; for good for a placement group that cannot fit without it)."""
+        from ray.util import placement_group_table
+
+        pending = {ref: (nid, pg) for nid, _, pg, ref in launched}
         infos = {}
-        deadline = time.monotonic() + timeout_s
-        next_probe = time.monotonic() + self.start_probe_s
+        t0 = time.monotonic()
+        place_by, deadline = t0 + self.start_timeout_s, t0 + self.start_timeout_s + 60
+        next_probe = t0 + self.start_probe_s
         while pending:
             now = time.monotonic()
-            if now >= deadline:
-                raise WorkerFailure("timeout", f"workers did not finish start within {timeout_s:.0f}s")
-            done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, min(deadline, next_probe) - now))
+            wake = min(deadline, next_probe, place_by if now < place_by else deadline)
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, wake - now))
             for ref in done:
                 del pending[ref]
                 infos[ref] = self._get([ref], "start", timeout=0)[0]  # a failed start raises here
-            if pending and time.monotonic() >= next_probe:
-                nodes = sorted({n for pg in pending.values() for n in _placed_on(pg)})
-                if dead := set(nodes) - probe_nodes(nodes, timeout_s=self.probe_timeout_s):
+            if not pending:
+                break
+            tables = {ref: placement_group_table(pg) for ref, (_, pg) in pending.items()}
+            now = time.monotonic()
+            if now >= place_by and any(t.get("state") != "CREATED" for t in tables.values()):
+                raise WorkerFailure("start", f"could not place {len(launched)} worker(s) within "
+                                             f"{self.start_timeout_s:.0f}s")
+            if now >= deadline:
+                raise WorkerFailure("timeout", f"workers did not finish start within {deadline - t0:.0f}s")
+            if now >= next_probe:
+                where = sorted({n for ref, (nid, _) in pending.items()  # an unplaced bundle's node is ""
+                                for n in ([x for x in (tables[ref].get("bundles_to_node_id") or {}).values() if x]
+                                          or [nid])})
+                if dead := set(where) - probe_nodes(where, timeout_s=self.probe_timeout_s):
                     raise WorkerFailure("node", f"node(s) {', '.join(n[:8] for n in sorted(dead))} stopped "
                                                 f"answering while workers started on them")
                 next_probe = time.monotonic() + self.start_probe_s
