@@ -143,13 +143,9 @@ class WorkerGroup:
             self._stop(leavers)
         missing = [nid for nid in want for _ in range(want[nid] - len(pool[nid]))]
         warm = self._take_spares(missing)
-        for m in warm:
-            missing.remove(m.node_id)
-        try:
-            started = warm + (self._start(missing) if missing else [])
-        except WorkerFailure:
-            self._stop(warm)  # taken from the spares, not yet members: nobody else would release them
-            raise
+        for nid, *_ in warm:
+            missing.remove(nid)
+        started = self._start(warm + self._launch(missing)) if warm or missing else []
         for m in started:  # placement targets a node softly: group by where the actor really runs
             pool[m.node_id].append(m)
         order = list(dict.fromkeys(nodes)) + [nid for nid in pool if nid not in want]
@@ -170,8 +166,8 @@ class WorkerGroup:
             out.append((nid, actor, pg, actor.info.remote()))
         return out
 
-    def _start(self, nodes: list[str]) -> list[Member]:
-        launched = self._launch(nodes)
+    def _start(self, launched: list) -> list[Member]:
+        """Members of `launched` (new actors, and spares taken for this start) once all have answered."""
         try:
             infos = self._await_starts(launched)
         except WorkerFailure:  # none of them is a member yet: release all, or their CPUs stay held
@@ -228,21 +224,16 @@ class WorkerGroup:
         self.spares += self._launch(need)
         return len(need)
 
-    def _take_spares(self, nodes: list[str]) -> list[Member]:
-        """Spares on `nodes` that came up healthy, as members; failed spares are dropped."""
+    def _take_spares(self, nodes: list[str]) -> list:
+        """Spares pre-started on `nodes`, taken out of `spares` to be awaited with this start (a spare
+        that failed, or whose node died, fails the start like a fresh worker would)."""
         want, taken, keep = Counter(nodes), [], []
-        for nid, actor, pg, ref in self.spares:
-            if want[nid] > 0:
-                try:
-                    info = ray.get(ref, timeout=self.start_timeout_s)
-                    taken.append(Member(actor, pg, info["node_id"], info["ip"]))
-                    want[nid] -= 1
-                    continue
-                except (RayError, GetTimeoutError):
-                    logger.warning("a pre-started worker on node %s did not come up; starting another", nid[:8])
-                    self._stop([Member(actor, pg, nid, "")])
-                    continue
-            keep.append((nid, actor, pg, ref))
+        for spare in self.spares:
+            if want[spare[0]] > 0:
+                want[spare[0]] -= 1
+                taken.append(spare)
+            else:
+                keep.append(spare)
         self.spares = keep
         return taken
 
