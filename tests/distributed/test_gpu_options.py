@@ -278,7 +278,9 @@ def test_bf16_fsdp_close_to_fp32(two_ranks, one_rank):
 @pytest.mark.dist
 @pytest.mark.parametrize("variant,rtol", [
     ("bf16_replicate", 1e-6),  # DDP: fp32 gradients all-reduced, as FSDP2's reduce_dtype (measured 8.5e-8)
-    ("bf16_pp", 1e-6),         # bf16 activations between stages (measured: equal)
+    # bf16 activations between stages: equal where oneDNN runs AVX512-BF16 kernels; with AMX (4.8e-5) or
+    # AVX2 (2.1e-6) kernels the two layouts' matmuls round differently (ONEDNN_MAX_CPU_ISA, 2026-11-26)
+    ("bf16_pp", 1e-4),
     ("bf16_tp", 1e-3),         # row-parallel partial sums are added in bf16 (measured 1.4e-4)
 ])
 def test_bf16_without_fsdp_casts_and_matches_dp1(two_ranks, one_rank, variant, rtol):
