@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
 from service.limits import LIMITS, MAX_STEPS, MAX_WORKERS
 from service.specs import JobConfig
+from service.job_record import JobRecord
 from service.status import JobStatus
 
 
@@ -183,6 +184,13 @@ class JobDetail(JobSummary):
     error: str | None = _status("error")
     pid: int | None = _status("pid")
     grant: dict[str, int] | None = _status("grant")
+
+
+def job_view(r: JobRecord) -> dict[str, Any]:
+    """A job as the API shows it (JobSummary, JobDetail): its status's fields with its record's."""
+    return {**r.status.to_dict(), "id": r.id, "name": r.name, "state": r.state, "run_dir": r.run_dir,
+            "created": r.created, "updated": r.updated, "spec": r.spec, "steps": r.steps, "workers": r.workers,
+            "owner": r.owner}
 
 
 class MetricRow(_Out):

@@ -59,10 +59,10 @@ def one(preset: str, root: Path) -> dict:
     try:
         a, b = (m.submit(spec(preset, n, lo=1, hi=2)) for n in ("a", "b"))
         for j in (a, b):
-            wait(lambda j=j: (x := m.get(j))["world_size"] == 2 and x["step"] >= 3, f"job {j} on 2 workers")
+            wait(lambda j=j: (x := m.get(j).status).world_size == 2 and x.step >= 3, f"job {j} on 2 workers")
         arrival = time.time()
         urgent = m.submit(spec(preset, "urgent", lo=2, hi=2, priority=10, steps=5))
-        wait(lambda: m.get(urgent)["state"] == "SUCCEEDED", "the urgent job")
+        wait(lambda: m.get(urgent).state == "SUCCEEDED", "the urgent job")
         out = {"arrival": arrival}
         for j in (a, b):
             told = next(e["time"] for e in m.events(j) if e["kind"] == "schedule" and e["reason"].startswith("shrunk"))
@@ -76,8 +76,8 @@ def one(preset: str, root: Path) -> dict:
         out["first_step_s"] = m.metrics(urgent)[0]["time"] - arrival
         for j in (a, b):
             m.stop(j)
-            wait(lambda j=j: m.get(j)["state"] == "STOPPED", f"job {j} stopped")
-        out["steps_lost"] = sum(m.get(j)["steps_lost"] for j in (a, b))
+            wait(lambda j=j: m.get(j).state == "STOPPED", f"job {j} stopped")
+        out["steps_lost"] = sum(m.get(j).status.steps_lost for j in (a, b))
         out["shrink_s"] = max(out.pop(f"shrink_{a}"), out.pop(f"shrink_{b}"))
         out["told_s"] = max(out.pop(f"told_{a}"), out.pop(f"told_{b}"))
         out["shrunk_s"] = max(out.pop(f"shrunk_{a}"), out.pop(f"shrunk_{b}"))

@@ -123,19 +123,15 @@ class JobManager(JobSyncing, JobScheduling):
                               f"{other} until it is deleted: each job's run and checkpoint directories must be "
                               f"its own (delete job {other} first, or choose another {field})")
 
-    def list(self, *, owner: str | None = None, limit: int | None = None, offset: int = 0) -> list[dict]:
-        return [self._view(r) for r in self.store.list(owner=owner, limit=limit, offset=offset)]
+    def list(self, *, owner: str | None = None, limit: int | None = None, offset: int = 0) -> list[JobRecord]:
+        return self.store.list(owner=owner, limit=limit, offset=offset)
 
     def count(self) -> int:
         return self.store.count()
 
-    def get(self, job_id: str, *, owner: str | None = None) -> dict:
-        """The job as last stored (the background sync keeps it fresh; no coordinator is asked), as the
-        API shows it: its status's fields with the record's."""
-        return self._view(self._mine(job_id, owner))
-
-    def record(self, job_id: str, *, owner: str | None = None) -> JobRecord:
-        """The job's stored record, typed (JobNotFound if `owner` may not see it)."""
+    def get(self, job_id: str, *, owner: str | None = None) -> JobRecord:
+        """The job as last stored (the background sync keeps it fresh; no coordinator is asked);
+        JobNotFound if `owner` may not see it."""
         return self._mine(job_id, owner)
 
     def events(self, job_id: str, since: int = 0, limit: int | None = None, *, owner: str | None = None) -> list[dict]:
@@ -257,9 +253,3 @@ class JobManager(JobSyncing, JobScheduling):
         if owner is not None and row.owner != owner:
             raise JobNotFound(job_id)
         return row
-
-    @staticmethod
-    def _view(row: JobRecord) -> dict:
-        return {**row.status.to_dict(), "id": row.id, "name": row.name, "state": row.state, "run_dir": row.run_dir,
-                "created": row.created, "updated": row.updated, "spec": row.spec, "steps": row.steps,
-                "workers": row.workers, "owner": row.owner}

@@ -11,7 +11,7 @@ from service.status import JobStatus
 class JobRecord:
     """A job as the store keeps it: what was submitted, and its last status. The manager makes the first
     one at submit; the store makes the others when it reads a row; the API's views are made from it
-    (JobManager._view). Its state is its status's: there is no second copy to drift."""
+    (api.schemas.job_view). Its state is its status's: there is no second copy to drift."""
 
     id: str
     name: str

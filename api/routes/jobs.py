@@ -8,7 +8,7 @@ from fastapi import APIRouter, Header, Query, Response, status
 
 from api.deps import JobsDep, ReaderDep, WriterDep
 from api.schemas import (MAX_STEPS, ActionResult, Checkpoints, Deleted, ErrorBody, EventOut, JobCreated, JobDetail,
-                         JobSubmit, JobSummary, MetricRow, ResizeRequest, ValidationErrorBody)
+                         JobSubmit, JobSummary, MetricRow, ResizeRequest, ValidationErrorBody, job_view)
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 
@@ -31,21 +31,21 @@ def submit_job(body: JobSubmit, jobs: JobsDep, who: WriterDep, response: Respons
     job_id = jobs.submit(body.spec_dict(), steps=body.steps, workers=body.workers, run_dir=body.run_dir,
                          idempotency_key=idempotency_key, owner=who.owner)
     response.headers["Location"] = f"/api/v1/jobs/{job_id}"
-    return JobCreated(id=job_id, run_dir=jobs.record(job_id, owner=who.owner).run_dir)
+    return JobCreated(id=job_id, run_dir=jobs.get(job_id, owner=who.owner).run_dir)
 
 
 @router.get("", response_model=list[JobSummary], responses=AUTH)
 def list_jobs(jobs: JobsDep, who: ReaderDep, limit: Annotated[int, Query(ge=1, le=1000)] = 500,
               offset: Annotated[int, Query(ge=0, le=MAX_STEPS)] = 0) -> list[dict]:
     """Jobs, oldest first, `limit` of them from `offset` (page with offset += limit)."""
-    return jobs.list(limit=limit, offset=offset, owner=who.owner)
+    return [job_view(r) for r in jobs.list(limit=limit, offset=offset, owner=who.owner)]
 
 
 @router.get("/{job_id}", response_model=JobDetail, responses={**NOT_FOUND, **AUTH})
 def get_job(job_id: str, jobs: JobsDep, who: ReaderDep) -> dict:
     """State, layout, world size, step, loss, tokens/s, last committed checkpoint, and the reason for the
     state (why it is waiting, why it failed)."""
-    return jobs.get(job_id, owner=who.owner)
+    return job_view(jobs.get(job_id, owner=who.owner))
 
 
 @router.get("/{job_id}/metrics", response_model=list[MetricRow], responses={**NOT_FOUND, **AUTH})

@@ -41,19 +41,20 @@ class JobCollector:
                                      "grow, preemption, failure, user).", labels=labels + ["cause"])
         lost = CounterMetricFamily("elastron_job_steps_lost", "Steps redone after unplanned failures.", labels=labels)
         by_state = {s: 0 for s in STATES}
-        for j in self.jobs.list():
-            lv = [j["id"], j["name"]]
-            by_state[j["state"]] = by_state.get(j["state"], 0) + 1
-            for key, src in (("step", "step"), ("loss", "loss"), ("val_loss", "val_loss"), ("tokens_per_second", "tokens_per_s"),
-                             ("mfu", "mfu"), ("world_size", "world_size"), ("committed_step", "committed_step")):
-                if isinstance(j.get(src), (int, float)) and not isinstance(j.get(src), bool):
-                    g[key].add_metric(lv, float(j[src]))
-            for axis, v in (j.get("degrees") or {}).items():
+        for r in self.jobs.list():
+            lv, st = [r.id, r.name], r.status
+            by_state[r.state] = by_state.get(r.state, 0) + 1
+            for key, v in (("step", st.step), ("loss", st.loss), ("val_loss", st.val_loss),
+                           ("tokens_per_second", st.tokens_per_s), ("mfu", st.mfu), ("world_size", st.world_size),
+                           ("committed_step", st.committed_step)):
+                if v is not None:
+                    g[key].add_metric(lv, float(v))
+            for axis, v in (st.degrees or {}).items():
                 degree.add_metric(lv + [axis], float(v))
-            state.add_metric(lv + [j["state"]], 1.0)
-            for cause, n in (j.get("reconfigurations") or {}).items():
+            state.add_metric(lv + [r.state], 1.0)
+            for cause, n in st.reconfigurations.items():
                 reconf.add_metric(lv + [cause], float(n))
-            lost.add_metric(lv, float(j.get("steps_lost") or 0))
+            lost.add_metric(lv, float(st.steps_lost))
         jobs = GaugeMetricFamily("elastron_jobs", "Jobs known to the server, by state.", labels=["state"])
         for s, n in by_state.items():
             jobs.add_metric([s], float(n))

@@ -102,10 +102,10 @@ def test_a_job_whose_coordinator_ended_before_the_store_knew_is_read_from_events
     job_id = mgr.submit(SPEC, steps=4)  # not started: no sync thread (and reads never sync)
     assert launcher.attach(job_id).join(20)
     launcher._runners.clear()  # the coordinator is gone before anyone synced it
-    assert mgr.get(job_id)["state"] == "PENDING"  # reads are served from the store
+    assert mgr.get(job_id).state == "PENDING"  # reads are served from the store
     mgr.sync(job_id)
-    j = mgr.get(job_id)
-    assert j["state"] == "SUCCEEDED" and j["step"] == 4
+    j = mgr.get(job_id).status
+    assert j.state == "SUCCEEDED" and j.step == 4
     assert [e["to_state"] for e in mgr.events(job_id) if e["kind"] == "transition"][-1] == "SUCCEEDED"
 
 

@@ -60,8 +60,8 @@ def test_a_job_read_from_its_run_dir_shows_the_mfu_of_its_last_step(tmp_path):
     assert launcher.attach(job_id).join(20)
     launcher._runners.clear()
     mgr.sync(job_id)  # not started: no background sync
-    j = mgr.get(job_id)  # from events.jsonl and metrics.jsonl
-    assert j["state"] == "SUCCEEDED" and j["step"] == 4 and j["mfu"] == pytest.approx(0.004)
+    j = mgr.get(job_id).status  # from events.jsonl and metrics.jsonl
+    assert j.state == "SUCCEEDED" and j.step == 4 and j.mfu == pytest.approx(0.004)
 
 
 def test_the_dashboard_shows_mfu_next_to_tokens_per_second(tmp_path):

@@ -28,7 +28,7 @@ def test_a_detached_job_actor_survives_its_manager_and_is_found_by_name(local_ra
     first = manager(tmp_path)
     first.start()
     job_id = first.submit(SPEC, steps=40)
-    wait_for(lambda: first.get(job_id)["step"] >= 3, timeout=90, what="the actor trains")
+    wait_for(lambda: first.get(job_id).status.step >= 3, timeout=90, what="the actor trains")
     first.close()
     actor = ray.get_actor(actor_name(job_id), namespace=NAMESPACE)
     assert ray.get(actor.ping.remote()) == job_id
@@ -36,14 +36,14 @@ def test_a_detached_job_actor_survives_its_manager_and_is_found_by_name(local_ra
     second = manager(tmp_path)  # a restarted API: new store object, new launcher, same names
     second.start()
     try:
-        step = second.get(job_id)["step"]
-        assert second.get(job_id)["state"] == "RUNNING" and step >= 3
+        step = second.get(job_id).status.step
+        assert second.get(job_id).state == "RUNNING" and step >= 3
         second.resize(job_id, workers=2)
-        j = wait_for(lambda: (x := second.get(job_id))["degrees"]["dp"] == 2 and x, timeout=30, what="resized")
-        assert j["world_size"] == 2
-        j = wait_for(lambda: (x := second.get(job_id))["state"] == "SUCCEEDED" and x, timeout=60, what="done")
+        j = wait_for(lambda: (x := second.get(job_id).status).degrees["dp"] == 2 and x, timeout=30, what="resized")
+        assert j.world_size == 2
+        j = wait_for(lambda: (x := second.get(job_id).status).state == "SUCCEEDED" and x, timeout=60, what="done")
         assert [m["step"] for m in second.metrics(job_id)] == list(range(1, 41))
-        assert j["reconfigurations"] == {"planned": 1, "user": 1} and j["steps_lost"] == 0
+        assert j.reconfigurations == {"planned": 1, "user": 1} and j.steps_lost == 0
         def released() -> bool:  # once its final state was stored (the sync thread stores, then releases)
             try:
                 ray.get_actor(actor_name(job_id), namespace=NAMESPACE)
@@ -53,9 +53,9 @@ def test_a_detached_job_actor_survives_its_manager_and_is_found_by_name(local_ra
         wait_for(released, timeout=30, what="the finished job's actor released")
 
         doomed = second.submit(SPEC, steps=10_000)
-        wait_for(lambda: second.get(doomed)["step"] >= 2, timeout=90, what="second job trains")
+        wait_for(lambda: second.get(doomed).status.step >= 2, timeout=90, what="second job trains")
         ray.kill(ray.get_actor(actor_name(doomed), namespace=NAMESPACE), no_restart=True)
-        j = wait_for(lambda: (x := second.get(doomed))["state"] == "FAILED" and x, timeout=30, what="FAILED")
-        assert "coordinator is gone" in j["reason"] and "last recorded state RUNNING" in j["reason"]
+        j = wait_for(lambda: (x := second.get(doomed).status).state == "FAILED" and x, timeout=30, what="FAILED")
+        assert "coordinator is gone" in j.reason and "last recorded state RUNNING" in j.reason
     finally:
         second.close()

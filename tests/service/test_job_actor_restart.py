@@ -26,20 +26,20 @@ def test_a_killed_coordinator_actor_is_restarted_and_finishes_the_job(local_ray,
     mgr.start()
     try:
         job_id = mgr.submit(SPEC, steps=60)
-        first = wait_for(lambda: (j := mgr.get(job_id))["step"] >= 8 and j, timeout=90, what="the actor trains")
-        os.kill(first["pid"], signal.SIGKILL)
+        first = wait_for(lambda: (j := mgr.get(job_id).status).step >= 8 and j, timeout=90, what="the actor trains")
+        os.kill(first.pid, signal.SIGKILL)
         seen = []
 
         def restarted():
-            j = mgr.get(job_id)
-            seen.append(j["state"])
-            return j.get("pid") not in (None, first["pid"]) and j
+            j = mgr.get(job_id).status
+            seen.append(j.state)
+            return j.pid not in (None, first.pid) and j
         wait_for(restarted, timeout=90, what="a new coordinator process")
-        done = wait_for(lambda: (j := mgr.get(job_id))["state"] in ("SUCCEEDED", "FAILED") and j, timeout=90,
+        done = wait_for(lambda: (j := mgr.get(job_id).status).state in ("SUCCEEDED", "FAILED") and j, timeout=90,
                         what="the job ends")
-        assert done["state"] == "SUCCEEDED", done["reason"]
+        assert done.state == "SUCCEEDED", done.reason
         assert "FAILED" not in seen  # never declared dead while Ray brought the actor back
-        assert done["step"] == 60 and done["reconfigurations"].get("failure") == 1
+        assert done.step == 60 and done.reconfigurations.get("failure") == 1
         kinds = [(e["kind"], e["details"].get("kind")) for e in mgr.events(job_id)]
         assert ("failure", "coordinator_restart") in kinds
         steps = [m["step"] for m in mgr.metrics(job_id)]

@@ -56,7 +56,7 @@ def test_steps_only_the_dead_coordinator_trained_come_from_metrics_jsonl(tmp_pat
     launcher = Launcher()
     mgr = JobManager(JobStore(tmp_path / "jobs.db"), launcher, runs_root=tmp_path / "runs")
     job_id = mgr.submit(SPEC)
-    run_dir = Path(mgr.get(job_id)["run_dir"])
+    run_dir = Path(mgr.get(job_id).run_dir)
     launcher.handle.rows = [row(s, 10.0 - s) for s in (1, 2, 3)]
     mgr.sync(job_id)  # not started: no background sync
     assert [m["step"] for m in mgr.metrics(job_id)] == [1, 2, 3]
@@ -101,10 +101,10 @@ def test_a_slow_coordinator_does_not_hold_up_the_other_jobs(tmp_path):
         time.sleep(0.2)  # the slow job's sync is now stuck
         fast.rows = [row(1, 9.0), row(2, 8.0)]
         deadline = time.monotonic() + 5
-        while mgr.record(fast_id).status.step != 2:
+        while mgr.get(fast_id).status.step != 2:
             assert time.monotonic() < deadline, "the fast job was not synced while the slow one hung"
             time.sleep(0.02)
-        assert mgr.record(slow_id).status.step == 0  # its sync is still waiting for an answer
+        assert mgr.get(slow_id).status.step == 0  # its sync is still waiting for an answer
     finally:
         slow.release.set()
         mgr.close()
@@ -135,6 +135,6 @@ def test_a_manager_can_be_started_again_after_close(tmp_path, monkeypatch):
     mgr.close()  # cancels the queued one
     mgr.start()
     try:
-        assert [mgr.get(i)["state"] for i in ids] == ["RUNNING", "RUNNING"]
+        assert [mgr.get(i).state for i in ids] == ["RUNNING", "RUNNING"]
     finally:
         mgr.close()

@@ -117,12 +117,12 @@ def test_reads_do_not_wait_for_a_coordinator_that_hangs(mgr):
     h.step = 2
     mgr.start()
     try:
-        assert mgr.get(job_id)["step"] == 2
+        assert mgr.get(job_id).status.step == 2
         h.hang.set()
         time.sleep(0.1)  # the background sync is now stuck in status(), holding the job's lock
         t0 = time.monotonic()
         for _ in range(20):
-            assert mgr.get(job_id)["step"] == 2
+            assert mgr.get(job_id).status.step == 2
             assert [m["step"] for m in mgr.metrics(job_id)] == [1, 2]
             mgr.events(job_id)
             mgr.list()
@@ -142,13 +142,13 @@ def test_a_coordinator_that_is_not_found_makes_the_job_unknown_not_failed(mgr):
     del mgr.launcher.live[job_id]  # ... connected to a Ray that does not know the job
     for _ in range(3):
         mgr.sync(job_id)
-    j = mgr.get(job_id)
-    assert j["state"] == UNKNOWN and "10.0.0.1:6379" in j["reason"] and "last known state RUNNING" in j["reason"]
+    j = mgr.get(job_id).status
+    assert j.state == UNKNOWN and "10.0.0.1:6379" in j.reason and "last known state RUNNING" in j.reason
     assert job_id not in mgr.launcher.released and not mgr.store.get(job_id).released
     mgr.launcher.live[job_id] = h  # connected to the right Ray again
     h.step = 4
     mgr.sync(job_id)
-    assert mgr.get(job_id)["state"] == "RUNNING" and mgr.get(job_id)["step"] == 4
+    assert mgr.get(job_id).state == "RUNNING" and mgr.get(job_id).status.step == 4
 
 
 def test_a_job_confirmed_gone_is_finalised(mgr):
@@ -156,16 +156,16 @@ def test_a_job_confirmed_gone_is_finalised(mgr):
     mgr._handles.clear()
     del mgr.launcher.live[job_id]
     mgr.sync(job_id)
-    assert mgr.get(job_id)["state"] == UNKNOWN
+    assert mgr.get(job_id).state == UNKNOWN
     mgr.launcher.dead.add(job_id)  # the launcher's Ray knows the actor as dead
     mgr.sync(job_id)
-    j = mgr.get(job_id)
-    assert j["state"] == "FAILED" and "coordinator is gone" in j["reason"] and mgr.store.get(job_id).released
+    j = mgr.get(job_id).status
+    assert j.state == "FAILED" and "coordinator is gone" in j.reason and mgr.store.get(job_id).released
 
 
 def test_a_job_whose_events_end_in_a_final_state_is_finalised_without_confirmation(mgr):
     job_id = mgr.submit(SPEC)
-    run_dir = Path(mgr.get(job_id)["run_dir"])
+    run_dir = Path(mgr.get(job_id).run_dir)
     run_dir.mkdir(parents=True)
     ev = {"time": 1.0, "job_id": job_id, "kind": "transition", "from_state": "RUNNING", "to_state": "SUCCEEDED",
           "reason": "reached step 10", "old_layout": None, "new_layout": None, "step": 10, "cause": None,
@@ -174,7 +174,7 @@ def test_a_job_whose_events_end_in_a_final_state_is_finalised_without_confirmati
     mgr._handles.clear()
     del mgr.launcher.live[job_id]
     mgr.sync(job_id)
-    assert mgr.get(job_id)["state"] == "SUCCEEDED"
+    assert mgr.get(job_id).state == "SUCCEEDED"
 
 
 # -- item 1: each job's directories are its own -----------------------------------------------------------------
@@ -224,7 +224,7 @@ def test_delete_does_not_release_a_coordinator_still_saving(mgr):
     h = mgr.launcher.live[job_id]  # takes the stop but never reaches STOPPED within stop_timeout_s
     with pytest.raises(JobConflict, match="final checkpoint"):
         mgr.delete(job_id)
-    assert h.stops == 1 and job_id not in mgr.launcher.released and mgr.get(job_id)["state"] == "RUNNING"
+    assert h.stops == 1 and job_id not in mgr.launcher.released and mgr.get(job_id).state == "RUNNING"
     h.state = "STOPPED"
     assert mgr.delete(job_id)["deleted"] is True and job_id in mgr.launcher.released
     other = mgr.submit(SPEC)

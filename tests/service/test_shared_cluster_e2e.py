@@ -73,7 +73,7 @@ def test_a_higher_priority_job_shrinks_two_running_ones_and_they_grow_back(clust
     try:
         a, b = m.submit({**SPEC, "name": "a"}), m.submit({**SPEC, "name": "b"})
         for j in (a, b):  # the cluster's four workers, two each
-            wait(lambda j=j: (x := m.get(j))["world_size"] == 2 and x["step"] >= 3, f"job {j} on 2 workers")
+            wait(lambda j=j: (x := m.get(j).status).world_size == 2 and x.step >= 3, f"job {j} on 2 workers")
 
         urgent = m.submit(URGENT)
         # the API goes down while the shrinks are under way, and a new one takes over
@@ -81,28 +81,28 @@ def test_a_higher_priority_job_shrinks_two_running_ones_and_they_grow_back(clust
         m.close()
         m = manager(tmp_path)
 
-        u = wait(lambda: (x := m.get(urgent))["state"] == "SUCCEEDED" and x, "the urgent job done")
-        assert u["steps_lost"] == 0 and told(m, urgent)[-1] == "admitted on 2 workers (min 2, priority 10)"
+        u = wait(lambda: (x := m.get(urgent).status).state == "SUCCEEDED" and x, "the urgent job done")
+        assert u.steps_lost == 0 and told(m, urgent)[-1] == "admitted on 2 workers (min 2, priority 10)"
         for j in (a, b):
-            wait(lambda j=j: (x := m.get(j))["world_size"] == 2 and x["reconfigurations"].get("grow"),
+            wait(lambda j=j: (x := m.get(j).status).world_size == 2 and x.reconfigurations.get("grow"),
                  f"job {j} grown back")
             assert f"shrunk 2→1 to admit job {urgent} (priority 10)" in told(m, j)
             m.stop(j)
-        done = {j: wait(lambda j=j: (x := m.get(j))["state"] == "STOPPED" and x, f"job {j} stopped") for j in (a, b)}
+        done = {j: wait(lambda j=j: (x := m.get(j).status).state == "STOPPED" and x, f"job {j} stopped") for j in (a, b)}
     finally:
         m.close()
 
-    longest = max(d["step"] for d in done.values())
+    longest = max(d.step for d in done.values())
     (ref,) = run_ranks(1, train_body, SPEC, "dp=1", longest, return_params=False)
     for j, d in [*done.items(), (urgent, u)]:
         rows = m.metrics(j)
-        assert [r["step"] for r in rows] == list(range(1, d["step"] + 1)), f"job {j}: a step redone or missing"
-        assert d["steps_lost"] == 0
+        assert [r["step"] for r in rows] == list(range(1, d.step + 1)), f"job {j}: a step redone or missing"
+        assert d.steps_lost == 0
         want = ref["losses"] if j != urgent else run_ranks(1, train_body, URGENT, "dp=1", 6,
                                                            return_params=False)[0]["losses"]
         for r in rows:
             assert abs(r["loss"] - want[r["step"] - 1]) <= 1e-4 * abs(want[r["step"] - 1]), \
                 f"job {j} step {r['step']}: loss {r['loss']} vs uninterrupted {want[r['step'] - 1]}"
     for j in (a, b):
-        causes = [k for k, n in sorted(done[j]["reconfigurations"].items()) for _ in range(n)]
+        causes = [k for k, n in sorted(done[j].reconfigurations.items()) for _ in range(n)]
         assert causes == ["grow", "planned", "planned"], causes  # the start, the shrink, the growth back
