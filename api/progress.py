@@ -32,7 +32,9 @@ class Progress:
         lay = layout_text(status.layout)
         text = (f"step {step}/{self.total}  loss {loss:.4f}" if loss is not None else f"step {step}/{self.total}")
         text += f"  {tps:,.0f} tok/s" if tps else ""
-        text += f"  layout {lay} ({status.world_size} workers)  {state}"
+        if not status.is_terminal:  # a finished job holds no workers; its last layout would read as current
+            text += f"  layout {lay} ({status.world_size} workers)"
+        text += f"  {state}"
         if state in WAITING and status.reason:  # what it waits for, e.g. "no usable layout on 2 workers"
             text += f" ({status.reason})"
         if self.tty:

@@ -17,8 +17,11 @@ def test_a_waiting_job_says_what_it_waits_for_and_a_running_one_does_not():
     p.update(JobStatus(state="RUNNING", reason="running dp=2", step=2, loss=2.4, world_size=2))  # same 5%
     p.update(JobStatus(state="WAITING_FOR_CAPACITY", step=2, reason="no usable layout on 2 offered workers"))
     p.update(JobStatus(state="QUEUED", step=2, reason="3rd in the queue"))
+    p.update(JobStatus(state="SUCCEEDED", reason="reached step 100", step=100, loss=2.1, world_size=0,
+                       layout={"dp_replicate": 4}))  # a finished job's last layout is not a current one
     assert out.getvalue().splitlines() == [
         "step 1/100  loss 2.5000  layout 2rx1x1 (2 workers)  RUNNING",
         "step 2/100  layout - (0 workers)  WAITING_FOR_CAPACITY (no usable layout on 2 offered workers)",
         "step 2/100  layout - (0 workers)  QUEUED (3rd in the queue)",
+        "step 100/100  loss 2.1000  SUCCEEDED",
     ]
