@@ -23,7 +23,8 @@ class Reconfig:
     stopped: int = 0
     transfer: dict | None = None
     """How the state moved: {"path": "live", bytes_moved, handover_s, transfer_s, form_s} or
-    {"path": "storage"} (through the last committed checkpoint)."""
+    {"path": "storage", start_s, form_s} (through the last committed checkpoint: `start_s` to stop the
+    leavers and start the missing workers, `form_s` for every rank to join, build and load)."""
     first_step_time: float | None = None
     """Unix time the first step at the new layout finished."""
     loss_before: float | None = None

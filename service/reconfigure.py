@@ -189,13 +189,15 @@ class GroupLifecycle:
         try:
             if self.group.size:
                 self.group.leave()
+            t_start = time.perf_counter()
             started, stopped = self.group.scale_to(nodes)
+            start_s = time.perf_counter() - t_start
             formed = self.group.form(p)
         except WorkerFailure as e:
             self._recover(e, tried=nodes)
             return
         self._formed(p, old, formed.step, started, stopped, cause=cause, reason=reason, t0=t0,
-                     transfer={"path": "storage"})
+                     transfer={"path": "storage", "start_s": start_s, "form_s": formed.form_s})
 
     def _formed(self: Coordinator, p, old: dict | None, resumed: int, started: int, stopped: int, *, cause: str,
                 reason: str, t0: float, transfer: dict) -> None:
