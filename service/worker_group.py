@@ -90,6 +90,12 @@ def probe_nodes(node_ids: list[str], *, timeout_s: float = 2.0) -> set[str]:
     return alive
 
 
+FIRST_PROBE_S = 0.5
+"""A wait on workers probes their nodes first after this long (then every `start_probe_s`): soon enough
+to catch a node that died just before the call (a second fault right after a first), late enough that a
+quick call (a live resize's form, ~0.1 s) never pays for a probe."""
+
+
 class WorkerGroup:
     def __init__(self, cfg: JobConfig, run_dir: str, *, cpus_per_worker: float, gpus_per_worker: float,
                  job_id: str, start_timeout_s: float = 30.0, start_probe_s: float = 3.0,
@@ -145,7 +151,8 @@ class WorkerGroup:
         warm = self._take_spares(missing)
         for nid, *_ in warm:
             missing.remove(nid)
-        started = self._start(warm + self._launch(missing)) if warm or missing else []
+        kept = sorted({m.node_id for ms in pool.values() for m in ms})  # a kept member's node can die meanwhile
+        started = self._start(warm + self._launch(missing), watch=kept) if warm or missing else []
         for m in started:  # placement targets a node softly: group by where the actor really runs
             pool[m.node_id].append(m)
         order = list(dict.fromkeys(nodes)) + [nid for nid in pool if nid not in want]
@@ -166,29 +173,31 @@ class WorkerGroup:
             out.append((nid, actor, pg, actor.info.remote()))
         return out
 
-    def _start(self, launched: list) -> list[Member]:
-        """Members of `launched` (new actors, and spares taken for this start) once all have answered."""
+    def _start(self, launched: list, *, watch: list[str] = ()) -> list[Member]:
+        """Members of `launched` (new actors, and spares taken for this start) once all have answered;
+        `watch`: the nodes of the members kept beside them, probed with those being started on."""
         try:
-            infos = self._await_starts(launched)
+            infos = self._await_starts(launched, watch=watch)
         except WorkerFailure:  # none of them is a member yet: release all, or their CPUs stay held
             self._stop([Member(a, pg, nid, "") for nid, a, pg, _ in launched])
             raise
         return [Member(a, pg, i["node_id"], i["ip"]) for (_, a, pg, _), i in zip(launched, infos)]
 
-    def _await_starts(self, launched: list) -> list[dict]:
+    def _await_starts(self, launched: list, *, watch: list[str] = ()) -> list[dict]:
         """Each launched actor's `info`, in order; WorkerFailure as soon as one fails, when a placement
         group is not placed within `start_timeout_s` ("start"), or when the workers have not answered
         60 s after that ("timeout"). Every `start_probe_s` while some have not answered, probe the nodes
-        they are starting on (where their placement group landed, else its target): WorkerFailure("node")
+        they are starting on (each one's target, and where its placement group landed): WorkerFailure("node")
         when one does not answer, instead of waiting out Ray's own detection of a dead node (~15 s for
         an actor on it; for good for a placement group that cannot fit without it)."""
         from ray.util import placement_group_table
 
         pending = {ref: (nid, pg) for nid, _, pg, ref in launched}
+        targets = {nid for nid, *_ in launched}
         infos = {}
         t0 = time.monotonic()
         place_by, deadline = t0 + self.start_timeout_s, t0 + self.start_timeout_s + 60
-        next_probe = t0 + self.start_probe_s
+        next_probe = t0 + min(FIRST_PROBE_S, self.start_probe_s)
         while pending:
             now = time.monotonic()
             wake = min(deadline, next_probe, place_by if now < place_by else deadline)
@@ -200,20 +209,46 @@ class WorkerGroup:
                 break
             tables = {ref: placement_group_table(pg) for ref, (_, pg) in pending.items()}
             now = time.monotonic()
-            if now >= place_by and any(t.get("state") != "CREATED" for t in tables.values()):
-                raise WorkerFailure("start", f"could not place {len(launched)} worker(s) within "
-                                             f"{self.start_timeout_s:.0f}s")
+            if now >= place_by and (unplaced := [(nid, t.get("state")) for ref, (nid, _) in pending.items()
+                                                 if (t := tables[ref]).get("state") != "CREATED"]):
+                raise WorkerFailure("start", f"could not place {len(unplaced)} of {len(launched)} worker(s) within "
+                                             f"{self.start_timeout_s:.0f}s (" + ", ".join(
+                                                 f"on {nid[:8]}: {state}" for nid, state in unplaced) + ")")
             if now >= deadline:
                 raise WorkerFailure("timeout", f"workers did not finish start within {deadline - t0:.0f}s")
             if now >= next_probe:
-                where = sorted({n for ref, (nid, _) in pending.items()  # an unplaced bundle's node is ""
-                                for n in ([x for x in (tables[ref].get("bundles_to_node_id") or {}).values() if x]
-                                          or [nid])})
-                if dead := set(where) - probe_nodes(where, timeout_s=self.probe_timeout_s):
-                    raise WorkerFailure("node", f"node(s) {', '.join(n[:8] for n in sorted(dead))} stopped "
-                                                f"answering while workers started on them")
+                # where the pending landed (an unplaced bundle's node is "") and where each was meant to
+                # go: a placement group aimed at a dead node the GCS still lists lands elsewhere (the
+                # target is soft), may even start there, and takes the slot another start waits for
+                where = {x for ref in pending for x in (tables[ref].get("bundles_to_node_id") or {}).values() if x}
+                self._probe_or_fail(sorted(where | targets | set(watch)), "while workers started")
                 next_probe = time.monotonic() + self.start_probe_s
         return [infos[ref] for *_, ref in launched]
+
+    def _probe_or_fail(self, nodes: list[str], during: str) -> None:
+        """WorkerFailure("node") if one of `nodes` does not answer a probe: a call waiting on a worker
+        there would otherwise wait out Ray's own detection of the dead node (~15 s or more), and a
+        placement group there would wait for good."""
+        if dead := set(nodes) - probe_nodes(nodes, timeout_s=self.probe_timeout_s):
+            raise WorkerFailure("node", f"node(s) {', '.join(n[:8] for n in sorted(dead))} stopped answering "
+                                        f"{during}")
+
+    def _await_probing(self, refs: list, what: str, *, timeout_s: float) -> list:
+        """`_get(refs)`, probing the members' nodes every `start_probe_s` while some have not answered."""
+        deadline = time.monotonic() + timeout_s
+        pending, wait_s = list(refs), min(FIRST_PROBE_S, self.start_probe_s)
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._unread += refs
+                raise WorkerFailure("timeout", f"workers did not finish {what} within {timeout_s:.0f}s")
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=min(left, wait_s))
+            wait_s = self.start_probe_s
+            for ref in set(refs) - set(pending):
+                self._get([ref], what, timeout=0, also=refs)  # a failed rank raises at once
+            if pending:
+                self._probe_or_fail(sorted({m.node_id for m in self.members}), f"during {what}")
+        return self._get(refs, what, timeout=0)
 
     def prewarm(self, nodes: list[str]) -> int:
         """Start actors on `nodes` in the background while the group keeps training (a growth is
@@ -261,10 +296,10 @@ class WorkerGroup:
         the step."""
         t0 = time.perf_counter()
         head = self.members[0]
-        port = self._get([head.actor.free_port.remote()], "form")[0]
+        port = self._await_probing([head.actor.free_port.remote()], "form", timeout_s=60)[0]
         refs = [m.actor.join.remote(rank=r, world_size=self.size, master_addr=head.ip, master_port=port,
                                     plan=plan.to_dict(), adopt=adopt) for r, m in enumerate(self.members)]
-        res = self._get(refs, "form", timeout=300)
+        res = self._await_probing(refs, "form", timeout_s=300)
         steps = {r["step"] for r in res}
         if len(steps) != 1:
             raise WorkerFailure("form", f"ranks resumed at different steps {sorted(steps)}")
@@ -293,14 +328,14 @@ class WorkerGroup:
         new_to_group = {r: slot[id(m)] for r, m in enumerate(members)}
         group_to_new = {g: r for r, g in new_to_group.items()}
         t1 = time.perf_counter()
-        port = self._get([everyone[0].actor.free_port.remote()], "state transfer")[0]
+        port = self._await_probing([everyone[0].actor.free_port.remote()], "state transfer", timeout_s=60)[0]
         refs = [m.actor.reshard.remote(
             rank=g, world_size=len(everyone), master_addr=everyone[0].ip, master_port=port,
             old_plan=old.to_dict(), new_plan=new.to_dict(),
             old_rank=old_ranks[g] if g < len(old_members) else None, new_rank=group_to_new.get(g),
             old_to_group={r: g for g, r in enumerate(old_ranks)}, new_to_group=new_to_group,
             nodes={i: e.node_id for i, e in enumerate(everyone)}) for g, m in enumerate(everyone)]
-        moved = self._get(refs, "state transfer", timeout=600)
+        moved = self._await_probing(refs, "state transfer", timeout_s=600)
         t2 = time.perf_counter()
         self._stop(leavers)
         self.members = members

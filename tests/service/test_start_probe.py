@@ -71,3 +71,40 @@ def test_a_node_that_dies_as_its_worker_starts_fails_the_start_at_the_probe(tmp_
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def test_a_member_node_that_dies_before_the_form_fails_it_at_the_probe(tmp_path):
+    """The chaos double fault with warm survivors: a failure's survivors are kept for the storage
+    resume, and one's node dies right after; the form's calls on it (the head's free port, the ranks'
+    join) waited for Ray to declare the actor dead, 6-9 s later. The form probes its members' nodes."""
+    from dataclasses import replace
+
+    from ray.cluster_utils import Cluster
+
+    from parallel.planner import plan
+    from service.cluster import kill_node
+    from workers.config import job_constraints
+
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    try:
+        ray.init(address=cluster.address, log_to_driver=False)
+        nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]
+        cluster.wait_for_nodes()
+        cfg = JobConfig()
+        g = WorkerGroup(cfg, str(tmp_path), cpus_per_worker=1, gpus_per_worker=0, job_id="t",
+                        start_timeout_s=60, start_probe_s=1.0, probe_timeout_s=1.0)
+        g.scale_to([n.node_id for n in nodes])
+        p = plan(2, cfg.model.build(), replace(job_constraints(cfg), min_workers=1, max_workers=2))
+        kill_node(cluster, nodes[0])  # the head member's node: the free-port call goes there first
+        t0 = time.monotonic()
+        with pytest.raises(WorkerFailure) as e:
+            g.form(p)
+        took = time.monotonic() - t0
+        assert e.value.kind == "node" and nodes[0].node_id[:8] in str(e.value), (e.value.kind, str(e.value), took)
+        assert took < 5, took  # the first probe (0.5 s) and its timeout (1 s), not Ray's detection
+        g.shutdown()
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
