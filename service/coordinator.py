@@ -136,13 +136,14 @@ class Coordinator(Commands, GroupLifecycle):
             sm = self.sm.snapshot()
             # Layout and world size from one plan, the one the group runs (set under this lock once the
             # group has formed): never a new layout with the old size, or the size of a group half re-formed.
-            running = self.group is not None and self.plan is not None
+            # (RECOVERING: a failed group's survivors may still be held, but they run no layout)
+            running = self.group is not None and self.plan is not None and self.sm.state is not S.RECOVERING
             recs = [r.to_dict() for r in list(self.reconfigs)]
             queued = self.sm.state is S.QUEUED
             return JobStatus(
                 job_id=self.job_id, state=sm["state"], reason=(queued and self.queue[1]) or sm["reason"],
                 cause=sm["cause"], since=sm["since"], priority=self.cfg.scheduling.priority,
-                held=dict(self.group.nodes()) if running else {}, grant=None if self.grant is None else dict(self.grant),
+                held=dict(self.group.nodes()) if self.group is not None else {}, grant=None if self.grant is None else dict(self.grant),
                 queue_position=self.queue[0] if queued else None,
                 layout=self.plan.layout.to_dict() if running else sm["layout"], step=self.step_done,
                 total_steps=self.total_steps, world_size=self.plan.world_size if running else 0,
@@ -229,6 +230,8 @@ class Coordinator(Commands, GroupLifecycle):
         elif isinstance(d, Wait):
             if self._heal is not None:  # survivors cannot wait holding their state: it comes back from storage
                 self._drop_heal(d.reason)
+            elif self.group is not None:  # warm survivors of a failure: their slots are not held while waiting
+                self._shutdown_group()
             target = S.QUEUED if d.by_scheduler else S.WAITING_FOR_CAPACITY
             if self.sm.state is not target:
                 self.sm.transition(target, reason=(d.by_scheduler and self.queue[1]) or d.reason, step=self.step_done)

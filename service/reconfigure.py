@@ -102,8 +102,11 @@ class GroupLifecycle:
     def _salvage(self: Coordinator, gone: set[str]) -> bool:
         """After a failure without notice: keep the surviving workers and their state when, between them,
         they hold every shard at one step (data-parallel replicas), so the group heals from peers
-        (`self._heal`); else say why, and the caller falls back to the last committed checkpoint.
-        `gone`: nodes the watcher lists as dead (their workers are not asked)."""
+        (`self._heal`); else say why: the job falls back to the last committed checkpoint, and the
+        survivors stay in the group as warm processes for that re-form to reuse (each has left the
+        failed group and dropped its trainer; one whose save was still running is stopped instead).
+        Returns whether the group is kept. `gone`: nodes the watcher lists as dead (their workers are
+        not asked)."""
         g, p = self.group, self.plan
         if self.cfg.parallel.reshard != "live" or g is None or p is None or not g.size:
             return False
@@ -124,8 +127,8 @@ class GroupLifecycle:
         if why is not None:
             self.sm.note("fallback", reason=f"cannot heal from the surviving workers: {why}; resuming from the "
                                             f"last committed checkpoint (step {self.committed_step})",
-                         step=self.step_done, cause="failure")
-            return False
+                         step=self.step_done, cause="failure", details={"warm_workers": g.size})
+            return g.size > 0
         with self._lock:
             for r in rows:
                 self.metrics.setdefault(r["step"], r)
@@ -152,7 +155,8 @@ class GroupLifecycle:
         # grace for a silent peer): one wait instead of two.
         with ThreadPoolExecutor(1, thread_name_prefix="probe") as pool:
             probing = pool.submit(self._probe, [n for n in nodes if n not in gone])
-            if not salvage or self._heal is not None or not self._salvage(gone):  # a failed heal is not healed again
+            # a failed heal is not healed again, nor are its workers reused
+            if not salvage or self._heal is not None or not self._salvage(gone):
                 self._shutdown_group()
             dead = gone | probing.result()
         self.sm.note("failure", reason=str(err), step=self.step_done, cause="failure",

@@ -287,6 +287,8 @@ def test_survivors_without_every_shard_fall_back_to_the_last_commit_and_say_why(
     assert rc.transfer["path"] == "storage" and rc.resumed_step == 5 and rc.steps_lost == 2
     (fb,) = [e for e in c.events_since(0) if e["kind"] == "fallback"]
     assert "do not hold every shard" in fb["reason"] and "(step 5)" in fb["reason"]
+    # the two survivors on a re-form as warm processes: nothing is started for the storage resume
+    assert fb["details"]["warm_workers"] == 2 and rc.started == 0 and c.group.nodes() == {"a": 2}
 
 
 def test_survivors_below_min_workers_are_released_and_the_job_resumes_from_storage(tmp_path):
