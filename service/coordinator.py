@@ -49,7 +49,8 @@ from service.run_files import job_events, where_it_stopped
 from service.specs import worker_range
 from service.state import JobState, StateMachine
 from service.status import JobStatus
-from service.worker_group import WorkerGroup, assign_nodes, probe_nodes
+from service.placement import assign_nodes, probe_nodes
+from service.worker_group import WorkerGroup
 from workers.config import JobConfig, job_constraints
 
 logger = logging.getLogger(__name__)

@@ -1,10 +1,13 @@
 """A job's worker group: one Ray actor per rank, each in its own placement group on a chosen node.
 
-The coordinator decides how many workers go on which node (`assign_nodes`); ranks are numbered node by
-node, so the ranks of a TP group (adjacent ranks: TP is the innermost mesh axis) share a node. On a
-planned resize, surviving actors are kept and only re-join (process-group re-form, ~0.03 s); only
-missing ranks are started and only extra ones stopped. After an unplanned failure the survivors may be
-stuck in a collective with a dead peer, so the group is torn down and started afresh.
+The coordinator decides how many workers go on which node (`service.placement.assign_nodes`); ranks
+are numbered node by node, so the ranks of a TP group (adjacent ranks: TP is the innermost mesh axis)
+share a node. On a planned resize, surviving actors are kept and only re-join (process-group re-form,
+~0.03 s); only missing ranks are started and only extra ones stopped. After an unplanned failure the
+survivors may be stuck in a collective with a dead peer: `salvage` aborts their group, and those that
+answer leave it and are kept (to heal from, or as warm processes for a resume from storage). While it
+waits on workers (a start, a form, a transfer) the group probes their nodes (`service.placement.
+probe_nodes`), so a node that dies meanwhile fails the wait within seconds.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from parallel.planner import Plan
 from service.group_types import Formed, Moved, WorkerFailure
+from service.placement import probe_nodes
 from workers.config import JobConfig
 from workers.report import Salvaged
 
@@ -39,55 +43,6 @@ class Member:
     pg: PlacementGroup
     node_id: str
     ip: str
-
-
-def assign_nodes(n: int, slots: dict[str, int], *, prefer: Counter | None = None, tp: int = 1) -> list[str]:
-    """Node of each of `n` ranks: whole TP groups per node, nodes already hosting our workers first (so
-    survivors are reused), then the roomiest. Raises ValueError when `n` ranks do not fit."""
-    prefer = prefer or Counter()
-    order = sorted(slots, key=lambda nid: (-min(prefer[nid], slots[nid]), -slots[nid], nid))
-    out: list[str] = []
-    for nid in order:
-        take = min(slots[nid] // tp * tp, n - len(out))
-        out += [nid] * take
-        if len(out) == n:
-            return out
-    raise ValueError(f"{n} workers in TP groups of {tp} do not fit on nodes with slots {dict(slots)}")
-
-
-def probe_nodes(node_ids: list[str], *, timeout_s: float = 2.0) -> set[str]:
-    """The nodes among `node_ids` whose raylet still places work, by placing a tiny bundle on each.
-
-    After an unplanned failure the GCS can list a killed node as alive for many seconds (until its
-    health checks time out). Planning onto it would hang a placement until a start-up timeout, which is
-    how Ray Train's elastic mode loses a minute. A healthy raylet places a tiny bundle in milliseconds;
-    one that does not answer within `timeout_s` is left out of the next plan."""
-    from ray.util import placement_group_table
-
-    # The bundle asks for a sliver of the node's own `node:IP` resource, not CPU: right after a failure
-    # the node's CPUs can still be held by the placement groups being removed, and a CPU bundle would
-    # then land elsewhere (the target is soft) and make a healthy node look dead.
-    ips = {n["NodeID"]: n.get("NodeManagerAddress") for n in ray.nodes()}
-    pgs = {nid: placement_group([{f"node:{ips[nid]}": 0.001} if ips.get(nid) else {"CPU": 0.001}],
-                                strategy="STRICT_PACK", _soft_target_node_id=nid)
-           for nid in node_ids}
-    alive: set[str] = set()
-    deadline = time.monotonic() + timeout_s
-    pending = dict(pgs)
-    while pending and time.monotonic() < deadline:
-        ready, _ = ray.wait([pg.ready() for pg in pending.values()], num_returns=len(pending), timeout=0.05)
-        for nid, pg in list(pending.items()):
-            info = placement_group_table(pg)
-            if info.get("state") == "CREATED":
-                if nid in (info.get("bundles_to_node_id") or {}).values():  # soft target: check where it landed
-                    alive.add(nid)
-                del pending[nid]
-    for pg in pgs.values():
-        try:
-            remove_placement_group(pg)
-        except Exception:
-            logger.debug("probe placement group removal failed", exc_info=True)
-    return alive
 
 
 FIRST_PROBE_S = 0.5

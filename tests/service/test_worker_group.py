@@ -40,7 +40,7 @@ def test_the_probe_finds_a_node_alive_while_all_its_cpus_are_reserved(local_ray)
     probe must not take that for a dead raylet."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from service.worker_group import probe_nodes
+    from service.placement import probe_nodes
 
     me = ray.get_runtime_context().get_node_id()
     full = placement_group([{"CPU": 2}], strategy="STRICT_PACK")

@@ -1,0 +1,62 @@
+"""Where a job's workers go: how many on which node (`assign_nodes`, pure), and which nodes still place
+work right now (`probe_nodes`, a tiny placement group per node)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+
+logger = logging.getLogger(__name__)
+
+
+def assign_nodes(n: int, slots: dict[str, int], *, prefer: Counter | None = None, tp: int = 1) -> list[str]:
+    """Node of each of `n` ranks: whole TP groups per node, nodes already hosting our workers first (so
+    survivors are reused), then the roomiest. Raises ValueError when `n` ranks do not fit."""
+    prefer = prefer or Counter()
+    order = sorted(slots, key=lambda nid: (-min(prefer[nid], slots[nid]), -slots[nid], nid))
+    out: list[str] = []
+    for nid in order:
+        take = min(slots[nid] // tp * tp, n - len(out))
+        out += [nid] * take
+        if len(out) == n:
+            return out
+    raise ValueError(f"{n} workers in TP groups of {tp} do not fit on nodes with slots {dict(slots)}")
+
+
+def probe_nodes(node_ids: list[str], *, timeout_s: float = 2.0) -> set[str]:
+    """The nodes among `node_ids` whose raylet still places work, by placing a tiny bundle on each.
+
+    After an unplanned failure the GCS can list a killed node as alive for many seconds (until its
+    health checks time out). Planning onto it would hang a placement until a start-up timeout, which is
+    how Ray Train's elastic mode loses a minute. A healthy raylet places a tiny bundle in milliseconds;
+    one that does not answer within `timeout_s` is left out of the next plan."""
+    from ray.util import placement_group_table
+
+    # The bundle asks for a sliver of the node's own `node:IP` resource, not CPU: right after a failure
+    # the node's CPUs can still be held by the placement groups being removed, and a CPU bundle would
+    # then land elsewhere (the target is soft) and make a healthy node look dead.
+    ips = {n["NodeID"]: n.get("NodeManagerAddress") for n in ray.nodes()}
+    pgs = {nid: placement_group([{f"node:{ips[nid]}": 0.001} if ips.get(nid) else {"CPU": 0.001}],
+                                strategy="STRICT_PACK", _soft_target_node_id=nid)
+           for nid in node_ids}
+    alive: set[str] = set()
+    deadline = time.monotonic() + timeout_s
+    pending = dict(pgs)
+    while pending and time.monotonic() < deadline:
+        ready, _ = ray.wait([pg.ready() for pg in pending.values()], num_returns=len(pending), timeout=0.05)
+        for nid, pg in list(pending.items()):
+            info = placement_group_table(pg)
+            if info.get("state") == "CREATED":
+                if nid in (info.get("bundles_to_node_id") or {}).values():  # soft target: check where it landed
+                    alive.add(nid)
+                del pending[nid]
+    for pg in pgs.values():
+        try:
+            remove_placement_group(pg)
+        except Exception:
+            logger.debug("probe placement group removal failed", exc_info=True)
+    return alive
