@@ -368,7 +368,9 @@ class WorkerGroup:
         return max(steps)
 
     def leave(self) -> None:
-        self._get([m.actor.leave.remote() for m in self.members], "leave", timeout=60)
+        """Every member drops its trainer and process group (probing their nodes: after a failure, a
+        warm survivor's node may have died since it answered the salvage)."""
+        self._await_probing([m.actor.leave.remote() for m in self.members], "leave", timeout_s=60)
 
     def _settle(self) -> None:
         """Read the calls the group stopped waiting for that have ended (`_unread`); keep the others."""

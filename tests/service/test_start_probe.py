@@ -73,10 +73,13 @@ def test_a_node_that_dies_as_its_worker_starts_fails_the_start_at_the_probe(tmp_
         cluster.shutdown()
 
 
-def test_a_member_node_that_dies_before_the_form_fails_it_at_the_probe(tmp_path):
+@pytest.mark.parametrize("call", ["form", "leave"])
+def test_a_member_node_that_dies_before_a_group_call_fails_it_at_the_probe(tmp_path, call):
     """The chaos double fault with warm survivors: a failure's survivors are kept for the storage
-    resume, and one's node dies right after; the form's calls on it (the head's free port, the ranks'
-    join) waited for Ray to declare the actor dead, 6-9 s later. The form probes its members' nodes."""
+    resume, and one's node dies right after; the re-form's calls on it (leave; the head's free port and
+    the ranks' join) waited for Ray to declare the actor dead, 6-9 s later there. They probe the members'
+    nodes, so the call fails within seconds whichever notices first: the probe (kind "node"), or Ray,
+    which on a quiet box may already know the actor is dead (kind "died", in milliseconds)."""
     from dataclasses import replace
 
     from ray.cluster_utils import Cluster
@@ -100,10 +103,11 @@ def test_a_member_node_that_dies_before_the_form_fails_it_at_the_probe(tmp_path)
         kill_node(cluster, nodes[0])  # the head member's node: the free-port call goes there first
         t0 = time.monotonic()
         with pytest.raises(WorkerFailure) as e:
-            g.form(p)
+            g.form(p) if call == "form" else g.leave()
         took = time.monotonic() - t0
-        assert e.value.kind == "node" and nodes[0].node_id[:8] in str(e.value), (e.value.kind, str(e.value), took)
-        assert took < 5, took  # the first probe (0.5 s) and its timeout (1 s), not Ray's detection
+        assert (e.value.kind == "node" and nodes[0].node_id[:8] in str(e.value)) or e.value.kind == "died", \
+            (e.value.kind, str(e.value), took)
+        assert took < 5, took  # at worst the first probe (0.5 s) and its timeout (1 s)
         g.shutdown()
     finally:
         ray.shutdown()
