@@ -197,9 +197,9 @@ class WorkerGroup:
             if left <= 0:
                 self._unread += refs
                 raise WorkerFailure("timeout", f"workers did not finish {what} within {timeout_s:.0f}s")
-            _, pending = ray.wait(pending, num_returns=len(pending), timeout=min(left, wait_s))
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=min(left, wait_s))
             wait_s = self.start_probe_s
-            for ref in set(refs) - set(pending):
+            for ref in done:
                 self._get([ref], what, timeout=0, also=refs)  # a failed rank raises at once
             if pending:
                 self._probe_or_fail(sorted({m.node_id for m in self.members}), f"during {what}")
