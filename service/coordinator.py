@@ -45,7 +45,7 @@ from service.options import CoordinatorOptions
 from service.policy import Decision, Fail, Failure, PolicyConfig, Resize, ScalingPolicy, Wait
 from service.reconfig import Reconfig
 from service.reconfigure import GroupLifecycle
-from service.run_files import job_events, where_it_stopped
+from service.run_files import job_events, last_plan, where_it_stopped
 from service.specs import worker_range
 from service.state import JobState, StateMachine
 from service.status import JobStatus
@@ -104,6 +104,9 @@ class Coordinator(Commands, GroupLifecycle):
             S.WAITING_FOR_CAPACITY: self._on_waiting_for_capacity, S.QUEUED: self._on_waiting_for_capacity}
         """One handler per state that acts; PAUSED and the terminal states wait for a command or nothing."""
         self._lock = threading.RLock()
+        self._orphans: Plan | None = None
+        """After a restart: the plan the lost coordinator's group ran, whose workers may still be running
+        (detached, `opts.owner`); the first iteration takes them over (`_take_over`)."""
         if len(self.events):
             self._resume_after_restart()
 
@@ -118,13 +121,19 @@ class Coordinator(Commands, GroupLifecycle):
 
     def _resume_after_restart(self) -> None:
         """This job's events are already in the run directory: an earlier coordinator of the same job
-        died (its actor was restarted by Ray, or the job was started again by hand). Its workers died
-        with it; the next group resumes from the last committed checkpoint, and this reconfiguration
-        is recorded as a failure whose steps lost run from the last step the old group logged."""
+        died (its actor was restarted by Ray, or the job was started again by hand). Workers it started
+        detached (`opts.owner`) outlive it: the first iteration takes them over and heals from their
+        state (`_take_over`); else, or for what cannot heal, the next group resumes from the last
+        committed checkpoint. This reconfiguration is recorded as a failure whose steps lost run from
+        the last step the old group logged."""
         prior = self.events.events
         last_step, last_state, layout = where_it_stopped(prior, self.run_dir)
+        plan_d = last_plan(prior) if self.opts.owner is not None else None
+        self._orphans = Plan.from_dict(plan_d) if plan_d else None
+        how = ("taking over the workers it left running, else resuming from the last committed checkpoint"
+               if self._orphans is not None else "resuming from the last committed checkpoint")
         why = (f"the coordinator restarted (its previous process was lost in state {last_state} at step "
-               f"{last_step}); resuming from the last committed checkpoint")
+               f"{last_step}); {how}")
         self.failures.append(Failure(time=time.time(), kind="coordinator", error=why))
         self.sm.note("failure", reason=why, step=last_step, cause="failure",
                      details={"kind": "coordinator_restart", "previous_events": len(prior)})
@@ -179,7 +188,10 @@ class Coordinator(Commands, GroupLifecycle):
 
     def step(self) -> JobState:
         """One iteration: apply the queued commands, then the current state's handler. Returns the state
-        after it."""
+        after it. (The first iteration after a restart first takes over the lost coordinator's workers,
+        whatever the commands replayed into it say: a pause or stop then releases them.)"""
+        if self._orphans is not None:
+            self._take_over(self.watcher.latest or self.watcher.poll())
         self._apply_commands()
         handler = self._handlers.get(self.sm.state)
         if handler is None:  # PAUSED (a command moves it on) or terminal

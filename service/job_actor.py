@@ -84,7 +84,8 @@ _actor_cls = None
 
 MAX_RESTARTS = 3
 """How often Ray restarts a job's coordinator actor whose process died. A restarted coordinator finds
-the job's events in the run directory and resumes from the last committed checkpoint."""
+the job's events in the run directory, takes over the workers the old one left running (detached
+actors) and heals from their state; what it cannot take over resumes from the last committed checkpoint."""
 
 
 def job_actor_class():
@@ -269,8 +270,10 @@ class RayLauncher:
 
             opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
                                                                          soft=True)
+        # its workers outlive a restart of this actor, and end once it is gone for good
+        owned = {**self.options, "owner": actor_name(job_id), "namespace": self.namespace}
         actor = job_actor_class().options(**opts).remote(
-            job_id, cfg, run_dir=run_dir, steps=steps, workers=workers, options=self.options,
+            job_id, cfg, run_dir=run_dir, steps=steps, workers=workers, options=owned,
             coordinator_factory=self.coordinator_factory, grant=grant)
         return RayHandle(actor, job_id, self.timeout_s, self.namespace)
 

@@ -28,3 +28,9 @@ class CoordinatorOptions:
     reprobe_interval_s: float = 3.0
     """While the job waits or starts with suspects left out, how often they are probed again; and how long
     a start waits for its workers before it probes the nodes they are still starting on (and as often)."""
+    owner: str | None = None
+    """The named Ray actor this coordinator runs in (service.job_actor sets it), in `namespace`. When set,
+    workers are detached actors that outlive a restart of it: the restarted coordinator takes them over
+    and heals from their state instead of restarting every rank, and they end themselves once the
+    actor is gone for good. None (`elastron run`, the demo): workers end with the coordinator's process."""
+    namespace: str = "elastron"

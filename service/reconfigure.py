@@ -18,7 +18,7 @@ from service.cluster import ClusterSnapshot
 from service.policy import Failure
 from service.reconfig import Reconfig
 from service.state import JobState as S
-from service.group_types import WorkerFailure
+from service.group_types import Group, WorkerFailure
 
 if TYPE_CHECKING:
     from service.coordinator import Coordinator
@@ -99,18 +99,47 @@ class GroupLifecycle:
         self.sm.note("checkpoint", reason=f"durable checkpoint of step {step} under {self.plan.layout} writing "
                                           "in the background", step=step)
 
-    def _salvage(self: Coordinator, gone: set[str]) -> bool:
+    def _new_group(self: Coordinator) -> Group:
+        o, r = self.opts, self.cfg.resources
+        return self.worker_group_cls(self.cfg, str(self.run_dir), cpus_per_worker=r.cpus_per_worker,
+                                     gpus_per_worker=r.gpus_per_worker, job_id=self.job_id,
+                                     start_timeout_s=o.start_timeout_s, start_probe_s=o.reprobe_interval_s,
+                                     probe_timeout_s=o.probe_timeout_s, owner=o.owner, namespace=o.namespace)
+
+    def _take_over(self: Coordinator, snap: ClusterSnapshot) -> None:
+        """After a restart: the workers the lost coordinator left running (`Group.adopt`) become this
+        one's group. If between them they hold every shard of its last plan at one step, the next group
+        heals from them (no step redone, no process started); else they stay as warm processes for the
+        resume from storage (a job that reshards through storage keeps them that way too)."""
+        old, self._orphans = self._orphans, None
+        group = self._new_group()
+        found = group.adopt()
+        if not found:
+            return
+        self.group = group
+        self.step_done = max(self.step_done, self._open.step_before if self._open is not None else 0)
+        self.sm.note("info", reason=f"took over {found} worker(s) the previous coordinator left running",
+                     step=self.step_done, details={"adopted": found, "nodes": dict(group.nodes())})
+        if self.cfg.parallel.reshard != "live":
+            return
+        self.plan = old  # what `_salvage` checks their shards against; the heal keeps it
+        kept = self._salvage(self.health.gone(snap, sorted(group.nodes())), abort=False)
+        self.plan = None  # no layout runs until the next group forms
+        if not kept:
+            self._shutdown_group()
+
+    def _salvage(self: Coordinator, gone: set[str], *, abort: bool = True) -> bool:
         """After a failure without notice: keep the surviving workers and their state when, between them,
         they hold every shard at one step (data-parallel replicas), so the group heals from peers
         (`self._heal`); else say why: the job falls back to the last committed checkpoint, and the
         survivors stay in the group as warm processes for that re-form to reuse (each has left the
         failed group and dropped its trainer; one whose save was still running is stopped instead).
         Returns whether the group is kept. `gone`: nodes the watcher lists as dead (their workers are
-        not asked)."""
+        not asked); `abort`: see `Group.salvage`."""
         g, p = self.group, self.plan
         if self.cfg.parallel.reshard != "live" or g is None or p is None or not g.size:
             return False
-        infos = g.salvage(gone=gone)
+        infos = g.salvage(gone=gone, abort=abort)
         steps = {i.step for i in infos.values()}
         rows = max((i.rows for i in infos.values()), key=len, default=())
         last_row = rows[-1]["step"] if rows else self.step_done
@@ -184,12 +213,7 @@ class GroupLifecycle:
             return
         old = self.plan.layout.to_dict() if self.plan else None
         if self.group is None:
-            self.group = self.worker_group_cls(self.cfg, str(self.run_dir),
-                                               cpus_per_worker=self.cfg.resources.cpus_per_worker,
-                                               gpus_per_worker=self.cfg.resources.gpus_per_worker,
-                                               job_id=self.job_id, start_timeout_s=self.opts.start_timeout_s,
-                                               start_probe_s=self.opts.reprobe_interval_s,
-                                               probe_timeout_s=self.opts.probe_timeout_s)
+            self.group = self._new_group()
         try:
             if self.group.size:
                 self.group.leave()

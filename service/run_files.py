@@ -81,6 +81,12 @@ def where_it_stopped(prior: list[Event], run_dir: Path) -> tuple[int, str | None
     return last_step, last_state, layout
 
 
+def last_plan(prior: list[Event]) -> dict | None:
+    """The plan (Plan.to_dict()) of the last group a lost coordinator of the job formed, if any: its
+    last resize event's."""
+    return next((e.details["plan"] for e in reversed(prior) if e.kind == "resize" and e.details.get("plan")), None)
+
+
 def iter_metrics(path: Path, *, after: int, before: int | None = None) -> Iterator[dict]:
     """Rows of metrics.jsonl with after < step (< before), streamed line by line (a torn last line is
     skipped): memory stays bounded whatever the file's length."""

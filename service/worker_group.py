@@ -7,13 +7,17 @@ share a node. On a planned resize, surviving actors are kept and only re-join (p
 survivors may be stuck in a collective with a dead peer: `salvage` aborts their group, and those that
 answer leave it and are kept (to heal from, or as warm processes for a resume from storage). While it
 waits on workers (a start, a form, a transfer) the group probes their nodes (`service.placement.
-probe_nodes`), so a node that dies meanwhile fails the wait within seconds.
+probe_nodes`), so a node that dies meanwhile fails the wait within seconds. A group with an `owner` (a
+coordinator in a named actor, which Ray restarts when its process dies) starts its workers as detached
+actors in detached placement groups: they outlive the coordinator's process, the restarted coordinator
+takes them over (`adopt`), and each ends itself once its owner is gone for good (`workers.actor.watch_owner`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections import Counter, defaultdict
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -54,8 +58,9 @@ quick call (a live resize's form, ~0.1 s) never pays for a probe."""
 class WorkerGroup:
     def __init__(self, cfg: JobConfig, run_dir: str, *, cpus_per_worker: float, gpus_per_worker: float,
                  job_id: str, start_timeout_s: float = 30.0, start_probe_s: float = 3.0,
-                 probe_timeout_s: float = 2.0):
-        """`start_probe_s`: how long a start waits for its workers before it probes the nodes they are
+                 probe_timeout_s: float = 2.0, owner: str | None = None, namespace: str = "elastron"):
+        """`owner`: the named actor (in `namespace`) the coordinator runs in, whose restart the workers
+        outlive (None: they end with the process that started them). `start_probe_s`: how long a start waits for its workers before it probes the nodes they are
         still starting on (and again as often); one that does not answer within `probe_timeout_s` fails
         the start at once. A node killed just as the group starts on it (the second failure of a double
         fault) leaves its actor pending until Ray's health checks declare the node dead, ~15 s."""
@@ -66,6 +71,7 @@ class WorkerGroup:
         self.job_id = job_id
         self.start_timeout_s = start_timeout_s
         self.start_probe_s, self.probe_timeout_s = start_probe_s, probe_timeout_s
+        self.owner, self.namespace = owner, namespace
         self.members: list[Member] = []
         self.spares: list[tuple[str, Any, PlacementGroup, Any]] = []
         """Actors started ahead of a growth (node, actor, pg, info ref), not yet members."""
@@ -119,14 +125,53 @@ class WorkerGroup:
 
         cls = ray.remote(concurrency_groups={CONTROL: 1})(Worker)  # `abort` must run while `run` is stuck
         bundle = {"CPU": self.cpus, **({"GPU": self.gpus} if self.gpus else {})}
+        detached = {} if self.owner is None else {"lifetime": "detached"}
         out = []
         for nid in nodes:
-            pg = placement_group([bundle], strategy="STRICT_PACK", _soft_target_node_id=nid)
+            pg = placement_group([bundle], strategy="STRICT_PACK", _soft_target_node_id=nid, **detached)
+            named = {} if self.owner is None else {"name": f"{self._prefix}{uuid.uuid4().hex[:12]}",
+                                                   "namespace": self.namespace, **detached}
             actor = cls.options(num_cpus=self.cpus, num_gpus=self.gpus or None, max_concurrency=1,
-                                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0)).remote(
-                self.cfg, self.run_dir, threads=max(1, int(self.cpus)))
+                                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0), **named).remote(
+                self.cfg, self.run_dir, threads=max(1, int(self.cpus)),
+                owner=None if self.owner is None else (self.owner, self.namespace))
             out.append((nid, actor, pg, actor.info.remote()))
         return out
+
+    @property
+    def _prefix(self) -> str:
+        """Name prefix of this job's detached workers."""
+        return f"elastron-worker-{self.job_id}-"
+
+    def adopt(self, *, timeout_s: float = 10.0) -> int:
+        """Take over the detached workers a previous coordinator of this job left running (its process
+        died; they did not): each that answers within `timeout_s` becomes a member, the others are
+        stopped. Their process groups and trainers are as that coordinator left them: `salvage` next.
+        Returns how many were taken over (0 for a group without an owner)."""
+        if self.owner is None:
+            return 0
+        found = []
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            if entry["namespace"] == self.namespace and entry["name"].startswith(self._prefix):
+                try:
+                    found.append(ray.get_actor(entry["name"], namespace=self.namespace))
+                except ValueError:  # ended since it was listed
+                    pass
+        refs = [a.info.options(concurrency_group=CONTROL).remote() for a in found]
+        ready = self._replies(refs, timeout_s=timeout_s, grace_s=timeout_s)
+        for actor, ref in zip(found, refs):
+            info = None
+            if ref in ready:
+                try:
+                    info = ray.get(ref)
+                except RayError:
+                    pass
+            if info is None:
+                self._kill(actor)
+            else:
+                self.members.append(Member(actor, info["pg"], info["node_id"], info["ip"]))
+        self._unread += [r for r in refs if r not in ready]
+        return len(self.members)
 
     def _start(self, launched: list, *, watch: list[str] = ()) -> list[Member]:
         """Members of `launched` (new actors, and spares taken for this start) once all have answered;
@@ -229,14 +274,19 @@ class WorkerGroup:
 
     def _stop(self, members: list[Member]) -> None:
         for m in members:
+            self._kill(m.actor)
             try:
-                ray.kill(m.actor, no_restart=True)
-            except Exception:  # already gone is fine
-                logger.debug("kill of a worker failed", exc_info=True)
-            try:
-                remove_placement_group(m.pg)
+                if m.pg is not None:
+                    remove_placement_group(m.pg)
             except Exception:
                 logger.debug("placement group removal failed", exc_info=True)
+
+    @staticmethod
+    def _kill(actor) -> None:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:  # already gone is fine
+            logger.debug("kill of a worker failed", exc_info=True)
 
     def shutdown(self) -> None:
         self._settle()
@@ -315,14 +365,16 @@ class WorkerGroup:
                 raise WorkerFailure("node", "a node hosting workers died during a step")
         return self._get([refs[0]], "run")[0]
 
-    def salvage(self, *, gone: Collection[str] = (), timeout_s: float = 15.0) -> dict[int, Salvaged]:
+    def salvage(self, *, gone: Collection[str] = (), timeout_s: float = 15.0, abort: bool = True) -> dict[int, Salvaged]:
         """After a failure: every member that answers within `timeout_s` with shards it can vouch for
         (Worker.salvage) stays, in old-rank order; the others (dead, stuck in a collective, or holding
         untrusted state) are stopped. Members on `gone` nodes, which the cluster watcher already lists
-        as dead, are not asked: their silence would only be waited out (the grace below). Returns each
+        as dead, are not asked: their silence would only be waited out (the grace below). `abort`: abort
+        their process groups first, so calls stuck in a collective with a dead peer raise (not for
+        workers whose coordinator died, not a peer: their calls end by themselves). Returns each
         survivor's report by its old rank."""
         asked = [m for m in self.members if m.node_id not in gone]
-        aborts = [m.actor.abort.options(concurrency_group=CONTROL).remote() for m in asked]
+        aborts = [m.actor.abort.options(concurrency_group=CONTROL).remote() for m in asked] if abort else []
         self._replies(aborts, timeout_s=2.0, grace_s=0.5)  # stuck collectives raise; then salvage runs
         refs = {id(m): m.actor.salvage.remote() for m in asked}
         ready = self._replies(list(refs.values()), timeout_s=timeout_s, grace_s=2.0)

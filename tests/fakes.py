@@ -75,7 +75,10 @@ class FakeGroup:
             self.step = self.disk.committed
         return Formed(step=self.step)
 
-    def salvage(self, *, gone=()):
+    def adopt(self):
+        return 0
+
+    def salvage(self, *, gone=(), abort=True):
         """Survivors (members off dead nodes) vouch for their state at the current step when `heals`.
         Records the nodes it was told are gone (`salvaged_gone`)."""
         self.salvaged_gone = set(gone)

@@ -3,13 +3,16 @@
 A worker outlives layouts: `join()` forms (or re-forms) the process group and builds the trainer for a
 layout, resuming from the latest committed checkpoint; `leave()` drops both but keeps the process (and
 its imported torch) alive, so a planned resize costs a process-group re-form, not a process start.
-Knows nothing of Ray beyond being called; knows nothing of HTTP.
+Knows nothing of Ray beyond being called (and, for a worker that outlives its coordinator, watching that
+coordinator: `watch_owner`); knows nothing of HTTP.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,9 +21,45 @@ if TYPE_CHECKING:
     from workers.config import JobConfig
     from workers.report import Salvaged
 
+logger = logging.getLogger(__name__)
+
+
+def watch_owner(name: str, namespace: str, *, every_s: float = 2.0, misses: int = 2) -> None:
+    """End this process once the named actor that owns it (the job's coordinator) is gone for good:
+    `misses` lookups in a row that find no actor by that name. A detached worker outlives its
+    coordinator's process so that a restarted coordinator can take it over; a coordinator that is not
+    coming back (stopped, deleted, out of restarts) must not leave it holding its slot. A coordinator
+    Ray is restarting keeps its name, and a lookup that fails otherwise (the GCS busy) is no miss.
+    Releasing the placement group ends the actor in it; the exit is for an actor started without one."""
+    import ray
+
+    missed = 0
+    while True:
+        time.sleep(every_s)
+        try:
+            ray.get_actor(name, namespace=namespace)
+            missed = 0
+        except ValueError:
+            missed += 1
+        except Exception:
+            logger.debug("lookup of owner %s/%s failed", namespace, name, exc_info=True)
+            continue
+        if missed >= misses:
+            break
+    logger.warning("coordinator %s/%s is gone for good: this worker ends", namespace, name)
+    from ray.util.placement_group import get_current_placement_group, remove_placement_group
+
+    try:
+        if (pg := get_current_placement_group()) is not None:
+            remove_placement_group(pg)
+    finally:
+        os._exit(0)
+
 
 class Worker:
-    def __init__(self, cfg: JobConfig, run_dir: str, *, threads: int = 1):
+    def __init__(self, cfg: JobConfig, run_dir: str, *, threads: int = 1, owner: tuple[str, str] | None = None):
+        """`owner`: (name, namespace) of the named actor whose coordinator started this worker as a
+        detached actor; the worker ends itself once that actor is gone for good (`watch_owner`)."""
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
         import torch
 
@@ -40,13 +79,17 @@ class Worker:
         self.received = None
         """The state a `reshard()` delivered for the new layout, until `join(adopt=True)` takes it."""
         self._rows: list[dict] = []
+        if owner is not None:
+            threading.Thread(target=watch_owner, args=owner, name="watch-owner", daemon=True).start()
 
     # -- placement and rendezvous --------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
+        """Where it runs, and its placement group (for a coordinator that takes it over to release)."""
         import ray
+        from ray.util.placement_group import get_current_placement_group
 
         return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
-                "pid": os.getpid()}
+                "pid": os.getpid(), "pg": get_current_placement_group()}
 
     def free_port(self) -> int:
         """A port free on this worker's node, for a rendezvous that rank 0 hosts."""

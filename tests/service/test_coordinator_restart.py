@@ -1,6 +1,8 @@
 """A coordinator that dies and is started again (Ray restarts its actor) continues the same job: it
 keeps the job's event history, records the restart as a failure with the steps it costs, and resumes
-from the last committed checkpoint. Tier 1: the fake worker group of tests/fakes.py, no Ray."""
+from the last committed checkpoint, or, where its workers outlived it (`CoordinatorOptions.owner`),
+takes them over and heals from their state. Tier 1: the fake worker group of tests/fakes.py, no Ray
+(tests/service/test_coordinator_takeover.py has the real workers)."""
 
 from __future__ import annotations
 
@@ -10,10 +12,10 @@ from service.coordinator import Coordinator, CoordinatorOptions
 from tests.fakes import advance, make_coordinator
 
 
-def again(first: Coordinator, group_cls, cluster, *, job_id: str = "job1") -> Coordinator:
+def again(first: Coordinator, group_cls, cluster, *, job_id: str = "job1", owner: str | None = None) -> Coordinator:
     """A new coordinator for the same run directory, as Ray's actor restart builds it."""
     c = Coordinator(first.cfg, run_dir=first.run_dir, job_id=job_id, watcher=cluster.watcher(),
-                    options=CoordinatorOptions(settle_seconds=0.0, max_restarts=2))
+                    options=CoordinatorOptions(settle_seconds=0.0, max_restarts=2, owner=owner))
     c.worker_group_cls = group_cls
     c.group_probe = lambda nodes, timeout_s: set(nodes)
     return c
@@ -53,3 +55,56 @@ def test_another_jobs_events_in_the_run_dir_are_not_adopted(tmp_path):
     advance(other, lambda c: c.sm.state.is_terminal)
     assert str(other.sm.state) == "SUCCEEDED" and other.reconfigs[0].cause == "planned"
     assert {e["job_id"] for e in other.events_since(0)} == {"job2"}
+
+
+def left_running(group_cls, lost):
+    """`group_cls` whose `adopt` takes over the group `lost` (the dead coordinator's) as it was: its
+    members at their step, as detached workers outlive their coordinator."""
+    def adopt(self):
+        self.members, self.step, self.plan = list(lost.members), lost.step, lost.plan
+        return len(self.members)
+    return type("LeftRunning", (group_cls,), {"adopt": adopt})
+
+
+def test_a_restarted_coordinator_takes_over_the_workers_left_running_and_heals_from_them(tmp_path):
+    first, cluster, group_cls = make_coordinator(tmp_path, {"a": 2, "b": 2})
+    group_cls.heals = True
+    advance(first, lambda c: c.step_done >= 7)
+    assert group_cls.disk.committed == 5
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 8)))
+
+    second = again(first, left_running(group_cls, first.group), cluster, owner="elastron-job-job1")
+    advance(second, lambda c: c.sm.state.is_terminal)
+
+    assert str(second.sm.state) == "SUCCEEDED" and second.step_done == 20
+    rc = second.reconfigs[0]
+    assert rc.cause == "failure" and rc.step_before == 7 and rc.resumed_step == 7 and rc.steps_lost == 0
+    assert rc.started == 0 and rc.transfer["path"] == "peers"  # healed from the same workers, none started
+    kinds = [(e["kind"], e["reason"]) for e in second.events_since(0)]
+    assert ("info", "took over 4 worker(s) the previous coordinator left running") in kinds
+    restart = next(r for k, r in kinds if k == "failure")
+    assert "taking over the workers it left running" in restart
+
+
+def test_workers_taken_over_from_a_storage_job_stay_warm_for_its_resume(tmp_path):
+    first, cluster, group_cls = make_coordinator(tmp_path, {"a": 2, "b": 2}, parallel={"reshard": "storage"})
+    advance(first, lambda c: c.step_done >= 7)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 8)))
+
+    second = again(first, left_running(group_cls, first.group), cluster, owner="elastron-job-job1")
+    advance(second, lambda c: c.sm.state.is_terminal)
+
+    rc = second.reconfigs[0]
+    assert rc.resumed_step == 5 and rc.steps_lost == 2  # from the last commit...
+    assert rc.started == 0 and rc.transfer["path"] == "storage"  # ...by the processes already running
+
+
+def test_without_an_owner_a_restart_looks_for_no_workers(tmp_path):
+    first, cluster, group_cls = make_coordinator(tmp_path, {"a": 2})
+    advance(first, lambda c: c.step_done >= 7)
+
+    def adopt(self):
+        raise AssertionError("adopt called for a coordinator whose workers end with it")
+    second = again(first, type("NoAdopt", (group_cls,), {"adopt": adopt}), cluster)
+    advance(second, lambda c: c.sm.state.is_terminal)
+    assert str(second.sm.state) == "SUCCEEDED" and second.reconfigs[0].resumed_step == 5

@@ -1,0 +1,79 @@
+"""A REST job's workers outlive its coordinator: they are detached actors, so when the coordinator's
+process dies (SIGKILL), Ray restarts it and the new coordinator takes them over and heals from their
+state: no worker process is started, no step is redone. When the coordinator is gone for good, the
+workers end themselves and give their slots back. Real workers (tiny model, gloo) on one local Ray."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from api.store import JobStore
+from service.job_actor import NAMESPACE, RayLauncher, actor_name
+from service.jobs import JobManager
+from tests.api.helpers import wait_for
+from tests.ray_local import local_ray  # noqa: F401  (a fixture)
+
+ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.e2e
+
+SPEC = {"name": "tiny", "data": {"source": "synthetic", "seq_len": 16},
+        "train": {"steps": 150, "global_batch_size": 8, "micro_batch_size": 2},
+        "parallel": {"min_workers": 2, "max_workers": 2}, "checkpoint": {"interval_steps": 100},
+        "resources": {"cpus_per_worker": 1}}
+
+
+def worker_names(job_id: str) -> list[str]:
+    """The job's detached workers that Ray lists as alive."""
+    return sorted(e["name"] for e in ray.util.list_named_actors(all_namespaces=True)
+                  if e["namespace"] == NAMESPACE and e["name"].startswith(f"elastron-worker-{job_id}-"))
+
+
+def workers_of(job_id: str) -> dict[str, int]:
+    """{actor name: pid} of the job's detached workers (while it trains: none is ending)."""
+    return {n: ray.get(ray.get_actor(n, namespace=NAMESPACE).info.remote(), timeout=30)["pid"]
+            for n in worker_names(job_id)}
+
+
+@pytest.fixture
+def manager(local_ray, tmp_path):
+    mgr = JobManager(JobStore(tmp_path / "jobs.db"), RayLauncher(timeout_s=60, options={"settle_seconds": 0.0}),
+                     runs_root=tmp_path / "runs", sync_interval_s=0.1)
+    mgr.start()
+    yield mgr
+    mgr.close()
+
+
+def test_a_restarted_coordinator_heals_from_the_workers_it_left_running(manager):
+    job_id = manager.submit(SPEC)
+    first = wait_for(lambda: (j := manager.get(job_id).status).step >= 10 and j, timeout=120, what="training")
+    before = workers_of(job_id)
+    assert len(before) == 2
+
+    os.kill(first.pid, signal.SIGKILL)
+    wait_for(lambda: (j := manager.get(job_id).status).pid not in (None, first.pid) and j.state == "RUNNING"
+             and j.step > first.step + 5, timeout=120, what="the restarted coordinator trains on")
+    assert workers_of(job_id) == before  # the same processes: taken over, not started again
+
+    done = wait_for(lambda: (j := manager.get(job_id).status).state in ("SUCCEEDED", "FAILED") and j,
+                    timeout=120, what="the job ends")
+    assert done.state == "SUCCEEDED", done.reason
+    assert done.step == 150 and done.steps_lost == 0 and done.reconfigurations.get("failure") == 1
+    events = manager.events(job_id)
+    heal = [e for e in events if e["kind"] == "resize"][-1]["details"]
+    assert heal["started"] == 0 and heal["transfer"]["path"] == "peers" and heal["cause"] == "failure"
+    assert any(e["kind"] == "info" and e["details"].get("adopted") == 2 for e in events)
+    assert [m["step"] for m in manager.metrics(job_id)] == list(range(1, 151))
+    wait_for(lambda: not worker_names(job_id), timeout=30, what="the finished job's workers end")
+
+
+def test_workers_end_themselves_once_their_coordinator_is_gone_for_good(manager):
+    job_id = manager.submit(SPEC)
+    wait_for(lambda: manager.get(job_id).status.step >= 5, timeout=120, what="training")
+    assert len(worker_names(job_id)) == 2
+
+    ray.kill(ray.get_actor(actor_name(job_id), namespace=NAMESPACE), no_restart=True)  # no restart: gone
+    wait_for(lambda: not worker_names(job_id), timeout=30, what="the orphaned workers end")
+    wait_for(lambda: ray.available_resources().get("CPU") == 2.0, timeout=30, what="their CPUs come back")
