@@ -312,12 +312,17 @@ class RayLauncher:
             return "a Ray cluster this process is not connected to"
 
     def release(self, job_id: str, timeout_s: float = 10.0) -> None:
+        """End the job's actor for good, and its workers with it (they would end themselves within
+        seconds; a worker that died while no coordinator watched would leave its placement group)."""
         import ray
+
+        from service.detached import release_workers
 
         try:
             ray.kill(ray.get_actor(actor_name(job_id), namespace=self.namespace), no_restart=True)
         except ValueError:
             pass
+        release_workers(job_id)
 
     def cluster(self):
         from service.cluster import ClusterWatcher

@@ -29,6 +29,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from parallel.planner import Plan
+from service.detached import find_workers, release_workers, worker_prefix
 from service.group_types import Formed, Moved, WorkerFailure
 from service.placement import probe_nodes
 from workers.config import JobConfig
@@ -125,38 +126,29 @@ class WorkerGroup:
 
         cls = ray.remote(concurrency_groups={CONTROL: 1})(Worker)  # `abort` must run while `run` is stuck
         bundle = {"CPU": self.cpus, **({"GPU": self.gpus} if self.gpus else {})}
-        detached = {} if self.owner is None else {"lifetime": "detached"}
+        owned = self.owner is not None
         out = []
         for nid in nodes:
-            pg = placement_group([bundle], strategy="STRICT_PACK", _soft_target_node_id=nid, **detached)
-            named = {} if self.owner is None else {"name": f"{self._prefix}{uuid.uuid4().hex[:12]}",
-                                                   "namespace": self.namespace, **detached}
+            named = {"name": f"{worker_prefix(self.job_id)}{uuid.uuid4().hex[:12]}", "lifetime": "detached"} \
+                if owned else {}
+            pg = placement_group([bundle], strategy="STRICT_PACK", _soft_target_node_id=nid, **named)
             actor = cls.options(num_cpus=self.cpus, num_gpus=self.gpus or None, max_concurrency=1,
-                                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0), **named).remote(
+                                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0), **named,
+                                **({"namespace": self.namespace} if owned else {})).remote(
                 self.cfg, self.run_dir, threads=max(1, int(self.cpus)),
                 owner=None if self.owner is None else (self.owner, self.namespace))
             out.append((nid, actor, pg, actor.info.remote()))
         return out
 
-    @property
-    def _prefix(self) -> str:
-        """Name prefix of this job's detached workers."""
-        return f"elastron-worker-{self.job_id}-"
-
     def adopt(self, *, timeout_s: float = 10.0) -> int:
         """Take over the detached workers a previous coordinator of this job left running (its process
         died; they did not): each that answers within `timeout_s` becomes a member, the others are
         stopped. Their process groups and trainers are as that coordinator left them: `salvage` next.
-        Returns how many were taken over (0 for a group without an owner)."""
+        The placement groups of workers that died meanwhile are removed. Returns how many were taken
+        over (0 for a group without an owner)."""
         if self.owner is None:
             return 0
-        found = []
-        for entry in ray.util.list_named_actors(all_namespaces=True):
-            if entry["namespace"] == self.namespace and entry["name"].startswith(self._prefix):
-                try:
-                    found.append(ray.get_actor(entry["name"], namespace=self.namespace))
-                except ValueError:  # ended since it was listed
-                    pass
+        found = find_workers(self.job_id, self.namespace)
         refs = [a.info.options(concurrency_group=CONTROL).remote() for a in found]
         ready = self._replies(refs, timeout_s=timeout_s, grace_s=timeout_s)
         for actor, ref in zip(found, refs):
@@ -171,6 +163,7 @@ class WorkerGroup:
             else:
                 self.members.append(Member(actor, info["pg"], info["node_id"], info["ip"]))
         self._unread += [r for r in refs if r not in ready]
+        release_workers(self.job_id, keep={m.pg.id.hex() for m in self.members})
         return len(self.members)
 
     def _start(self, launched: list, *, watch: list[str] = ()) -> list[Member]:

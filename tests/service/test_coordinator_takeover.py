@@ -69,6 +69,27 @@ def test_a_restarted_coordinator_heals_from_the_workers_it_left_running(manager)
     wait_for(lambda: not worker_names(job_id), timeout=30, what="the finished job's workers end")
 
 
+def test_a_worker_that_died_with_the_coordinator_gives_its_slot_back(manager):
+    """The coordinator and one worker die together: the new coordinator takes the other over and
+    removes the dead one's placement group, which no one else would (it was detached), so the job can
+    grow back onto its slot."""
+    job_id = manager.submit(SPEC)
+    first = wait_for(lambda: (j := manager.get(job_id).status).step >= 10 and j, timeout=120, what="training")
+    pids = sorted(workers_of(job_id).values())
+    os.kill(first.pid, signal.SIGKILL)
+    os.kill(pids[0], signal.SIGKILL)
+
+    done = wait_for(lambda: (j := manager.get(job_id).status).state in ("SUCCEEDED", "FAILED") and j,
+                    timeout=180, what="the job ends")
+    assert done.state == "SUCCEEDED", done.reason
+    after = [e["details"] for e in manager.events(job_id) if e["kind"] == "resize"][1]
+    # from the survivor's state, or (where the peer's death broke its step after the weight update)
+    # from the last commit, through the survivor's process; the dead one replaced on the slot it held
+    assert after["world_size"] == 2 and after["started"] == 1 and after["cause"] == "failure"
+    wait_for(lambda: all(t["state"] == "REMOVED" for t in ray.util.placement_group_table().values()),
+             timeout=30, what="every placement group removed")
+
+
 def test_workers_end_themselves_once_their_coordinator_is_gone_for_good(manager):
     job_id = manager.submit(SPEC)
     wait_for(lambda: manager.get(job_id).status.step >= 5, timeout=120, what="training")
