@@ -1,0 +1,197 @@
+"""Starting, taking over and stopping a worker group's actors: part of `service.worker_group.WorkerGroup`
+(a mixin: `self` is the group), kept apart so that file is membership and the collective calls.
+
+A start asks for one placement group and actor per node and waits for both in one loop, probing the
+nodes they are starting on (`_await_starts`): a node that dies meanwhile fails the start within
+seconds, not after Ray's own detection. Workers started ahead of a growth are spares (`prewarm`). A
+group with an `owner` starts detached actors in detached placement groups, named after the job
+(`service.detached`), which a restarted coordinator takes over (`adopt`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import ray
+from ray.exceptions import RayError
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from service.detached import find_workers, release_workers, worker_prefix
+from service.group_types import WorkerFailure
+from service.placement import probe_nodes
+
+if TYPE_CHECKING:
+    from service.worker_group import WorkerGroup
+
+logger = logging.getLogger(__name__)
+
+CONTROL = "control"
+"""A worker actor's second lane (concurrency group): `abort` runs there while the default lane is busy."""
+
+
+@dataclass
+class Member:
+    actor: Any
+    pg: PlacementGroup
+    node_id: str
+    ip: str
+
+
+FIRST_PROBE_S = 0.5
+"""A wait on workers probes their nodes first after this long (then every `start_probe_s`): soon enough
+to catch a node that died just before the call (a second fault right after a first), late enough that a
+quick call (a live resize's form, ~0.1 s) never pays for a probe."""
+
+
+class WorkerStarts:
+    """Methods of WorkerGroup (a mixin)."""
+
+    def _launch(self: WorkerGroup, nodes: list[str]) -> list[tuple[str, Any, PlacementGroup, Any]]:
+        """Ask for one placement group and actor per node, without waiting for either."""
+        from workers.actor import Worker
+
+        cls = ray.remote(concurrency_groups={CONTROL: 1})(Worker)  # `abort` must run while `run` is stuck
+        bundle = {"CPU": self.cpus, **({"GPU": self.gpus} if self.gpus else {})}
+        owned = self.owner is not None
+        out = []
+        for nid in nodes:
+            named = {"name": f"{worker_prefix(self.job_id)}{uuid.uuid4().hex[:12]}", "lifetime": "detached"} \
+                if owned else {}
+            pg = placement_group([bundle], strategy="STRICT_PACK", _soft_target_node_id=nid, **named)
+            actor = cls.options(num_cpus=self.cpus, num_gpus=self.gpus or None, max_concurrency=1,
+                                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0), **named,
+                                **({"namespace": self.namespace} if owned else {})).remote(
+                self.cfg, self.run_dir, threads=max(1, int(self.cpus)),
+                owner=None if self.owner is None else (self.owner, self.namespace))
+            out.append((nid, actor, pg, actor.info.remote()))
+        return out
+
+    def adopt(self: WorkerGroup, *, timeout_s: float = 10.0) -> int:
+        """Take over the detached workers a previous coordinator of this job left running (its process
+        died; they did not): each that answers within `timeout_s` becomes a member, the others are
+        stopped. Their process groups and trainers are as that coordinator left them: `salvage` next.
+        The placement groups of workers that died meanwhile are removed. Returns how many were taken
+        over (0 for a group without an owner)."""
+        if self.owner is None:
+            return 0
+        found = find_workers(self.job_id, self.namespace)
+        refs = [a.info.options(concurrency_group=CONTROL).remote() for a in found]
+        ready = self._replies(refs, timeout_s=timeout_s, grace_s=timeout_s)
+        for actor, ref in zip(found, refs):
+            info = None
+            if ref in ready:
+                try:
+                    info = ray.get(ref)
+                except RayError:
+                    pass
+            if info is None:
+                self._kill(actor)
+            else:
+                self.members.append(Member(actor, info["pg"], info["node_id"], info["ip"]))
+        self._unread += [r for r in refs if r not in ready]
+        release_workers(self.job_id, keep={m.pg.id.hex() for m in self.members})
+        return len(self.members)
+
+    def _start(self: WorkerGroup, launched: list, *, watch: list[str] = ()) -> list[Member]:
+        """Members of `launched` (new actors, and spares taken for this start) once all have answered;
+        `watch`: the nodes of the members kept beside them, probed with those being started on."""
+        try:
+            infos = self._await_starts(launched, watch=watch)
+        except WorkerFailure:  # none of them is a member yet: release all, or their CPUs stay held
+            self._stop([Member(a, pg, nid, "") for nid, a, pg, _ in launched])
+            raise
+        return [Member(a, pg, i["node_id"], i["ip"]) for (_, a, pg, _), i in zip(launched, infos)]
+
+    def _await_starts(self: WorkerGroup, launched: list, *, watch: list[str] = ()) -> list[dict]:
+        """Each launched actor's `info`, in order; WorkerFailure as soon as one fails, when a placement
+        group is not placed within `start_timeout_s` ("start"), or when the workers have not answered
+        60 s after that ("timeout"). Every `start_probe_s` while some have not answered, probe the nodes
+        they are starting on (each one's target, and where its placement group landed): WorkerFailure("node")
+        when one does not answer, instead of waiting out Ray's own detection of a dead node (~15 s for
+        an actor on it; for good for a placement group that cannot fit without it)."""
+        from ray.util import placement_group_table
+
+        pending = {ref: (nid, pg) for nid, _, pg, ref in launched}
+        targets = {nid for nid, *_ in launched}
+        infos = {}
+        t0 = time.monotonic()
+        place_by, deadline = t0 + self.start_timeout_s, t0 + self.start_timeout_s + 60
+        next_probe = t0 + min(FIRST_PROBE_S, self.start_probe_s)
+        while pending:
+            now = time.monotonic()
+            wake = min(deadline, next_probe, place_by if now < place_by else deadline)
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, wake - now))
+            for ref in done:
+                del pending[ref]
+                infos[ref] = self._get([ref], "start", timeout=0)[0]  # a failed start raises here
+            if not pending:
+                break
+            tables = {ref: placement_group_table(pg) for ref, (_, pg) in pending.items()}
+            now = time.monotonic()
+            if now >= place_by and (unplaced := [(nid, t.get("state")) for ref, (nid, _) in pending.items()
+                                                 if (t := tables[ref]).get("state") != "CREATED"]):
+                raise WorkerFailure("start", f"could not place {len(unplaced)} of {len(launched)} worker(s) within "
+                                             f"{self.start_timeout_s:.0f}s (" + ", ".join(
+                                                 f"on {nid[:8]}: {state}" for nid, state in unplaced) + ")")
+            if now >= deadline:
+                raise WorkerFailure("timeout", f"workers did not finish start within {deadline - t0:.0f}s")
+            if now >= next_probe:
+                # where the pending landed (an unplaced bundle's node is "") and where each was meant to
+                # go: a placement group aimed at a dead node the GCS still lists lands elsewhere (the
+                # target is soft), may even start there, and takes the slot another start waits for
+                where = {x for ref in pending for x in (tables[ref].get("bundles_to_node_id") or {}).values() if x}
+                self._probe_or_fail(sorted(where | targets | set(watch)), "while workers started")
+                next_probe = time.monotonic() + self.start_probe_s
+        return [infos[ref] for *_, ref in launched]
+
+    def _probe_or_fail(self: WorkerGroup, nodes: list[str], during: str) -> None:
+        """WorkerFailure("node") if one of `nodes` does not answer a probe: a call waiting on a worker
+        there would otherwise wait out Ray's own detection of the dead node (~15 s or more), and a
+        placement group there would wait for good."""
+        if dead := set(nodes) - probe_nodes(nodes, timeout_s=self.probe_timeout_s):
+            raise WorkerFailure("node", f"node(s) {', '.join(n[:8] for n in sorted(dead))} stopped answering "
+                                        f"{during}")
+
+    def prewarm(self: WorkerGroup, nodes: list[str]) -> int:
+        """Start actors on `nodes` in the background while the group keeps training (a growth is
+        settling), so the resize itself only re-forms the process group. Returns how many were started;
+        nodes that already have a spare are skipped."""
+        have = Counter(nid for nid, *_ in self.spares)
+        need = [nid for nid, k in (Counter(nodes) - have).items() for _ in range(k)]
+        self.spares += self._launch(need)
+        return len(need)
+
+    def _take_spares(self: WorkerGroup, nodes: list[str]) -> list:
+        """Spares pre-started on `nodes`, taken out of `spares` to be awaited with this start (a spare
+        that failed, or whose node died, fails the start like a fresh worker would)."""
+        want, taken, keep = Counter(nodes), [], []
+        for spare in self.spares:
+            if want[spare[0]] > 0:
+                want[spare[0]] -= 1
+                taken.append(spare)
+            else:
+                keep.append(spare)
+        self.spares = keep
+        return taken
+
+    def _stop(self: WorkerGroup, members: list[Member]) -> None:
+        for m in members:
+            self._kill(m.actor)
+            try:
+                if m.pg is not None:
+                    remove_placement_group(m.pg)
+            except Exception:
+                logger.debug("placement group removal failed", exc_info=True)
+
+    @staticmethod
+    def _kill(actor) -> None:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:  # already gone is fine
+            logger.debug("kill of a worker failed", exc_info=True)
