@@ -104,9 +104,11 @@ class Coordinator(Commands, GroupLifecycle):
             S.WAITING_FOR_CAPACITY: self._on_waiting_for_capacity, S.QUEUED: self._on_waiting_for_capacity}
         """One handler per state that acts; PAUSED and the terminal states wait for a command or nothing."""
         self._lock = threading.RLock()
-        self._orphans: Plan | None = None
-        """After a restart: the plan the lost coordinator's group ran, whose workers may still be running
-        (detached, `opts.owner`); the first iteration takes them over (`_take_over`)."""
+        self._take_over_due = False
+        """After a restart whose workers may still run (detached, `opts.owner`): the first iteration takes
+        them over (`_take_over`)."""
+        self._lost_plan: Plan | None = None
+        """The plan the lost coordinator's group ran (its last resize event's); None if it formed none."""
         if len(self.events):
             self._resume_after_restart()
 
@@ -128,10 +130,10 @@ class Coordinator(Commands, GroupLifecycle):
         the last step the old group logged."""
         prior = self.events.events
         last_step, last_state, layout = where_it_stopped(prior, self.run_dir)
-        plan_d = last_plan(prior) if self.opts.owner is not None else None
-        self._orphans = Plan.from_dict(plan_d) if plan_d else None
+        self._take_over_due = self.opts.owner is not None
+        self._lost_plan = Plan.from_dict(d) if (d := last_plan(prior)) else None
         how = ("taking over the workers it left running, else resuming from the last committed checkpoint"
-               if self._orphans is not None else "resuming from the last committed checkpoint")
+               if self._take_over_due else "resuming from the last committed checkpoint")
         why = (f"the coordinator restarted (its previous process was lost in state {last_state} at step "
                f"{last_step}); {how}")
         self.failures.append(Failure(time=time.time(), kind="coordinator", error=why))
@@ -190,7 +192,7 @@ class Coordinator(Commands, GroupLifecycle):
         """One iteration: apply the queued commands, then the current state's handler. Returns the state
         after it. (The first iteration after a restart first takes over the lost coordinator's workers,
         whatever the commands replayed into it say: a pause or stop then releases them.)"""
-        if self._orphans is not None:
+        if self._take_over_due:
             self._take_over(self.watcher.latest or self.watcher.poll())
         self._apply_commands()
         handler = self._handlers.get(self.sm.state)

@@ -110,8 +110,10 @@ class GroupLifecycle:
         """After a restart: the workers the lost coordinator left running (`Group.adopt`) become this
         one's group. If between them they hold every shard of its last plan at one step, the next group
         heals from them (no step redone, no process started); else they stay as warm processes for the
-        resume from storage (a job that reshards through storage keeps them that way too)."""
-        old, self._orphans = self._orphans, None
+        resume from storage (so do those of a job that reshards through storage, and those started
+        before the lost coordinator formed any group)."""
+        self._take_over_due = False
+        old = self._lost_plan
         group = self._new_group()
         found = group.adopt()
         if not found:
@@ -120,7 +122,7 @@ class GroupLifecycle:
         self.step_done = max(self.step_done, self._open.step_before if self._open is not None else 0)
         self.sm.note("info", reason=f"took over {found} worker(s) the previous coordinator left running",
                      step=self.step_done, details={"adopted": found, "nodes": dict(group.nodes())})
-        if self.cfg.parallel.reshard != "live":
+        if self.cfg.parallel.reshard != "live" or old is None:
             return
         self.plan = old  # what `_salvage` checks their shards against; the heal keeps it
         kept = self._salvage(self.health.gone(snap, sorted(group.nodes())), abort=False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 from service.coordinator import Coordinator, CoordinatorOptions
+from service.state import JobState as S
 from tests.fakes import advance, make_coordinator
 
 
@@ -108,3 +109,20 @@ def test_without_an_owner_a_restart_looks_for_no_workers(tmp_path):
     second = again(first, type("NoAdopt", (group_cls,), {"adopt": adopt}), cluster)
     advance(second, lambda c: c.sm.state.is_terminal)
     assert str(second.sm.state) == "SUCCEEDED" and second.reconfigs[0].resumed_step == 5
+
+
+def test_workers_started_before_any_group_formed_are_taken_over_not_left_holding_slots(tmp_path):
+    """The coordinator died while its first group was starting: no plan was recorded, but the workers
+    it started run on, detached. The next coordinator must make them its own (here: reuse them), or
+    they would hold their slots for as long as the job's actor lives."""
+    first, cluster, group_cls = make_coordinator(tmp_path, {"a": 2, "b": 2})
+    first.sm.transition(S.STARTING, reason="starting", step=0, cause="planned")  # and then it died
+    lost = group_cls(first.cfg, str(tmp_path))
+    lost.members = ["a", "a", "b", "b"]
+
+    second = again(first, left_running(group_cls, lost), cluster, owner="elastron-job-job1")
+    advance(second, lambda c: c.sm.state.is_terminal)
+
+    assert str(second.sm.state) == "SUCCEEDED"
+    rc = second.reconfigs[0]
+    assert rc.started == 0 and rc.stopped == 0 and rc.resumed_step == 0  # the same four, from the start
