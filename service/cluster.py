@@ -136,7 +136,8 @@ def _ray_nodes() -> list[dict]:
     return ray.nodes()
 
 
-def _ray_draining() -> dict[str, int]:
+def ray_draining() -> dict[str, int]:
+    """{node_id_hex: drain deadline in ms (0: none)} of the nodes Ray is draining."""
     import ray._private.state
 
     return ray._private.state.state.get_draining_nodes()
@@ -169,7 +170,7 @@ class ClusterWatcher:
     fake sources are injected). `on_change(old, new)` callbacks run on the polling thread."""
 
     def __init__(self, *, interval_s: float = 0.5, nodes_fn: Callable[[], list[dict]] = _ray_nodes,
-                 draining_fn: Callable[[], Mapping[str, int]] = _ray_draining,
+                 draining_fn: Callable[[], Mapping[str, int]] = ray_draining,
                  clock: Callable[[], float] = time.time, on_change: list[Callback] | None = None):
         if not isinstance(interval_s, (int, float)) or not 0 < interval_s <= 60:
             raise ValueError(f"interval_s must be in (0, 60], got {interval_s!r}")

@@ -33,9 +33,17 @@ def probe_nodes(node_ids: list[str], *, timeout_s: float = 2.0) -> set[str]:
     After an unplanned failure the GCS can list a killed node as alive for many seconds (until its
     health checks time out). Planning onto it would hang a placement until a start-up timeout, which is
     how Ray Train's elastic mode loses a minute. A healthy raylet places a tiny bundle in milliseconds;
-    one that does not answer within `timeout_s` is left out of the next plan."""
+    one that does not answer within `timeout_s` is left out of the next plan.
+
+    A node Ray is draining places nothing new by design, so it is not probed: it counts as answering
+    (its drain deadline, and Ray's health checks, bound how long it can stay listed). Probed, it would
+    look dead, and a live transfer off it, whose wait probes its members' nodes, would fail."""
     from ray.util import placement_group_table
 
+    from service.cluster import ray_draining
+
+    draining = set(ray_draining()) & set(node_ids)
+    node_ids = [n for n in node_ids if n not in draining]
     # The bundle asks for a sliver of the node's own `node:IP` resource, not CPU: right after a failure
     # the node's CPUs can still be held by the placement groups being removed, and a CPU bundle would
     # then land elsewhere (the target is soft) and make a healthy node look dead.
@@ -43,7 +51,7 @@ def probe_nodes(node_ids: list[str], *, timeout_s: float = 2.0) -> set[str]:
     pgs = {nid: placement_group([{f"node:{ips[nid]}": 0.001} if ips.get(nid) else {"CPU": 0.001}],
                                 strategy="STRICT_PACK", _soft_target_node_id=nid)
            for nid in node_ids}
-    alive: set[str] = set()
+    alive: set[str] = set(draining)
     deadline = time.monotonic() + timeout_s
     pending = dict(pgs)
     while pending and time.monotonic() < deadline:

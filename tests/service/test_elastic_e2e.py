@@ -133,6 +133,11 @@ def finish(coord: Coordinator, t: threading.Thread, reference: list[float]):
     return changes
 
 
+def timeline(coord: Coordinator) -> str:
+    """The job's events, one a line, for an assertion's message."""
+    return "\n".join(f"{e['time']:.2f} {e['kind']} {e.get('to_state')}: {e['reason']}" for e in coord.events_since(0))
+
+
 def not_driver(node_ids):
     """Node ids other than the one this driver is attached to (all simulated nodes share one IP, so it
     may be any of them; removing or draining it would take the driver down)."""
@@ -185,7 +190,7 @@ def test_preemption_notice_checkpoints_just_in_time_and_loses_nothing(cluster, n
     drain_node(victim, message="test: spot reclaim", deadline_remaining_s=60)
     hold.release()
     (rc,) = finish(coord, t, reference)
-    assert rc.cause == "preemption" and rc.steps_lost == 0
+    assert rc.cause == "preemption" and rc.steps_lost == 0, timeline(coord)
     assert rc.world_size == 2 and rc.started == 0
     assert rc.transfer["path"] == "live"  # the draining node's workers sent their shards before leaving
     kinds = [e["kind"] for e in coord.events_since(0)]

@@ -112,3 +112,35 @@ def test_a_member_node_that_dies_before_a_group_call_fails_it_at_the_probe(tmp_p
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def test_a_draining_node_counts_as_answering_the_probe():
+    """Ray places nothing new on a node it drains, so a probe there would time out and the node look dead;
+    a live transfer off a draining node probes its members' nodes while it waits and failed that way (a
+    preemption notice handled as a failure, seen in tests/service/test_elastic_e2e.py)."""
+    from ray.cluster_utils import Cluster
+
+    from service.cluster import drain_node
+    from service.placement import probe_nodes
+
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    try:
+        ray.init(address=cluster.address, log_to_driver=False)
+        node = cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+
+        @ray.remote(num_cpus=1)
+        class Busy:  # keeps the node from exiting as soon as it is drained and idle
+            def ping(self) -> bool:
+                return True
+
+        busy = Busy.remote()
+        assert ray.get(busy.ping.remote(), timeout=60)
+        assert probe_nodes([node.node_id], timeout_s=5) == {node.node_id}
+        drain_node(node.node_id, message="test: spot reclaim", deadline_remaining_s=60)
+        assert probe_nodes([node.node_id], timeout_s=1) == {node.node_id}
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
