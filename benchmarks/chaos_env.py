@@ -87,8 +87,19 @@ class ChaosEnv:
             self.nodes.append(self.cluster.add_node(num_cpus=1))
             added += 1
         if added:
-            self.cluster.wait_for_nodes()
+            self._wait_alive([n.node_id for n in self.nodes[-added:]])
         return added
+
+    @staticmethod
+    def _wait_alive(node_ids: list[str]) -> None:
+        """Until Ray lists each of `node_ids` alive. Not `Cluster.wait_for_nodes()`, which waits until
+        the GCS counts as many alive nodes as the cluster has, that is also until it has given up on a
+        node removed without notice (~15 s of missed health checks): the job does not wait for that,
+        and the chaos run should not either (it only gave the job time to train past its last step)."""
+        import ray
+
+        wait(lambda: set(node_ids) <= {n["NodeID"] for n in ray.nodes() if n.get("Alive")}, 60,
+             f"{len(node_ids)} new node(s) to register")
 
     def raylet_pid(self, node) -> int:
         from ray._private import ray_constants
