@@ -14,11 +14,14 @@ from workers.report import Salvaged
 
 
 class WorkerFailure(RuntimeError):
-    """A worker died or raised. `kind` groups repeated failures of the same sort for the retry budget."""
+    """A worker died or raised. `kind` groups repeated failures of the same sort for the retry budget;
+    `nodes`: nodes the group's own probe found unresponsive (kind "node"), which the recovery neither
+    waits for nor probes again."""
 
-    def __init__(self, kind: str, message: str):
+    def __init__(self, kind: str, message: str, *, nodes: Collection[str] = ()):
         super().__init__(message)
         self.kind = kind
+        self.nodes = frozenset(nodes)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

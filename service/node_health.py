@@ -40,6 +40,13 @@ class NodeHealth:
             self.suspects[nid] = now
         return dead
 
+    def suspect(self, nodes: Iterable[str]) -> None:
+        """Mark `nodes` as suspects: a probe elsewhere (a worker group's, while it waited) found them
+        unresponsive."""
+        now = self.clock()
+        for nid in nodes:
+            self.suspects[nid] = now
+
     def reprobe(self, snap: ClusterSnapshot) -> set[str]:
         """Probe the suspects again (at most every `reprobe_interval_s`); return those that answer now
         (they are no longer suspects)."""

@@ -181,7 +181,9 @@ class GroupLifecycle:
         with self._lock:
             self.failures.append(Failure(time=t0, kind=err.kind, error=str(err)))
         nodes = sorted(set(self.group.nodes() if self.group is not None else ()) | set(tried))
-        gone = self.health.gone(self.watcher.latest, nodes)  # known dead: neither waited for nor probed
+        self.health.suspect(err.nodes)  # the group's probe found them dead: they stay out of the next plan
+        # known dead (the watcher, or that probe): neither waited for nor probed again
+        gone = self.health.gone(self.watcher.latest, nodes) | err.nodes
         # The probe (up to probe_timeout_s on a dead node) runs while the survivors salvage (up to their
         # grace for a silent peer): one wait instead of two.
         with ThreadPoolExecutor(1, thread_name_prefix="probe") as pool:

@@ -27,7 +27,7 @@ from ray.util.placement_group import PlacementGroup
 
 from parallel.planner import Plan
 from service.group_types import Formed, Moved, WorkerFailure
-from service.worker_start import CONTROL, FIRST_PROBE_S, Member, WorkerStarts
+from service.worker_start import CONTROL, Member, WorkerStarts, probe_gaps
 from workers.config import JobConfig
 from workers.report import Salvaged
 
@@ -102,16 +102,15 @@ class WorkerGroup(WorkerStarts):
         return [m for nid in order for m in pool.get(nid, [])], leavers, started
 
     def _await_probing(self, refs: list, what: str, *, timeout_s: float) -> list:
-        """`_get(refs)`, probing the members' nodes every `start_probe_s` while some have not answered."""
+        """`_get(refs)`, probing the members' nodes (`probe_gaps`) while some have not answered."""
         deadline = time.monotonic() + timeout_s
-        pending, wait_s = list(refs), min(FIRST_PROBE_S, self.start_probe_s)
+        pending, gaps = list(refs), probe_gaps(self.start_probe_s)
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
                 self._unread += refs
                 raise WorkerFailure("timeout", f"workers did not finish {what} within {timeout_s:.0f}s")
-            done, pending = ray.wait(pending, num_returns=len(pending), timeout=min(left, wait_s))
-            wait_s = self.start_probe_s
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=min(left, next(gaps)))
             for ref in done:
                 self._get([ref], what, timeout=0, also=refs)  # a failed rank raises at once
             if pending:

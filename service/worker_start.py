@@ -14,6 +14,7 @@ import logging
 import time
 import uuid
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -44,9 +45,22 @@ class Member:
 
 
 FIRST_PROBE_S = 0.5
-"""A wait on workers probes their nodes first after this long (then every `start_probe_s`): soon enough
-to catch a node that died just before the call (a second fault right after a first), late enough that a
-quick call (a live resize's form, ~0.1 s) never pays for a probe."""
+"""A wait on workers probes their nodes first after this long: soon enough to catch a node that died
+just before the call (a second fault right after a first), late enough that a quick call (a live
+resize's form, ~0.1 s) never pays for a probe."""
+
+
+def probe_gaps(cap_s: float) -> Iterator[float]:
+    """Seconds before each probe of a wait on workers: FIRST_PROBE_S, then 1 s, doubling up to `cap_s`.
+    The probes come close together early, when a second fault is most likely (the chaos run's double:
+    a node removed 0.3 s after a worker kill, which a probe just before it misses; every 3 s from the
+    start, the next probe came 3 s later), and every `cap_s` through a long wait (a checkpoint load of
+    minutes), so that a large group does not flood the GCS with probe placement groups."""
+    yield min(FIRST_PROBE_S, cap_s)
+    gap = 1.0
+    while True:
+        yield min(gap, cap_s)
+        gap *= 2
 
 
 class WorkerStarts:
@@ -111,7 +125,7 @@ class WorkerStarts:
     def _await_starts(self: WorkerGroup, launched: list, *, watch: list[str] = ()) -> list[dict]:
         """Each launched actor's `info`, in order; WorkerFailure as soon as one fails, when a placement
         group is not placed within `start_timeout_s` ("start"), or when the workers have not answered
-        60 s after that ("timeout"). Every `start_probe_s` while some have not answered, probe the nodes
+        60 s after that ("timeout"). While some have not answered, probe the nodes (`probe_gaps`)
         they are starting on (each one's target, and where its placement group landed): WorkerFailure("node")
         when one does not answer, instead of waiting out Ray's own detection of a dead node (~15 s for
         an actor on it; for good for a placement group that cannot fit without it)."""
@@ -122,7 +136,8 @@ class WorkerStarts:
         infos = {}
         t0 = time.monotonic()
         place_by, deadline = t0 + self.start_timeout_s, t0 + self.start_timeout_s + 60
-        next_probe = t0 + min(FIRST_PROBE_S, self.start_probe_s)
+        gaps = probe_gaps(self.start_probe_s)
+        next_probe = t0 + next(gaps)
         while pending:
             now = time.monotonic()
             wake = min(deadline, next_probe, place_by if now < place_by else deadline)
@@ -147,7 +162,7 @@ class WorkerStarts:
                 # target is soft), may even start there, and takes the slot another start waits for
                 where = {x for ref in pending for x in (tables[ref].get("bundles_to_node_id") or {}).values() if x}
                 self._probe_or_fail(sorted(where | targets | set(watch)), "while workers started")
-                next_probe = time.monotonic() + self.start_probe_s
+                next_probe = time.monotonic() + next(gaps)
         return [infos[ref] for *_, ref in launched]
 
     def _probe_or_fail(self: WorkerGroup, nodes: list[str], during: str) -> None:
@@ -156,7 +171,7 @@ class WorkerStarts:
         placement group there would wait for good."""
         if dead := set(nodes) - probe_nodes(nodes, timeout_s=self.probe_timeout_s):
             raise WorkerFailure("node", f"node(s) {', '.join(n[:8] for n in sorted(dead))} stopped answering "
-                                        f"{during}")
+                                        f"{during}", nodes=dead)
 
     def prewarm(self: WorkerGroup, nodes: list[str]) -> int:
         """Start actors on `nodes` in the background while the group keeps training (a growth is

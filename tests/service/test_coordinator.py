@@ -253,6 +253,29 @@ def test_a_node_the_watcher_lists_as_dead_is_neither_waited_for_nor_probed_after
     assert c.reconfigs[-1].transfer["path"] == "peers" and c.reconfigs[-1].steps_lost == 0
 
 
+def test_a_node_the_groups_own_probe_found_dead_is_neither_waited_for_nor_probed_again(tmp_path):
+    """A wait on workers (a start, a form, a transfer) fails when its probe of their nodes finds one dead,
+    while the watcher still lists it alive (Ray's health checks take ~15 s): the recovery must not ask
+    its workers (the salvage would wait out its grace for them) nor probe it again (its timeout), and
+    must leave it out of the next plan."""
+    c, cluster, G = make_coordinator(tmp_path, {"a": 2, "b": 2}, interval=5, parallel={"dp_mode": "replicate"})
+    G.heals = True
+    probed: list[list[str]] = []
+    c.group_probe = lambda nodes, timeout_s: probed.append(sorted(nodes)) or set(nodes) - {"b"}
+    advance(c, lambda c: c.step_done >= 7)
+    G.run = lambda self, **kw: (_ for _ in ()).throw(
+        WorkerFailure("node", "node(s) b stopped answering during run", nodes={"b"}))
+    c.step()
+    del G.run
+    assert c.group.salvaged_gone == {"b"} and probed == [["a"]]
+    assert "b" in c.health.suspects
+    (fail,) = [e for e in c.events_since(0) if e["kind"] == "failure"]
+    assert fail["details"]["unresponsive_nodes"] == ["b"]
+    advance(c, lambda c: len(c.reconfigs) == 2 and c.step_done >= 8)
+    assert set(c.group.nodes()) == {"a"}  # b left out: the watcher still lists it alive
+    assert c.reconfigs[-1].transfer["path"] == "peers" and c.reconfigs[-1].steps_lost == 0
+
+
 def test_the_probe_of_the_failed_groups_nodes_runs_while_the_survivors_salvage(tmp_path):
     """Both wait out a silent peer (the probe's timeout, the salvage's grace): side by side, not one
     after the other. Each side waits here for the other to have started; run in turn, they would not meet."""
