@@ -42,7 +42,11 @@ def probe_nodes(node_ids: list[str], *, timeout_s: float = 2.0) -> set[str]:
 
     from service.cluster import ray_draining
 
-    draining = set(ray_draining()) & set(node_ids)
+    try:
+        draining = set(ray_draining()) & set(node_ids)
+    except Exception:  # the GCS did not answer: probe them all, as before drains were known
+        logger.debug("draining nodes unknown; probing every node", exc_info=True)
+        draining = set()
     node_ids = [n for n in node_ids if n not in draining]
     # The bundle asks for a sliver of the node's own `node:IP` resource, not CPU: right after a failure
     # the node's CPUs can still be held by the placement groups being removed, and a CPU bundle would
