@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 
@@ -19,6 +20,25 @@ from workers.config import JobConfig
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.e2e
+
+
+@contextmanager
+def cluster_of(n: int):
+    """A fresh Ray cluster (a head without CPUs) with `n` 1-CPU nodes, this process connected: (cluster,
+    nodes)."""
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    try:
+        ray.init(address=cluster.address, log_to_driver=False)
+        nodes = [cluster.add_node(num_cpus=1) for _ in range(n)]
+        cluster.wait_for_nodes()
+        yield cluster, nodes
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
 
 
 def _kill_once_placed(cluster, node, done: threading.Event) -> None:
@@ -39,17 +59,9 @@ def _kill_once_placed(cluster, node, done: threading.Event) -> None:
 
 @pytest.mark.parametrize("when", ["before placement", "while starting", "spare starting"])
 def test_a_node_that_dies_as_its_worker_starts_fails_the_start_at_the_probe(tmp_path, when):
-    from ray.cluster_utils import Cluster
-
     from service.cluster import kill_node
 
-    if ray.is_initialized():
-        ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    try:
-        ray.init(address=cluster.address, log_to_driver=False)
-        node = cluster.add_node(num_cpus=1)
-        cluster.wait_for_nodes()
+    with cluster_of(1) as (cluster, (node,)):
         g = WorkerGroup(JobConfig(), str(tmp_path), cpus_per_worker=1, gpus_per_worker=0, job_id="t",
                         start_timeout_s=60, start_probe_s=1.0, probe_timeout_s=1.0)
         killed = threading.Event()
@@ -68,9 +80,6 @@ def test_a_node_that_dies_as_its_worker_starts_fails_the_start_at_the_probe(tmp_
         assert e.value.kind == "node" and node.node_id[:8] in str(e.value), (e.value.kind, str(e.value), took)
         assert took < 12, took  # the 1 s probe, not Ray's own detection (>= 15 s) nor the start timeout
         assert g.members == [] and g.spares == []
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 @pytest.mark.parametrize("call", ["form", "leave"])
@@ -82,19 +91,11 @@ def test_a_member_node_that_dies_before_a_group_call_fails_it_at_the_probe(tmp_p
     which on a quiet box may already know the actor is dead (kind "died", in milliseconds)."""
     from dataclasses import replace
 
-    from ray.cluster_utils import Cluster
-
     from parallel.planner import plan
     from service.cluster import kill_node
     from workers.config import job_constraints
 
-    if ray.is_initialized():
-        ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    try:
-        ray.init(address=cluster.address, log_to_driver=False)
-        nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]
-        cluster.wait_for_nodes()
+    with cluster_of(2) as (cluster, nodes):
         cfg = JobConfig()
         g = WorkerGroup(cfg, str(tmp_path), cpus_per_worker=1, gpus_per_worker=0, job_id="t",
                         start_timeout_s=60, start_probe_s=1.0, probe_timeout_s=1.0)
@@ -109,28 +110,16 @@ def test_a_member_node_that_dies_before_a_group_call_fails_it_at_the_probe(tmp_p
             (e.value.kind, str(e.value), took)
         assert took < 5, took  # at worst the first probe (0.5 s) and its timeout (1 s)
         g.shutdown()
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 def test_a_draining_node_counts_as_answering_the_probe():
     """Ray places nothing new on a node it drains, so a probe there would time out and the node look dead;
     a live transfer off a draining node probes its members' nodes while it waits and failed that way (a
     preemption notice handled as a failure, seen in tests/service/test_elastic_e2e.py)."""
-    from ray.cluster_utils import Cluster
-
     from service.cluster import drain_node
     from service.placement import probe_nodes
 
-    if ray.is_initialized():
-        ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    try:
-        ray.init(address=cluster.address, log_to_driver=False)
-        node = cluster.add_node(num_cpus=1)
-        cluster.wait_for_nodes()
-
+    with cluster_of(1) as (_, (node,)):
         @ray.remote(num_cpus=1)
         class Busy:  # keeps the node from exiting as soon as it is drained and idle
             def ping(self) -> bool:
@@ -141,9 +130,6 @@ def test_a_draining_node_counts_as_answering_the_probe():
         assert probe_nodes([node.node_id], timeout_s=5) == {node.node_id}
         drain_node(node.node_id, message="test: spot reclaim", deadline_remaining_s=60)
         assert probe_nodes([node.node_id], timeout_s=1) == {node.node_id}
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 def test_waits_probe_early_and_often_then_every_cap():
