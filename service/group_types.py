@@ -82,9 +82,11 @@ class Group(Protocol):
     def reshard(self, old: Plan, new: Plan, nodes: list[str], *, survivors: list[int] | None = None) -> Moved:
         """Move the live state from `old` to `new` on `nodes` over the network (no storage) and form
         the new group. `survivors`: the members' old ranks after a `salvage()` (a heal from peers)."""
-    def salvage(self, *, gone: Collection[str] = (), abort: bool = True) -> dict[int, Salvaged]:
+    def salvage(self, *, gone: Collection[str] = (), dead: Callable[[], Collection[str]] = tuple,
+                abort: bool = True) -> dict[int, Salvaged]:
         """After a failure keep the members whose shards can be trusted; their reports by old rank.
-        Members on `gone` nodes (known dead) are lost without being asked. `abort`: first abort their
+        Members on `gone` nodes (known dead) are lost without being asked, those on nodes `dead()` names
+        while the salvage waits (a probe beside it) without being waited for. `abort`: first abort their
         process groups (a peer died: calls stuck in a collective must raise); not when only their
         coordinator died."""
     def adopt(self) -> int:

@@ -8,6 +8,7 @@ group; every move is recorded through the coordinator's state machine (`self.sm`
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -130,18 +131,19 @@ class GroupLifecycle:
         if not kept:
             self._shutdown_group()
 
-    def _salvage(self: Coordinator, gone: set[str], *, abort: bool = True) -> bool:
+    def _salvage(self: Coordinator, gone: set[str], *, dead: Callable[[], set[str]] = set,
+                 abort: bool = True) -> bool:
         """After a failure without notice: keep the surviving workers and their state when, between them,
         they hold every shard at one step (data-parallel replicas), so the group heals from peers
         (`self._heal`); else say why: the job falls back to the last committed checkpoint, and the
         survivors stay in the group as warm processes for that re-form to reuse (each has left the
         failed group and dropped its trainer; one whose save was still running is stopped instead).
         Returns whether the group is kept. `gone`: nodes the watcher lists as dead (their workers are
-        not asked); `abort`: see `Group.salvage`."""
+        not asked); `dead`, `abort`: see `Group.salvage`."""
         g, p = self.group, self.plan
         if self.cfg.parallel.reshard != "live" or g is None or p is None or not g.size:
             return False
-        infos = g.salvage(gone=gone, abort=abort)
+        infos = g.salvage(gone=gone, dead=dead, abort=abort)
         steps = {i.step for i in infos.values()}
         rows = max((i.rows for i in infos.values()), key=len, default=())
         last_row = rows[-1]["step"] if rows else self.step_done
@@ -184,12 +186,17 @@ class GroupLifecycle:
         self.health.suspect(err.nodes)  # the group's probe found them dead: they stay out of the next plan
         # known dead (the watcher, or that probe): neither waited for nor probed again
         gone = self.health.gone(self.watcher.latest, nodes) | err.nodes
-        # The probe (up to probe_timeout_s on a dead node) runs while the survivors salvage (up to their
-        # grace for a silent peer): one wait instead of two.
+        # The probe (up to probe_timeout_s on a dead node; milliseconds where its raylet is gone) runs
+        # while the survivors salvage (up to their grace for a silent peer): one wait instead of two, and
+        # the salvage stops waiting for the members on the nodes the probe finds dead.
         with ThreadPoolExecutor(1, thread_name_prefix="probe") as pool:
             probing = pool.submit(self._probe, [n for n in nodes if n not in gone])
+
+            def found_dead() -> set[str]:
+                return probing.result() if probing.done() and probing.exception() is None else set()
+
             # a failed heal is not healed again, nor are its workers reused
-            if not salvage or self._heal is not None or not self._salvage(gone):
+            if not salvage or self._heal is not None or not self._salvage(gone, dead=found_dead):
                 self._shutdown_group()
             dead = gone | probing.result()
         self.sm.note("failure", reason=str(err), step=self.step_done, cause="failure",

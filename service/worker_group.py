@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, defaultdict
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 import ray
@@ -194,12 +194,13 @@ class WorkerGroup(WorkerStarts):
                 raise WorkerFailure("node", "a node hosting workers died during a step")
         return self._get([refs[0]], "run")[0]
 
-    def salvage(self, *, gone: Collection[str] = (), timeout_s: float = 15.0,
-                abort: bool = True) -> dict[int, Salvaged]:
+    def salvage(self, *, gone: Collection[str] = (), dead: Callable[[], Collection[str]] = tuple,
+                timeout_s: float = 15.0, abort: bool = True) -> dict[int, Salvaged]:
         """After a failure: every member that answers within `timeout_s` with shards it can vouch for
         (Worker.salvage) stays, in old-rank order; the others (dead, stuck in a collective, or holding
         untrusted state) are stopped. Members on `gone` nodes, which the cluster watcher already lists
-        as dead, are not asked: their silence would only be waited out (the grace below). `abort`: abort
+        as dead, are not asked: their silence would only be waited out (the grace below); nor are those on
+        nodes `dead()` names while the salvage waits (a probe running beside it). `abort`: abort
         their process groups first, so calls stuck in a collective with a dead peer raise (not for
         workers whose coordinator died, not a peer: their calls end by themselves). Returns each
         survivor's report by its old rank."""
@@ -207,7 +208,12 @@ class WorkerGroup(WorkerStarts):
         aborts = [m.actor.abort.options(concurrency_group=CONTROL).remote() for m in asked] if abort else []
         self._replies(aborts, timeout_s=2.0, grace_s=0.5)  # stuck collectives raise; then salvage runs
         refs = {id(m): m.actor.salvage.remote() for m in asked}
-        ready = self._replies(list(refs.values()), timeout_s=timeout_s, grace_s=2.0)
+
+        def on_dead_nodes() -> set:
+            found = set(dead())
+            return {refs[id(m)] for m in asked if m.node_id in found}
+
+        ready = self._replies(list(refs.values()), timeout_s=timeout_s, grace_s=2.0, skip=on_dead_nodes)
         kept: dict[int, tuple[Member, Salvaged]] = {}
         lost: list[Member] = []
         for m in self.members:
@@ -228,15 +234,15 @@ class WorkerGroup(WorkerStarts):
         return {r: kept[r][1] for r in sorted(kept)}
 
     @staticmethod
-    def _replies(refs: list, *, timeout_s: float, grace_s: float) -> set:
+    def _replies(refs: list, *, timeout_s: float, grace_s: float, skip: Callable[[], set] = set) -> set:
         """The refs that finish within `timeout_s`, waiting at most `grace_s` more once the first has: a
         member on a node that vanished may take Ray many seconds to declare dead, and its peers answer
-        in well under a second."""
+        in well under a second. Refs in `skip()` (asked again every 0.1 s) are not waited for."""
         deadline = time.monotonic() + timeout_s
         ready: set = set()
-        while len(ready) < len(refs) and time.monotonic() < deadline:
-            done, _ = ray.wait([r for r in refs if r not in ready], num_returns=1,
-                               timeout=max(0.0, deadline - time.monotonic()))
+        while (waiting := [r for r in refs if r not in ready and r not in skip()]) \
+                and (left := deadline - time.monotonic()) > 0:
+            done, _ = ray.wait(waiting, num_returns=1, timeout=min(0.1, left))
             if not ready and done:
                 deadline = min(deadline, time.monotonic() + grace_s)
             ready.update(done)

@@ -78,7 +78,7 @@ class FakeGroup:
     def adopt(self):
         return 0
 
-    def salvage(self, *, gone=(), abort=True):
+    def salvage(self, *, gone=(), dead=tuple, abort=True):
         """Survivors (members off dead nodes) vouch for their state at the current step when `heals`.
         Records the nodes it was told are gone (`salvaged_gone`)."""
         self.salvaged_gone = set(gone)

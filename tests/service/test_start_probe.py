@@ -139,3 +139,24 @@ def test_waits_probe_early_and_often_then_every_cap():
 
     assert list(islice(probe_gaps(3.0), 6)) == [0.5, 1.0, 2.0, 3.0, 3.0, 3.0]
     assert list(islice(probe_gaps(0.2), 3)) == [0.2, 0.2, 0.2]  # a cap below the first gap wins
+
+
+def test_a_node_whose_raylet_is_gone_is_found_dead_without_waiting_out_the_probe(monkeypatch):
+    """The GCS lists a killed node alive until its health checks time out (~16 s here), and a placement
+    there waits that long or the probe's whole timeout; its raylet's port refuses connections at once, so
+    no placement is tried there."""
+    import service.placement as placement
+    from service.cluster import kill_node
+
+    placed_on: list[str] = []
+    real = placement.placement_group
+
+    def spy(bundles, *, strategy, _soft_target_node_id):
+        placed_on.append(_soft_target_node_id)
+        return real(bundles, strategy=strategy, _soft_target_node_id=_soft_target_node_id)
+
+    monkeypatch.setattr(placement, "placement_group", spy)
+    with cluster_of(2) as (cluster, (dead, live)):
+        kill_node(cluster, dead)
+        assert placement.probe_nodes([dead.node_id, live.node_id], timeout_s=60) == {live.node_id}
+        assert placed_on == [live.node_id]

@@ -106,3 +106,23 @@ def test_the_other_ranks_errors_after_a_failed_step_are_read_not_reported_as_unh
         logging.getLogger("ray._private.worker").removeHandler(ray_log)
         group_log.removeHandler(ours)
         group_log.level = level
+
+
+def test_the_salvage_wait_stops_for_members_a_probe_found_dead(local_ray):
+    """After a node failure the salvage waits at most its grace (2 s) for members that do not answer;
+    members on a node the probe beside it found dead (`skip`) are not waited for at all."""
+
+    @ray.remote(num_cpus=0)
+    def answer(delay: float) -> float:
+        time.sleep(delay)
+        return delay
+
+    quick, silent = answer.remote(0.0), answer.remote(60.0)
+    found: set = set()
+    t0 = time.monotonic()
+    ready = WorkerGroup._replies([quick, silent], timeout_s=60, grace_s=1, skip=lambda: found)
+    assert ready == {quick} and time.monotonic() - t0 >= 1  # the grace was waited out: nothing said it was dead
+    found.add(silent)
+    t0 = time.monotonic()
+    ready = WorkerGroup._replies([answer.remote(0.0), silent], timeout_s=60, grace_s=30, skip=lambda: found)
+    assert len(ready) == 1 and silent not in ready and time.monotonic() - t0 < 30  # not its grace
