@@ -106,19 +106,41 @@ class ChaosEnv:
 
         return node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
 
-    def workers_on(self, node) -> list[int]:
-        """Pids of training worker actors (process title ray::Worker...) under the node's raylet."""
+    def workers_on(self, node, *, standby: set[int] = frozenset()) -> list[int]:
+        """Pids of training worker actors (process title ray::Worker...) under the node's raylet, but
+        `standby` ones."""
         try:
             kids = psutil.Process(self.raylet_pid(node)).children(recursive=True)
         except psutil.NoSuchProcess:
             return []
-        return [p.pid for p in kids if _title(p).startswith("ray::Worker")]
+        return [p.pid for p in kids if _title(p).startswith("ray::Worker") and p.pid not in standby]
 
     def nodes_with_workers(self) -> list:
-        return [n for n in self.nodes if self.workers_on(n)]
+        standby = self.standby_pids()
+        return [n for n in self.nodes if self.workers_on(n, standby=standby)]
 
     def worker_pids(self) -> list[int]:
-        return [pid for n in self.nodes for pid in self.workers_on(n)]
+        """The job's training workers: not its standbys, idle processes whose death is no fault of the job."""
+        standby = self.standby_pids()
+        return [pid for n in self.nodes for pid in self.workers_on(n, standby=standby)]
+
+    @staticmethod
+    def standby_pids() -> set[int]:
+        """Pids of standby workers (service.worker_start: started, holding no slot, so no placement group)."""
+        import ray
+
+        out = set()
+        for e in ray.util.list_named_actors(all_namespaces=True):
+            if not e["name"].startswith("elastron-worker-"):
+                continue
+            try:
+                actor = ray.get_actor(e["name"], namespace=e["namespace"])
+                info = ray.get(actor.info.options(concurrency_group="control").remote(), timeout=10)
+            except Exception:  # ended meanwhile, or still starting (then not a target either way)
+                continue
+            if info["pg"] is None:
+                out.add(info["pid"])
+        return out
 
     def remove_node(self, node) -> None:
         """The node dies as a machine does: its raylet, agents and workers at once (service.cluster.kill_node)."""

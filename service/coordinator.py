@@ -286,7 +286,9 @@ class Coordinator(Commands, GroupLifecycle):
             self._train_chunk()
 
     def _prewarm(self, snap: ClusterSnapshot) -> None:
-        """While a growth settles, start the workers it will need on the new nodes."""
+        """Keep standby workers beside the members; while a growth settles, start the workers it will
+        need on the new nodes."""
+        self.group.keep_standby()
         pending = self.policy.pending_growth
         if pending is None:
             return

@@ -55,3 +55,15 @@ def release_workers(job_id: str, *, keep: Collection[str] = ()) -> int:
         except Exception:
             logger.debug("removal of a detached worker's placement group failed", exc_info=True)
     return len(groups)
+
+
+def end_workers(job_id: str, namespace: str) -> None:
+    """End every detached worker of the job and release its placement groups (the job is deleted). A
+    claimed standby does not run in its placement group (`Worker.claim`), so removing that alone would
+    leave it running until it noticed its coordinator gone."""
+    for actor in find_workers(job_id, namespace):
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:
+            logger.debug("kill of a detached worker failed", exc_info=True)
+    release_workers(job_id)

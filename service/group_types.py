@@ -76,6 +76,12 @@ class Group(Protocol):
         """One member per entry of `nodes`, survivors kept; returns (started, stopped)."""
     def prewarm(self, nodes: list[str]) -> int:
         """Start workers on `nodes` ahead of a growth, without making them members; returns how many."""
+    standby_used: int
+    """How many of the last start's workers were standbys claimed instead of new processes."""
+
+    def keep_standby(self) -> int:
+        """Keep idle workers started beside the members (the job's `resources.standby_per_node`), to
+        replace a member that crashes without a process start; returns how many it started now."""
     def form(self, plan: Plan, *, adopt: bool = False) -> Formed:
         """(Re-)form the process group for `plan`. `adopt`: take the state a `reshard` transfer
         delivered instead of loading the last checkpoint."""

@@ -316,13 +316,13 @@ class RayLauncher:
         seconds; a worker that died while no coordinator watched would leave its placement group)."""
         import ray
 
-        from service.detached import release_workers
+        from service.detached import end_workers
 
         try:
             ray.kill(ray.get_actor(actor_name(job_id), namespace=self.namespace), no_restart=True)
         except ValueError:
             pass
-        release_workers(job_id)
+        end_workers(job_id, self.namespace)
 
     def cluster(self):
         from service.cluster import ClusterWatcher

@@ -236,7 +236,8 @@ class GroupLifecycle:
             self._recover(e, tried=nodes)
             return
         self._formed(p, old, formed.step, started, stopped, cause=cause, reason=reason, t0=t0,
-                     transfer={"path": "storage", "start_s": start_s, "form_s": formed.form_s})
+                     transfer={"path": "storage", "start_s": start_s, "standby": self.group.standby_used,
+                               "form_s": formed.form_s})
 
     def _formed(self: Coordinator, p, old: dict | None, resumed: int, started: int, stopped: int, *, cause: str,
                 reason: str, t0: float, transfer: dict) -> None:

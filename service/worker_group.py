@@ -57,6 +57,11 @@ class WorkerGroup(WorkerStarts):
         self.members: list[Member] = []
         self.spares: list[tuple[str, Any, PlacementGroup, Any]] = []
         """Actors started ahead of a growth (node, actor, pg, info ref), not yet members."""
+        self.standby: list[tuple[str, Any, Any]] = []
+        """Idle actors kept started on the members' nodes, reserving nothing (node, actor, ref of its
+        last ping): `keep_standby`."""
+        self.standby_used = 0
+        """How many of the last start's workers were standbys claimed instead of new processes."""
         self._unread: list[Any] = []
         """Refs of calls the group stopped waiting for (the other ranks' `run` once one rank failed, say):
         read when they have ended (`_settle`), so that their errors, expected after a failure, go to this
@@ -81,8 +86,8 @@ class WorkerGroup(WorkerStarts):
 
     def _arrange(self, nodes: list[str], *, stop_leavers_first: bool) -> tuple[list[Member], list[Member], list[Member]]:
         """(members in rank order for `nodes`, leavers, started): survivors kept on their nodes, the
-        missing started (pre-started spares first). Leavers are stopped before the start when
-        `stop_leavers_first` (their slots may be needed), else left running for the caller."""
+        missing started (pre-started spares first, then standbys). Leavers are stopped before the start
+        when `stop_leavers_first` (their slots may be needed), else left running for the caller."""
         want = Counter(nodes)
         pool: dict[str, list[Member]] = defaultdict(list)
         leavers: list[Member] = []
@@ -94,6 +99,10 @@ class WorkerGroup(WorkerStarts):
         warm = self._take_spares(missing)
         for nid, *_ in warm:
             missing.remove(nid)
+        warm += (claimed := self._take_standby(missing))
+        for nid, *_ in claimed:
+            missing.remove(nid)
+        self.standby_used = len(claimed)
         kept = sorted({m.node_id for ms in pool.values() for m in ms})  # a kept member's node can die meanwhile
         started = self._start(warm + self._launch(missing), watch=kept) if warm or missing else []
         for m in started:  # placement targets a node softly: group by where the actor really runs
@@ -120,6 +129,7 @@ class WorkerGroup(WorkerStarts):
     def shutdown(self) -> None:
         self._settle()
         self._stop(self.members + [Member(a, pg, nid, "") for nid, a, pg, _ in self.spares])
+        self._stop_standby()
         self.members, self.spares = [], []
 
     # -- collective operations ---------------------------------------------------------------------------

@@ -45,6 +45,7 @@ class FakeGroup:
     cluster: FakeCluster
     fail_next: list[str] = []
     heals = False
+    standby_used = 0
     """Whether survivors of a failure keep their state (a salvage), as real workers do."""
 
     def __init__(self, cfg, run_dir, **kw):
@@ -67,6 +68,9 @@ class FakeGroup:
         return started, stopped
 
     def prewarm(self, nodes):
+        return 0
+
+    def keep_standby(self):
         return 0
 
     def form(self, plan, *, adopt=False):

@@ -14,6 +14,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,13 +25,15 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def watch_owner(name: str, namespace: str, *, every_s: float = 2.0, misses: int = 2) -> None:
+def watch_owner(name: str, namespace: str, placement: Callable[[], Any], *, every_s: float = 2.0,
+                misses: int = 2) -> None:
     """End this process once the named actor that owns it (the job's coordinator) is gone for good:
     `misses` lookups in a row that find no actor by that name. A detached worker outlives its
     coordinator's process so that a restarted coordinator can take it over; a coordinator that is not
     coming back (stopped, deleted, out of restarts) must not leave it holding its slot. A coordinator
     Ray is restarting keeps its name, and a lookup that fails otherwise (the GCS busy) is no miss.
-    Releasing the placement group ends the actor in it; the exit is for an actor started without one."""
+    `placement()`: the placement group holding its slot (`Worker.placement`), released first; releasing
+    it ends an actor that runs in it, the exit is for one that does not (a claimed standby)."""
     import ray
 
     missed = 0
@@ -47,10 +50,10 @@ def watch_owner(name: str, namespace: str, *, every_s: float = 2.0, misses: int 
         if missed >= misses:
             break
     logger.warning("coordinator %s/%s is gone for good: this worker ends", namespace, name)
-    from ray.util.placement_group import get_current_placement_group, remove_placement_group
+    from ray.util.placement_group import remove_placement_group
 
     try:
-        if (pg := get_current_placement_group()) is not None:
+        if (pg := placement()) is not None:
             remove_placement_group(pg)
     finally:
         os._exit(0)
@@ -79,17 +82,42 @@ class Worker:
         self.received = None
         """The state a `reshard()` delivered for the new layout, until `join(adopt=True)` takes it."""
         self._rows: list[dict] = []
+        self._reservation = None
+        """The placement group holding this worker's slot when it runs outside one: a standby, once
+        claimed as a member (`claim`)."""
         if owner is not None:
-            threading.Thread(target=watch_owner, args=owner, name="watch-owner", daemon=True).start()
+            threading.Thread(target=watch_owner, args=(*owner, self.placement), name="watch-owner",
+                             daemon=True).start()
 
     # -- placement and rendezvous --------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
-        """Where it runs, and its placement group (for a coordinator that takes it over to release)."""
+        """Where it runs, and the placement group holding its slot (for a coordinator that takes it over
+        to release; None: a standby not claimed yet)."""
         import ray
-        from ray.util.placement_group import get_current_placement_group
 
         return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
-                "pid": os.getpid(), "pg": get_current_placement_group()}
+                "pid": os.getpid(), "pg": self.placement()}
+
+    def placement(self):
+        """The placement group holding this worker's slot: the one it runs in, or the one it was claimed
+        with; None for a standby (started on its node reserving nothing) not claimed yet."""
+        from ray.util.placement_group import get_current_placement_group
+
+        return self._reservation or get_current_placement_group()
+
+    def claim(self, pg) -> dict[str, Any]:
+        """A standby becomes a member: once `pg` (one bundle of a worker's resources) is placed on this
+        worker's node, it holds this worker's slot and is released with it. Raises if `pg` landed on
+        another node (its target is soft): the slot here is not free. Returns `info()`."""
+        import ray
+        from ray.util import placement_group_table
+
+        ray.get(pg.ready())
+        here = ray.get_runtime_context().get_node_id()
+        if here not in (placement_group_table(pg).get("bundles_to_node_id") or {}).values():
+            raise RuntimeError(f"no free slot on node {here[:8]} for this standby worker")
+        self._reservation = pg
+        return self.info()
 
     def free_port(self) -> int:
         """A port free on this worker's node, for a rendezvous that rank 0 hosts."""

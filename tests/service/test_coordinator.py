@@ -207,7 +207,7 @@ def test_reshard_storage_resizes_through_a_blocking_checkpoint(tmp_path):
     c.resize(workers=2)
     advance(c, lambda c: len(c.reconfigs) == 2)
     assert c.reconfigs[-1].transfer["path"] == "storage"
-    assert c.reconfigs[-1].transfer.keys() == {"path", "start_s", "form_s"}  # where its time went
+    assert c.reconfigs[-1].transfer.keys() == {"path", "start_s", "standby", "form_s"}  # where its time went
     assert c.reconfigs[-1].steps_lost == 0
     assert any(e["kind"] == "checkpoint" and "before resize" in e["reason"] for e in c.events_since(0))
 
@@ -327,7 +327,7 @@ def test_survivors_below_min_workers_are_released_and_the_job_resumes_from_stora
     cluster.dead.discard("b")
     advance(c, lambda c: len(c.reconfigs) == 2 and c.step_done >= 6)
     assert c.reconfigs[-1].transfer["path"] == "storage"
-    assert c.reconfigs[-1].transfer.keys() == {"path", "start_s", "form_s"}  # where its time went
+    assert c.reconfigs[-1].transfer.keys() == {"path", "start_s", "standby", "form_s"}  # where its time went
     assert c.reconfigs[-1].resumed_step == 5
 
 

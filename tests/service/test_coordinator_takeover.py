@@ -31,10 +31,12 @@ def worker_names(job_id: str) -> list[str]:
                   if e["namespace"] == NAMESPACE and e["name"].startswith(f"elastron-worker-{job_id}-"))
 
 
-def workers_of(job_id: str) -> dict[str, int]:
-    """{actor name: pid} of the job's detached workers (while it trains: none is ending)."""
-    return {n: ray.get(ray.get_actor(n, namespace=NAMESPACE).info.remote(), timeout=30)["pid"]
-            for n in worker_names(job_id)}
+def workers_of(job_id: str, *, standby: bool = False) -> dict[str, int]:
+    """{actor name: pid} of the job's detached workers (while it trains: none is ending): its members,
+    or with `standby` its standbys (idle, holding no placement group)."""
+    infos = {n: ray.get(ray.get_actor(n, namespace=NAMESPACE).info.remote(), timeout=30)
+             for n in worker_names(job_id)}
+    return {n: i["pid"] for n, i in infos.items() if (i["pg"] is None) == standby}
 
 
 @pytest.fixture
@@ -47,7 +49,10 @@ def manager(local_ray, tmp_path):
 
 
 def test_a_restarted_coordinator_heals_from_the_workers_it_left_running(manager):
-    job_id = manager.submit(SPEC)
+    steps = 400  # the standby starts while the job trains (~2 s): enough steps left to kill it after that
+    job_id = manager.submit({**SPEC, "train": {**SPEC["train"], "steps": steps}})
+    wait_for(lambda: len(workers_of(job_id, standby=True)) == 1, timeout=120, what="a standby started")
+    standby = workers_of(job_id, standby=True)
     first = wait_for(lambda: (j := manager.get(job_id).status).step >= 10 and j, timeout=120, what="training")
     before = workers_of(job_id)
     assert len(before) == 2
@@ -56,16 +61,17 @@ def test_a_restarted_coordinator_heals_from_the_workers_it_left_running(manager)
     wait_for(lambda: (j := manager.get(job_id).status).pid not in (None, first.pid) and j.state == "RUNNING"
              and j.step > first.step + 5, timeout=120, what="the restarted coordinator trains on")
     assert workers_of(job_id) == before  # the same processes: taken over, not started again
+    assert workers_of(job_id, standby=True) == standby  # and the standby taken over as one
 
     done = wait_for(lambda: (j := manager.get(job_id).status).state in ("SUCCEEDED", "FAILED") and j,
                     timeout=120, what="the job ends")
     assert done.state == "SUCCEEDED", done.reason
-    assert done.step == 150 and done.steps_lost == 0 and done.reconfigurations.get("failure") == 1
+    assert done.step == steps and done.steps_lost == 0 and done.reconfigurations.get("failure") == 1
     events = manager.events(job_id)
     heal = [e for e in events if e["kind"] == "resize"][-1]["details"]
     assert heal["started"] == 0 and heal["transfer"]["path"] == "peers" and heal["cause"] == "failure"
     assert any(e["kind"] == "info" and e["details"].get("adopted") == 2 for e in events)
-    assert [m["step"] for m in manager.metrics(job_id)] == list(range(1, 151))
+    assert [m["step"] for m in manager.metrics(job_id)] == list(range(1, steps + 1))
     wait_for(lambda: not worker_names(job_id), timeout=30, what="the finished job's workers end")
 
 
@@ -93,7 +99,8 @@ def test_a_worker_that_died_with_the_coordinator_gives_its_slot_back(manager):
 def test_workers_end_themselves_once_their_coordinator_is_gone_for_good(manager):
     job_id = manager.submit(SPEC)
     wait_for(lambda: manager.get(job_id).status.step >= 5, timeout=120, what="training")
-    assert len(worker_names(job_id)) == 2
+    assert len(workers_of(job_id)) == 2
+    wait_for(lambda: len(workers_of(job_id, standby=True)) == 1, timeout=60, what="a standby started")
 
     ray.kill(ray.get_actor(actor_name(job_id), namespace=NAMESPACE), no_restart=True)  # no restart: gone
     wait_for(lambda: not worker_names(job_id), timeout=30, what="the orphaned workers end")

@@ -1,0 +1,89 @@
+"""Standby workers: idle processes a group keeps started on its members' nodes, reserving nothing, so
+that a member that crashed is replaced without a process start (the chaos benchmark's worker kills spent
+~2.5 s of their ~3.1 s recovery starting the replacement, mostly importing torch)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from service.worker_group import WorkerGroup
+from tests.ray_local import local_ray  # noqa: F401  (a fixture)
+from workers.config import JobConfig
+
+ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.e2e
+
+
+def _cpus_free(n: float, timeout_s: float = 15) -> None:
+    deadline = time.monotonic() + timeout_s  # resource release is asynchronous
+    while ray.available_resources().get("CPU", 0.0) != n:
+        assert time.monotonic() < deadline, ray.available_resources()
+        time.sleep(0.05)
+
+
+def _settled_standby(g: WorkerGroup) -> dict:
+    (_, _, ref), = g.standby
+    return ray.get(ref, timeout=60)
+
+
+def test_a_crashed_member_is_replaced_by_the_standby_which_then_holds_the_slot(local_ray, tmp_path):
+    me = ray.get_runtime_context().get_node_id()
+    g = WorkerGroup(JobConfig(), str(tmp_path), cpus_per_worker=1, gpus_per_worker=0, job_id="t")
+    try:
+        g.scale_to([me])
+        assert g.keep_standby() == 1 and g.keep_standby() == 0  # one per node hosting members
+        standby = _settled_standby(g)
+        assert standby["pg"] is None and standby["node_id"] == me
+        _cpus_free(1.0)  # the member holds one CPU, the standby none
+        crashed = g.members[0]
+        ray.kill(crashed.actor, no_restart=True)
+        assert g.salvage() == {}  # the dead member is lost (and its slot released)
+        assert g.scale_to([me]) == (1, 0)
+        (m,) = g.members
+        assert ray.get(m.actor.info.remote(), timeout=30)["pid"] == standby["pid"]  # no new process
+        assert m.pg is not None and ray.get(m.actor.info.remote(), timeout=30)["pg"].id == m.pg.id
+        _cpus_free(1.0)  # the claimed standby's placement group holds the slot
+        assert g.standby == [] and g.keep_standby() == 1  # replenished
+        _settled_standby(g)
+    finally:
+        g.shutdown()
+    _cpus_free(2.0)
+    assert g.standby == []
+
+
+def test_a_dead_standby_is_replaced_standbys_leave_nodes_without_members_none_for_gpu_workers(local_ray, tmp_path):
+    me = ray.get_runtime_context().get_node_id()
+    g = WorkerGroup(JobConfig(), str(tmp_path), cpus_per_worker=1, gpus_per_worker=0, job_id="t2")
+    try:
+        g.scale_to([me])
+        g.keep_standby()
+        crashed = _settled_standby(g)["pid"]
+        os.kill(crashed, 9)  # a standby that dies is replaced, and is no failure of the group
+        deadline = time.monotonic() + 30
+        while g.keep_standby() == 0:
+            assert time.monotonic() < deadline, "the dead standby was not replaced"
+            time.sleep(0.1)
+        pid = _settled_standby(g)["pid"]
+        assert pid != crashed and len(g.members) == 1
+        g.scale_to([])
+        assert g.keep_standby() == 0 and g.standby == []
+        deadline = time.monotonic() + 15
+        while _alive(pid):
+            assert time.monotonic() < deadline, f"standby {pid} still running"
+            time.sleep(0.1)
+    finally:
+        g.shutdown()
+    gpu = WorkerGroup(JobConfig(), str(tmp_path), cpus_per_worker=1, gpus_per_worker=1, job_id="t3")
+    gpu.members = g.members  # none: keep_standby must not need a GPU to decide
+    assert gpu.keep_standby() == 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
