@@ -106,39 +106,47 @@ class ChaosEnv:
 
         return node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
 
-    def workers_on(self, node, *, standby: set[int] = frozenset()) -> list[int]:
-        """Pids of training worker actors (process title ray::Worker...) under the node's raylet, but
-        `standby` ones."""
+    def workers_on(self, node, *, members: set[int] | None = None) -> list[int]:
+        """Pids of training worker actors (process title ray::Worker...) under the node's raylet; with
+        `members`, only those among them."""
         try:
             kids = psutil.Process(self.raylet_pid(node)).children(recursive=True)
         except psutil.NoSuchProcess:
             return []
-        return [p.pid for p in kids if _title(p).startswith("ray::Worker") and p.pid not in standby]
+        return [p.pid for p in kids if _title(p).startswith("ray::Worker") and (members is None or p.pid in members)]
 
     def nodes_with_workers(self) -> list:
-        standby = self.standby_pids()
-        return [n for n in self.nodes if self.workers_on(n, standby=standby)]
+        members = self.member_pids()
+        return [n for n in self.nodes if self.workers_on(n, members=members)]
 
     def worker_pids(self) -> list[int]:
         """The job's training workers: not its standbys, idle processes whose death is no fault of the job."""
-        standby = self.standby_pids()
-        return [pid for n in self.nodes for pid in self.workers_on(n, standby=standby)]
+        members = self.member_pids()
+        return [pid for n in self.nodes for pid in self.workers_on(n, members=members)]
 
     @staticmethod
-    def standby_pids() -> set[int]:
-        """Pids of standby workers (service.worker_start: started, holding no slot, so no placement group)."""
+    def member_pids() -> set[int]:
+        """Pids of the job's workers that hold a slot (a placement group: service.worker_start), not its
+        standbys. Quick, since victims are chosen inside a fault's timing: a worker still starting answers
+        only once started (~2 s), so it is not waited for, nor chosen."""
         import ray
 
-        out = set()
+        asked = []
         for e in ray.util.list_named_actors(all_namespaces=True):
-            if not e["name"].startswith("elastron-worker-"):
-                continue
+            if e["name"].startswith("elastron-worker-"):
+                try:
+                    actor = ray.get_actor(e["name"], namespace=e["namespace"])
+                except ValueError:  # ended meanwhile
+                    continue
+                asked.append(actor.info.options(concurrency_group="control").remote())
+        done, _ = ray.wait(asked, num_returns=len(asked), timeout=0.5)
+        out = set()
+        for ref in done:
             try:
-                actor = ray.get_actor(e["name"], namespace=e["namespace"])
-                info = ray.get(actor.info.options(concurrency_group="control").remote(), timeout=10)
-            except Exception:  # ended meanwhile, or still starting (then not a target either way)
+                info = ray.get(ref)
+            except Exception:  # ended meanwhile
                 continue
-            if info["pg"] is None:
+            if info["pg"] is not None:
                 out.add(info["pid"])
         return out
 

@@ -49,7 +49,7 @@ from service.run_files import job_events, last_plan, where_it_stopped
 from service.specs import worker_range
 from service.state import JobState, StateMachine
 from service.status import JobStatus
-from service.placement import assign_nodes, probe_nodes
+from service.placement import assign_nodes, probe_nodes, raylets_refusing
 from service.worker_group import WorkerGroup
 from workers.config import JobConfig, job_constraints
 
@@ -97,7 +97,8 @@ class Coordinator(Commands, GroupLifecycle):
         """(place, reason) the scheduler gave with a grant too small to start on (shown while QUEUED)."""
         o = self.opts
         self.health = NodeHealth(probe_nodes, probe_timeout_s=o.probe_timeout_s, suspect_seconds=o.suspect_seconds,
-                                 reprobe_interval_s=o.reprobe_interval_s, include_head=o.include_head)
+                                 reprobe_interval_s=o.reprobe_interval_s, include_head=o.include_head,
+                                 refused=raylets_refusing)
         self._handlers: dict[JobState, Callable[[ClusterSnapshot], None]] = {
             S.PENDING: self._on_pending, S.STARTING: self._on_starting, S.RUNNING: self._on_running,
             S.RESIZING: self._on_resizing, S.RECOVERING: self._on_recovering,

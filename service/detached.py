@@ -24,13 +24,18 @@ def worker_prefix(job_id: str) -> str:
     return f"elastron-worker-{job_id}-"
 
 
-def find_workers(job_id: str, namespace: str) -> list:
-    """Handles of the job's detached workers Ray lists as alive."""
+STANDBY = "standby-"
+"""After `worker_prefix`, the name of an actor started as a standby (service.worker_start.keep_standby);
+claimed as a member it keeps its name."""
+
+
+def find_workers(job_id: str, namespace: str) -> list[tuple[str, object]]:
+    """(name, handle) of the job's detached workers Ray lists as alive."""
     out = []
     for entry in ray.util.list_named_actors(all_namespaces=True):
         if entry["namespace"] == namespace and entry["name"].startswith(worker_prefix(job_id)):
             try:
-                out.append(ray.get_actor(entry["name"], namespace=namespace))
+                out.append((entry["name"], ray.get_actor(entry["name"], namespace=namespace)))
             except ValueError:  # ended since it was listed
                 pass
     return out
@@ -61,7 +66,7 @@ def end_workers(job_id: str, namespace: str) -> None:
     """End every detached worker of the job and release its placement groups (the job is deleted). A
     claimed standby does not run in its placement group (`Worker.claim`), so removing that alone would
     leave it running until it noticed its coordinator gone."""
-    for actor in find_workers(job_id, namespace):
+    for _, actor in find_workers(job_id, namespace):
         try:
             ray.kill(actor, no_restart=True)
         except Exception:

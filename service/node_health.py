@@ -10,10 +10,13 @@ a node that was only slow is usable again at once.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable
 
 from service.cluster import ClusterSnapshot, NodeInfo
+
+logger = logging.getLogger(__name__)
 
 Probe = Callable[..., set[str]]
 """probe(node_ids, timeout_s=...) -> the nodes that still place work (service.worker_group.probe_nodes)."""
@@ -21,9 +24,13 @@ Probe = Callable[..., set[str]]
 
 class NodeHealth:
     def __init__(self, probe: Probe | None, *, probe_timeout_s: float, suspect_seconds: float,
-                 reprobe_interval_s: float, include_head: bool = True, clock: Callable[[], float] = time.time):
+                 reprobe_interval_s: float, include_head: bool = True, clock: Callable[[], float] = time.time,
+                 refused: Callable[[list[str]], set[str]] | None = None):
         self.probe_fn = probe
         """None: trust the watcher (no probing)."""
+        self.refused_fn = refused
+        """refused(node_ids) -> those whose raylet refuses connections (service.placement.raylets_refusing);
+        None: no sweep."""
         self.probe_timeout_s, self.suspect_seconds = probe_timeout_s, suspect_seconds
         self.reprobe_interval_s, self.include_head, self.clock = reprobe_interval_s, include_head, clock
         self.suspects: dict[str, float] = {}
@@ -46,6 +53,21 @@ class NodeHealth:
         now = self.clock()
         for nid in nodes:
             self.suspects[nid] = now
+
+    def sweep(self, snap: ClusterSnapshot | None) -> set[str]:
+        """Mark as suspects the nodes the watcher lists alive whose raylet refuses connections: dead,
+        though the GCS may list them for seconds more, and free of our workers, so no probe of a failed
+        group's nodes covers them (a coordinator restarted after a node died has no suspects of its own,
+        and planned onto that node). Milliseconds; returns them."""
+        if self.refused_fn is None or snap is None:
+            return set()
+        try:
+            dead = self.refused_fn([n.node_id for n in snap.alive() if n.node_id not in self.suspects])
+        except Exception:  # the GCS did not answer: the probes judge as before
+            logger.debug("raylet sweep failed", exc_info=True)
+            return set()
+        self.suspect(dead)
+        return dead
 
     def reprobe(self, snap: ClusterSnapshot) -> set[str]:
         """Probe the suspects again (at most every `reprobe_interval_s`); return those that answer now

@@ -54,8 +54,7 @@ def probe_nodes(node_ids: list[str], *, timeout_s: float = 2.0) -> set[str]:
         draining = set()
     info = {n["NodeID"]: n for n in ray.nodes()}
     # a raylet that refuses connections is dead: no need to wait out a placement there
-    refused = refusing({nid: (info[nid].get("NodeManagerAddress"), info[nid].get("NodeManagerPort"))
-                        for nid in node_ids if nid in info and nid not in draining})
+    refused = raylets_refusing([n for n in node_ids if n not in draining], info=info)
     node_ids = [n for n in node_ids if n not in draining and n not in refused]
     # The bundle asks for a sliver of the node's own `node:IP` resource, not CPU: right after a failure
     # the node's CPUs can still be held by the placement groups being removed, and a CPU bundle would
@@ -81,6 +80,14 @@ def probe_nodes(node_ids: list[str], *, timeout_s: float = 2.0) -> set[str]:
         except Exception:
             logger.debug("probe placement group removal failed", exc_info=True)
     return alive
+
+
+def raylets_refusing(node_ids: list[str], *, info: dict[str, dict] | None = None) -> set[str]:
+    """The nodes among `node_ids` whose raylet refuses connections (`refusing`): dead, whatever the GCS
+    lists. `info`: `ray.nodes()` by node id, if already at hand."""
+    info = info if info is not None else {n["NodeID"]: n for n in ray.nodes()}
+    return refusing({nid: (info[nid].get("NodeManagerAddress"), info[nid].get("NodeManagerPort"))
+                     for nid in node_ids if nid in info})
 
 
 def refusing(addrs: dict[str, tuple[str | None, int | None]], *, timeout_s: float = 0.25) -> set[str]:

@@ -114,6 +114,7 @@ class GroupLifecycle:
         resume from storage (so do those of a job that reshards through storage, and those started
         before the lost coordinator formed any group)."""
         self._take_over_due = False
+        self.health.sweep(snap)  # nodes that died with (or before) the lost coordinator: not planned onto
         old = self._lost_plan
         group = self._new_group()
         found = group.adopt()
@@ -184,6 +185,7 @@ class GroupLifecycle:
             self.failures.append(Failure(time=t0, kind=err.kind, error=str(err)))
         nodes = sorted(set(self.group.nodes() if self.group is not None else ()) | set(tried))
         self.health.suspect(err.nodes)  # the group's probe found them dead: they stay out of the next plan
+        self.health.sweep(self.watcher.latest)  # and nodes dead before, which a restarted coordinator did not see
         # known dead (the watcher, or that probe): neither waited for nor probed again
         gone = self.health.gone(self.watcher.latest, nodes) | err.nodes
         # The probe (up to probe_timeout_s on a dead node; milliseconds where its raylet is gone) runs
@@ -199,8 +201,10 @@ class GroupLifecycle:
             if not salvage or self._heal is not None or not self._salvage(gone, dead=found_dead):
                 self._shutdown_group()
             dead = gone | probing.result()
+        # waited_s: since the failure was noticed, in the salvage and the probe
         self.sm.note("failure", reason=str(err), step=self.step_done, cause="failure",
-                     details={"kind": err.kind, "unresponsive_nodes": sorted(dead)})
+                     details={"kind": err.kind, "unresponsive_nodes": sorted(dead),
+                              "waited_s": round(time.time() - t0, 3)})
         if self.sm.can(S.RECOVERING):
             self.sm.transition(S.RECOVERING, reason=str(err), step=self.step_done, cause="failure")
         self._open = Reconfig(cause="failure", detected=t0, step_before=self.step_done,

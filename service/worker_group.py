@@ -215,15 +215,18 @@ class WorkerGroup(WorkerStarts):
         workers whose coordinator died, not a peer: their calls end by themselves). Returns each
         survivor's report by its old rank."""
         asked = [m for m in self.members if m.node_id not in gone]
-        aborts = [m.actor.abort.options(concurrency_group=CONTROL).remote() for m in asked] if abort else []
-        self._replies(aborts, timeout_s=2.0, grace_s=0.5)  # stuck collectives raise; then salvage runs
+
+        def on_dead_nodes(calls: dict) -> Callable[[], set]:
+            def skip() -> set:
+                found = set(dead())
+                return {calls[id(m)] for m in asked if m.node_id in found and id(m) in calls}
+            return skip
+
+        aborts = {id(m): m.actor.abort.options(concurrency_group=CONTROL).remote() for m in asked} if abort else {}
+        # stuck collectives raise; then salvage runs
+        self._replies(list(aborts.values()), timeout_s=2.0, grace_s=0.5, skip=on_dead_nodes(aborts))
         refs = {id(m): m.actor.salvage.remote() for m in asked}
-
-        def on_dead_nodes() -> set:
-            found = set(dead())
-            return {refs[id(m)] for m in asked if m.node_id in found}
-
-        ready = self._replies(list(refs.values()), timeout_s=timeout_s, grace_s=2.0, skip=on_dead_nodes)
+        ready = self._replies(list(refs.values()), timeout_s=timeout_s, grace_s=2.0, skip=on_dead_nodes(refs))
         kept: dict[int, tuple[Member, Salvaged]] = {}
         lost: list[Member] = []
         for m in self.members:
@@ -239,7 +242,7 @@ class WorkerGroup(WorkerStarts):
                 lost.append(m)
         self._stop(lost)
         self.members = [kept[r][0] for r in sorted(kept)]
-        self._unread += aborts + list(refs.values())
+        self._unread += list(aborts.values()) + list(refs.values())
         self._settle()  # the survivors' interrupted calls have ended: their salvage ran after them
         return {r: kept[r][1] for r in sorted(kept)}
 

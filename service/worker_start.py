@@ -26,7 +26,7 @@ from ray.exceptions import RayError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from service.detached import find_workers, release_workers, worker_prefix
+from service.detached import STANDBY, find_workers, release_workers, worker_prefix
 from service.group_types import WorkerFailure
 from service.placement import probe_nodes
 
@@ -83,12 +83,13 @@ class WorkerStarts:
     def _bundle(self: WorkerGroup) -> dict[str, float]:
         return {"CPU": self.cpus, **({"GPU": self.gpus} if self.gpus else {})}
 
-    def _named(self: WorkerGroup) -> dict[str, str]:
+    def _named(self: WorkerGroup, kind: str = "") -> dict[str, str]:
         """Name and lifetime of a new actor or placement group: detached and named after the job when the
-        group has an owner, so that they outlive its coordinator (`service.detached`)."""
+        group has an owner, so that they outlive its coordinator (`service.detached`). `kind`: a name
+        part after the job's prefix (`STANDBY`)."""
         if self.owner is None:
             return {}
-        return {"name": f"{worker_prefix(self.job_id)}{uuid.uuid4().hex[:12]}", "lifetime": "detached"}
+        return {"name": f"{worker_prefix(self.job_id)}{kind}{uuid.uuid4().hex[:12]}", "lifetime": "detached"}
 
     def _actor(self: WorkerGroup, **options):
         """A new Worker actor with these Ray `options`."""
@@ -113,7 +114,7 @@ class WorkerStarts:
         done, _ = ray.wait([ref for *_, ref in self.standby], num_returns=len(self.standby), timeout=0)
         keep = []
         for nid, actor, ping in self.standby:
-            if nid not in hosts or (ping in done and _failed(ping)):
+            if nid not in hosts or (ping in done and not _idle(ping)):
                 self._kill(actor)
             else:
                 keep.append((nid, actor, actor.info.remote() if ping in done else ping))
@@ -122,7 +123,7 @@ class WorkerStarts:
         self.standby = keep
         for nid in need:
             actor = self._actor(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False),
-                                **self._named())
+                                **self._named(STANDBY))
             self.standby.append((nid, actor, actor.info.remote()))
         return len(need)
 
@@ -144,16 +145,19 @@ class WorkerStarts:
     def adopt(self: WorkerGroup, *, timeout_s: float = 10.0) -> int:
         """Take over the detached workers a previous coordinator of this job left running (its process
         died; they did not): each that answers within `timeout_s` becomes a member, the others are
-        stopped (standbys stay standbys). Their process groups and trainers are as that coordinator left
-        them: `salvage` next.
+        stopped. Standbys stay standbys; one still starting is not waited for (its `info` waits for its
+        start, ~2 s) but stopped (a claimed one answers as soon as the members do). Their process groups
+        and trainers are as that coordinator left them: `salvage` next.
         The placement groups of workers that died meanwhile are removed. Returns how many were taken
         over (0 for a group without an owner)."""
         if self.owner is None:
             return 0
         found = find_workers(self.job_id, self.namespace)
-        refs = [a.info.options(concurrency_group=CONTROL).remote() for a in found]
-        ready = self._replies(refs, timeout_s=timeout_s, grace_s=timeout_s)
-        for actor, ref in zip(found, refs):
+        refs = [a.info.options(concurrency_group=CONTROL).remote() for _, a in found]
+        standby = {r for (name, _), r in zip(found, refs) if name.startswith(worker_prefix(self.job_id) + STANDBY)}
+        ready = self._replies([r for r in refs if r not in standby], timeout_s=timeout_s, grace_s=timeout_s)
+        ready |= set(ray.wait(list(standby), num_returns=len(standby), timeout=0.1)[0])
+        for (_, actor), ref in zip(found, refs):
             info = None
             if ref in ready:
                 try:
@@ -275,10 +279,10 @@ class WorkerStarts:
             logger.debug("kill of a worker failed", exc_info=True)
 
 
-def _failed(ref) -> bool:
-    """Whether the finished call `ref` raised."""
+def _idle(ping) -> bool:
+    """Whether the finished `info` call `ping` says its worker is a standby still: alive, holding no
+    placement group."""
     try:
-        ray.get(ref, timeout=0)
+        return ray.get(ping, timeout=0)["pg"] is None
     except RayError:
-        return True
-    return False
+        return False
