@@ -246,7 +246,7 @@ class Coordinator(Commands, GroupLifecycle):
         elif isinstance(d, Wait):
             if self._heal is not None:  # survivors cannot wait holding their state: it comes back from storage
                 self._drop_heal(d.reason)
-            elif self.group is not None:  # warm survivors of a failure: their slots are not held while waiting
+            if self.group is not None:  # warm survivors or standbys of a failure: nothing is kept while waiting
                 self._shutdown_group()
             target = S.QUEUED if d.by_scheduler else S.WAITING_FOR_CAPACITY
             if self.sm.state is not target:

@@ -76,6 +76,8 @@ class Group(Protocol):
         """One member per entry of `nodes`, survivors kept; returns (started, stopped)."""
     def prewarm(self, nodes: list[str]) -> int:
         """Start workers on `nodes` ahead of a growth, without making them members; returns how many."""
+    def stop_members(self) -> None:
+        """Stop every member (after a failure that kept none); standbys stay for the next start."""
     standby_used: int
     """How many of the last start's workers were standbys claimed instead of new processes."""
 
@@ -89,10 +91,11 @@ class Group(Protocol):
         """Move the live state from `old` to `new` on `nodes` over the network (no storage) and form
         the new group. `survivors`: the members' old ranks after a `salvage()` (a heal from peers)."""
     def salvage(self, *, gone: Collection[str] = (), dead: Callable[[], Collection[str]] = tuple,
-                abort: bool = True) -> dict[int, Salvaged]:
+                timeout_s: float = 15.0, abort: bool = True) -> dict[int, Salvaged]:
         """After a failure keep the members whose shards can be trusted; their reports by old rank.
         Members on `gone` nodes (known dead) are lost without being asked, those on nodes `dead()` names
-        while the salvage waits (a probe beside it) without being waited for. `abort`: first abort their
+        while the salvage waits (a probe beside it) without being waited for; none is waited for longer
+        than `timeout_s` (or 2 s after the first answer). `abort`: first abort their
         process groups (a peer died: calls stuck in a collective must raise); not when only their
         coordinator died."""
     def adopt(self) -> int:

@@ -130,21 +130,21 @@ class GroupLifecycle:
         kept = self._salvage(self.health.gone(snap, sorted(group.nodes())), abort=False)
         self.plan = None  # no layout runs until the next group forms
         if not kept:
-            self._shutdown_group()
+            self._drop_members()
 
     def _salvage(self: Coordinator, gone: set[str], *, dead: Callable[[], set[str]] = set,
-                 abort: bool = True) -> bool:
+                 abort: bool = True, timeout_s: float = 15.0) -> bool:
         """After a failure without notice: keep the surviving workers and their state when, between them,
         they hold every shard at one step (data-parallel replicas), so the group heals from peers
         (`self._heal`); else say why: the job falls back to the last committed checkpoint, and the
         survivors stay in the group as warm processes for that re-form to reuse (each has left the
         failed group and dropped its trainer; one whose save was still running is stopped instead).
         Returns whether the group is kept. `gone`: nodes the watcher lists as dead (their workers are
-        not asked); `dead`, `abort`: see `Group.salvage`."""
+        not asked); `dead`, `abort`, `timeout_s`: see `Group.salvage`."""
         g, p = self.group, self.plan
         if self.cfg.parallel.reshard != "live" or g is None or p is None or not g.size:
             return False
-        infos = g.salvage(gone=gone, dead=dead, abort=abort)
+        infos = g.salvage(gone=gone, dead=dead, abort=abort, timeout_s=timeout_s)
         steps = {i.step for i in infos.values()}
         rows = max((i.rows for i in infos.values()), key=len, default=())
         last_row = rows[-1]["step"] if rows else self.step_done
@@ -174,12 +174,14 @@ class GroupLifecycle:
         self.sm.note("fallback", reason=f"{why}: the surviving workers are released; the job will resume from "
                                         f"the last committed checkpoint (step {self.committed_step})",
                      step=self.step_done, cause="failure")
-        self._shutdown_group()
+        self._drop_members()
 
-    def _recover(self: Coordinator, err: WorkerFailure, *, tried: list[str] = (), salvage: bool = True) -> None:
+    def _recover(self: Coordinator, err: WorkerFailure, *, tried: list[str] = (), salvage: bool = True,
+                 patience_s: float = 15.0) -> None:
         """`tried`: the nodes a failed re-form was placing workers on (not members yet, but just as
         likely to be the dead ones: e.g. a node killed right after the probe of the previous failure).
-        `salvage`: try to keep the survivors' state to heal from (not after a failed transfer)."""
+        `salvage`: try to keep the survivors' state to heal from (not after a failed transfer), waiting
+        at most `patience_s` for them to answer."""
         t0 = time.time()
         with self._lock:
             self.failures.append(Failure(time=t0, kind=err.kind, error=str(err)))
@@ -198,8 +200,9 @@ class GroupLifecycle:
                 return probing.result() if probing.done() and probing.exception() is None else set()
 
             # a failed heal is not healed again, nor are its workers reused
-            if not salvage or self._heal is not None or not self._salvage(gone, dead=found_dead):
-                self._shutdown_group()
+            if not salvage or self._heal is not None or not self._salvage(gone, dead=found_dead,
+                                                                          timeout_s=patience_s):
+                self._drop_members()
             dead = gone | probing.result()
         # waited_s: since the failure was noticed, in the salvage and the probe
         self.sm.note("failure", reason=str(err), step=self.step_done, cause="failure",
@@ -237,7 +240,9 @@ class GroupLifecycle:
             start_s = time.perf_counter() - t_start
             formed = self.group.form(p)
         except WorkerFailure as e:
-            self._recover(e, tried=nodes)
+            # the members hold nothing the checkpoint does not: those that answer at once stay warm, those
+            # stuck (a rendezvous with a rank on a dead node waits out its timeout) are not waited for
+            self._recover(e, tried=nodes, patience_s=1.0)
             return
         self._formed(p, old, formed.step, started, stopped, cause=cause, reason=reason, t0=t0,
                      transfer={"path": "storage", "start_s": start_s, "standby": self.group.standby_used,
@@ -281,3 +286,10 @@ class GroupLifecycle:
         if self.group is not None:
             self.group.shutdown()
             self.group = None
+
+    def _drop_members(self) -> None:
+        """After a failure that kept no worker: stop every member, but keep the group's standbys for the
+        re-form to claim (a shutdown would stop them too, and every worker would start afresh)."""
+        self._heal, self._durable_due = None, False
+        if self.group is not None:
+            self.group.stop_members()

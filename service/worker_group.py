@@ -127,9 +127,13 @@ class WorkerGroup(WorkerStarts):
         return self._get(refs, what, timeout=0)
 
     def shutdown(self) -> None:
+        self.stop_members()
+        self._stop_standby()
+
+    def stop_members(self) -> None:
+        """Stop every member and spare; standbys stay (`shutdown` stops them too)."""
         self._settle()
         self._stop(self.members + [Member(a, pg, nid, "") for nid, a, pg, _ in self.spares])
-        self._stop_standby()
         self.members, self.spares = [], []
 
     # -- collective operations ---------------------------------------------------------------------------

@@ -182,7 +182,8 @@ class WorkerStarts:
         except WorkerFailure:  # none of them is a member yet: release all, or their CPUs stay held
             self._stop([Member(a, pg, nid, "") for nid, a, pg, _ in launched])
             raise
-        return [Member(a, pg, i["node_id"], i["ip"]) for (_, a, pg, _), i in zip(launched, infos)]
+        # a claimed standby may have asked for its slot again (Worker.claim): its own word on the group
+        return [Member(a, i["pg"] or pg, i["node_id"], i["ip"]) for (_, a, pg, _), i in zip(launched, infos)]
 
     def _await_starts(self: WorkerGroup, launched: list, *, watch: list[str] = ()) -> list[dict]:
         """Each launched actor's `info`, in order; WorkerFailure as soon as one fails, when a placement

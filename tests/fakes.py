@@ -73,6 +73,9 @@ class FakeGroup:
     def keep_standby(self):
         return 0
 
+    def stop_members(self):
+        self.members = []
+
     def form(self, plan, *, adopt=False):
         self.plan = plan
         if not adopt:
@@ -82,7 +85,7 @@ class FakeGroup:
     def adopt(self):
         return 0
 
-    def salvage(self, *, gone=(), dead=tuple, abort=True):
+    def salvage(self, *, gone=(), dead=tuple, timeout_s=15.0, abort=True):
         """Survivors (members off dead nodes) vouch for their state at the current step when `heals`.
         Records the nodes it was told are gone (`salvaged_gone`)."""
         self.salvaged_gone = set(gone)

@@ -87,3 +87,21 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def test_after_a_failure_that_kept_no_member_the_standbys_are_claimed(local_ray, tmp_path):
+    """A recovery that keeps no member stops them all (`stop_members`), not the standbys: the re-form
+    claims those instead of starting every worker afresh (seen in chaos: a double fault restarted all)."""
+    me = ray.get_runtime_context().get_node_id()
+    g = WorkerGroup(JobConfig(), str(tmp_path), cpus_per_worker=1, gpus_per_worker=0, job_id="t4")
+    try:
+        g.scale_to([me])
+        g.keep_standby()
+        standby = _settled_standby(g)
+        g.stop_members()
+        assert g.size == 0 and len(g.standby) == 1
+        assert g.scale_to([me]) == (1, 0) and g.standby_used == 1
+        assert ray.get(g.members[0].actor.info.remote(), timeout=30)["pid"] == standby["pid"]
+    finally:
+        g.shutdown()
+    _cpus_free(2.0)
