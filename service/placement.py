@@ -41,8 +41,9 @@ def probe_nodes(node_ids: list[str], *, timeout_s: float = 2.0) -> set[str]:
     connections (`refusing`) is dead at once, without waiting out that timeout.
 
     A node Ray is draining places nothing new by design, so it is not probed: it counts as answering
-    (its drain deadline, and Ray's health checks, bound how long it can stay listed). Probed, it would
-    look dead, and a live transfer off it, whose wait probes its members' nodes, would fail."""
+    unless its raylet refuses connections (its drain deadline, and Ray's health checks, bound how long
+    it can stay listed). Probed, it would look dead, and a live transfer off it, whose wait probes its
+    members' nodes, would fail."""
     from ray.util import placement_group_table
 
     from service.cluster import ray_draining
@@ -53,8 +54,9 @@ def probe_nodes(node_ids: list[str], *, timeout_s: float = 2.0) -> set[str]:
         logger.debug("draining nodes unknown; probing every node", exc_info=True)
         draining = set()
     info = {n["NodeID"]: n for n in ray.nodes()}
-    # a raylet that refuses connections is dead: no need to wait out a placement there
-    refused = raylets_refusing([n for n in node_ids if n not in draining], info=info)
+    # a raylet that refuses connections is dead, draining or not: no need to wait out a placement there
+    refused = raylets_refusing(node_ids, info=info)
+    draining -= refused
     node_ids = [n for n in node_ids if n not in draining and n not in refused]
     # The bundle asks for a sliver of the node's own `node:IP` resource, not CPU: right after a failure
     # the node's CPUs can still be held by the placement groups being removed, and a CPU bundle would

@@ -116,10 +116,10 @@ def test_a_draining_node_counts_as_answering_the_probe():
     """Ray places nothing new on a node it drains, so a probe there would time out and the node look dead;
     a live transfer off a draining node probes its members' nodes while it waits and failed that way (a
     preemption notice handled as a failure, seen in tests/service/test_elastic_e2e.py)."""
-    from service.cluster import drain_node
+    from service.cluster import drain_node, kill_node
     from service.placement import probe_nodes
 
-    with cluster_of(1) as (_, (node,)):
+    with cluster_of(1) as (cluster, (node,)):
         @ray.remote(num_cpus=1)
         class Busy:  # keeps the node from exiting as soon as it is drained and idle
             def ping(self) -> bool:
@@ -130,6 +130,8 @@ def test_a_draining_node_counts_as_answering_the_probe():
         assert probe_nodes([node.node_id], timeout_s=5) == {node.node_id}
         drain_node(node.node_id, message="test: spot reclaim", deadline_remaining_s=60)
         assert probe_nodes([node.node_id], timeout_s=1) == {node.node_id}
+        kill_node(cluster, node)  # reclaimed at its deadline: draining still, as far as the GCS knows
+        assert probe_nodes([node.node_id], timeout_s=1) == set()  # its raylet refuses connections
 
 
 def test_waits_probe_early_and_often_then_every_cap():
