@@ -129,12 +129,17 @@ class WorkerStarts:
 
     def _take_standby(self: WorkerGroup, nodes: list[str]) -> list[tuple[str, Any, PlacementGroup, Any]]:
         """Standbys on `nodes` (one per entry at most), each claimed with a new placement group for its
-        slot on its node (`Worker.claim`), to be awaited with this start like a fresh worker."""
+        slot on its node (`Worker.claim`), to be awaited with this start like a fresh worker. The bundle
+        asks for a sliver of the node's `node:IP` resource too: where IPs are unique, a slot that is not
+        free yet (the group of the worker it replaces still being removed) is waited for there, not
+        taken on another node."""
         want, taken, keep = Counter(nodes), [], []
+        ips = {n["NodeID"]: n.get("NodeManagerAddress") for n in ray.nodes()} if self.standby and nodes else {}
         for nid, actor, ref in self.standby:
             if want[nid] > 0:
                 want[nid] -= 1
-                pg = placement_group([self._bundle()], strategy="STRICT_PACK", _soft_target_node_id=nid,
+                pin = {f"node:{ips[nid]}": 0.001} if ips.get(nid) else {}
+                pg = placement_group([{**self._bundle(), **pin}], strategy="STRICT_PACK", _soft_target_node_id=nid,
                                      **self._named())
                 taken.append((nid, actor, pg, actor.claim.remote(pg)))
             else:
@@ -182,8 +187,7 @@ class WorkerStarts:
         except WorkerFailure:  # none of them is a member yet: release all, or their CPUs stay held
             self._stop([Member(a, pg, nid, "") for nid, a, pg, _ in launched])
             raise
-        # a claimed standby may have asked for its slot again (Worker.claim): its own word on the group
-        return [Member(a, i["pg"] or pg, i["node_id"], i["ip"]) for (_, a, pg, _), i in zip(launched, infos)]
+        return [Member(a, pg, i["node_id"], i["ip"]) for (_, a, pg, _), i in zip(launched, infos)]
 
     def _await_starts(self: WorkerGroup, launched: list, *, watch: list[str] = ()) -> list[dict]:
         """Each launched actor's `info`, in order; WorkerFailure as soon as one fails, when a placement

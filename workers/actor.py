@@ -105,33 +105,19 @@ class Worker:
 
         return self._reservation or get_current_placement_group()
 
-    def claim(self, pg, *, within_s: float = 10.0) -> dict[str, Any]:
-        """A standby becomes a member: once `pg` (one bundle of a worker's resources) is placed on this
-        worker's node, it holds this worker's slot and is released with it. Its target is soft: placed
-        on another node (the slot here not free yet, e.g. the group of the worker this one replaces
-        still being removed), it is removed and asked for again, as the same bundle under a new name,
-        until `within_s`; then this raises. Returns `info()`."""
-        import uuid
-
+    def claim(self, pg) -> dict[str, Any]:
+        """A standby becomes a member: once `pg` (one bundle of a worker's resources, pinned to this node
+        by its `node:IP` resource where IPs are unique) is placed on this worker's node, it holds this
+        worker's slot and is released with it. Raises if `pg` landed on another node (nodes sharing an
+        IP, as simulated ones do, leave only its soft target: the slot here was not free yet). Returns
+        `info()`."""
         import ray
         from ray.util import placement_group_table
-        from ray.util.placement_group import placement_group, remove_placement_group
 
+        ray.get(pg.ready())
         here = ray.get_runtime_context().get_node_id()
-        deadline = time.monotonic() + within_s
-        while True:
-            ray.get(pg.ready())
-            table = placement_group_table(pg)
-            if here in (table.get("bundles_to_node_id") or {}).values():
-                break
-            remove_placement_group(pg)
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"no free slot on node {here[:8]} for this standby worker within {within_s:.0f}s")
-            time.sleep(0.05)
-            named = {"name": f"{table['name'].rsplit('-', 1)[0]}-{uuid.uuid4().hex[:12]}", "lifetime": "detached"} \
-                if table.get("name") else {}
-            pg = placement_group(list(table["bundles"].values()), strategy="STRICT_PACK", _soft_target_node_id=here,
-                                 **named)
+        if here not in (placement_group_table(pg).get("bundles_to_node_id") or {}).values():
+            raise RuntimeError(f"no free slot on node {here[:8]} for this standby worker")
         self._reservation = pg
         return self.info()
 
