@@ -129,6 +129,10 @@ class GroupLifecycle:
         self.plan = old  # what `_salvage` checks their shards against; the heal keeps it
         kept = self._salvage(self.health.gone(snap, sorted(group.nodes())), abort=False)
         self.plan = None  # no layout runs until the next group forms
+        if self._heal is not None and self._open is not None:
+            # the workers may have finished a step the lost coordinator never recorded (their metrics
+            # came back with the salvage): the heal moves from there, not from its last recorded step
+            self._open.step_before = self.step_done
         if not kept:
             self._drop_members()
 

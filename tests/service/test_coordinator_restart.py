@@ -7,6 +7,7 @@ takes them over and heals from their state. Tier 1: the fake worker group of tes
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from service.coordinator import Coordinator, CoordinatorOptions
 from service.state import JobState as S
@@ -126,3 +127,24 @@ def test_workers_started_before_any_group_formed_are_taken_over_not_left_holding
     assert str(second.sm.state) == "SUCCEEDED"
     rc = second.reconfigs[0]
     assert rc.started == 0 and rc.stopped == 0 and rc.resumed_step == 0  # the same four, from the start
+
+
+def test_a_heal_from_workers_a_step_ahead_of_the_lost_coordinator_moves_from_their_step(tmp_path):
+    """The coordinator died while its workers finished a step it never recorded; their salvage brings
+    that step's metrics back, so the heal moves from that step (seen in CI's chaos test as "a live move
+    from step 116 resumed at step 117")."""
+    first, cluster, group_cls = make_coordinator(tmp_path, {"a": 2, "b": 2})
+    group_cls.heals = True
+    advance(first, lambda c: c.step_done >= 7)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 8)))
+    first.group.step += 1  # step 8 finished after the coordinator died
+    base = left_running(group_cls, first.group)
+
+    def salvage(self, **kw):
+        row = {"step": self.step, "loss": 10.0 / self.step, "time": float(self.step)}
+        return {r: replace(s, rows=(row,)) for r, s in base.salvage(self, **kw).items()}
+
+    second = again(first, type("Ahead", (base,), {"salvage": salvage}), cluster, owner="elastron-job-job1")
+    advance(second, lambda c: c.sm.state.is_terminal)
+    rc = second.reconfigs[0]
+    assert rc.step_before == 8 and rc.resumed_step == 8 and rc.steps_lost == 0 and rc.transfer["path"] == "peers"
