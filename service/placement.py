@@ -61,8 +61,7 @@ def probe_nodes(node_ids: list[str], *, timeout_s: float = 2.0) -> set[str]:
     # The bundle asks for a sliver of the node's own `node:IP` resource, not CPU: right after a failure
     # the node's CPUs can still be held by the placement groups being removed, and a CPU bundle would
     # then land elsewhere (the target is soft) and make a healthy node look dead.
-    ips = {nid: n.get("NodeManagerAddress") for nid, n in info.items()}
-    pgs = {nid: placement_group([{f"node:{ips[nid]}": 0.001} if ips.get(nid) else {"CPU": 0.001}],
+    pgs = {nid: placement_group([on_node(info.get(nid)) or {"CPU": 0.001}],
                                 strategy="STRICT_PACK", _soft_target_node_id=nid)
            for nid in node_ids}
     alive: set[str] = set(draining)
@@ -82,6 +81,13 @@ def probe_nodes(node_ids: list[str], *, timeout_s: float = 2.0) -> set[str]:
         except Exception:
             logger.debug("probe placement group removal failed", exc_info=True)
     return alive
+
+
+def on_node(node: dict | None) -> dict[str, float]:
+    """A sliver of the node's own `node:IP` resource (a `ray.nodes()` row; {} if unknown), for a bundle
+    that must go to that node: where IPs are unique, it waits there rather than land elsewhere."""
+    ip = (node or {}).get("NodeManagerAddress")
+    return {f"node:{ip}": 0.001} if ip else {}
 
 
 def raylets_refusing(node_ids: list[str], *, info: dict[str, dict] | None = None) -> set[str]:

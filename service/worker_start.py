@@ -28,7 +28,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from service.detached import STANDBY, find_workers, release_workers, worker_prefix
 from service.group_types import WorkerFailure
-from service.placement import probe_nodes
+from service.placement import on_node, probe_nodes
 
 if TYPE_CHECKING:
     from service.worker_group import WorkerGroup
@@ -134,13 +134,12 @@ class WorkerStarts:
         free yet (the group of the worker it replaces still being removed) is waited for there, not
         taken on another node."""
         want, taken, keep = Counter(nodes), [], []
-        ips = {n["NodeID"]: n.get("NodeManagerAddress") for n in ray.nodes()} if self.standby and nodes else {}
+        info = {n["NodeID"]: n for n in ray.nodes()} if any(want[nid] for nid, *_ in self.standby) else {}
         for nid, actor, ref in self.standby:
             if want[nid] > 0:
                 want[nid] -= 1
-                pin = {f"node:{ips[nid]}": 0.001} if ips.get(nid) else {}
-                pg = placement_group([{**self._bundle(), **pin}], strategy="STRICT_PACK", _soft_target_node_id=nid,
-                                     **self._named())
+                pg = placement_group([{**self._bundle(), **on_node(info.get(nid))}], strategy="STRICT_PACK",
+                                     _soft_target_node_id=nid, **self._named())
                 taken.append((nid, actor, pg, actor.claim.remote(pg)))
             else:
                 keep.append((nid, actor, ref))
