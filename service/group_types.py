@@ -80,6 +80,9 @@ class Group(Protocol):
         """Stop every member (after a failure that kept none); standbys stay for the next start."""
     standby_used: int
     """How many of the last start's workers were standbys claimed instead of new processes."""
+    salvage_lost: list[str]
+    """Why each member the last `salvage` stopped was stopped (a worker's own reason, or that it did
+    not answer or was on a dead node), in member order."""
 
     def keep_standby(self) -> int:
         """Keep idle workers started beside the members (the job's `resources.standby_per_node`), to

@@ -162,11 +162,16 @@ class GroupLifecycle:
             why = f"the metrics of step {max(steps)} were lost with the failed worker"
         else:
             why = None
+        stopped = {"stopped": list(g.salvage_lost)} if g.salvage_lost else {}
         if why is not None:
             self.sm.note("fallback", reason=f"cannot heal from the surviving workers: {why}; resuming from the "
                                             f"last committed checkpoint (step {self.committed_step})",
-                         step=self.step_done, cause="failure", details={"warm_workers": g.size})
+                         step=self.step_done, cause="failure", details={"warm_workers": g.size, **stopped})
             return g.size > 0
+        if stopped:
+            self.sm.note("info", reason=f"healing from {len(infos)} surviving worker(s); stopped "
+                                        f"{len(g.salvage_lost)}: {'; '.join(g.salvage_lost)}",
+                         step=self.step_done, details=stopped)
         with self._lock:
             for r in rows:
                 self.metrics.setdefault(r["step"], r)

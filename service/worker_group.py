@@ -62,6 +62,8 @@ class WorkerGroup(WorkerStarts):
         last ping): `keep_standby`."""
         self.standby_used = 0
         """How many of the last start's workers were standbys claimed instead of new processes."""
+        self.salvage_lost: list[str] = []
+        """Why each member the last `salvage` stopped was stopped."""
         self._unread: list[Any] = []
         """Refs of calls the group stopped waiting for (the other ranks' `run` once one rank failed, say):
         read when they have ended (`_settle`), so that their errors, expected after a failure, go to this
@@ -233,17 +235,24 @@ class WorkerGroup(WorkerStarts):
         ready = self._replies(list(refs.values()), timeout_s=timeout_s, grace_s=2.0, skip=on_dead_nodes(refs))
         kept: dict[int, tuple[Member, Salvaged]] = {}
         lost: list[Member] = []
+        self.salvage_lost = []
         for m in self.members:
             info, ref = None, refs.get(id(m))
-            if ref is not None and ref in ready:
+            if ref is None:
+                why = "its node is dead"
+            elif ref not in ready:
+                why = "it did not answer"
+            else:
                 try:
                     info = ray.get(ref)
-                except RayError:
-                    info = None
+                    why = info.why
+                except RayError as e:
+                    why = f"its salvage failed: {type(e).__name__}"
             if info is not None and info.held:
                 kept[info.old_rank] = (m, info)
             else:
                 lost.append(m)
+                self.salvage_lost.append(why or "no reason given")
         self._stop(lost)
         self.members = [kept[r][0] for r in sorted(kept)]
         self._unread += list(aborts.values()) + list(refs.values())

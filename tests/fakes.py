@@ -45,8 +45,9 @@ class FakeGroup:
     cluster: FakeCluster
     fail_next: list[str] = []
     heals = False
-    standby_used = 0
     """Whether survivors of a failure keep their state (a salvage), as real workers do."""
+    standby_used = 0
+    salvage_lost: list = []
 
     def __init__(self, cfg, run_dir, **kw):
         self.members: list[str] = []
@@ -90,9 +91,11 @@ class FakeGroup:
         Records the nodes it was told are gone (`salvaged_gone`)."""
         self.salvaged_gone = set(gone)
         if not self.heals:
+            self.salvage_lost = ["it did not answer"] * len(self.members)
             self.members = []
             return {}
         kept = {r: m for r, m in enumerate(self.members) if m not in self.cluster.dead}
+        self.salvage_lost = ["its node is dead"] * (len(self.members) - len(kept))
         self.members = list(kept.values())
         return {r: Salvaged(held=True, step=self.step, old_rank=r) for r in kept}
 

@@ -235,6 +235,9 @@ def test_a_node_death_heals_from_surviving_replicas_with_no_step_redone(tmp_path
     assert rc.step_before == rc.resumed_step == 7 and rc.steps_lost == 0  # not the step-5 commit
     assert c.group.size == 2 and "b" not in c.group.nodes() and rc.started == 0
     assert not [e for e in c.events_since(0) if e["kind"] == "fallback"]
+    # the members it stopped, and why, are said before the heal
+    (why,) = [e for e in c.events_since(0) if e["kind"] == "info" and "stopped" in e["details"]]
+    assert why["details"]["stopped"] == ["its node is dead"] * 2 and "healing from 2 surviving" in why["reason"]
 
 
 def test_a_node_the_watcher_lists_as_dead_is_neither_waited_for_nor_probed_after_a_failure(tmp_path):
@@ -312,6 +315,7 @@ def test_survivors_without_every_shard_fall_back_to_the_last_commit_and_say_why(
     assert "do not hold every shard" in fb["reason"] and "(step 5)" in fb["reason"]
     # the two survivors on a re-form as warm processes: nothing is started for the storage resume
     assert fb["details"]["warm_workers"] == 2 and rc.started == 0 and c.group.nodes() == {"a": 2}
+    assert fb["details"]["stopped"] == ["its node is dead"] * 2
 
 
 def test_survivors_below_min_workers_are_released_and_the_job_resumes_from_storage(tmp_path):

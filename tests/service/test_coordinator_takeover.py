@@ -60,10 +60,19 @@ def test_a_restarted_coordinator_heals_from_the_workers_it_left_running(manager)
     os.kill(first.pid, signal.SIGKILL)
     wait_for(lambda: (j := manager.get(job_id).status).pid not in (None, first.pid) and j.state == "RUNNING"
              and j.step > first.step + 5, timeout=120, what="the restarted coordinator trains on")
-    assert workers_of(job_id) == before  # the same processes: taken over, not started again
+    after = workers_of(job_id)
+    # The same processes: taken over, not started again. One exception, a race the kill can win: a
+    # coordinator killed between sending a step to one member and to the other leaves the first waiting
+    # in a collective for a peer that never joins (gloo's sockets stay open while the peer keeps its
+    # model). It does not answer the salvage, is stopped, and a standby takes its place.
+    notes = [e for e in manager.events(job_id) if e["kind"] == "info" and "stopped" in e["details"]]
+    stuck = notes[0]["details"]["stopped"] if notes else []
+    assert stuck in ([], ["it did not answer"]), stuck
+    log = "\n".join(f"{e['kind']}: {e.get('reason')} {e.get('details')}" for e in manager.events(job_id))
+    assert len(after) == 2 and len(set(after.values()) & set(before.values())) == 2 - len(stuck), log
     # the standby is taken over as one (or, if it did not answer within the takeover's 0.1 s, replaced):
-    # never made a member
-    assert not set(standby.values()) & set(workers_of(job_id).values())
+    # made a member only in a stuck member's place
+    assert len(set(standby.values()) & set(after.values())) <= len(stuck)
     wait_for(lambda: len(workers_of(job_id, standby=True)) == 1, timeout=60, what="a standby beside the members")
 
     done = wait_for(lambda: (j := manager.get(job_id).status).state in ("SUCCEEDED", "FAILED") and j,
@@ -72,7 +81,9 @@ def test_a_restarted_coordinator_heals_from_the_workers_it_left_running(manager)
     assert done.step == steps and done.steps_lost == 0 and done.reconfigurations.get("failure") == 1
     events = manager.events(job_id)
     heal = [e for e in events if e["kind"] == "resize"][-1]["details"]
-    assert heal["started"] == 0 and heal["transfer"]["path"] == "peers" and heal["cause"] == "failure"
+    assert heal["transfer"]["path"] == "peers" and heal["cause"] == "failure"
+    # no process started, but in a stuck member's place (a standby, if one had answered the takeover)
+    assert heal["started"] == len(stuck) and heal["transfer"].get("standby", 0) <= len(stuck)
     assert any(e["kind"] == "info" and e["details"].get("adopted") == 2 for e in events)
     assert [m["step"] for m in manager.metrics(job_id)] == list(range(1, steps + 1))
     wait_for(lambda: not worker_names(job_id), timeout=30, what="the finished job's workers end")

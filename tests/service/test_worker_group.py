@@ -126,3 +126,32 @@ def test_the_salvage_wait_stops_for_members_a_probe_found_dead(local_ray):
     t0 = time.monotonic()
     ready = WorkerGroup._replies([answer.remote(0.0), silent], timeout_s=60, grace_s=30, skip=lambda: found)
     assert len(ready) == 1 and silent not in ready and time.monotonic() - t0 < 30  # not its grace
+
+
+def test_a_member_left_alone_in_a_step_is_stopped_by_the_salvage_which_says_why(local_ray, tmp_path):
+    """A coordinator killed between sending a step to one member and to its peer leaves the first
+    waiting in the step's collective for a peer that never joins: gloo's sockets stay open while the
+    peer, which answers the salvage, keeps its model, so only a stop frees it. The salvage after a
+    takeover (no abort) keeps the peer and stops the other, saying why (`salvage_lost`)."""
+    from dataclasses import replace
+
+    from ray.exceptions import RayError
+
+    from parallel.planner import plan
+    from workers.config import JobConfig, job_constraints
+
+    cfg = JobConfig()
+    me = ray.get_runtime_context().get_node_id()
+    g = WorkerGroup(cfg, str(tmp_path), cpus_per_worker=1, gpus_per_worker=0, job_id="t", start_timeout_s=60)
+    try:
+        g.scale_to([me, me])
+        g.form(plan(2, cfg.model.build(), replace(job_constraints(cfg), min_workers=1, max_workers=2)))
+        assert [r["step"] for r in g.run(until_step=2, steps=2)] == [1, 2]
+        alone = g.members[0].actor.run.remote(until_step=3, steps=1)  # its peer never gets this call
+        infos = g.salvage(abort=False, timeout_s=30)
+        assert list(infos) == [1] and infos[1].step == 2 and g.salvage_lost == ["it did not answer"]
+        assert g.size == 1
+        with pytest.raises(RayError):  # stopped: the call it was stuck in ends with its process
+            ray.get(alone, timeout=30)
+    finally:
+        g.shutdown()
