@@ -83,6 +83,9 @@ class Group(Protocol):
     salvage_lost: list[str]
     """Why each member the last `salvage` stopped was stopped (a worker's own reason, or that it did
     not answer or was on a dead node), in member order."""
+    salvage_idle: int
+    """How many members the last `salvage` kept as idle processes for the next start (no state to heal
+    from, but sound)."""
 
     def keep_standby(self) -> int:
         """Keep idle workers started beside the members (the job's `resources.standby_per_node`), to

@@ -166,12 +166,14 @@ class GroupLifecycle:
         if why is not None:
             self.sm.note("fallback", reason=f"cannot heal from the surviving workers: {why}; resuming from the "
                                             f"last committed checkpoint (step {self.committed_step})",
-                         step=self.step_done, cause="failure", details={"warm_workers": g.size, **stopped})
-            return g.size > 0
-        if stopped:
-            self.sm.note("info", reason=f"healing from {len(infos)} surviving worker(s); stopped "
-                                        f"{len(g.salvage_lost)}: {'; '.join(g.salvage_lost)}",
-                         step=self.step_done, details=stopped)
+                         step=self.step_done, cause="failure",
+                         details={"warm_workers": g.size + g.salvage_idle, **stopped})
+            return g.size + g.salvage_idle > 0
+        if stopped or g.salvage_idle:
+            said = ([f"kept {g.salvage_idle} idle (no state to heal from)"] if g.salvage_idle else []) + \
+                   ([f"stopped {len(g.salvage_lost)}: {'; '.join(g.salvage_lost)}"] if g.salvage_lost else [])
+            self.sm.note("info", reason=f"healing from {len(infos)} surviving worker(s); {'; '.join(said)}",
+                         step=self.step_done, details={"idle": g.salvage_idle, **stopped})
         with self._lock:
             for r in rows:
                 self.metrics.setdefault(r["step"], r)

@@ -64,6 +64,9 @@ class WorkerGroup(WorkerStarts):
         """How many of the last start's workers were standbys claimed instead of new processes."""
         self.salvage_lost: list[str] = []
         """Why each member the last `salvage` stopped was stopped."""
+        self.salvage_idle = 0
+        """How many members the last `salvage` kept as spares: they hold no state to heal from, but their
+        processes are idle and sound (`Salvaged.reusable`), so the next start takes them (`_take_spares`)."""
         self._unread: list[Any] = []
         """Refs of calls the group stopped waiting for (the other ranks' `run` once one rank failed, say):
         read when they have ended (`_settle`), so that their errors, expected after a failure, go to this
@@ -213,13 +216,16 @@ class WorkerGroup(WorkerStarts):
     def salvage(self, *, gone: Collection[str] = (), dead: Callable[[], Collection[str]] = tuple,
                 timeout_s: float = 15.0, abort: bool = True) -> dict[int, Salvaged]:
         """After a failure: every member that answers within `timeout_s` with shards it can vouch for
-        (Worker.salvage) stays, in old-rank order; the others (dead, stuck in a collective, or holding
-        untrusted state) are stopped. Members on `gone` nodes, which the cluster watcher already lists
+        (Worker.salvage) stays, in old-rank order; one that answers with none, but idle and sound
+        (`Salvaged.reusable`: no trainer, or its state untrusted and dropped), becomes a spare for the
+        next start; the others (dead, stuck in a collective, a save left running) are stopped, and
+        `salvage_lost` says why. Members on `gone` nodes, which the cluster watcher already lists
         as dead, are not asked: their silence would only be waited out (the grace below); nor are those on
         nodes `dead()` names while the salvage waits (a probe running beside it). `abort`: abort
         their process groups first, so calls stuck in a collective with a dead peer raise (not for
-        workers whose coordinator died, not a peer: their calls end by themselves). Returns each
-        survivor's report by its old rank."""
+        workers whose coordinator died, not a peer: their calls end by themselves, unless the coordinator
+        died between sending a call to one member and to the next). Returns each survivor's report by
+        its old rank."""
         asked = [m for m in self.members if m.node_id not in gone]
 
         def on_dead_nodes(calls: dict) -> Callable[[], set]:
@@ -235,6 +241,7 @@ class WorkerGroup(WorkerStarts):
         ready = self._replies(list(refs.values()), timeout_s=timeout_s, grace_s=2.0, skip=on_dead_nodes(refs))
         kept: dict[int, tuple[Member, Salvaged]] = {}
         lost: list[Member] = []
+        idle: list[tuple[str, Any, PlacementGroup, Any]] = []
         self.salvage_lost = []
         for m in self.members:
             info, ref = None, refs.get(id(m))
@@ -250,10 +257,14 @@ class WorkerGroup(WorkerStarts):
                     why = f"its salvage failed: {type(e).__name__}"
             if info is not None and info.held:
                 kept[info.old_rank] = (m, info)
+            elif info is not None and info.reusable:  # idle, holding its slot: a spare for the next start
+                idle.append((m.node_id, m.actor, m.pg, m.actor.info.options(concurrency_group=CONTROL).remote()))
             else:
                 lost.append(m)
                 self.salvage_lost.append(why or "no reason given")
         self._stop(lost)
+        self.spares += idle
+        self.salvage_idle = len(idle)
         self.members = [kept[r][0] for r in sorted(kept)]
         self._unread += list(aborts.values()) + list(refs.values())
         self._settle()  # the survivors' interrupted calls have ended: their salvage ran after them

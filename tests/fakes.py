@@ -48,6 +48,7 @@ class FakeGroup:
     """Whether survivors of a failure keep their state (a salvage), as real workers do."""
     standby_used = 0
     salvage_lost: list = []
+    salvage_idle = 0
 
     def __init__(self, cfg, run_dir, **kw):
         self.members: list[str] = []

@@ -200,12 +200,12 @@ class Worker:
         t, self.trainer, self.handover, self.received = self.trainer, None, None, None
         try:
             if t is None:
-                return Salvaged(held=False, why="no trainer")
+                return Salvaged(held=False, why="no trainer", reusable=True)
             state = t.salvage_state()
             if not t.close(timeout_s=save_timeout_s):
                 return Salvaged(held=False, why="a checkpoint save was still running")
             if state is None:
-                return Salvaged(held=False, why="the failure struck after a weight update")
+                return Salvaged(held=False, why="the failure struck after a weight update", reusable=True)
             rows = list(self._rows)
             last = t.last_metrics
             if last is not None and (not rows or rows[-1]["step"] < last.step):

@@ -51,6 +51,9 @@ class Salvaged:
     held: bool
     why: str | None = None
     """Why its shards cannot be trusted (when not held)."""
+    reusable: bool = False
+    """(When not held) whether the process can join the next group as a freshly started worker would: it
+    has dropped its trainer and left the process group, and no save of it is left running."""
     step: int | None = None
     """The step its shards are at (when held)."""
     old_rank: int | None = None

@@ -155,3 +155,33 @@ def test_a_member_left_alone_in_a_step_is_stopped_by_the_salvage_which_says_why(
             ray.get(alone, timeout=30)
     finally:
         g.shutdown()
+
+
+def test_members_with_no_state_to_salvage_are_kept_as_spares_and_the_next_start_takes_them(local_ray, tmp_path):
+    """A second failure soon after a first (the chaos run's double faults): the first one's survivors are
+    warm processes that dropped their trainers, and answer the next salvage with no state. They are sound
+    and hold their slots, so they wait as spares and the re-form takes them instead of starting new
+    processes (they used to be stopped, and each replaced by a ~2.5 s process start)."""
+    from dataclasses import replace
+
+    from parallel.planner import plan
+    from workers.config import JobConfig, job_constraints
+
+    cfg = JobConfig()
+    me = ray.get_runtime_context().get_node_id()
+    g = WorkerGroup(cfg, str(tmp_path), cpus_per_worker=1, gpus_per_worker=0, job_id="t", start_timeout_s=60)
+    p = plan(2, cfg.model.build(), replace(job_constraints(cfg), min_workers=1, max_workers=2))
+    try:
+        g.scale_to([me, me])
+        pids = sorted(i["pid"] for i in ray.get([m.actor.info.remote() for m in g.members], timeout=30))
+        g.form(p)
+        g.run(until_step=1, steps=1)
+        assert sorted(g.salvage()) == [0, 1]  # the first failure: both vouch for their state, and drop it
+        assert g.salvage() == {} and g.salvage_lost == [] and g.salvage_idle == 2  # the second: none left
+        assert g.size == 0 and len(g.spares) == 2
+        assert g.scale_to([me, me]) == (2, 0)  # "started" as members, from the spares: no new process
+        assert sorted(i["pid"] for i in ray.get([m.actor.info.remote() for m in g.members], timeout=30)) == pids
+        assert g.spares == [] and g.form(p).step == 0  # no checkpoint was written: from the start again
+        assert [r["step"] for r in g.run(until_step=1, steps=1)] == [1]
+    finally:
+        g.shutdown()
