@@ -42,14 +42,14 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.chaos_audit import CheckpointAudit  # noqa: E402
 from benchmarks.chaos_env import ChaosEnv, wait  # noqa: E402
-from benchmarks.chaos_faults import FAULTS, Ctx, schedule  # noqa: E402
+from benchmarks.chaos_faults import FAULTS, KINDS, Ctx, schedule  # noqa: E402
 from service.run_files import read_metrics  # noqa: E402
 
 KEEP_LAST = 3
 TOL = 1e-4
 
 
-def job_config(steps: int, *, interval: int = 4) -> dict:
+def job_config(steps: int, *, interval: int = 4, standby_per_node: int | None = None) -> dict:
     """lr 1e-3: at 3e-3 this tiny model's training is chaotic enough that the last-bit differences
     between layouts (the order gradients are summed in) grow ~e-fold every ~35 steps and cross 1e-4
     after a few hundred steps with no fault at all; at 1e-3 a dp=2 run stays within 2e-7 of one process
@@ -62,7 +62,8 @@ def job_config(steps: int, *, interval: int = 4) -> dict:
                   "seed": 11},
         "parallel": {"min_workers": 1, "max_workers": 3},
         "checkpoint": {"interval_steps": interval, "keep_last": KEEP_LAST},
-        "resources": {"device": "cpu", "cpus_per_worker": 1},
+        "resources": {"device": "cpu", "cpus_per_worker": 1,
+                      **({} if standby_per_node is None else {"standby_per_node": standby_per_node})},
     }
 
 
@@ -90,8 +91,12 @@ def logged_rows(run_dir: Path) -> list[dict]:
 
 
 class ChaosRun:
-    def __init__(self, workdir: Path, *, faults: int, seed: int, steps: int, gap: int, log=print):
+    def __init__(self, workdir: Path, *, faults: int, seed: int, steps: int, gap: int, log=print,
+                 kinds: tuple[str, ...] = KINDS, standby_per_node: int | None = None):
+        """`kinds`: the fault kinds the schedule draws from (a targeted run); `standby_per_node`: the job's
+        `resources.standby_per_node` (None: the default)."""
         self.workdir, self.n, self.seed, self.steps, self.gap, self.log = workdir, faults, seed, steps, gap, log
+        self.kinds, self.standby_per_node = kinds, standby_per_node
         self.env = ChaosEnv(workdir, nodes=3, log=log)
         self.records: list[FaultRecord] = []
         self.job_id = ""
@@ -121,7 +126,8 @@ class ChaosRun:
     def run(self) -> dict:
         self.env.start()
         try:
-            created = self.api("submit", job_config(self.steps), steps=self.steps)
+            created = self.api("submit", job_config(self.steps, standby_per_node=self.standby_per_node),
+                               steps=self.steps)
             self.job_id = created["id"]
             self.run_dir = Path(self.job()["run_dir"])
             self.audit = CheckpointAudit(self.run_dir / "checkpoints", KEEP_LAST).start()
@@ -129,7 +135,7 @@ class ChaosRun:
             self.world_size = j["world_size"]
             self.log(f"job {self.job_id} running on {self.world_size} workers, {self.steps} steps, run dir {self.run_dir}")
             rng = random.Random(self.seed)
-            for i, kind in enumerate(schedule(self.n, self.seed)):
+            for i, kind in enumerate(schedule(self.n, self.seed, self.kinds)):
                 if not self._inject(i, kind, rng):
                     break
             final = wait(lambda: (x := self.job())["state"] in ("SUCCEEDED", "FAILED", "STOPPED") and x, 900,
@@ -312,12 +318,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gap", type=int, default=6, help="steps trained between a recovery and the next fault")
     ap.add_argument("--workdir", help="default: a new temporary directory")
     ap.add_argument("--json", help="write the summary here")
+    ap.add_argument("--kinds", default=",".join(KINDS),
+                    help=f"comma-separated fault kinds to draw from, for a targeted run (default: all: {','.join(KINDS)})")
+    ap.add_argument("--standby-per-node", type=int, help="the job's resources.standby_per_node (default: its default)")
     a = ap.parse_args(argv)
+    kinds = tuple(k for k in a.kinds.split(",") if k)
+    if not kinds or (bad := [k for k in kinds if k not in FAULTS]):
+        ap.error(f"unknown fault kind(s) {bad if kinds else a.kinds!r}: choose from {', '.join(KINDS)}")
     steps = a.steps or 40 + 40 * a.faults
     workdir = Path(a.workdir or tempfile.mkdtemp(prefix="chaos-"))
     workdir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    run = ChaosRun(workdir, faults=a.faults, seed=a.seed, steps=steps, gap=a.gap)
+    run = ChaosRun(workdir, faults=a.faults, seed=a.seed, steps=steps, gap=a.gap, kinds=kinds,
+                   standby_per_node=a.standby_per_node)
     result = run.run()
     reference = reference_losses(workdir, steps)
     out = summary(run, result, check(run, result, reference))

@@ -122,12 +122,12 @@ FAULTS: dict[str, tuple[Callable[[Ctx], str], str | None]] = {
 }
 
 
-def schedule(n: int, seed: int) -> list[str]:
-    """`n` fault kinds: every kind once per round of len(KINDS), each round in a seeded order."""
+def schedule(n: int, seed: int, kinds: tuple[str, ...] = KINDS) -> list[str]:
+    """`n` fault kinds: every one of `kinds` once per round, each round in a seeded order."""
     rng = random.Random(seed)
     out: list[str] = []
     while len(out) < n:
-        rnd = list(KINDS)
+        rnd = list(kinds)
         rng.shuffle(rnd)
         out += rnd
     return out[:n]

@@ -35,3 +35,13 @@ def test_the_growth_back_onto_replaced_nodes_and_the_next_fault_are_not_part_of_
               ev(320.5, "failure"), ev(323.0, "resize", resumed_step=68, steps_lost=3)]
     rows = [{"step": 57, "time": 302.6}, {"step": 65, "time": 310.4}, {"step": 69, "time": 323.5}]
     assert recovery(rec, events, rows, until=320.0) == (2.6, 4, 56)
+
+
+def test_a_targeted_schedule_draws_only_the_kinds_asked_for_each_once_per_round():
+    from benchmarks.chaos_faults import KINDS, schedule
+
+    assert schedule(5, 3, ("double",)) == ["double"] * 5
+    two = schedule(6, 3, ("kill_worker", "double"))
+    assert [sorted(two[i:i + 2]) for i in (0, 2, 4)] == [["double", "kill_worker"]] * 3
+    full = schedule(len(KINDS), 7)
+    assert sorted(full) == sorted(KINDS) and full == schedule(len(KINDS), 7, KINDS)  # the default: all
