@@ -74,14 +74,17 @@ class WorkerStarts:
         out = []
         for nid in nodes:
             named = self._named()
-            pg = placement_group([self._bundle()], strategy="STRICT_PACK", _soft_target_node_id=nid, **named)
+            pg = self._slot(nid, **named)
             actor = self._actor(num_cpus=self.cpus, num_gpus=self.gpus or None,
                                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0), **named)
             out.append((nid, actor, pg, actor.info.remote()))
         return out
 
-    def _bundle(self: WorkerGroup) -> dict[str, float]:
-        return {"CPU": self.cpus, **({"GPU": self.gpus} if self.gpus else {})}
+    def _slot(self: WorkerGroup, nid: str, *, node: dict | None = None, **named) -> PlacementGroup:
+        """A placement group for one worker's resources, targeting node `nid` (softly; with `node`, its
+        `ray.nodes()` row, pinned there by a sliver of its `node:IP` resource: `on_node`)."""
+        bundle = {"CPU": self.cpus, **({"GPU": self.gpus} if self.gpus else {}), **on_node(node)}
+        return placement_group([bundle], strategy="STRICT_PACK", _soft_target_node_id=nid, **named)
 
     def _named(self: WorkerGroup, kind: str = "") -> dict[str, str]:
         """Name and lifetime of a new actor or placement group: detached and named after the job when the
@@ -138,8 +141,7 @@ class WorkerStarts:
         for nid, actor, ref in self.standby:
             if want[nid] > 0:
                 want[nid] -= 1
-                pg = placement_group([{**self._bundle(), **on_node(info.get(nid))}], strategy="STRICT_PACK",
-                                     _soft_target_node_id=nid, **self._named())
+                pg = self._slot(nid, node=info.get(nid), **self._named())
                 taken.append((nid, actor, pg, actor.claim.remote(pg)))
             else:
                 keep.append((nid, actor, ref))

@@ -128,24 +128,31 @@ def test_the_salvage_wait_stops_for_members_a_probe_found_dead(local_ray):
     assert len(ready) == 1 and silent not in ready and time.monotonic() - t0 < 30  # not its grace
 
 
+def _plan_for_two(cfg):
+    """The planner's layout for two workers of `cfg`."""
+    from dataclasses import replace
+
+    from parallel.planner import plan
+    from workers.config import job_constraints
+
+    return plan(2, cfg.model.build(), replace(job_constraints(cfg), min_workers=1, max_workers=2))
+
+
 def test_a_member_left_alone_in_a_step_is_stopped_by_the_salvage_which_says_why(local_ray, tmp_path):
     """A coordinator killed between sending a step to one member and to its peer leaves the first
     waiting in the step's collective for a peer that never joins: gloo's sockets stay open while the
     peer, which answers the salvage, keeps its model, so only a stop frees it. The salvage after a
     takeover (no abort) keeps the peer and stops the other, saying why (`salvage_lost`)."""
-    from dataclasses import replace
-
     from ray.exceptions import RayError
 
-    from parallel.planner import plan
-    from workers.config import JobConfig, job_constraints
+    from workers.config import JobConfig
 
     cfg = JobConfig()
     me = ray.get_runtime_context().get_node_id()
     g = WorkerGroup(cfg, str(tmp_path), cpus_per_worker=1, gpus_per_worker=0, job_id="t", start_timeout_s=60)
     try:
         g.scale_to([me, me])
-        g.form(plan(2, cfg.model.build(), replace(job_constraints(cfg), min_workers=1, max_workers=2)))
+        g.form(_plan_for_two(cfg))
         assert [r["step"] for r in g.run(until_step=2, steps=2)] == [1, 2]
         alone = g.members[0].actor.run.remote(until_step=3, steps=1)  # its peer never gets this call
         infos = g.salvage(abort=False, timeout_s=30)
@@ -162,15 +169,12 @@ def test_members_with_no_state_to_salvage_are_kept_as_spares_and_the_next_start_
     warm processes that dropped their trainers, and answer the next salvage with no state. They are sound
     and hold their slots, so they wait as spares and the re-form takes them instead of starting new
     processes (they used to be stopped, and each replaced by a ~2.5 s process start)."""
-    from dataclasses import replace
-
-    from parallel.planner import plan
-    from workers.config import JobConfig, job_constraints
+    from workers.config import JobConfig
 
     cfg = JobConfig()
     me = ray.get_runtime_context().get_node_id()
     g = WorkerGroup(cfg, str(tmp_path), cpus_per_worker=1, gpus_per_worker=0, job_id="t", start_timeout_s=60)
-    p = plan(2, cfg.model.build(), replace(job_constraints(cfg), min_workers=1, max_workers=2))
+    p = _plan_for_two(cfg)
     try:
         g.scale_to([me, me])
         pids = sorted(i["pid"] for i in ray.get([m.actor.info.remote() for m in g.members], timeout=30))
