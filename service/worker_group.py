@@ -67,6 +67,10 @@ class WorkerGroup(WorkerStarts):
         self.salvage_idle = 0
         """How many members the last `salvage` kept as spares: they hold no state to heal from, but their
         processes are idle and sound (`Salvaged.reusable`), so the next start takes them (`_take_spares`)."""
+        self._idle_members: dict[int, Any] = {}
+        """Those spares' actor handles by id (held, so an id is not reused): taken by a start, they count
+        as members kept, not as workers started (`_rejoined`)."""
+        self._rejoined = 0
         self._unread: list[Any] = []
         """Refs of calls the group stopped waiting for (the other ranks' `run` once one rank failed, say):
         read when they have ended (`_settle`), so that their errors, expected after a failure, go to this
@@ -87,7 +91,7 @@ class WorkerGroup(WorkerStarts):
         order nodes first appear in `nodes`. Returns (started, stopped)."""
         members, leavers, started = self._arrange(nodes, stop_leavers_first=True)
         self.members = members
-        return len(started), len(leavers)
+        return len(started) - self._rejoined, len(leavers)
 
     def _arrange(self, nodes: list[str], *, stop_leavers_first: bool) -> tuple[list[Member], list[Member], list[Member]]:
         """(members in rank order for `nodes`, leavers, started): survivors kept on their nodes, the
@@ -104,6 +108,8 @@ class WorkerGroup(WorkerStarts):
         warm = self._take_spares(missing)
         for nid, *_ in warm:
             missing.remove(nid)
+        # salvaged members kept idle rejoin: not started here, as warm survivors kept as members are not
+        self._rejoined = sum(self._idle_members.pop(id(a), None) is not None for _, a, *_ in warm)
         warm += (claimed := self._take_standby(missing))
         for nid, *_ in claimed:
             missing.remove(nid)
@@ -139,7 +145,7 @@ class WorkerGroup(WorkerStarts):
         """Stop every member and spare; standbys stay (`shutdown` stops them too)."""
         self._settle()
         self._stop(self.members + [Member(a, pg, nid, "") for nid, a, pg, _ in self.spares])
-        self.members, self.spares = [], []
+        self.members, self.spares, self._idle_members = [], [], {}
 
     # -- collective operations ---------------------------------------------------------------------------
     def form(self, plan: Plan, *, adopt: bool = False) -> Formed:
@@ -193,7 +199,7 @@ class WorkerGroup(WorkerStarts):
         self._stop(leavers)
         self.members = members
         formed = self.form(new, adopt=True)
-        return Moved(step=formed.step, started=len(started), stopped=len(leavers),
+        return Moved(step=formed.step, started=len(started) - self._rejoined, stopped=len(leavers),
                      bytes_moved=sum(r["bytes_received"] for r in moved), handover_s=t1 - t0, transfer_s=t2 - t1,
                      form_s=formed.form_s,
                      transfer_parts={k: max(r["timings"].get(k, 0.0) for r in moved) for k in moved[0]["timings"]})
@@ -264,6 +270,7 @@ class WorkerGroup(WorkerStarts):
                 self.salvage_lost.append(why or "no reason given")
         self._stop(lost)
         self.spares += idle
+        self._idle_members.update((id(a), a) for _, a, *_ in idle)
         self.salvage_idle = len(idle)
         self.members = [kept[r][0] for r in sorted(kept)]
         self._unread += list(aborts.values()) + list(refs.values())

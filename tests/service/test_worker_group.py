@@ -183,7 +183,7 @@ def test_members_with_no_state_to_salvage_are_kept_as_spares_and_the_next_start_
         assert sorted(g.salvage()) == [0, 1]  # the first failure: both vouch for their state, and drop it
         assert g.salvage() == {} and g.salvage_lost == [] and g.salvage_idle == 2  # the second: none left
         assert g.size == 0 and len(g.spares) == 2
-        assert g.scale_to([me, me]) == (2, 0)  # "started" as members, from the spares: no new process
+        assert g.scale_to([me, me]) == (0, 0)  # members again, from the spares: no process started
         assert sorted(i["pid"] for i in ray.get([m.actor.info.remote() for m in g.members], timeout=30)) == pids
         assert g.spares == [] and g.form(p).step == 0  # no checkpoint was written: from the start again
         assert [r["step"] for r in g.run(until_step=1, steps=1)] == [1]
