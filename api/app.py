@@ -25,9 +25,9 @@ from api.deps import Settings
 from api.routes import api_router, ops_router
 from api.routes.dashboard import STATIC_DIR
 from api.routes.ops import make_registry
-from service.job_actor import JobUnavailable
-from service.job_manager import JobConflict, JobManager, JobNotFound
-from service.specs import SpecError
+from service.server.job_actor import JobUnavailable
+from service.server.job_manager import JobConflict, JobManager, JobNotFound
+from service.server.specs import SpecError
 
 logger = logging.getLogger("elastron.api")
 
@@ -36,7 +36,7 @@ def default_manager(settings: Settings) -> JobManager:
     """The job store at settings.store_url (a SQLAlchemy URL), then the Ray launcher, connecting to Ray."""
     from api.run import connect_ray
     from api.store import JobStore
-    from service.job_actor import RayLauncher
+    from service.server.job_actor import RayLauncher
 
     store = JobStore(settings.store_url)  # first: a wrong store URL should not cost a Ray start
     try:

@@ -27,7 +27,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from service.driver import check_local_job, run_local
+    from service.server.driver import check_local_job, run_local
 
     # Fail fast, with one line, before starting any rank: the checks every rank would make.
     check_local_job(args.config, nproc=args.nproc, layout=args.layout, steps=args.steps, run_dir=args.run_dir)
@@ -35,7 +35,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_ckpt_inspect(args: argparse.Namespace) -> int:
-    from service.tools import inspect_checkpoint
+    from service.server.tools import inspect_checkpoint
 
     info = inspect_checkpoint(args.path)
     if args.json:
@@ -66,7 +66,7 @@ def _cmd_ckpt_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from service.tools import export_checkpoint
+    from service.server.tools import export_checkpoint
 
     out = export_checkpoint(args.path, args.out, overwrite=args.overwrite)
     print(f"wrote Hugging Face Llama checkpoint to {out}")
@@ -74,7 +74,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_data_prepare(args: argparse.Namespace) -> int:
-    from service.tools import prepare_data
+    from service.server.tools import prepare_data
 
     def progress(done: int, total: int) -> None:
         width = 30

@@ -63,9 +63,9 @@ def run_demo(*, steps: int = 100, workers: int = 4, run_dir: str | None = None, 
     import ray
     from ray.cluster_utils import Cluster
 
-    from service.cluster import drain_node, kill_node
-    from service.driver import JobRunner
-    from service.specs import validate_spec
+    from service.pool.cluster import drain_node, kill_node
+    from service.server.driver import JobRunner
+    from service.server.specs import validate_spec
 
     if steps < 20 or workers < 3:
         raise ValueError(f"the demo needs --steps >= 20 and --workers >= 3 to show its events, "

@@ -6,8 +6,8 @@ import sys
 import time
 
 from api.render import table
-from service.state import WAITING
-from service.status import JobStatus, layout_short
+from service.control.state import WAITING
+from service.control.status import JobStatus, layout_short
 
 
 def layout_text(d: dict | None) -> str:

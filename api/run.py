@@ -64,7 +64,7 @@ def run_job(config: str, *, address: str | None = None, workers: int | None = No
             json_path: str | None = None) -> int:
     import uuid
 
-    from service.driver import JobRunner, load_job
+    from service.server.driver import JobRunner, load_job
 
     # The spec is parsed here, once, and checked before Ray starts; the coordinator and workers get `cfg`.
     cfg, rd = load_job(config, workers=workers, layout=layout, steps=steps, run_dir=run_dir)

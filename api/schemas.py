@@ -5,7 +5,7 @@ their types, defaults and docstrings, so the OpenAPI schema documents exactly wh
 and cannot drift from it. They check shape (unknown fields, types) strictly, as JobConfig.from_dict
 does; the rules between fields (tp must divide the heads, min_workers <= max_workers, ...) stay in
 JobConfig and the job manager, whose errors the API reports in the same 422 format. The job responses
-(JobSummary, JobDetail) wrap service.status.JobStatus, with its field docstrings.
+(JobSummary, JobDetail) wrap service.control.status.JobStatus, with its field docstrings.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
-from service.limits import LIMITS, MAX_STEPS, MAX_WORKERS
-from service.specs import JobConfig
-from service.job_record import JobRecord
-from service.status import JobStatus
+from service.server.limits import LIMITS, MAX_STEPS, MAX_WORKERS
+from service.server.specs import JobConfig
+from service.server.job_record import JobRecord
+from service.control.status import JobStatus
 
 
 def _field_docs(cls: type) -> dict[str, str]:
@@ -50,7 +50,7 @@ def _spec_model(cls: type, name: str, section: str = "") -> type[BaseModel]:
     fields: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
         tp, doc = hints[f.name], docs.get(f.name)
-        # The server's limit is documented here and judged by service.limits (one judge, one table).
+        # The server's limit is documented here and judged by service.server.limits (one judge, one table).
         extra = {"maximum": LIMITS[section, f.name]} if (section, f.name) in LIMITS else None
         if dataclasses.is_dataclass(tp):
             sub = _spec_model(tp, tp.__name__, f.name)
@@ -165,7 +165,7 @@ class JobSummary(BaseModel):
 
 
 class JobDetail(JobSummary):
-    """One job: its record and its whole JobStatus (service.status), field for field."""
+    """One job: its record and its whole JobStatus (service.control.status), field for field."""
 
     model_config = ConfigDict(extra="allow")
     job_id: str | None = None

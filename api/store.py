@@ -6,8 +6,8 @@ SQLite is the embedded default (a file path, ``sqlite:///PATH`` or ``:memory:``)
 Schema (version 2; a version-1 store is upgraded in place on open):
   jobs(id PK, name, spec JSON, steps, workers, run_dir, created, updated, state, reason, status JSON, released,
        owner, idem_key, request JSON)
-      A row is a service.job_record.JobRecord. `status` is the job's last JobStatus.to_dict()
-      (service.status); `state`/`reason` are copied out of it so lists can filter without parsing JSON. `released` = 1 once the job is finished and its
+      A row is a service.server.job_record.JobRecord. `status` is the job's last JobStatus.to_dict()
+      (service.control.status); `state`/`reason` are copied out of it so lists can filter without parsing JSON. `released` = 1 once the job is finished and its
       coordinator let go: nothing about it will change again. `owner`: the user who submitted it (None
       without users); `idem_key`/`request`: the submit's Idempotency-Key and the request it came with.
   events(job_id, idx, time, kind, data JSON)  PK (job_id, idx): idx is the coordinator's event index
@@ -41,8 +41,8 @@ from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError
 from sqlalchemy.pool import StaticPool
 
-from service.job_record import JobRecord
-from service.status import JobStatus
+from service.server.job_record import JobRecord
+from service.control.status import JobStatus
 
 SCHEMA_VERSION = 2
 

@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.chaos_audit import CheckpointAudit  # noqa: E402
 from benchmarks.chaos_env import ChaosEnv, wait  # noqa: E402
 from benchmarks.chaos_faults import FAULTS, KINDS, Ctx, schedule  # noqa: E402
-from service.run_files import read_metrics  # noqa: E402
+from service.control.run_files import read_metrics  # noqa: E402
 
 KEEP_LAST = 3
 TOL = 1e-4

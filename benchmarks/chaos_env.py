@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from service.cluster import kill_node
+from service.pool.cluster import kill_node
 from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -126,7 +126,7 @@ class ChaosEnv:
 
     @staticmethod
     def member_pids() -> set[int]:
-        """Pids of the job's workers that hold a slot (a placement group: service.worker_start), not its
+        """Pids of the job's workers that hold a slot (a placement group: service.pool.worker_group), not its
         standbys. Quick, since victims are chosen inside a fault's timing: a worker still starting answers
         only once started (~2 s), so it is not waited for, nor chosen."""
         import ray
@@ -151,7 +151,7 @@ class ChaosEnv:
         return out
 
     def remove_node(self, node) -> None:
-        """The node dies as a machine does: its raylet, agents and workers at once (service.cluster.kill_node)."""
+        """The node dies as a machine does: its raylet, agents and workers at once (service.pool.cluster.kill_node)."""
         kill_node(self.cluster, node)
         self.nodes = [n for n in self.nodes if n is not node]
 

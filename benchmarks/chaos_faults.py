@@ -51,7 +51,7 @@ def remove_node(ctx: Ctx) -> str:
 
 
 def _drain(ctx: Ctx, deadline_s: float, *, leave_first: bool) -> str:
-    from service.cluster import drain_node
+    from service.pool.cluster import drain_node
 
     node = _victim(ctx)
     t0 = time.monotonic()

@@ -28,8 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     from api.deps import Settings
     from api.run import connect_ray
     from api.store import JobStore
-    from service.job_actor import RayLauncher
-    from service.jobs import JobManager
+    from service.server.job_actor import RayLauncher
+    from service.server.job_manager import JobManager
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--address", required=True)

@@ -117,8 +117,8 @@ def measure_elastron(*, cluster, scenario: str, workdir: str, state: State, resh
                      steps: int = 10_000, raw_reps: int = 3) -> dict:
     import ray
 
-    from service.cluster import drain_node, kill_node
-    from service.coordinator import Coordinator, CoordinatorOptions
+    from service.pool.cluster import drain_node, kill_node
+    from service.control.coordinator import Coordinator, CoordinatorOptions
     from workers.config import JobConfig
 
     added = [cluster.add_node(num_cpus=1) for _ in range(START_NODES[scenario])]

@@ -11,7 +11,7 @@ measurement. Each call adds its own worker nodes and removes them before returni
 What is measured, per scenario (event at step ~10):
 - join:  2 nodes, ScalingConfig(num_workers=(1, 3)); add a node; time from `add_node` returning to the
          first step at world size 3.
-- kill:  3 nodes; `service.cluster.kill_node` (raylet, agents and workers at once) on a node hosting a
+- kill:  3 nodes; `service.pool.cluster.kill_node` (raylet, agents and workers at once) on a node hosting a
          worker; time from the kill to the first step of the next worker group (whatever size it settles at).
 - drain: 3 nodes; a preemption drain notice (60 s deadline) on a node hosting a worker; the train loop
          does what Ray documents (`get_preemption_info()` -> just-in-time checkpoint, keep training);
@@ -247,7 +247,7 @@ def _node_of(cluster, node_id: str):
 def _remove_nodes(cluster, nodes: list) -> None:
     import ray
 
-    from service.cluster import kill_node
+    from service.pool.cluster import kill_node
 
     for node in nodes:
         if node in cluster.worker_nodes:
@@ -391,13 +391,13 @@ def measure_raytrain(*, cluster, model_steps: int, ckpt_every: int, scenario: st
             if node is None:
                 raise RuntimeError(f"node {victim} hosting rank {starts[-1]['rank']} is not one we added")
             if scenario == "kill":
-                from service.cluster import kill_node
+                from service.pool.cluster import kill_node
 
                 t_event = time.time()  # the node dies during kill_node: raylet, agents and workers at once
                 kill_node(cluster, node)
                 notes.append(f"kill_node took {time.time() - t_event:.1f} s (the event time is its start)")
             else:
-                from service.cluster import drain_node
+                from service.pool.cluster import drain_node
 
                 drain_node(victim, message="elastic_raytrain benchmark: simulated spot reclaim",
                            deadline_remaining_s=drain_deadline_s)

@@ -50,8 +50,8 @@ def wait(fn, what: str, timeout: float = 300):
 
 def one(preset: str, root: Path) -> dict:
     from api.store import JobStore
-    from service.job_actor import RayLauncher
-    from service.job_manager import JobManager
+    from service.server.job_actor import RayLauncher
+    from service.server.job_manager import JobManager
 
     launcher = RayLauncher(timeout_s=60, options={"settle_seconds": 1000.0, "chunk_seconds": 0.2, "poll_interval_s": 0.2})
     m = JobManager(JobStore(root / "jobs.db"), launcher, runs_root=root / "runs", sync_interval_s=ROUND_S, shared=True)

@@ -6,7 +6,7 @@ Workload (`workload()`, seeded): Poisson arrivals over `--hours`, three classes 
 A job needs `work` worker-seconds and progresses at one unit per worker held per second (linear scaling,
 neither side gets an efficiency bonus); it may hold min_workers..max_workers.
 
-Elastron (`run_elastron`): on every arrival and completion the real policy `service.scheduler.schedule`
+Elastron (`run_elastron`): on every arrival and completion the real policy `service.sharing.scheduler.schedule`
 is called with the ledger of grants and every unfinished job; its ledger is the new set of grants. Then
   - a job whose grant drops below what it holds (Shrink, Pause) keeps its workers for `--resize-s`,
     making no progress (the planned resize; for a Pause, the checkpoint first), then lets them go;
@@ -40,8 +40,8 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from service.ledger import Ledger, NodeCapacity
-from service.scheduler import JobRequest, Phase, schedule
+from service.sharing.ledger import Ledger, NodeCapacity
+from service.sharing.scheduler import JobRequest, Phase, schedule
 
 URGENT = 10
 CLASSES = (  # name, share of arrivals, priority, max_workers choices, min = max // div, hours at max (log-uniform)

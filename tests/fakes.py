@@ -11,9 +11,9 @@ import threading
 import time
 from collections import Counter
 
-from service.cluster import ClusterWatcher
-from service.coordinator import Coordinator, CoordinatorOptions
-from service.group_types import Formed, Moved, WorkerFailure
+from service.pool.cluster import ClusterWatcher
+from service.control.coordinator import Coordinator, CoordinatorOptions
+from service.pool.group import Formed, Moved, Salvage, Started, WorkerFailure
 from workers.config import JobConfig
 from workers.report import Salvaged
 
@@ -46,9 +46,6 @@ class FakeGroup:
     fail_next: list[str] = []
     heals = False
     """Whether survivors of a failure keep their state (a salvage), as real workers do."""
-    standby_used = 0
-    salvage_lost: list = []
-    salvage_idle = 0
 
     def __init__(self, cfg, run_dir, **kw):
         self.members: list[str] = []
@@ -67,7 +64,7 @@ class FakeGroup:
         started = sum((Counter(nodes) - keep).values())
         stopped = sum((Counter(self.members) - keep).values())
         self.members = list(nodes)
-        return started, stopped
+        return Started(started=started, stopped=stopped)
 
     def prewarm(self, nodes):
         return 0
@@ -92,22 +89,22 @@ class FakeGroup:
         Records the nodes it was told are gone (`salvaged_gone`)."""
         self.salvaged_gone = set(gone)
         if not self.heals:
-            self.salvage_lost = ["it did not answer"] * len(self.members)
+            why = ("it did not answer",) * len(self.members)
             self.members = []
-            return {}
+            return Salvage(stopped_why=why)
         kept = {r: m for r, m in enumerate(self.members) if m not in self.cluster.dead}
-        self.salvage_lost = ["its node is dead"] * (len(self.members) - len(kept))
+        why = ("its node is dead",) * (len(self.members) - len(kept))
         self.members = list(kept.values())
-        return {r: Salvaged(held=True, step=self.step, old_rank=r) for r in kept}
+        return Salvage(kept={r: Salvaged(held=True, step=self.step, old_rank=r) for r in kept}, stopped_why=why)
 
     def reshard(self, old, new, nodes, *, survivors=None):
         """A live transfer: the step carries over, no checkpoint is read (or written)."""
         if self.fail_next and self.fail_next[0] == "transfer":
             self.fail_next.pop(0)
             raise WorkerFailure("died", "a worker died during state transfer")
-        started, stopped = self.scale_to(nodes)
+        start = self.scale_to(nodes)
         formed = self.form(new, adopt=True)
-        return Moved(step=formed.step, started=started, stopped=stopped, bytes_moved=1 << 20)
+        return Moved(step=formed.step, started=start.started, stopped=start.stopped, bytes_moved=1 << 20)
 
     def run(self, *, until_step, steps, should_abort=lambda: False):
         if self.fail_next:

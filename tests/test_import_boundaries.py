@@ -1,9 +1,9 @@
 """The layers import one way: models <- parallel <- workers <- service <- api, and api talks to service
 only (and to models, for presets). Every product module is parsed with `ast` (nothing is imported), and
 every import counts, lazy ones inside functions too: an import moved into a function to dodge a cycle
-is still a cycle. Imports under `if TYPE_CHECKING:` count for the layers (a type from above is knowledge
-of above) but not for cycles (they never run). The checker runs on a planted tree too, to show that it
-fails when it should.
+is still a cycle, and so is one under `if TYPE_CHECKING:` (a type from the module that imports you is one
+concept split in two). Inside service/ the folders are layers too: pool <- sharing <- control <- server.
+The checker runs on a planted tree too, to show that it fails when it should.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ("models", "parallel", "workers", "service", "api")
 """Lowest first: a module may import its own layer and the layers before it."""
+SERVICE_LAYERS = ("pool", "sharing", "control", "server")
+"""service/'s folders, lowest first: the worker pool, cluster sharing, the job's state machine, the server."""
 API_MAY_IMPORT = frozenset({"api", "service", "models"})
 
 # Known violations, as (importer, imported) module pairs; a cycle is excused by naming one of its imports.
@@ -32,25 +34,13 @@ def product_modules(root: Path, layers: Iterable[str] = LAYERS) -> dict[str, Pat
     return {module_name(root, p): p for layer in layers for p in sorted((root / layer).rglob("*.py"))}
 
 
-def _typing_only(tree: ast.Module) -> set[ast.AST]:
-    """Import nodes inside `if TYPE_CHECKING:` (or `typing.TYPE_CHECKING`) blocks."""
-    out: set[ast.AST] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            out.update(n for stmt in node.body for n in ast.walk(stmt))
-    return out
-
-
-def imports(name: str, path: Path, modules: dict[str, Path], *, typing: bool = True) -> set[str]:
-    """The product modules `name` imports (with `typing=False`, only those imported at run time):
+def imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The product modules `name` imports (under `if TYPE_CHECKING:` too):
     `from a.b import c` is a.b.c when that is a module, else a.b."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     tree = ast.parse(path.read_text(), str(path))
-    skip = set() if typing else _typing_only(tree)
     out: set[str] = set()
     for node in ast.walk(tree):
-        if node in skip:
-            continue
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -78,7 +68,16 @@ def layer_problems(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
             there = dst.split(".")[0]
             if LAYERS.index(there) > LAYERS.index(here) or (here == "api" and there not in API_MAY_IMPORT):
                 bad.add((src, dst))
+            elif here == there == "service" and _sub(src) in SERVICE_LAYERS and _sub(dst) in SERVICE_LAYERS \
+                    and SERVICE_LAYERS.index(_sub(dst)) > SERVICE_LAYERS.index(_sub(src)):
+                bad.add((src, dst))
     return bad
+
+
+def _sub(module: str) -> str:
+    """The folder of a service module (service.control.state -> control)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 else ""
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -116,14 +115,18 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def _layer(module: str) -> str:
+    top = module.split(".")[0]
+    return f"service.{_sub(module)}" if top == "service" and _sub(module) in SERVICE_LAYERS else top
+
+
 def check(root: Path, known: frozenset[tuple[str, str]] = frozenset()) -> list[str]:
     """One line per problem: a layer crossing not in `known`, or a cycle that no known pair breaks."""
     modules = product_modules(root)
     graph = {name: imports(name, path, modules) for name, path in modules.items()}
-    problems = [f"{a} imports {b}: {b.split('.')[0]} is not below {a.split('.')[0]}"
+    problems = [f"{a} imports {b}: {_layer(b)} is not below {_layer(a)}"
                 for a, b in sorted(layer_problems(graph) - known)]
-    runtime = {name: imports(name, path, modules, typing=False) for name, path in modules.items()}
-    acyclic = {a: {b for b in dsts if (a, b) not in known} for a, dsts in runtime.items()}
+    acyclic = {a: {b for b in dsts if (a, b) not in known} for a, dsts in graph.items()}
     problems += [f"import cycle among {', '.join(group)}" for group in cycles(acyclic)]
     return problems
 
@@ -132,9 +135,8 @@ def live_violations(root: Path) -> set[tuple[str, str]]:
     """Every import pair that crosses a layer or closes a cycle, with nothing allowed."""
     modules = product_modules(root)
     graph = {name: imports(name, path, modules) for name, path in modules.items()}
-    runtime = {name: imports(name, path, modules, typing=False) for name, path in modules.items()}
-    in_cycles = {m for group in cycles(runtime) for m in group}
-    return layer_problems(graph) | {(a, b) for a in in_cycles for b in runtime[a] if b in in_cycles}
+    in_cycles = {m for group in cycles(graph) for m in group}
+    return layer_problems(graph) | {(a, b) for a in in_cycles for b in graph[a] if b in in_cycles}
 
 
 def test_the_product_keeps_its_layers_and_has_no_import_cycle():
@@ -163,9 +165,13 @@ def test_the_checker_reports_a_planted_upward_import_an_api_shortcut_and_a_cycle
         "workers/b.py": "from . import c\n",
         "workers/c.py": "from workers.a import thing\n",  # planted: a -> b -> c -> a
         "workers/d.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from workers.e import E\n",
-        "workers/e.py": "import workers.d\n",  # not a cycle: d's import of e never runs
+        "workers/e.py": "import workers.d\n",  # planted: a cycle, though d's import of e never runs
         "service/typed.py": "import typing\nif typing.TYPE_CHECKING:\n    from api import app\n",  # planted
         "service/jobs.py": "from workers import config\n",
+        "service/pool/__init__.py": "",
+        "service/pool/group.py": "from service.control import state\n",  # planted: pool past control
+        "service/control/__init__.py": "",
+        "service/control/state.py": "from service.pool import group\n",
         "api/app.py": "from service.jobs import run\nfrom models.config import math\n",
         "api/cli.py": "import parallel.layout\n",  # planted: api past service
     }
@@ -175,9 +181,14 @@ def test_the_checker_reports_a_planted_upward_import_an_api_shortcut_and_a_cycle
     assert check(tmp_path) == [
         "api.cli imports parallel.layout: parallel is not below api",
         "parallel.planner imports workers.config: workers is not below parallel",
+        "service.pool.group imports service.control.state: service.control is not below service.pool",
         "service.typed imports api.app: api is not below service",
+        "import cycle among service.control.state, service.pool.group",
         "import cycle among workers.a, workers.b, workers.c",
+        "import cycle among workers.d, workers.e",
     ]
     # the allow-list excuses exactly what it names
     assert check(tmp_path, frozenset({("api.cli", "parallel.layout"), ("workers.c", "workers.a"),
-                                      ("parallel.planner", "workers.config"), ("service.typed", "api.app")})) == []
+                                      ("parallel.planner", "workers.config"), ("service.typed", "api.app"),
+                                      ("service.pool.group", "service.control.state"),
+                                      ("workers.d", "workers.e")})) == []

@@ -7,7 +7,7 @@ turns the SIGTERM into a drain. On a Ray cluster-launcher VM nothing reads it: R
 interruption only when the instance dies. This daemon closes that gap. It polls the metadata service
 (IMDSv2 with a session token, IMDSv1 where the token call is refused) every `--interval-s` seconds and,
 on a notice, asks the GCS to drain its own node with reason PREEMPTION and the notice's deadline (the
-same call as `ray drain-node`, `service.cluster.drain_node`). The coordinator's cluster watcher reads
+same call as `ray drain-node`, `service.pool.cluster.drain_node`). The coordinator's cluster watcher reads
 drains from the GCS (`get_draining_nodes`), so it takes a just-in-time checkpoint and shrinks off the
 node before EC2 takes it.
 
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     if not address:
         print("spot_watcher: error: no Ray cluster address (pass --address HEAD_IP:6379)", file=sys.stderr)
         return 2
-    from service.cluster import drain_node
+    from service.pool.cluster import drain_node
 
     def resolve_node_id() -> str:
         from ray._private.services import get_node_ip_address

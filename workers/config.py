@@ -3,7 +3,7 @@
 Each section is a small frozen dataclass; `JobConfig.from_dict` (the strict converter in workers.strict)
 rejects unknown keys and wrong types with a message naming the field (e.g. ``train.steps: expected an
 integer, got 'ten'``), and each section's `__post_init__` the values that cannot work. A spec is parsed once,
-where it enters (the REST API: service.specs.validate_spec; a YAML file: load_config), and the JobConfig
+where it enters (the REST API: service.server.specs.validate_spec; a YAML file: load_config), and the JobConfig
 itself is what travels to the coordinator and the workers. Constructing one touches no disk: whether
 data.path is there is `check_data_path`, called where the path is read (and early at the edges).
 """
@@ -22,7 +22,6 @@ import yaml
 from models.config import ModelConfig, model_config
 from parallel.layout import Layout
 from parallel.planner import Constraints, Plan, PlanError, plan
-from workers.disk_checks import check_data_path, resolve_init_from  # noqa: F401 (callers import them from here)
 from workers.strict import ConfigError, build
 
 
@@ -72,7 +71,7 @@ class ModelSection:
             return model_config(self.preset, **self.overrides)
         if self.resolved is None:
             raise ConfigError(f"model.init_from {self.init_from!r} has not been read: the job's edge calls "
-                              "workers.config.resolve_init_from before the model is built")
+                              "workers.disk_checks.resolve_init_from before the model is built")
         return dataclasses.replace(self.resolved, **self.overrides)
 
 

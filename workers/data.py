@@ -21,7 +21,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from workers.config import DataConfig, check_data_path
+from workers.config import DataConfig
+from workers.disk_checks import check_data_path
 
 
 class Source(Protocol):

@@ -1,18 +1,14 @@
 """The job config's checks that look at the disk, made where a path is read and early at the edges that
 share its filesystem (the CLI, the API server), never by a config's constructor, which runs wherever the
-config travels. Imported through workers.config."""
+config travels."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
-
+from workers.config import DataConfig, JobConfig
 from workers.strict import ConfigError
-
-if TYPE_CHECKING:
-    from workers.config import DataConfig, JobConfig
 
 
 def check_data_path(data: DataConfig) -> None:
@@ -52,7 +48,7 @@ def _has_file(root: Path, suffixes: tuple[str, ...]) -> bool:
     return False
 
 
-def resolve_init_from(cfg: "JobConfig", *, weights: bool = True) -> "JobConfig":
+def resolve_init_from(cfg: JobConfig, *, weights: bool = True) -> JobConfig:
     """`cfg` with the model's shape read from model.init_from's config.json (`cfg` itself without it),
     where a job enters (`elastron run`/`train`, the REST API) and a rank starts (workers.train). With
     `weights`, the safetensors headers (names, shapes, dtypes) are checked against it too. ConfigError in

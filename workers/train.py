@@ -21,7 +21,8 @@ from typing import NoReturn
 
 from parallel.checkpoint.manifest import CheckpointError
 from parallel.layout import Layout
-from workers.config import ConfigError, check_data_path, job_plan, load_config, resolve_init_from
+from workers.config import ConfigError, job_plan, load_config
+from workers.disk_checks import check_data_path, resolve_init_from
 from workers.run_dir import check_run_dir
 
 

@@ -8,7 +8,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from api.deps import JobsDep, OverseerDep, SettingsDep
 from api.schemas import ErrorBody, Health
-from service.job_manager import JobManager
+from service.server.job_manager import JobManager
 
 router = APIRouter(tags=["ops"])
 

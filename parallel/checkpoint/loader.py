@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -31,10 +31,20 @@ from parallel.checkpoint.manifest import CheckpointError, Manifest, describe
 from parallel.checkpoint.tensor_io import read_into
 from parallel.checkpoint.validate import check_manifest, file_problems, list_step_dirs, read_manifest_text
 
-if TYPE_CHECKING:  # pragma: no cover
-    from parallel.checkpoint.manager import CheckpointManager
-
 log = logging.getLogger("parallel.checkpoint.manager")  # the name operators filter on
+
+class Checkpoints(Protocol):
+    """What loading needs of its caller (`CheckpointManager` is one): where the checkpoints are, this
+    rank, the ranks' agreement, and where the read's timings and unloadable steps go."""
+
+    storage: Any
+    rank: int
+    read_only: bool
+    io_threads: int
+    load_timings: Any
+    _comm: Any
+    _unloadable: Any
+
 
 READ_ATTEMPTS = 3
 RETRY_PAUSE_S = 1.0
@@ -56,7 +66,7 @@ def _first(problems: list[str]) -> str:
     return problems[0] + (f" (+{len(problems) - 1} more problem(s))" if len(problems) > 1 else "")
 
 
-def _agree(mgr: "CheckpointManager", out: _Outcome) -> _Outcome:
+def _agree(mgr: "Checkpoints", out: _Outcome) -> _Outcome:
     """Every rank's problems and transient errors, merged (collective)."""
     merged = mgr._comm.all_gather((out.problems, out.transient))
     out.problems = sorted({p for ps, _ in merged for p in ps})
@@ -64,7 +74,7 @@ def _agree(mgr: "CheckpointManager", out: _Outcome) -> _Outcome:
     return out
 
 
-def _attempt(mgr: "CheckpointManager", path: str, model: nn.Module, optimizer: torch.optim.Optimizer,
+def _attempt(mgr: "Checkpoints", path: str, model: nn.Module, optimizer: torch.optim.Optimizer,
              expected: dict | None) -> _Outcome:
     comm, st, tm = mgr._comm, mgr.storage, mgr.load_timings
     transient: list[str] = []
@@ -110,7 +120,7 @@ def _attempt(mgr: "CheckpointManager", path: str, model: nn.Module, optimizer: t
     return out
 
 
-def load_newest(mgr: "CheckpointManager", model: nn.Module, optimizer: torch.optim.Optimizer,
+def load_newest(mgr: "Checkpoints", model: nn.Module, optimizer: torch.optim.Optimizer,
                 expected: dict[str, tuple[tuple[int, ...], str]] | None) -> Manifest | None:
     """What `CheckpointManager.load_latest` does (collective): load the newest checkpoint that passes
     every check, and return its manifest; None if there is no checkpoint at all. If none loads,
@@ -151,7 +161,7 @@ def load_newest(mgr: "CheckpointManager", model: nn.Module, optimizer: torch.opt
     return None
 
 
-def _set_aside(mgr: "CheckpointManager", skipped: list[tuple[str, list[str], bool]]) -> None:
+def _set_aside(mgr: "Checkpoints", skipped: list[tuple[str, list[str], bool]]) -> None:
     """Rank 0, after a fallback: log each skipped checkpoint and set the committed ones aside."""
     st = mgr.storage
     for path, problems, committed in skipped:

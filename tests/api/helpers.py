@@ -14,8 +14,8 @@ import uvicorn
 from api.app import create_app
 from api.deps import Settings
 from api.store import JobStore
-from service.job_actor import LocalLauncher
-from service.job_manager import JobManager
+from service.server.job_actor import LocalLauncher
+from service.server.job_manager import JobManager
 from tests.fakes import Disk, FakeCluster, Gate, GatedGroup, PollingCoordinator
 
 SPEC = {

@@ -344,8 +344,8 @@ def test_serve_binds_loopback_by_default_and_says_so(tmp_path, monkeypatch, capl
 
     import api.app as app_module
     from api.store import JobStore
-    from service.job_actor import LocalLauncher
-    from service.job_manager import JobManager
+    from service.server.job_actor import LocalLauncher
+    from service.server.job_manager import JobManager
 
     runs: list[dict] = []
     monkeypatch.setenv("ELASTRON_RUNS_ROOT", str(tmp_path / "runs"))
@@ -379,7 +379,7 @@ def test_job_detail_wraps_every_field_of_the_job_status():
     import dataclasses
 
     from api.schemas import JobDetail
-    from service.status import JobStatus
+    from service.control.status import JobStatus
 
     fields = {f.name for f in dataclasses.fields(JobStatus)} | {"degrees"}
     assert fields <= set(JobDetail.model_fields), fields - set(JobDetail.model_fields)

@@ -11,9 +11,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.store import JobStore
-from service.job_actor import LocalLauncher
-from service.job_manager import JobManager
-from service.specs import SpecError, config_error_loc
+from service.server.job_actor import LocalLauncher
+from service.server.job_manager import JobManager
+from service.server.specs import SpecError, config_error_loc
 from tests.api.helpers import SPEC, fake_factory, make_app, make_launcher, stop_all, wait_for
 from tests.fakes import FakeCluster, Gate
 
@@ -184,7 +184,7 @@ def test_config_error_messages_map_to_field_paths(msg, loc):
 
 
 def test_spec_errors_name_request_fields():
-    from service.specs import validate_spec
+    from service.server.specs import validate_spec
 
     with pytest.raises(SpecError) as e:
         validate_spec(SPEC, workers=0)
@@ -196,9 +196,9 @@ def test_spec_errors_name_request_fields():
 
 def test_spec_layout_check_is_the_planners_and_stays_fast_at_the_servers_limits():
     """The submit-time check calls plan(): with every size at the largest value the server accepts
-    (service.limits), planning stays cheap; past them, the request is refused before anything plans."""
-    from service.limits import LIMITS, MAX_WORKERS
-    from service.specs import validate_spec
+    (service.server.limits), planning stays cheap; past them, the request is refused before anything plans."""
+    from service.server.limits import LIMITS, MAX_WORKERS
+    from service.server.specs import validate_spec
 
     at_limit = {"preset": "tiny", "overrides": {k: v for (sec, k), v in LIMITS.items() if sec == "model"}}
     t0 = time.perf_counter()

@@ -8,7 +8,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from api.store import JobStore
-from service.job_manager import JobManager
+from service.server.job_manager import JobManager
 from tests.api.helpers import SPEC, make_app, make_launcher, stop_all, wait_for
 from tests.fakes import Gate
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import io
 
 from api.progress import Progress
-from service.status import JobStatus
+from service.control.status import JobStatus
 
 
 def test_a_waiting_job_says_what_it_waits_for_and_a_running_one_does_not():

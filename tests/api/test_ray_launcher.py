@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from api.store import JobStore
-from service.job_actor import NAMESPACE, RayLauncher, actor_name
-from service.job_manager import JobManager
+from service.server.job_actor import NAMESPACE, RayLauncher, actor_name
+from service.server.job_manager import JobManager
 from tests.api.helpers import SPEC, fake_factory, wait_for
 from tests.fakes import FakeCluster
 from tests.ray_local import local_ray  # noqa: F401  (a fixture)

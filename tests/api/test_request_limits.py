@@ -181,10 +181,10 @@ def test_the_reviews_huge_model_overrides_are_a_422_naming_the_field_and_the_lim
     assert env.get(J).json() == []
 
 
-@pytest.mark.parametrize("key", sorted(__import__("service.limits", fromlist=["LIMITS"]).LIMITS),
+@pytest.mark.parametrize("key", sorted(__import__("service.server.limits", fromlist=["LIMITS"]).LIMITS),
                          ids=lambda k: ".".join(k))
 def test_every_size_over_its_limit_is_a_422_naming_it(env, key):
-    from service.limits import LIMITS
+    from service.server.limits import LIMITS
 
     section, name = key
     limit = LIMITS[key]
@@ -196,7 +196,7 @@ def test_every_size_over_its_limit_is_a_422_naming_it(env, key):
 
 
 def test_the_limits_are_documented_in_the_schema(env):
-    from service.limits import LIMITS
+    from service.server.limits import LIMITS
 
     defs = env.get("/openapi.json").json()["components"]["schemas"]
     assert defs["DataConfig"]["properties"]["seq_len"]["maximum"] == LIMITS["data", "seq_len"]
@@ -226,7 +226,7 @@ def test_the_default_data_roots_are_none_not_the_runs_root(tmp_path):
         r = c.post(J, json={"spec": with_spec(data={"source": "corpus", "path": str(runs / "other-job")})})
         assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "spec", "data", "path"]
     stop_all(launcher)
-    from service.job_manager import JobManager
+    from service.server.job_manager import JobManager
     from api.store import JobStore
 
     with pytest.raises(ValueError, match="holds the runs root"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fastapi.testclient import TestClient
 
-from service.scheduler import Quota
+from service.sharing.scheduler import Quota
 from tests.api.helpers import SPEC, make_app, make_launcher, stop_all, wait_for
 
 J = "/api/v1/jobs"

@@ -10,8 +10,8 @@ import pytest
 import sqlalchemy as sa
 
 from api.store import SCHEMA_VERSION, JobStore, redact, store_url
-from service.job_record import JobRecord
-from service.status import JobStatus
+from service.server.job_record import JobRecord
+from service.control.status import JobStatus
 
 BACKENDS = ["sqlite-file", "sqlite-memory", "postgresql"]
 PERSISTENT = ["sqlite-file", "postgresql"]

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from api.store import JobStore, filesystem_type
-from service.job_record import JobRecord
-from service.status import JobStatus
-from service.run_files import iter_metrics, last_logged_step, list_checkpoints
+from service.server.job_record import JobRecord
+from service.control.status import JobStatus
+from service.control.run_files import iter_metrics, last_logged_step, list_checkpoints
 
 STEPS = 1_000_000
 

@@ -10,7 +10,7 @@ import pytest
 import benchmarks.shared_cluster_sim as sim
 from benchmarks.shared_cluster import main, summarize
 from benchmarks.shared_cluster_sim import URGENT, SimConfig, SimResult, run_baseline, run_elastron, workload
-from service.scheduler import JobRequest, Phase, schedule
+from service.sharing.scheduler import JobRequest, Phase, schedule
 
 CFG = SimConfig(seed=3, hours=2.0, jobs_per_hour=30.0)
 

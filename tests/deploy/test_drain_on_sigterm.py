@@ -24,7 +24,7 @@ def test_sigterm_to_ray_start_block_drains_the_node_with_a_deadline(tmp_path):
     import ray
     from ray.cluster_utils import Cluster
 
-    from service.cluster import ClusterWatcher
+    from service.pool.cluster import ClusterWatcher
 
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
     proc = None

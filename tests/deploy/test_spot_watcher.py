@@ -3,7 +3,7 @@
 The fake speaks the two IMDS calls the watcher makes: PUT /latest/api/token (IMDSv2 session token) and
 GET /latest/meta-data/spot/instance-action (404 until a notice is "issued"). No real address is used.
 The last test drains a real node of a `ray.cluster_utils.Cluster` and reads it back the way the
-coordinator does (service.cluster.ClusterWatcher).
+coordinator does (service.pool.cluster.ClusterWatcher).
 """
 
 from __future__ import annotations
@@ -252,7 +252,7 @@ def test_a_notice_becomes_a_drain_the_coordinator_sees(imds):
     import ray
     from ray.cluster_utils import Cluster
 
-    from service.cluster import ClusterWatcher, drain_node
+    from service.pool.cluster import ClusterWatcher, drain_node
 
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
     try:

@@ -30,7 +30,8 @@ def first_step_body(cfg_dict: dict, layout: str, run_dir: str) -> dict:
     from torch.distributed.tensor import DTensor
 
     from parallel.layout import Layout
-    from workers.config import JobConfig, resolve_init_from
+    from workers.config import JobConfig
+    from workers.disk_checks import resolve_init_from
     from workers.trainer import Trainer
 
     cfg = resolve_init_from(JobConfig.from_dict(cfg_dict))  # as the trainer's edge does
@@ -93,7 +94,7 @@ def test_first_step_and_export_match_transformers(hf, tmp_path, layout):
     from safetensors.torch import load_file
 
     from parallel.layout import Layout
-    from service.tools import export_checkpoint
+    from service.server.tools import export_checkpoint
 
     path, model = hf
     cfg = job(path)

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from service.cluster import ClusterSnapshot, ClusterWatcher, NodeInfo, drain_node, snapshot_from
+from service.pool.cluster import ClusterSnapshot, ClusterWatcher, NodeInfo, drain_node, snapshot_from
 
 HEAD_RES = {"CPU": 1.0, "memory": 1e9, "node:__internal_head__": 1.0}
 

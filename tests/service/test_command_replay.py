@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 
-from service.job_actor import JobActorBody
-from service.specs import validate_spec
+from service.server.job_actor import JobActorBody
+from service.server.specs import validate_spec
 from tests.api.helpers import SPEC, fake_factory, wait_for
 from tests.fakes import FakeCluster, Gate
 

@@ -9,8 +9,8 @@ import pytest
 
 from parallel.layout import Layout
 from parallel.planner import PlanError
-from service.coordinator import Coordinator
-from service.group_types import WorkerFailure
+from service.control.coordinator import Coordinator
+from service.pool.group import WorkerFailure
 from tests.fakes import advance, make_coordinator
 
 
@@ -381,8 +381,8 @@ def test_status_reports_layout_and_world_size_of_one_plan_while_a_group_re_forms
 
 
 def test_the_real_group_and_the_fakes_satisfy_the_group_protocol(tmp_path):
-    from service.group_types import Group
-    from service.worker_group import WorkerGroup
+    from service.pool.group import Group
+    from service.pool.worker_group import WorkerGroup
     from tests.fakes import FakeGroup, GatedGroup
 
     for cls in (WorkerGroup, FakeGroup, GatedGroup):
@@ -395,7 +395,7 @@ def test_the_real_group_and_the_fakes_satisfy_the_group_protocol(tmp_path):
 
 
 def test_each_acting_state_has_one_handler(tmp_path):
-    from service.state import JobState
+    from service.control.state import JobState
 
     c, _, _ = make_coordinator(tmp_path, {"a": 2})
     acting = {s for s in JobState if not s.is_terminal and s is not JobState.PAUSED}

@@ -4,8 +4,8 @@ keeps a bounded window of metrics however long the job."""
 
 from __future__ import annotations
 
-from service.metrics_ring import RecentMetrics
-from service.group_types import WorkerFailure
+from service.control.metrics_ring import RecentMetrics
+from service.pool.group import WorkerFailure
 from tests.fakes import advance, make_coordinator
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
-from service.coordinator import Coordinator, CoordinatorOptions
-from service.state import JobState as S
+from service.control.coordinator import Coordinator, CoordinatorOptions
+from service.control.state import JobState as S
 from tests.fakes import advance, make_coordinator
 
 
@@ -142,7 +142,8 @@ def test_a_heal_from_workers_a_step_ahead_of_the_lost_coordinator_moves_from_the
 
     def salvage(self, **kw):
         row = {"step": self.step, "loss": 10.0 / self.step, "time": float(self.step)}
-        return {r: replace(s, rows=(row,)) for r, s in base.salvage(self, **kw).items()}
+        got = base.salvage(self, **kw)
+        return replace(got, kept={r: replace(s, rows=(row,)) for r, s in got.kept.items()})
 
     second = again(first, type("Ahead", (base,), {"salvage": salvage}), cluster, owner="elastron-job-job1")
     advance(second, lambda c: c.sm.state.is_terminal)

@@ -11,8 +11,8 @@ import signal
 import pytest
 
 from api.store import JobStore
-from service.job_actor import NAMESPACE, RayLauncher, actor_name
-from service.jobs import JobManager
+from service.server.job_actor import NAMESPACE, RayLauncher, actor_name
+from service.server.job_manager import JobManager
 from tests.api.helpers import wait_for
 from tests.ray_local import local_ray  # noqa: F401  (a fixture)
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from service.coordinator import Coordinator, CoordinatorOptions
+from service.control.coordinator import Coordinator, CoordinatorOptions
 from tests.bodies import train_body
 from tests.multiproc import run_ranks
 from workers.config import JobConfig
@@ -178,7 +178,7 @@ def test_planned_resize_redoes_no_steps(cluster, nodes, reference, tmp_path):
 
 
 def test_preemption_notice_checkpoints_just_in_time_and_loses_nothing(cluster, nodes, reference, tmp_path):
-    from service.cluster import drain_node
+    from service.pool.cluster import drain_node
 
     nodes(3)
     # Hold at step 5 while the drain is requested, then train slowly until the job has shrunk: the

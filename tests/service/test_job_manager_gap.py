@@ -9,8 +9,8 @@ import json
 from pathlib import Path
 
 from api.store import JobStore
-from service.job_manager import JobManager
-from service.status import JobStatus
+from service.server.job_manager import JobManager
+from service.control.status import JobStatus
 
 SPEC = {"name": "gap", "data": {"source": "synthetic", "seq_len": 16},
         "train": {"steps": 10, "global_batch_size": 8, "micro_batch_size": 2}}
@@ -116,7 +116,7 @@ def test_a_manager_can_be_started_again_after_close(tmp_path, monkeypatch):
     of the fuzz test fail with CancelledError)."""
     import time
 
-    import service.job_sync as jm
+    import service.server.job_manager as jm
 
     class Slow(Handle):
         def status(self):

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from api.store import JobStore
-from service.job_manager import JobConflict, JobManager, JobNotFound
-from service.job_sync import UNKNOWN
-from service.status import JobStatus
+from service.server.job_manager import JobConflict, JobManager, JobNotFound
+from service.server.job_manager import UNKNOWN
+from service.control.status import JobStatus
 
 SPEC = {"name": "h", "data": {"source": "synthetic", "seq_len": 16},
         "train": {"steps": 10, "global_batch_size": 8, "micro_batch_size": 2}}
@@ -234,7 +234,7 @@ def test_delete_does_not_release_a_coordinator_still_saving(mgr):
 def test_a_failing_sync_logs_its_traceback_once_a_minute_not_every_round(mgr, caplog):
     job_id = mgr.submit(SPEC)
     mgr.launcher.live[job_id].fail = RuntimeError("boom")
-    with caplog.at_level(logging.WARNING, logger="service.job_manager"):
+    with caplog.at_level(logging.WARNING, logger="service.server.job_manager"):
         for _ in range(20):
             mgr._sync_quietly(job_id)
     mine = [r for r in caplog.records if job_id in r.getMessage()]

@@ -1,4 +1,4 @@
-"""service.cluster.kill_node, the simulated machine death of the demo and the chaos benchmark: the node's
+"""service.pool.cluster.kill_node, the simulated machine death of the demo and the chaos benchmark: the node's
 raylet goes with its agents.
 
 `Cluster.remove_node` alone kills the raylet and returns while the node's agents still run; they then
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.cluster import kill_node, process_running
+from service.pool.cluster import kill_node, process_running
 
 
 def test_a_vanished_node_takes_its_agents_with_it():

@@ -5,8 +5,8 @@ start failed at its probe (+4 s)."""
 
 from __future__ import annotations
 
-from service.cluster import ClusterSnapshot, NodeInfo
-from service.node_health import NodeHealth
+from service.pool.cluster import ClusterSnapshot, NodeInfo
+from service.pool.node_health import NodeHealth
 
 
 def health(refused) -> NodeHealth:

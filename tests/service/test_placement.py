@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import socket
 
-from service.placement import refusing
+from service.pool.placement import refusing
 
 
 def test_a_closed_port_refuses_a_listening_one_does_not_and_no_address_is_not_judged():

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from service.policy import Fail, Failure, Noop, PolicyConfig, Resize, ScalingPolicy, Wait
+from service.control.policy import Fail, Failure, Noop, PolicyConfig, Resize, ScalingPolicy, Wait
 
 
 def policy(**kw) -> ScalingPolicy:
@@ -238,7 +238,7 @@ def test_sweep_matches_the_rules(min_w, max_w):
             assert d == Noop(), case
 
 
-# -- a scheduler's grant (service.scheduler) ------------------------------------------------------------
+# -- a scheduler's grant (service.sharing.scheduler) ------------------------------------------------------------
 def test_a_grant_caps_the_start_and_a_grant_below_min_is_a_wait_that_says_so():
     p = policy(min_workers=2)
     assert p.decide(0.0, current_workers=0, usable_workers=8, granted=3) == Resize(
@@ -273,3 +273,16 @@ def test_a_grant_above_what_is_usable_changes_nothing():
 def test_bad_grants_are_refused(granted):
     with pytest.raises(ValueError, match="granted"):
         policy().decide(0.0, current_workers=0, usable_workers=4, granted=granted)
+
+
+def test_a_users_resize_is_an_input_that_acts_at_once_in_either_direction():
+    p = ScalingPolicy(PolicyConfig(min_workers=1, max_workers=4, settle_seconds=60.0))
+    grow = p.decide(0.0, current_workers=2, usable_workers=4, requested=True)
+    assert grow == Resize(workers=4, cause="user", reason="resize to 4 workers requested by user")
+    # without the request the same offer waits out the settle time
+    assert isinstance(p.decide(1.0, current_workers=2, usable_workers=4), Noop)
+    p.config = PolicyConfig(min_workers=1, max_workers=1, settle_seconds=60.0)
+    assert p.decide(2.0, current_workers=2, usable_workers=4, requested=True) == \
+        Resize(workers=1, cause="user", reason="resize to 1 workers requested by user")
+    # a request that changes nothing is no resize
+    assert isinstance(p.decide(3.0, current_workers=1, usable_workers=4, requested=True), Noop)

@@ -8,8 +8,8 @@ import re
 
 import pytest
 
-from service.ledger import Holding, Ledger, NodeCapacity, WorkerShape
-from service.scheduler import Grow, JobRequest, Pause, Phase, Queued, Quota, Shrink, Start, schedule
+from service.sharing.ledger import Holding, Ledger, NodeCapacity, WorkerShape
+from service.sharing.scheduler import Grow, JobRequest, Pause, Phase, Queued, Quota, Shrink, Start, schedule
 
 CPU = WorkerShape(cpus=1.0)
 R, P, Q = Phase.RUNNING, Phase.PAUSED, Phase.QUEUED

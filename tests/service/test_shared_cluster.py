@@ -1,11 +1,11 @@
-"""Tier 1: one scheduling round of the service (service.shared_cluster.plan_round), pure: from the jobs'
+"""Tier 1: one scheduling round of the service (service.sharing.rounds.plan_round), pure: from the jobs'
 statuses to what their coordinators are told."""
 
 from __future__ import annotations
 
-from service.cluster import snapshot_from
-from service.scheduler import Phase, Quota
-from service.shared_cluster import JobView, PauseJob, ResumeJob, SetGrant, plan_round
+from service.pool.cluster import snapshot_from
+from service.sharing.scheduler import Phase, Quota
+from service.sharing.rounds import JobView, PauseJob, ResumeJob, SetGrant, plan_round
 
 
 def cluster(**cpus: int):

@@ -11,8 +11,8 @@ import time
 import pytest
 
 from api.store import JobStore
-from service.job_actor import RayLauncher
-from service.job_manager import JobManager
+from service.server.job_actor import RayLauncher
+from service.server.job_manager import JobManager
 from tests.bodies import train_body
 from tests.multiproc import run_ranks
 

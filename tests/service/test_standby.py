@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from service.worker_group import WorkerGroup
+from service.pool.worker_group import WorkerGroup
 from tests.ray_local import local_ray  # noqa: F401  (a fixture)
 from workers.config import JobConfig
 
@@ -40,8 +40,9 @@ def test_a_crashed_member_is_replaced_by_the_standby_which_then_holds_the_slot(l
         _cpus_free(1.0)  # the member holds one CPU, the standby none
         crashed = g.members[0]
         ray.kill(crashed.actor, no_restart=True)
-        assert g.salvage() == {}  # the dead member is lost (and its slot released)
-        assert g.scale_to([me]) == (1, 0)
+        assert g.salvage().kept == {}  # the dead member is lost (and its slot released)
+        start = g.scale_to([me])
+        assert (start.started, start.stopped) == (1, 0)
         (m,) = g.members
         assert ray.get(m.actor.info.remote(), timeout=30)["pid"] == standby["pid"]  # no new process
         assert m.pg is not None and ray.get(m.actor.info.remote(), timeout=30)["pg"].id == m.pg.id
@@ -100,7 +101,8 @@ def test_after_a_failure_that_kept_no_member_the_standbys_are_claimed(local_ray,
         standby = _settled_standby(g)
         g.stop_members()
         assert g.size == 0 and len(g.standby) == 1
-        assert g.scale_to([me]) == (1, 0) and g.standby_used == 1
+        start = g.scale_to([me])
+        assert (start.started, start.stopped) == (1, 0) and start.from_standby == 1
         assert ray.get(g.members[0].actor.info.remote(), timeout=30)["pid"] == standby["pid"]
     finally:
         g.shutdown()

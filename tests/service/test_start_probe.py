@@ -14,8 +14,8 @@ from contextlib import contextmanager
 
 import pytest
 
-from service.group_types import WorkerFailure
-from service.worker_group import WorkerGroup
+from service.pool.group import WorkerFailure
+from service.pool.worker_group import WorkerGroup
 from workers.config import JobConfig
 
 ray = pytest.importorskip("ray")
@@ -45,7 +45,7 @@ def _kill_once_placed(cluster, node, done: threading.Event) -> None:
     """Kill `node` as soon as a placement group has been placed on it: its worker is starting then."""
     from ray.util import placement_group_table
 
-    from service.cluster import kill_node
+    from service.pool.cluster import kill_node
 
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -59,7 +59,7 @@ def _kill_once_placed(cluster, node, done: threading.Event) -> None:
 
 @pytest.mark.parametrize("when", ["before placement", "while starting", "spare starting"])
 def test_a_node_that_dies_as_its_worker_starts_fails_the_start_at_the_probe(tmp_path, when):
-    from service.cluster import kill_node
+    from service.pool.cluster import kill_node
 
     with cluster_of(1) as (cluster, (node,)):
         g = WorkerGroup(JobConfig(), str(tmp_path), cpus_per_worker=1, gpus_per_worker=0, job_id="t",
@@ -92,7 +92,7 @@ def test_a_member_node_that_dies_before_a_group_call_fails_it_at_the_probe(tmp_p
     from dataclasses import replace
 
     from parallel.planner import plan
-    from service.cluster import kill_node
+    from service.pool.cluster import kill_node
     from workers.config import job_constraints
 
     with cluster_of(2) as (cluster, nodes):
@@ -116,8 +116,8 @@ def test_a_draining_node_counts_as_answering_the_probe():
     """Ray places nothing new on a node it drains, so a probe there would time out and the node look dead;
     a live transfer off a draining node probes its members' nodes while it waits and failed that way (a
     preemption notice handled as a failure, seen in tests/service/test_elastic_e2e.py)."""
-    from service.cluster import drain_node, kill_node
-    from service.placement import probe_nodes
+    from service.pool.cluster import drain_node, kill_node
+    from service.pool.placement import probe_nodes
 
     with cluster_of(1) as (cluster, (node,)):
         @ray.remote(num_cpus=1)
@@ -137,7 +137,7 @@ def test_a_draining_node_counts_as_answering_the_probe():
 def test_waits_probe_early_and_often_then_every_cap():
     from itertools import islice
 
-    from service.worker_start import probe_gaps
+    from service.pool.worker_group import probe_gaps
 
     assert list(islice(probe_gaps(3.0), 6)) == [0.5, 1.0, 2.0, 3.0, 3.0, 3.0]
     assert list(islice(probe_gaps(0.2), 3)) == [0.2, 0.2, 0.2]  # a cap below the first gap wins
@@ -147,8 +147,8 @@ def test_a_node_whose_raylet_is_gone_is_found_dead_without_waiting_out_the_probe
     """The GCS lists a killed node alive until its health checks time out (~16 s here), and a placement
     there waits that long or the probe's whole timeout; its raylet's port refuses connections at once, so
     no placement is tried there."""
-    import service.placement as placement
-    from service.cluster import kill_node
+    import service.pool.placement as placement
+    from service.pool.cluster import kill_node
 
     placed_on: list[str] = []
     real = placement.placement_group

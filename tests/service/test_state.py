@@ -9,8 +9,8 @@ from collections import deque
 import pytest
 
 from parallel.layout import Layout
-from service.events import Event, EventLog, read_events
-from service.state import TRANSITIONS, IllegalTransition, JobState, StateMachine, can_transition
+from service.control.events import Event, EventLog, read_events
+from service.control.state import TRANSITIONS, IllegalTransition, JobState, StateMachine, can_transition
 
 S = JobState
 ALL = list(JobState)
@@ -54,7 +54,7 @@ def test_issue_sketch_transitions_are_all_allowed():
     }
     for src, dsts in sketch.items():
         assert dsts <= TRANSITIONS[src], (src, dsts - TRANSITIONS[src])
-    # The only additions, each documented in service/state.py.
+    # The only additions, each documented in service/control/state.py.
     added = {(s, d) for s in ALL for d in TRANSITIONS[s] if d not in sketch.get(s, set())}
     queued = {(S.PENDING, S.QUEUED), (S.STARTING, S.QUEUED), (S.RECOVERING, S.QUEUED), (S.WAITING_FOR_CAPACITY, S.QUEUED)} | {
         (S.QUEUED, d) for d in (S.STARTING, S.RECOVERING, S.WAITING_FOR_CAPACITY, S.PAUSED, S.STOPPED, S.FAILED)}
@@ -164,7 +164,7 @@ def test_failing_sink_is_logged_and_the_move_stands(caplog):
         raise OSError("disk full")
 
     m = machine_in(S.RUNNING, sink=broken)
-    with caplog.at_level(logging.WARNING, logger="service.state"):
+    with caplog.at_level(logging.WARNING, logger="service.control.state"):
         m.transition(S.PAUSED, reason="user pause", cause="user")
     assert m.state is S.PAUSED
     assert "could not record event" in caplog.text and "disk full" in caplog.text
@@ -240,7 +240,7 @@ def test_load_tolerates_truncated_last_line_and_appends_cleanly(tmp_path, caplog
         log.append(_event(i))
     whole = path.read_bytes()
     path.write_bytes(whole + _event(3).to_json().encode()[:25])  # a crash mid-write
-    with caplog.at_level(logging.WARNING, logger="service.events"):
+    with caplog.at_level(logging.WARNING, logger="service.control.events"):
         assert [e.step for e in read_events(path)] == [0, 1, 2]
         resumed = EventLog.load(path)
     assert "truncated last line" in caplog.text

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from service.state import TERMINAL, JobState
-from service.status import JobStatus
+from service.control.state import TERMINAL, JobState
+from service.control.status import JobStatus
 
 
 def test_terminal_states_are_the_enum_s_and_match_their_strings():

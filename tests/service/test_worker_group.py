@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from service.group_types import WorkerFailure
-from service.worker_group import Member, WorkerGroup
+from service.pool.group import WorkerFailure
+from service.pool.worker_group import Member, WorkerGroup
 from tests.ray_local import local_ray  # noqa: F401  (a fixture)
 
 ray = pytest.importorskip("ray")
@@ -40,7 +40,7 @@ def test_the_probe_finds_a_node_alive_while_all_its_cpus_are_reserved(local_ray)
     probe must not take that for a dead raylet."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from service.placement import probe_nodes
+    from service.pool.placement import probe_nodes
 
     me = ray.get_runtime_context().get_node_id()
     full = placement_group([{"CPU": 2}], strategy="STRICT_PACK")
@@ -79,7 +79,7 @@ def test_the_other_ranks_errors_after_a_failed_step_are_read_not_reported_as_unh
 
     ray_log, ours = _Collect(), _Collect()
     logging.getLogger("ray._private.worker").addHandler(ray_log)
-    group_log = logging.getLogger("service.worker_group")
+    group_log = logging.getLogger("service.pool.worker_group")
     group_log.addHandler(ours)
     level, group_log.level = group_log.level, logging.DEBUG
     try:
@@ -142,7 +142,7 @@ def test_a_member_left_alone_in_a_step_is_stopped_by_the_salvage_which_says_why(
     """A coordinator killed between sending a step to one member and to its peer leaves the first
     waiting in the step's collective for a peer that never joins: gloo's sockets stay open while the
     peer, which answers the salvage, keeps its model, so only a stop frees it. The salvage after a
-    takeover (no abort) keeps the peer and stops the other, saying why (`salvage_lost`)."""
+    takeover (no abort) keeps the peer and stops the other, saying why (`Salvage.stopped_why`)."""
     from ray.exceptions import RayError
 
     from workers.config import JobConfig
@@ -155,8 +155,9 @@ def test_a_member_left_alone_in_a_step_is_stopped_by_the_salvage_which_says_why(
         g.form(_plan_for_two(cfg))
         assert [r["step"] for r in g.run(until_step=2, steps=2)] == [1, 2]
         alone = g.members[0].actor.run.remote(until_step=3, steps=1)  # its peer never gets this call
-        infos = g.salvage(abort=False, timeout_s=30)
-        assert list(infos) == [1] and infos[1].step == 2 and g.salvage_lost == ["it did not answer"]
+        salvage = g.salvage(abort=False, timeout_s=30)
+        infos = salvage.kept
+        assert list(infos) == [1] and infos[1].step == 2 and salvage.stopped_why == ("it did not answer",)
         assert g.size == 1
         with pytest.raises(RayError):  # stopped: the call it was stuck in ends with its process
             ray.get(alone, timeout=30)
@@ -180,10 +181,12 @@ def test_members_with_no_state_to_salvage_are_kept_as_spares_and_the_next_start_
         pids = sorted(i["pid"] for i in ray.get([m.actor.info.remote() for m in g.members], timeout=30))
         g.form(p)
         g.run(until_step=1, steps=1)
-        assert sorted(g.salvage()) == [0, 1]  # the first failure: both vouch for their state, and drop it
-        assert g.salvage() == {} and g.salvage_lost == [] and g.salvage_idle == 2  # the second: none left
+        assert sorted(g.salvage().kept) == [0, 1]  # the first failure: both vouch for their state, and drop it
+        salvage = g.salvage()
+        assert salvage.kept == {} and salvage.stopped_why == () and salvage.idle == 2  # the second: none left
         assert g.size == 0 and len(g.spares) == 2
-        assert g.scale_to([me, me]) == (0, 0)  # members again, from the spares: no process started
+        start = g.scale_to([me, me])
+        assert (start.started, start.stopped, start.rejoined) == (0, 0, 2)  # members again, from the spares: no process started
         assert sorted(i["pid"] for i in ray.get([m.actor.info.remote() for m in g.members], timeout=30)) == pids
         assert g.spares == [] and g.form(p).step == 0  # no checkpoint was written: from the start again
         assert [r["step"] for r in g.run(until_step=1, steps=1)] == [1]

@@ -6,7 +6,8 @@ import pytest
 
 from parallel.layout import Layout
 from parallel.planner import PlanError
-from workers.config import ConfigError, JobConfig, check_data_path, job_constraints, job_plan, load_config
+from workers.config import ConfigError, JobConfig, job_constraints, job_plan, load_config
+from workers.disk_checks import check_data_path
 from workers.lr import lr_at
 
 ROOT = Path(__file__).resolve().parents[2]

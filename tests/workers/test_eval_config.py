@@ -7,7 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from workers.config import ConfigError, JobConfig, check_data_path
+from workers.config import ConfigError, JobConfig
+from workers.disk_checks import check_data_path
 from workers.data import build_val_source
 
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from workers.config import ConfigError, JobConfig, resolve_init_from
+from workers.config import ConfigError, JobConfig
+from workers.disk_checks import resolve_init_from
 
 transformers = pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[2]
@@ -87,7 +88,7 @@ def _broken(hf_dir: Path, tmp_path: Path, how: str) -> Path:
 @pytest.mark.parametrize("how,needle", [("missing", "config.json does not exist"),
                                         ("weights", "has no *.safetensors"), ("shape", "config.json implies")])
 def test_a_bad_directory_is_one_line_at_every_edge(hf_dir, tmp_path, how, needle):
-    from service.specs import SpecError, validate_spec
+    from service.server.specs import SpecError, validate_spec
 
     d = _broken(hf_dir, tmp_path, how)
     with pytest.raises(ConfigError, match="model.init_from") as e:
@@ -108,7 +109,7 @@ def test_a_bad_directory_is_one_line_at_every_edge(hf_dir, tmp_path, how, needle
 
 
 def test_the_server_refuses_an_init_from_outside_its_data_roots(tmp_path):
-    from service.specs import SpecError, check_paths
+    from service.server.specs import SpecError, check_paths
 
     with pytest.raises(SpecError) as e:
         check_paths(spec("/etc"), run_dir=None, runs_root=tmp_path, data_roots=[tmp_path / "data"])

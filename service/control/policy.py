@@ -1,0 +1,225 @@
+"""When to resize, wait or give up: a scaling policy that turns cluster facts into a decision.
+
+Pure: no Ray, no clock, no sleeping. The caller passes `now` and what it observed; the only state
+kept between calls is the growth settle timer. That makes every timing rule testable to the second.
+
+Rules, in order (the first that applies decides):
+  1. Fail   when any failure kind occurred more than `max_restarts` times within `restart_window_s`:
+            restarting again would most likely fail the same way. The reason quotes the last error.
+  2. Wait   when usable workers < min_workers: the job cannot run; hold nothing until capacity returns.
+  3. Resize (start) when nothing runs (current_workers == 0): start at once on what is offered,
+            cause "planned"; there is nothing to disrupt, so no settle time.
+  4. Resize (shrink) at once when fewer workers are offered than run. Cause "preemption" when nodes
+            are draining (shrink ahead of the deadline, with a checkpoint), "failure" when capacity is
+            simply gone, "user" when only a lowered max_workers caps it.
+  5. Resize (grow) when more workers are offered than run *and* that offer has stayed the same for
+            settle_seconds. Any change of the offer (a node flapping, or another node still arriving)
+            restarts the timer: every resize costs a checkpoint and a restart, so wait for arrivals
+            to stop and then grow once.
+  6. Noop   otherwise (its reason says how long a pending growth has settled).
+A user's resize (`requested`: the range was just changed on the user's request) is a policy input too:
+after rules 1-3, a target other than the running size is a Resize with cause "user" at once, with no
+settle time.
+
+On a shared cluster the scheduler (service.sharing.scheduler) grants each job a number of workers; `granted`
+caps the offer further. A shrink to the grant is cause "planned" (it goes through the planned-resize
+path) and a growth up to the grant needs no settle time: the scheduler has already decided.
+
+"Offered" is min(usable_workers, max_workers), passed through `size_for` when given: the number of
+workers a layout can actually use (e.g. `lambda n: plan(n, model, constraints).world_size`), so that
+5 usable workers for a model that only runs on 4 do not trigger a pointless resize every tick.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Noop:
+    reason: str = ""
+    """Empty, or what is pending (e.g. growth still settling)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Resize:
+    workers: int
+    """The worker count to run with next."""
+    cause: str
+    """"planned" (start), "grow", "preemption", "failure" or "user"."""
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    reason: str
+    by_scheduler: bool = False
+    """The scheduler's grant, not the cluster, is what is too small (the job is QUEUED, not waiting)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Fail:
+    reason: str
+
+
+Decision = Noop | Resize | Wait | Fail
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Failure:
+    """One unplanned loss of the worker group. Preemptions and planned resizes are not failures."""
+
+    time: float
+    """Unix seconds (same clock as `now`)."""
+    kind: str
+    """What failed, coarse enough to repeat: e.g. "worker_crash", "node_died", "oom", "start_timeout"."""
+    error: str = ""
+    """The error text, quoted in a Fail reason."""
+
+
+def _is_int(v: object, lo: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PolicyConfig:
+    min_workers: int = 1
+    """Fewest workers the job may run on; below this it waits."""
+    max_workers: int | None = None
+    """Most workers the job may use; None means no cap."""
+    settle_seconds: float = 30.0
+    """How long a larger offer must stay unchanged before growing."""
+    max_restarts: int = 3
+    """Restarts allowed per failure kind within restart_window_s; one more failure of that kind fails the job."""
+    restart_window_s: float = 3600.0
+    """Sliding window for counting failures of one kind."""
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.min_workers, 1):
+            raise ValueError(f"min_workers must be an integer >= 1, got {self.min_workers!r}")
+        if self.max_workers is not None:
+            if not _is_int(self.max_workers, 1):
+                raise ValueError(f"max_workers must be an integer >= 1 or None, got {self.max_workers!r}")
+            if self.max_workers < self.min_workers:
+                raise ValueError(f"max_workers={self.max_workers} is less than min_workers={self.min_workers}")
+        if not isinstance(self.settle_seconds, (int, float)) or not self.settle_seconds >= 0:
+            raise ValueError(f"settle_seconds must be >= 0, got {self.settle_seconds!r}")
+        if not _is_int(self.max_restarts, 0):
+            raise ValueError(f"max_restarts must be an integer >= 0, got {self.max_restarts!r}")
+        if not isinstance(self.restart_window_s, (int, float)) or not self.restart_window_s > 0:
+            raise ValueError(f"restart_window_s must be > 0, got {self.restart_window_s!r}")
+
+
+def _drain_text(now: float, draining: Mapping[str, float | None]) -> str:
+    """"node 1a2b3c4d drains in 28.0 s" for the earliest deadline (or "draining, no deadline")."""
+    if not draining:
+        return ""
+    timed = {n: d for n, d in draining.items() if d is not None}
+    if timed:
+        node, deadline = min(timed.items(), key=lambda kv: kv[1])
+        first = f"node {node[:8]} drains in {deadline - now:.1f} s"
+    else:
+        node = min(draining)
+        first = f"node {node[:8]} is draining (no deadline)"
+    more = f" (+{len(draining) - 1} more draining)" if len(draining) > 1 else ""
+    return first + more
+
+
+class ScalingPolicy:
+    """Decides Noop / Resize / Wait / Fail from explicit observations (see the module docstring)."""
+
+    def __init__(self, config: PolicyConfig | None = None, *, size_for: Callable[[int], int | None] | None = None):
+        self.config = config or PolicyConfig()
+        self._size_for = size_for
+        self._grow_target: int | None = None
+        self._grow_since: float | None = None
+
+    def decide(self, now: float, *, current_workers: int, usable_workers: int,
+               draining: Mapping[str, float | None] | None = None, failures: Sequence[Failure] = (),
+               granted: int | None = None, requested: bool = False) -> Decision:
+        """`current_workers`: size of the running group (0 when none runs). `usable_workers`: how many
+        workers fit on alive, non-draining nodes. `draining`: {node_id: deadline unix s or None}.
+        `failures`: the job's failures so far (older ones outside the window are ignored). `granted`:
+        the workers the scheduler grants this job (None: no scheduler, the whole cluster is offered).
+        `requested`: the user has just changed the job's worker range, and waits for it to act."""
+        c = self.config
+        for name, v in (("current_workers", current_workers), ("usable_workers", usable_workers),
+                        ("granted", 0 if granted is None else granted)):
+            if not _is_int(v, 0):
+                raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
+        draining = dict(draining or {})
+
+        if fail := self._budget_exhausted(now, failures):
+            return self._reset(fail)
+        drains = _drain_text(now, draining)
+        if usable_workers < c.min_workers:
+            why = f"{usable_workers} usable workers < min_workers={c.min_workers}"
+            return self._reset(Wait(f"{why}; {drains}" if drains else why))
+        if granted is not None and granted < c.min_workers:
+            return self._reset(Wait(f"the scheduler grants {granted} workers < min_workers={c.min_workers}",
+                                    by_scheduler=True))
+        offered = usable_workers if c.max_workers is None else min(usable_workers, c.max_workers)
+        by_grant = granted is not None and granted < offered  # the grant, not the cluster, limits the offer
+        offered = granted if by_grant else offered
+        target = offered if self._size_for is None else self._size_for(offered)
+        if target is None or target < c.min_workers:
+            return self._reset(Wait(f"no usable layout on {offered} offered workers (min_workers={c.min_workers})"))
+        if target > offered:
+            raise ValueError(f"size_for({offered}) returned {target}, more workers than offered")
+
+        if current_workers == 0:
+            return self._reset(Resize(workers=target, cause="planned",
+                                      reason=f"start on {target} workers ({usable_workers} usable"
+                                             + (f", {granted} granted)" if by_grant else ")")))
+        if requested and target != current_workers:
+            return self._reset(Resize(workers=target, cause="user",
+                                      reason=f"resize to {target} workers requested by user"))
+        if offered < current_workers:
+            if by_grant:
+                cause, why = "planned", f"the scheduler grants {granted} workers"
+            elif usable_workers >= current_workers:
+                cause, why = "user", f"max_workers={c.max_workers} is below the {current_workers} running"
+            elif draining:
+                cause, why = "preemption", f"{usable_workers} usable workers < {current_workers} running; {drains}"
+            else:
+                cause, why = "failure", f"{usable_workers} usable workers < {current_workers} running (capacity lost)"
+            return self._reset(Resize(workers=target, cause=cause, reason=f"shrink to {target}: {why}"))
+        if target > current_workers:
+            if by_grant or granted == offered:
+                return self._reset(Resize(workers=target, cause="grow",
+                                          reason=f"grow to {target}: the scheduler grants {granted} workers"))
+            if self._grow_target != target:
+                self._grow_target, self._grow_since = target, now
+            waited = now - self._grow_since
+            if waited >= c.settle_seconds:
+                return self._reset(Resize(workers=target, cause="grow",
+                                          reason=f"grow to {target}: {usable_workers} usable workers > "
+                                                 f"{current_workers} running, unchanged for {waited:.1f} s "
+                                                 f"(settle_seconds={c.settle_seconds:g})"))
+            return Noop(f"growth to {target} settling: {waited:.1f} of {c.settle_seconds:g} s")
+        return self._reset(Noop())
+
+    @property
+    def pending_growth(self) -> tuple[int, float] | None:
+        """(target workers, since) while a growth is settling, else None."""
+        return None if self._grow_target is None else (self._grow_target, self._grow_since)
+
+    def _reset(self, decision: Decision) -> Decision:
+        self._grow_target = self._grow_since = None
+        return decision
+
+    def _budget_exhausted(self, now: float, failures: Sequence[Failure]) -> Fail | None:
+        c = self.config
+        recent: dict[str, list[Failure]] = {}
+        for f in failures:
+            if f.time > now - c.restart_window_s:
+                recent.setdefault(f.kind, []).append(f)
+        over = [(kind, fs) for kind, fs in recent.items() if len(fs) > c.max_restarts]
+        if not over:
+            return None
+        # Report the kind whose latest failure is the most recent: that is what just happened.
+        kind, fs = max(over, key=lambda kv: max(f.time for f in kv[1]))
+        last = max(fs, key=lambda f: f.time)
+        return Fail(f"{kind} failed {len(fs)} times in the last {c.restart_window_s:g} s "
+                    f"(max_restarts={c.max_restarts}); last error: {last.error or '(none)'}")

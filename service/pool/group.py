@@ -1,0 +1,136 @@
+"""What the coordinator knows of a worker group, with no Ray in it: the `Group` protocol (service.pool.worker_group's
+`WorkerGroup` over Ray actors is one, the fakes in tests/fakes.py are others), what its calls return, and
+`WorkerFailure`, which they raise."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Collection
+from dataclasses import asdict, dataclass, field
+from typing import Protocol, runtime_checkable
+
+from parallel.planner import Plan
+from workers.report import Salvaged
+
+
+class WorkerFailure(RuntimeError):
+    """A worker died or raised. `kind` groups repeated failures of the same sort for the retry budget;
+    `nodes`: nodes the group's own probe found unresponsive (kind "node"), which the recovery neither
+    waits for nor probes again."""
+
+    def __init__(self, kind: str, message: str, *, nodes: Collection[str] = ()):
+        super().__init__(message)
+        self.kind = kind
+        self.nodes = frozenset(nodes)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Formed:
+    """A process group formed over the members (`Group.form`)."""
+
+    step: int
+    """The step every rank resumed at."""
+    form_s: float = 0.0
+    """Seconds from the call until every rank had joined."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Started:
+    """The members a `Group.scale_to` arranged: how many processes came up and how many went."""
+
+    started: int
+    """Workers that became members by starting (a new process, or a standby claimed for the slot)."""
+    stopped: int
+    """Members stopped because the new size has no place for them."""
+    from_standby: int = 0
+    """Of `started`, the standbys claimed instead of new processes."""
+    rejoined: int = 0
+    """Members a salvage kept idle that came back: kept, not started."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Salvage:
+    """What a `Group.salvage` kept of a failed group."""
+
+    kept: dict[int, Salvaged] = field(default_factory=dict)
+    """Each member that vouches for its shards, by its old rank (in rank order): the survivors to heal from."""
+    idle: int = 0
+    """Members kept as idle processes for the next start: sound, but with no state to heal from."""
+    stopped_why: tuple[str, ...] = ()
+    """Why each member that was stopped was stopped (its own reason, or that it did not answer or was on
+    a dead node), in member order."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Moved:
+    """A live reshard done (`Group.reshard`): the group formed on the new layout, and how it got there."""
+
+    step: int
+    """The step the new layout resumed at (the old layout's, carried over)."""
+    started: int
+    """Workers started for the new layout."""
+    stopped: int
+    """Workers of the old layout stopped."""
+    bytes_moved: int
+    """Bytes the new ranks received from other workers (a survivor's own pieces are not counted)."""
+    handover_s: float = 0.0
+    """Seconds for the old layout's workers to hand their shards over and leave their group."""
+    transfer_s: float = 0.0
+    """Seconds of the transfer call: the transfer group's rendezvous, the plan, the send/recv."""
+    form_s: float = 0.0
+    """Seconds to form the new training group on the received state."""
+    transfer_parts: dict[str, float] = field(default_factory=dict)
+    """The slowest worker's seconds per phase of the transfer call (workers.reshard)."""
+
+    def record(self) -> dict:
+        """The reconfiguration record's transfer fields (events, API): all but the worker counts, which
+        the record keeps in fields of its own."""
+        d = asdict(self)
+        del d["started"], d["stopped"]
+        return d
+
+
+@runtime_checkable
+class Group(Protocol):
+    """What the coordinator needs of a worker group: `WorkerGroup` (Ray actors) is one, the fakes in
+    tests/fakes.py are others. Collective calls raise WorkerFailure when a rank dies or raises."""
+
+    @property
+    def size(self) -> int: ...
+    def nodes(self) -> Counter:
+        """Members per node id."""
+    def scale_to(self, nodes: list[str]) -> Started:
+        """One member per entry of `nodes`, survivors kept."""
+    def prewarm(self, nodes: list[str]) -> int:
+        """Start workers on `nodes` ahead of a growth, without making them members; returns how many."""
+    def stop_members(self) -> None:
+        """Stop every member (after a failure that kept none); standbys stay for the next start."""
+    def keep_standby(self) -> int:
+        """Keep idle workers started beside the members (the job's `resources.standby_per_node`), to
+        replace a member that crashes without a process start; returns how many it started now."""
+    def form(self, plan: Plan, *, adopt: bool = False) -> Formed:
+        """(Re-)form the process group for `plan`. `adopt`: take the state a `reshard` transfer
+        delivered instead of loading the last checkpoint."""
+    def reshard(self, old: Plan, new: Plan, nodes: list[str], *, survivors: list[int] | None = None) -> Moved:
+        """Move the live state from `old` to `new` on `nodes` over the network (no storage) and form
+        the new group. `survivors`: the members' old ranks after a `salvage()` (a heal from peers)."""
+    def salvage(self, *, gone: Collection[str] = (), dead: Callable[[], Collection[str]] = tuple,
+                timeout_s: float = 15.0, abort: bool = True) -> Salvage:
+        """After a failure keep the members whose shards can be trusted (and, as idle processes, those
+        that are sound but hold nothing); stop the others.
+        Members on `gone` nodes (known dead) are lost without being asked, those on nodes `dead()` names
+        while the salvage waits (a probe beside it) without being waited for; none is waited for longer
+        than `timeout_s` (or 2 s after the first answer). `abort`: first abort their
+        process groups (a peer died: calls stuck in a collective must raise); not when only their
+        coordinator died."""
+    def adopt(self) -> int:
+        """Make the workers a lost coordinator of this job left running (detached ones) members, as
+        they are; returns how many."""
+    def run(self, *, until_step: int, steps: int, should_abort: Callable[[], bool] = ...) -> list[dict]:
+        """Train `steps` steps on every rank; rank 0's metrics rows."""
+    def checkpoint(self, *, blocking: bool = True) -> int:
+        """Save at the current step (blocking: wait for the commit); returns the step."""
+    def leave(self) -> None:
+        """Drop the process group, keep the processes."""
+    def shutdown(self) -> None:
+        """Stop every worker (and spare)."""

@@ -1,0 +1,588 @@
+"""A job's worker group: one Ray actor per rank, each in its own placement group on a chosen node.
+
+The coordinator decides how many workers go on which node (`service.pool.placement.assign_nodes`); ranks
+are numbered node by node, so the ranks of a TP group (adjacent ranks: TP is the innermost mesh axis)
+share a node. On a planned resize, surviving actors are kept and only re-join (process-group re-form,
+~0.03 s); only missing ranks are started and only extra ones stopped. After an unplanned failure the
+survivors may be stuck in a collective with a dead peer: `salvage` aborts their group, and those that
+answer leave it and are kept (to heal from, or as warm processes for a resume from storage). While it
+waits on workers (a start, a form, a transfer) the group probes their nodes (`service.pool.placement.
+probe_nodes`), so a node that dies meanwhile fails the wait within seconds. A group with an `owner` (a
+coordinator in a named actor, which Ray restarts when its process dies) starts its workers as detached
+actors in detached placement groups: they outlive the coordinator's process, the restarted coordinator
+takes them over (`adopt`), and each ends itself once its owner is gone for good (`workers.actor.watch_owner`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections import Counter, defaultdict
+from collections.abc import Callable, Collection, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+
+from parallel.planner import Plan
+from service.pool.detached import STANDBY, find_workers, release_workers, worker_prefix
+from service.pool.group import Formed, Moved, Salvage, Started, WorkerFailure
+from service.pool.placement import on_node, probe_nodes
+from workers.config import JobConfig
+from workers.report import Salvaged
+
+__all__ = ["CONTROL", "Member", "WorkerGroup"]
+
+logger = logging.getLogger(__name__)
+
+CONTROL = "control"
+"""A worker actor's second lane (concurrency group): `abort` runs there while the default lane is busy."""
+
+
+@dataclass
+class Member:
+    actor: Any
+    pg: PlacementGroup
+    node_id: str
+    ip: str
+
+
+FIRST_PROBE_S = 0.5
+"""A wait on workers probes their nodes first after this long: soon enough to catch a node that died
+just before the call (a second fault right after a first), late enough that a quick call (a live
+resize's form, ~0.1 s) never pays for a probe."""
+
+
+def probe_gaps(cap_s: float) -> Iterator[float]:
+    """Seconds before each probe of a wait on workers: FIRST_PROBE_S, then 1 s, doubling up to `cap_s`.
+    The probes come close together early, when a second fault is most likely (the chaos run's double:
+    a node removed 0.3 s after a worker kill, which a probe just before it misses; every 3 s from the
+    start, the next probe came 3 s later), and every `cap_s` through a long wait (a checkpoint load of
+    minutes), so that a large group does not flood the GCS with probe placement groups."""
+    yield min(FIRST_PROBE_S, cap_s)
+    gap = 1.0
+    while True:
+        yield min(gap, cap_s)
+        gap *= 2
+
+
+class WorkerGroup:
+    def __init__(self, cfg: JobConfig, run_dir: str, *, cpus_per_worker: float, gpus_per_worker: float,
+                 job_id: str, start_timeout_s: float = 30.0, start_probe_s: float = 3.0,
+                 probe_timeout_s: float = 2.0, owner: str | None = None, namespace: str = "elastron"):
+        """`owner`: the named actor (in `namespace`) the coordinator runs in, whose restart the workers
+        outlive (None: they end with the process that started them). `start_probe_s`: how long a start
+        waits for its workers before it probes the nodes they are still starting on (and again as
+        often); one that does not answer within `probe_timeout_s` fails the start at once. A node killed
+        just as the group starts on it (the second failure of a double fault) leaves its actor pending
+        until Ray's health checks declare the node dead, ~15 s."""
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.cpus = cpus_per_worker
+        self.gpus = gpus_per_worker
+        self.job_id = job_id
+        self.start_timeout_s = start_timeout_s
+        self.start_probe_s, self.probe_timeout_s = start_probe_s, probe_timeout_s
+        self.owner, self.namespace = owner, namespace
+        self.members: list[Member] = []
+        self.spares: list[tuple[str, Any, PlacementGroup, Any]] = []
+        """Actors started ahead of a growth (node, actor, pg, info ref), not yet members."""
+        self.standby: list[tuple[str, Any, Any]] = []
+        """Idle actors kept started on the members' nodes, reserving nothing (node, actor, ref of its
+        last ping): `keep_standby`."""
+        self._idle_members: dict[int, Any] = {}
+        """The actor handles by id (held, so an id is not reused) of members a `salvage` kept as spares:
+        they hold no state to heal from, but their processes are idle and sound (`Salvaged.reusable`), so
+        the next start takes them, and counts them as rejoined, not started."""
+        self._unread: list[Any] = []
+        """Refs of calls the group stopped waiting for (the other ranks' `run` once one rank failed, say):
+        read when they have ended (`_settle`), so that their errors, expected after a failure, go to this
+        logger at debug level instead of being printed by Ray as "Unhandled error" tracebacks when the refs
+        are dropped."""
+
+    # -- membership ------------------------------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    def nodes(self) -> Counter:
+        return Counter(m.node_id for m in self.members)
+
+    def scale_to(self, nodes: list[str]) -> Started:
+        """Make the group have one member per entry of `nodes`. Keeps members already on those nodes,
+        stops the rest, starts the missing. Members end up ordered node by node (rank order), in the
+        order nodes first appear in `nodes`."""
+        self.members, _, _, start = self._arrange(nodes, stop_leavers_first=True)
+        return start
+
+    def _arrange(self, nodes: list[str], *, stop_leavers_first: bool
+                 ) -> tuple[list[Member], list[Member], list[Member], Started]:
+        """(members in rank order for `nodes`, leavers, the members started, the counts): survivors kept on their nodes,
+        the missing started (pre-started spares first, then standbys). Leavers are stopped before the
+        start when `stop_leavers_first` (their slots may be needed), else left running for the caller."""
+        want = Counter(nodes)
+        pool: dict[str, list[Member]] = defaultdict(list)
+        leavers: list[Member] = []
+        for m in self.members:
+            (pool[m.node_id].append(m) if len(pool[m.node_id]) < want[m.node_id] else leavers.append(m))
+        if stop_leavers_first:
+            self._stop(leavers)
+        missing = [nid for nid in want for _ in range(want[nid] - len(pool[nid]))]
+        warm = self._take_spares(missing)
+        for nid, *_ in warm:
+            missing.remove(nid)
+        # salvaged members kept idle rejoin: not started here, as warm survivors kept as members are not
+        rejoined = sum(self._idle_members.pop(id(a), None) is not None for _, a, *_ in warm)
+        warm += (claimed := self._take_standby(missing))
+        for nid, *_ in claimed:
+            missing.remove(nid)
+        kept = sorted({m.node_id for ms in pool.values() for m in ms})  # a kept member's node can die meanwhile
+        started = self._start(warm + self._launch(missing), watch=kept) if warm or missing else []
+        for m in started:  # placement targets a node softly: group by where the actor really runs
+            pool[m.node_id].append(m)
+        order = list(dict.fromkeys(nodes)) + [nid for nid in pool if nid not in want]
+        return [m for nid in order for m in pool.get(nid, [])], leavers, started, \
+            Started(started=len(started) - rejoined, stopped=len(leavers), from_standby=len(claimed), rejoined=rejoined)
+
+    def _await_probing(self, refs: list, what: str, *, timeout_s: float) -> list:
+        """`_get(refs)`, probing the members' nodes (`probe_gaps`) while some have not answered."""
+        deadline = time.monotonic() + timeout_s
+        pending, gaps = list(refs), probe_gaps(self.start_probe_s)
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._unread += refs
+                raise WorkerFailure("timeout", f"workers did not finish {what} within {timeout_s:.0f}s")
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=min(left, next(gaps)))
+            for ref in done:
+                self._get([ref], what, timeout=0, also=refs)  # a failed rank raises at once
+            if pending:
+                self._probe_or_fail(sorted({m.node_id for m in self.members}), f"during {what}")
+        return self._get(refs, what, timeout=0)
+
+    def shutdown(self) -> None:
+        self.stop_members()
+        self._stop_standby()
+
+    def stop_members(self) -> None:
+        """Stop every member and spare; standbys stay (`shutdown` stops them too)."""
+        self._settle()
+        self._stop(self.members + [Member(a, pg, nid, "") for nid, a, pg, _ in self.spares])
+        self.members, self.spares, self._idle_members = [], [], {}
+
+    # -- collective operations ---------------------------------------------------------------------------
+    def form(self, plan: Plan, *, adopt: bool = False) -> Formed:
+        """(Re-)form the process group over the current members for `plan`, which every rank gets whole
+        (layout and micro batch); each builds its trainer and resumes from the latest committed
+        checkpoint, or, with `adopt`, takes the state a `reshard` transfer gave it. Returns timings and
+        the step."""
+        t0 = time.perf_counter()
+        head = self.members[0]
+        port = self._await_probing([head.actor.free_port.remote()], "form", timeout_s=60)[0]
+        refs = [m.actor.join.remote(rank=r, world_size=self.size, master_addr=head.ip, master_port=port,
+                                    plan=plan.to_dict(), adopt=adopt) for r, m in enumerate(self.members)]
+        res = self._await_probing(refs, "form", timeout_s=300)
+        steps = {r["step"] for r in res}
+        if len(steps) != 1:
+            raise WorkerFailure("form", f"ranks resumed at different steps {sorted(steps)}")
+        return Formed(step=steps.pop(), form_s=time.perf_counter() - t0)
+
+    def reshard(self, old: Plan, new: Plan, nodes: list[str], *, survivors: list[int] | None = None) -> Moved:
+        """Move the live state from `old` (the current members) to `new` on `nodes` over the network,
+        no storage: every member hands its shards over and leaves its training group; joiners start
+        (spares first); old members and joiners form one transfer group and run the exchange plan
+        (workers.reshard); leavers stop; the new training group forms and adopts what it received.
+        `survivors`: after a failure, the old ranks of the members, which `salvage()` already made hand
+        over. Raises WorkerFailure if any part fails: the caller
+        falls back to the last committed checkpoint (every member, joiners included, is in `members`
+        then, so a shutdown releases them all)."""
+        t0 = time.perf_counter()
+        if survivors is None:
+            steps = set(self._get([m.actor.hand_over.remote() for m in self.members], "hand over", timeout=600))
+            if len(steps) != 1:
+                raise WorkerFailure("hand over", f"ranks handed over different steps {sorted(steps)}")
+        old_ranks = survivors if survivors is not None else list(range(self.size))
+        old_members = list(self.members)
+        members, leavers, started, start = self._arrange(nodes, stop_leavers_first=False)
+        everyone = old_members + started  # the transfer group: old ranks first, in their order
+        self.members = everyone
+        slot = {id(m): i for i, m in enumerate(everyone)}
+        new_to_group = {r: slot[id(m)] for r, m in enumerate(members)}
+        group_to_new = {g: r for r, g in new_to_group.items()}
+        t1 = time.perf_counter()
+        port = self._await_probing([everyone[0].actor.free_port.remote()], "state transfer", timeout_s=60)[0]
+        refs = [m.actor.reshard.remote(
+            rank=g, world_size=len(everyone), master_addr=everyone[0].ip, master_port=port,
+            old_plan=old.to_dict(), new_plan=new.to_dict(),
+            old_rank=old_ranks[g] if g < len(old_members) else None, new_rank=group_to_new.get(g),
+            old_to_group={r: g for g, r in enumerate(old_ranks)}, new_to_group=new_to_group,
+            nodes={i: e.node_id for i, e in enumerate(everyone)}) for g, m in enumerate(everyone)]
+        moved = self._await_probing(refs, "state transfer", timeout_s=600)
+        t2 = time.perf_counter()
+        self._stop(leavers)
+        self.members = members
+        formed = self.form(new, adopt=True)
+        return Moved(step=formed.step, started=start.started, stopped=start.stopped,
+                     bytes_moved=sum(r["bytes_received"] for r in moved), handover_s=t1 - t0, transfer_s=t2 - t1,
+                     form_s=formed.form_s,
+                     transfer_parts={k: max(r["timings"].get(k, 0.0) for r in moved) for k in moved[0]["timings"]})
+
+    def run(self, *, until_step: int, steps: int, should_abort=lambda: False) -> list[dict]:
+        """`steps` training steps on every rank (the same count everywhere); rank 0's metrics. Polls
+        `should_abort` while waiting so a dead node is acted on at once, not after a collective timeout."""
+        self._settle()
+        refs = [m.actor.run.remote(until_step=until_step, steps=steps) for m in self.members]
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=0.2)
+            for ref in done:
+                self._get([ref], "run", also=refs)  # raises WorkerFailure if that rank failed
+            if pending and should_abort():
+                self._unread += refs
+                raise WorkerFailure("node", "a node hosting workers died during a step")
+        return self._get([refs[0]], "run")[0]
+
+    def salvage(self, *, gone: Collection[str] = (), dead: Callable[[], Collection[str]] = tuple,
+                timeout_s: float = 15.0, abort: bool = True) -> Salvage:
+        """After a failure: every member that answers within `timeout_s` with shards it can vouch for
+        (Worker.salvage) stays, in old-rank order; one that answers with none, but idle and sound
+        (`Salvaged.reusable`: no trainer, or its state untrusted and dropped), becomes a spare for the
+        next start; the others (dead, stuck in a collective, a save left running) are stopped, and
+        the result says why. Members on `gone` nodes, which the cluster watcher already lists
+        as dead, are not asked: their silence would only be waited out (the grace below); nor are those on
+        nodes `dead()` names while the salvage waits (a probe running beside it). `abort`: abort
+        their process groups first, so calls stuck in a collective with a dead peer raise (not for
+        workers whose coordinator died, not a peer: their calls end by themselves, unless the coordinator
+        died between sending a call to one member and to the next)."""
+        asked = [m for m in self.members if m.node_id not in gone]
+
+        def on_dead_nodes(calls: dict) -> Callable[[], set]:
+            def skip() -> set:
+                found = set(dead())
+                return {calls[id(m)] for m in asked if m.node_id in found and id(m) in calls}
+            return skip
+
+        aborts = {id(m): m.actor.abort.options(concurrency_group=CONTROL).remote() for m in asked} if abort else {}
+        # stuck collectives raise; then salvage runs
+        self._replies(list(aborts.values()), timeout_s=2.0, grace_s=0.5, skip=on_dead_nodes(aborts))
+        refs = {id(m): m.actor.salvage.remote() for m in asked}
+        ready = self._replies(list(refs.values()), timeout_s=timeout_s, grace_s=2.0, skip=on_dead_nodes(refs))
+        kept: dict[int, tuple[Member, Salvaged]] = {}
+        lost: list[Member] = []
+        idle: list[tuple[str, Any, PlacementGroup, Any]] = []
+        stopped_why: list[str] = []
+        for m in self.members:
+            info, ref = None, refs.get(id(m))
+            if ref is None:
+                why = "its node is dead"
+            elif ref not in ready:
+                why = "it did not answer"
+            else:
+                try:
+                    info = ray.get(ref)
+                    why = info.why
+                except RayError as e:
+                    why = f"its salvage failed: {type(e).__name__}"
+            if info is not None and info.held:
+                kept[info.old_rank] = (m, info)
+            elif info is not None and info.reusable:  # idle, holding its slot: a spare for the next start
+                idle.append((m.node_id, m.actor, m.pg, m.actor.info.options(concurrency_group=CONTROL).remote()))
+            else:
+                lost.append(m)
+                stopped_why.append(why or "no reason given")
+        self._stop(lost)
+        self.spares += idle
+        self._idle_members.update((id(a), a) for _, a, *_ in idle)
+        self.members = [kept[r][0] for r in sorted(kept)]
+        self._unread += list(aborts.values()) + list(refs.values())
+        self._settle()  # the survivors' interrupted calls have ended: their salvage ran after them
+        return Salvage(kept={r: kept[r][1] for r in sorted(kept)}, idle=len(idle), stopped_why=tuple(stopped_why))
+
+    @staticmethod
+    def _replies(refs: list, *, timeout_s: float, grace_s: float, skip: Callable[[], set] = set) -> set:
+        """The refs that finish within `timeout_s`, waiting at most `grace_s` more once the first has: a
+        member on a node that vanished may take Ray many seconds to declare dead, and its peers answer
+        in well under a second. Refs in `skip()` (asked again every 0.1 s) are not waited for."""
+        deadline = time.monotonic() + timeout_s
+        ready: set = set()
+        while (waiting := [r for r in refs if r not in ready and r not in skip()]) \
+                and (left := deadline - time.monotonic()) > 0:
+            done, _ = ray.wait(waiting, num_returns=1, timeout=min(0.1, left))
+            if not ready and done:
+                deadline = min(deadline, time.monotonic() + grace_s)
+            ready.update(done)
+        return ready
+
+    def checkpoint(self, *, blocking: bool = True) -> int:
+        """Save at the current step; blocking waits for the commit, else returns once the save is under
+        way (it stages during the next step and commits in the background)."""
+        steps = set(self._get([m.actor.checkpoint.remote(blocking=blocking) for m in self.members],
+                              "checkpoint", timeout=600))
+        return max(steps)
+
+    def leave(self) -> None:
+        """Every member drops its trainer and process group (probing their nodes: after a failure, a
+        warm survivor's node may have died since it answered the salvage)."""
+        self._await_probing([m.actor.leave.remote() for m in self.members], "leave", timeout_s=60)
+
+    def _settle(self) -> None:
+        """Read the calls the group stopped waiting for that have ended (`_unread`); keep the others."""
+        if not self._unread:
+            return
+        refs = list(dict.fromkeys(self._unread))
+        done, self._unread = ray.wait(refs, num_returns=len(refs), timeout=0)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except RayError as e:
+                logger.debug("a call the group no longer waited for ended in %s: %s", type(e).__name__,
+                             (str(e).strip().splitlines() or [""])[-1])
+
+    def _get(self, refs: list, what: str, timeout: float | None = None, *, also: list = ()) -> list:
+        """`ray.get(refs)`, with a failure as WorkerFailure; then the refs not read (the others of a call
+        on every rank, and `also`) go to `_unread`."""
+        try:
+            return ray.get(refs, timeout=timeout)
+        except RayError as e:
+            self._unread += [*refs, *also]
+            raise self._failure(e, what, timeout) from e
+
+    @staticmethod
+    def _failure(e: RayError, what: str, timeout: float | None) -> WorkerFailure:
+        if isinstance(e, RayActorError):
+            return WorkerFailure("died", f"a worker died during {what}: {str(e).splitlines()[0]}")
+        if isinstance(e, GetTimeoutError):
+            return WorkerFailure("timeout", f"workers did not finish {what} within {timeout:.0f}s")
+        cause = getattr(e, "cause", None)
+        kind = f"error:{type(cause).__name__}" if cause is not None else "error"
+        msg = str(cause) if cause is not None else str(e).splitlines()[-1]
+        return WorkerFailure(kind, f"a worker raised during {what}: {msg}")
+
+    # -- starting, taking over and stopping actors ------------------------------------------------------
+    def _launch(self, nodes: list[str]) -> list[tuple[str, Any, PlacementGroup, Any]]:
+        """Ask for one placement group and actor per node, without waiting for either."""
+        out = []
+        for nid in nodes:
+            named = self._named()
+            pg = self._slot(nid, **named)
+            actor = self._actor(num_cpus=self.cpus, num_gpus=self.gpus or None,
+                                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0), **named)
+            out.append((nid, actor, pg, actor.info.remote()))
+        return out
+
+    def _slot(self, nid: str, *, node: dict | None = None, **named) -> PlacementGroup:
+        """A placement group for one worker's resources, targeting node `nid` (softly; with `node`, its
+        `ray.nodes()` row, pinned there by a sliver of its `node:IP` resource: `on_node`)."""
+        bundle = {"CPU": self.cpus, **({"GPU": self.gpus} if self.gpus else {}), **on_node(node)}
+        return placement_group([bundle], strategy="STRICT_PACK", _soft_target_node_id=nid, **named)
+
+    def _named(self, kind: str = "") -> dict[str, str]:
+        """Name and lifetime of a new actor or placement group: detached and named after the job when the
+        group has an owner, so that they outlive its coordinator (`service.pool.detached`). `kind`: a name
+        part after the job's prefix (`STANDBY`)."""
+        if self.owner is None:
+            return {}
+        return {"name": f"{worker_prefix(self.job_id)}{kind}{uuid.uuid4().hex[:12]}", "lifetime": "detached"}
+
+    def _actor(self, **options):
+        """A new Worker actor with these Ray `options`."""
+        from workers.actor import Worker
+
+        cls = ray.remote(concurrency_groups={CONTROL: 1})(Worker)  # `abort` must run while `run` is stuck
+        owned = self.owner is not None
+        return cls.options(max_concurrency=1, **options, **({"namespace": self.namespace} if owned else {})).remote(
+            self.cfg, self.run_dir, threads=max(1, int(self.cpus)),
+            owner=(self.owner, self.namespace) if owned else None)
+
+    # -- standbys ------------------------------------------------------------------------------------
+    def keep_standby(self) -> int:
+        """Keep `resources.standby_per_node` idle workers started on each node that hosts members (CPU
+        workers only: a GPU is given to a process when it starts), without waiting for them. A standby
+        reserves nothing: it runs pinned to its node and holds a slot only once claimed as a member
+        (`_take_standby`). Each call reads the standbys' last ping (`info`) and sends the next: those
+        that died (or whose node did) are dropped, as are those on nodes that host no member any more.
+        Returns how many were started."""
+        per_node = self.cfg.resources.standby_per_node if not self.gpus else 0
+        hosts = {m.node_id for m in self.members}
+        done, _ = ray.wait([ref for *_, ref in self.standby], num_returns=len(self.standby), timeout=0)
+        keep = []
+        for nid, actor, ping in self.standby:
+            if nid not in hosts or (ping in done and not _idle(ping)):
+                self._kill(actor)
+            else:
+                keep.append((nid, actor, actor.info.remote() if ping in done else ping))
+        have = Counter(nid for nid, *_ in keep)
+        need = [nid for nid in sorted(hosts) for _ in range(per_node - have[nid])]
+        self.standby = keep
+        for nid in need:
+            actor = self._actor(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False),
+                                **self._named(STANDBY))
+            self.standby.append((nid, actor, actor.info.remote()))
+        return len(need)
+
+    def _take_standby(self, nodes: list[str]) -> list[tuple[str, Any, PlacementGroup, Any]]:
+        """Standbys on `nodes` (one per entry at most), each claimed with a new placement group for its
+        slot on its node (`Worker.claim`), to be awaited with this start like a fresh worker. The bundle
+        asks for a sliver of the node's `node:IP` resource too: where IPs are unique, a slot that is not
+        free yet (the group of the worker it replaces still being removed) is waited for there, not
+        taken on another node."""
+        want, taken, keep = Counter(nodes), [], []
+        info = {n["NodeID"]: n for n in ray.nodes()} if any(want[nid] for nid, *_ in self.standby) else {}
+        for nid, actor, ref in self.standby:
+            if want[nid] > 0:
+                want[nid] -= 1
+                pg = self._slot(nid, node=info.get(nid), **self._named())
+                taken.append((nid, actor, pg, actor.claim.remote(pg)))
+            else:
+                keep.append((nid, actor, ref))
+        self.standby = keep
+        return taken
+
+    def adopt(self, *, timeout_s: float = 10.0) -> int:
+        """Take over the detached workers a previous coordinator of this job left running (its process
+        died; they did not): each that answers within `timeout_s` becomes a member, the others are
+        stopped. Standbys stay standbys; one still starting is not waited for (its `info` waits for its
+        start, ~2 s) but stopped (a claimed one answers as soon as the members do). Their process groups
+        and trainers are as that coordinator left them: `salvage` next.
+        The placement groups of workers that died meanwhile are removed. Returns how many were taken
+        over (0 for a group without an owner)."""
+        if self.owner is None:
+            return 0
+        found = find_workers(self.job_id, self.namespace)
+        refs = [a.info.options(concurrency_group=CONTROL).remote() for _, a in found]
+        standby = {r for (name, _), r in zip(found, refs) if name.startswith(worker_prefix(self.job_id) + STANDBY)}
+        ready = self._replies([r for r in refs if r not in standby], timeout_s=timeout_s, grace_s=timeout_s)
+        ready |= set(ray.wait(list(standby), num_returns=len(standby), timeout=0.1)[0])
+        for (_, actor), ref in zip(found, refs):
+            info = None
+            if ref in ready:
+                try:
+                    info = ray.get(ref)
+                except RayError:
+                    pass
+            if info is None:
+                self._kill(actor)
+            elif info["pg"] is None:  # a standby, never claimed: it stays one
+                self.standby.append((info["node_id"], actor, ref))
+            else:
+                self.members.append(Member(actor, info["pg"], info["node_id"], info["ip"]))
+        self._unread += [r for r in refs if r not in ready]
+        release_workers(self.job_id, keep={m.pg.id.hex() for m in self.members})
+        return len(self.members)
+
+    def _start(self, launched: list, *, watch: list[str] = ()) -> list[Member]:
+        """Members of `launched` (new actors, and spares taken for this start) once all have answered;
+        `watch`: the nodes of the members kept beside them, probed with those being started on."""
+        try:
+            infos = self._await_starts(launched, watch=watch)
+        except WorkerFailure:  # none of them is a member yet: release all, or their CPUs stay held
+            self._stop([Member(a, pg, nid, "") for nid, a, pg, _ in launched])
+            raise
+        return [Member(a, pg, i["node_id"], i["ip"]) for (_, a, pg, _), i in zip(launched, infos)]
+
+    def _await_starts(self, launched: list, *, watch: list[str] = ()) -> list[dict]:
+        """Each launched actor's `info`, in order; WorkerFailure as soon as one fails, when a placement
+        group is not placed within `start_timeout_s` ("start"), or when the workers have not answered
+        60 s after that ("timeout"). While some have not answered, probe the nodes (`probe_gaps`)
+        they are starting on (each one's target, and where its placement group landed): WorkerFailure("node")
+        when one does not answer, instead of waiting out Ray's own detection of a dead node (~15 s for
+        an actor on it; for good for a placement group that cannot fit without it)."""
+        from ray.util import placement_group_table
+
+        pending = {ref: (nid, pg) for nid, _, pg, ref in launched}
+        targets = {nid for nid, *_ in launched}
+        infos = {}
+        t0 = time.monotonic()
+        place_by, deadline = t0 + self.start_timeout_s, t0 + self.start_timeout_s + 60
+        gaps = probe_gaps(self.start_probe_s)
+        next_probe = t0 + next(gaps)
+        while pending:
+            now = time.monotonic()
+            wake = min(deadline, next_probe, place_by if now < place_by else deadline)
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, wake - now))
+            for ref in done:
+                del pending[ref]
+                infos[ref] = self._get([ref], "start", timeout=0)[0]  # a failed start raises here
+            if not pending:
+                break
+            tables = {ref: placement_group_table(pg) for ref, (_, pg) in pending.items()}
+            now = time.monotonic()
+            if now >= place_by and (unplaced := [(nid, t.get("state")) for ref, (nid, _) in pending.items()
+                                                 if (t := tables[ref]).get("state") != "CREATED"]):
+                raise WorkerFailure("start", f"could not place {len(unplaced)} of {len(launched)} worker(s) within "
+                                             f"{self.start_timeout_s:.0f}s (" + ", ".join(
+                                                 f"on {nid[:8]}: {state}" for nid, state in unplaced) + ")")
+            if now >= deadline:
+                raise WorkerFailure("timeout", f"workers did not finish start within {deadline - t0:.0f}s")
+            if now >= next_probe:
+                # where the pending landed (an unplaced bundle's node is "") and where each was meant to
+                # go: a placement group aimed at a dead node the GCS still lists lands elsewhere (the
+                # target is soft), may even start there, and takes the slot another start waits for
+                where = {x for ref in pending for x in (tables[ref].get("bundles_to_node_id") or {}).values() if x}
+                self._probe_or_fail(sorted(where | targets | set(watch)), "while workers started")
+                next_probe = time.monotonic() + next(gaps)
+        return [infos[ref] for *_, ref in launched]
+
+    def _probe_or_fail(self, nodes: list[str], during: str) -> None:
+        """WorkerFailure("node") if one of `nodes` does not answer a probe: a call waiting on a worker
+        there would otherwise wait out Ray's own detection of the dead node (~15 s or more), and a
+        placement group there would wait for good."""
+        if dead := set(nodes) - probe_nodes(nodes, timeout_s=self.probe_timeout_s):
+            raise WorkerFailure("node", f"node(s) {', '.join(n[:8] for n in sorted(dead))} stopped answering "
+                                        f"{during}", nodes=dead)
+
+    def prewarm(self, nodes: list[str]) -> int:
+        """Start actors on `nodes` in the background while the group keeps training (a growth is
+        settling), so the resize itself only re-forms the process group. Returns how many were started;
+        nodes that already have a spare are skipped."""
+        have = Counter(nid for nid, *_ in self.spares)
+        need = [nid for nid, k in (Counter(nodes) - have).items() for _ in range(k)]
+        self.spares += self._launch(need)
+        return len(need)
+
+    def _take_spares(self, nodes: list[str]) -> list:
+        """Spares pre-started on `nodes`, taken out of `spares` to be awaited with this start (a spare
+        that failed, or whose node died, fails the start like a fresh worker would)."""
+        want, taken, keep = Counter(nodes), [], []
+        for spare in self.spares:
+            if want[spare[0]] > 0:
+                want[spare[0]] -= 1
+                taken.append(spare)
+            else:
+                keep.append(spare)
+        self.spares = keep
+        return taken
+
+    def _stop(self, members: list[Member]) -> None:
+        for m in members:
+            self._kill(m.actor)
+            try:
+                if m.pg is not None:
+                    remove_placement_group(m.pg)
+            except Exception:
+                logger.debug("placement group removal failed", exc_info=True)
+
+    def _stop_standby(self) -> None:
+        for _, actor, _ in self.standby:
+            self._kill(actor)
+        self.standby = []
+
+    @staticmethod
+    def _kill(actor) -> None:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:  # already gone is fine
+            logger.debug("kill of a worker failed", exc_info=True)
+
+
+def _idle(ping) -> bool:
+    """Whether the finished `info` call `ping` says its worker is a standby still: alive, holding no
+    placement group."""
+    try:
+        return ray.get(ping, timeout=0)["pg"] is None
+    except RayError:
+        return False

@@ -1,0 +1,148 @@
+"""One job driver, for every way a job is started: the REST API's job actor (service.server.job_actor), `elastron
+run` (api.run) and `elastron demo` (api.demo) all run a `JobRunner`: a Coordinator in a background
+thread, with thread-safe status, events, metrics and commands.
+
+The CLI's edge checks live here too, so that api/ needs nothing below service/: `load_job` parses a job
+YAML once and makes the checks `elastron run` makes before Ray starts; `check_local_job` those of
+`elastron train` before any rank starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from service.control.coordinator import Coordinator, CoordinatorOptions
+from service.server.specs import check_plannable
+from service.control.status import JobStatus
+from workers.config import JobConfig, job_plan, load_config
+from workers.disk_checks import check_data_path, resolve_init_from
+from workers.run_dir import check_run_dir
+
+logger = logging.getLogger(__name__)
+
+CoordinatorFactory = Callable[..., Coordinator]
+"""Builds a Coordinator from (cfg, run_dir=, total_steps=, job_id=, workers=, options=[, layout=]); a test
+seam."""
+
+
+class JobRunner:
+    """A Coordinator in a daemon thread, with thread-safe accessors. Starts at construction: this is an
+    actor body, and a Ray actor's constructor is its only start signal."""
+
+    def __init__(self, job_id: str, cfg: JobConfig, *, run_dir: str | Path, steps: int | None = None,
+                 workers: int | None = None, options: dict | None = None,
+                 coordinator_factory: CoordinatorFactory | None = None, layout: str | None = None,
+                 on_tick: Callable[[Coordinator], object] | None = None):
+        """`cfg`: the job's spec as its edge parsed and checked it (service.server.specs.validate_spec for REST,
+        `load_job` for the CLI), not parsed again here. `layout` forces one (`elastron run --layout`);
+        `on_tick(coordinator)` runs after every iteration (progress output)."""
+        self.job_id = job_id
+        factory = coordinator_factory or Coordinator
+        forced = {"layout": layout} if layout is not None else {}
+        self.coord = factory(cfg, run_dir=Path(run_dir), total_steps=steps, job_id=job_id, workers=workers,
+                             options=CoordinatorOptions(**(options or {})), **forced)
+        self.on_tick = on_tick
+        self.error: str | None = None
+        self._thread = threading.Thread(target=self._run, name=f"elastron-job-{job_id}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.coord.run(self.on_tick)
+        except Exception as e:
+            error = f"coordinator crashed: {type(e).__name__}: {e}"
+            logger.error("job %s: %s; the job is reported FAILED. See the traceback and events.jsonl in %s",
+                         self.job_id, error, self.coord.run_dir, exc_info=True)
+            try:
+                self.coord.sm.note("failure", reason=error, step=self.coord.step_done, cause="failure")
+            except Exception:
+                logger.warning("job %s: could not record the crash as an event", self.job_id, exc_info=True)
+            self.error = error  # last: once status() says FAILED, the event above is there to be read
+
+    # -- reads -------------------------------------------------------------------------------------------
+    def status(self) -> JobStatus:
+        return self.coord.status().with_runner(running=self._thread.is_alive(), error=self.error, pid=os.getpid())
+
+    def events_since(self, index: int = 0) -> list[dict]:
+        return self.coord.events_since(index)
+
+    def metrics_since(self, step: int = 0) -> list[dict]:
+        return self.coord.metrics_since(step)
+
+    def reconfigs(self) -> list[dict]:
+        return [r.to_dict() for r in list(self.coord.reconfigs)]
+
+    # -- commands (queued; the loop applies them at its next iteration) ----------------------------------
+    def resize(self, *, workers: int | None = None, min_workers: int | None = None,
+               max_workers: int | None = None) -> None:
+        self.coord.resize(workers=workers, min_workers=min_workers, max_workers=max_workers)
+
+    def pause(self, *, by: str = "user", reason: str | None = None) -> None:
+        self.coord.pause(by=by, reason=reason)
+
+    def resume(self, *, by: str = "user") -> None:
+        self.coord.resume(by=by)
+
+    def stop(self) -> None:
+        self.coord.stop()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the loop to end; True if it has."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def ping(self) -> str:
+        return self.job_id
+
+
+# -- the CLI's edge ------------------------------------------------------------------------------------------
+
+def load_job(config: str | Path, *, workers: int | None = None, layout: str | None = None,
+             steps: int | None = None, run_dir: str | Path | None = None) -> tuple[JobConfig, Path]:
+    """The job YAML at `config`, parsed once, and its run directory (default runs/NAME), after every check
+    that can fail before Ray starts: the options, a readable data path, a forced layout the planner
+    accepts, a writable run directory. ValueError (or ConfigError, PlanError) in one line."""
+    cfg = resolve_init_from(load_config(config))  # the model's shape, before the planner needs it
+    check_data_path(cfg.data)
+    if workers is not None and layout is not None:
+        raise ValueError("give --workers or --layout, not both")
+    if steps is not None and steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {steps}")
+    if workers is not None and workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {workers}")
+    # The planner judges the job now, before Ray starts, as the REST API does at submit.
+    if layout is not None:
+        from parallel.layout import Layout
+
+        job_plan(cfg, Layout.parse(layout, dp_mode=cfg.parallel.dp_mode).world_size, layout=layout)
+    else:
+        check_plannable(cfg, workers)
+    rd = Path(run_dir or Path("runs") / cfg.name)
+    check_run_dir(cfg, rd)  # a run that cannot write its events must not start
+    return cfg, rd
+
+
+def check_local_job(config: str | Path, *, nproc: int, layout: str | None, steps: int | None,
+                    run_dir: str | Path) -> JobConfig:
+    """`elastron train`'s checks, before any rank starts: those every rank would make."""
+    cfg = resolve_init_from(load_config(config))  # the model's shape, before the planner needs it
+    check_data_path(cfg.data)
+    if nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    if steps is not None and steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {steps}")
+    job_plan(cfg, nproc, layout=layout)
+    check_run_dir(cfg, run_dir)
+    return cfg
+
+
+def run_local(config: str | Path, *, nproc: int, run_dir: str | Path, layout: str | None,
+              steps: int | None) -> int:
+    """`nproc` local ranks of workers.train (no Ray); the first non-zero exit code, else 0."""
+    from workers.local import launch_local
+
+    return launch_local(config, nproc=nproc, run_dir=run_dir, layout=layout, steps=steps)

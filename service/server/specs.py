@@ -1,0 +1,242 @@
+"""Job requests checked before anything runs: the spec (JobConfig rules plus a layout that can fit), and
+every path the server would resolve (run_dir, checkpoint.dir, data.path) kept inside the roots it was
+given. Errors are SpecError with the request field they concern, so the API can name it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from parallel.layout import Layout
+from parallel.planner import plan
+from service.server.limits import MAX_GLOBAL_BATCH, MAX_WORKERS, check_limits
+from workers.config import JobConfig, job_constraints
+from workers.disk_checks import check_data_path as check_data_readable
+from workers.disk_checks import resolve_init_from
+
+__all__ = ["JobConfig", "MAX_GLOBAL_BATCH", "MAX_WORKERS", "REMOTE_SCHEMES", "SpecError", "check_paths",
+           "check_plannable", "config_error_loc", "resolve_run_dir", "safe_name", "validate_spec"]
+
+REMOTE_SCHEMES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "hdfs"})
+"""fsspec URL schemes a checkpoint.dir may use: object stores the server does not resolve on its disk.
+file:// is a local path (checked like one); others (zip::, simplecache::, sftp://, ...) are refused, and
+memory:// with its own reason: it lives in one process, so no checkpoint there survives the coordinator
+or reaches the workers."""
+
+
+class SpecError(ValueError):
+    """A job request that cannot run. `loc` is the field path in the request body, e.g.
+    ("spec", "train", "steps") or ("run_dir",)."""
+
+    def __init__(self, loc: Iterable[str | int], msg: str):
+        super().__init__(msg)
+        self.loc, self.msg = tuple(loc), msg
+
+
+# -- the spec ------------------------------------------------------------------------------------------------
+
+_TOP = ("name", "model", "data", "train", "parallel", "checkpoint", "resources")
+_PATH = re.compile(r"^([A-Za-z_]\w*(?:\.[A-Za-z_]\w*|\[\d+\])*)")
+
+
+def config_error_loc(msg: str) -> tuple[str | int, ...]:
+    """The spec field a ConfigError message names, as a path ("train.steps must be > 0" -> (train, steps))."""
+    m = _PATH.match(msg)
+    loc: list[str | int] = []
+    if m and m.group(1).split(".")[0].split("[")[0] in _TOP:
+        for part in re.findall(r"[A-Za-z_]\w*|\[\d+\]", m.group(1)):
+            loc.append(int(part[1:-1]) if part.startswith("[") else part)
+    if unknown := re.search(r"unknown field '([^']+)'", msg):
+        loc.append(unknown.group(1))
+    elif loc == ["model"] and "preset" in msg:
+        loc.append("preset")
+    elif loc == ["model"]:
+        loc.append("overrides")
+    return tuple(loc)
+
+
+def validate_spec(spec: Any, *, steps: int | None = None, workers: int | None = None) -> JobConfig:
+    """The JobConfig of `spec`, parsed once here for the whole job, or SpecError naming the field: the
+    YAML rules (JobConfig.from_dict), plus what would only fail once the job runs: a readable data path
+    and a layout that fits the model on the allowed worker counts (e.g. a tp that does not divide the
+    heads)."""
+    if over := check_limits(spec):  # first: JobConfig plans a forced layout with these sizes
+        raise SpecError(("spec", *over[0]), over[1])
+    _check_forced_world_size(spec)
+    try:
+        cfg = JobConfig.from_dict(spec)
+    except ValueError as e:  # ConfigError, or a ValueError from a check deeper down (e.g. a NUL in a path)
+        raise SpecError(("spec", *config_error_loc(str(e))), str(e)) from None
+    for name, v in (("steps", steps), ("workers", workers)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise SpecError((name,), f"{name} must be an integer >= 1, got {v!r}")
+    try:  # the model's shape from init_from's config.json, before the planner needs it
+        cfg = resolve_init_from(cfg)
+    except ValueError as e:
+        raise SpecError(("spec", *config_error_loc(str(e))), str(e)) from None
+    try:  # this server reads nothing of data.path, but its workers usually share its filesystem: fail early
+        check_data_readable(cfg.data)
+    except ValueError as e:
+        raise SpecError(("spec", "data", "path"), str(e)) from None
+    except OSError as e:  # data.path that cannot even be looked at (name too long, ...)
+        raise SpecError(("spec", "data", "path"), f"data.path cannot be checked: {e.strerror or e}") from None
+    d = cfg.data
+    if d.path is not None and d.source != "synthetic":
+        p = Path(d.path).expanduser()
+        if not os.access(p, os.R_OK | (os.X_OK if p.is_dir() else 0)):
+            raise SpecError(("spec", "data", "path"), f"data.path {d.path!r} is not readable by the server")
+    _check_layout(cfg, workers)
+    return cfg
+
+
+def _check_forced_world_size(spec: Any) -> None:
+    """A forced parallel.layout's world size within MAX_WORKERS, before JobConfig plans it."""
+    pc = spec.get("parallel") if isinstance(spec, dict) else None
+    text = pc.get("layout") if isinstance(pc, dict) else None
+    if not isinstance(text, str):
+        return
+    try:
+        n = Layout.parse(text).world_size
+    except ValueError:
+        return  # JobConfig reports the syntax
+    if n > MAX_WORKERS:
+        raise SpecError(("spec", "parallel", "layout"),
+                        f"parallel.layout {text!r} needs {n} workers; this server accepts at most {MAX_WORKERS}")
+
+
+def _check_layout(cfg: JobConfig, workers: int | None) -> None:
+    """The server's bound on the worker count, then `check_plannable`, as SpecErrors naming the field."""
+    pc = cfg.parallel
+    if pc.layout:
+        loc = ("spec", "parallel", "layout")
+    else:
+        loc = ("spec", "parallel") + (("tp",) if pc.tp else ("pp",) if pc.pp else ("max_workers",))
+    if (hi := _most_workers(cfg, workers)) > MAX_WORKERS:
+        raise SpecError(loc, f"{hi} workers is more than this server accepts (at most {MAX_WORKERS})")
+    try:
+        check_plannable(cfg, workers)
+    except ValueError as e:
+        raise SpecError(loc, str(e)) from None
+
+
+def check_plannable(cfg: JobConfig, workers: int | None = None) -> None:
+    """ValueError (one line) unless the planner finds a layout for the job on the most workers it may run
+    on: a tp that does not divide the heads, a forced layout that does not fit the model or batch, a
+    range with no usable size. Judged where a job enters (the REST API's validate_spec, `elastron run`),
+    before anything starts: the coordinator cannot tell such a job from one short of capacity, and would
+    wait for capacity that never helps. The planner's work is bounded by the worker count, the batch
+    and the layer count, which service.server.limits keeps small."""
+    pc, hi = cfg.parallel, _most_workers(cfg, workers)
+    try:
+        plan(hi, cfg.model.build(), job_constraints(cfg, min_workers=min(pc.min_workers, hi), max_workers=hi))
+    except ValueError as e:  # PlanError, or Constraints that contradict themselves (e.g. tp > max_tp)
+        raise ValueError(f"no parallel layout can run this job: {e}") from None
+
+
+def _most_workers(cfg: JobConfig, workers: int | None) -> int:
+    """A forced layout's world size, else `workers` (a request's cap) or parallel.max_workers."""
+    pc = cfg.parallel
+    return Layout.parse(pc.layout, dp_mode=pc.dp_mode).world_size if pc.layout else workers or pc.max_workers
+
+
+# -- paths ---------------------------------------------------------------------------------------------------
+
+def _field(loc: Sequence[str]) -> str:
+    return ".".join(x for x in loc if x != "spec")
+
+
+def _plain(path: str, loc: Sequence[str]) -> Path:
+    """`path` as a Path, refused when blank, with a NUL byte, or with a '..' part."""
+    if not path.strip() or "\x00" in path:
+        raise SpecError(loc, f"{_field(loc)} {path!r} must be a non-blank path without NUL bytes")
+    p = Path(path)
+    if ".." in p.parts:
+        raise SpecError(loc, f"{_field(loc)} {path!r} must not contain '..'")
+    return p
+
+
+def _resolve(p: Path, loc: Sequence[str]) -> Path:
+    try:
+        return p.resolve()
+    except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop
+        raise SpecError(loc, f"{_field(loc)} {str(p)!r} cannot be resolved: {e}") from None
+
+
+def _inside(full: Path, roots: Sequence[Path], *, or_root: bool = False) -> bool:
+    return any(r in full.parents or (or_root and full == r) for r in roots)
+
+
+def resolve_run_dir(run_dir: str | None, *, runs_root: Path, default_name: str, loc=("run_dir",)) -> Path:
+    """`run_dir` (relative to runs_root, or absolute inside it) as an absolute path inside runs_root.
+    '..', NUL bytes and symlinks that lead out are rejected: the API must not write outside the root it
+    was given."""
+    root = Path(runs_root).resolve()
+    if run_dir is None:
+        return root / default_name
+    p = _plain(str(run_dir), loc)
+    full = _resolve(p if p.is_absolute() else root / p, loc)
+    if not _inside(full, [root]):
+        raise SpecError(loc, f"{_field(loc)} {run_dir!r} must be a directory inside the runs root {root}")
+    return full
+
+
+def check_checkpoint_dir(ck: str, *, runs_root: Path) -> None:
+    """checkpoint.dir: an absolute path (or file:// URL) inside the runs root, or a remote fsspec URL."""
+    loc = ("spec", "checkpoint", "dir")
+    if "\x00" in ck:
+        raise SpecError(loc, f"checkpoint.dir {ck!r} must not contain NUL bytes")
+    if "://" in ck:
+        scheme = ck.split("://", 1)[0].lower()
+        if scheme == "memory":
+            raise SpecError(loc, f"checkpoint.dir {ck!r}: memory:// lives in one process only, so its checkpoints "
+                                 "cannot survive a restart or reach other workers; use a path or an object store")
+        if scheme != "file":
+            if scheme not in REMOTE_SCHEMES:  # zip::, simplecache::file://, local://, sftp:// ... reach this disk
+                raise SpecError(loc, f"checkpoint.dir {ck!r}: a URL's scheme must be one of "
+                                     f"{', '.join(sorted(REMOTE_SCHEMES))} (or give a path inside the runs root)")
+            return
+        ck = ck[len("file://"):]
+    if not Path(ck).is_absolute():
+        raise SpecError(loc, f"checkpoint.dir {ck!r} must be a URL or an absolute path inside the runs root "
+                             f"{Path(runs_root).resolve()}")
+    resolve_run_dir(ck, runs_root=runs_root, default_name="", loc=loc)
+
+
+def check_data_path(path: str, *, data_roots: Sequence[Path], loc=("spec", "data", "path")) -> None:
+    """data.path (or model.init_from, by `loc`): an absolute path inside (or equal to) one of `data_roots`.
+    Checked before the path is looked at, so a request cannot probe what exists elsewhere on the server."""
+    p = _plain(path, loc)
+    roots = [Path(r).resolve() for r in data_roots]
+    where = " or ".join(str(r) for r in roots) or "(none configured)"
+    if not p.is_absolute():
+        raise SpecError(loc, f"{_field(loc)} {path!r} must be an absolute path inside a data root: {where}")
+    if not _inside(_resolve(p, loc), roots, or_root=True):
+        raise SpecError(loc, f"{_field(loc)} {path!r} is outside the server's data roots: {where} "
+                             "(the server's ELASTRON_DATA_ROOTS)")
+
+
+def check_paths(spec: Any, *, run_dir: str | None, runs_root: Path, data_roots: Sequence[Path]) -> None:
+    """Every path of a request that the server would resolve, checked on the raw request (before
+    JobConfig looks at the disk): run_dir, checkpoint.dir, data.path, model.init_from."""
+    if run_dir is not None:
+        resolve_run_dir(run_dir, runs_root=runs_root, default_name="")
+    if not isinstance(spec, dict):
+        return  # validate_spec reports the shape
+    ckpt = spec.get("checkpoint") if isinstance(spec.get("checkpoint"), dict) else {}
+    if isinstance(ckpt.get("dir"), str):
+        check_checkpoint_dir(ckpt["dir"], runs_root=runs_root)
+    data = spec.get("data") if isinstance(spec.get("data"), dict) else {}
+    if isinstance(data.get("path"), str) and data.get("source", "corpus") != "synthetic":
+        check_data_path(data["path"], data_roots=data_roots)
+    model = spec.get("model") if isinstance(spec.get("model"), dict) else {}
+    if isinstance(model.get("init_from"), str):
+        check_data_path(model["init_from"], data_roots=data_roots, loc=("spec", "model", "init_from"))
+
+
+def safe_name(name: str) -> str:
+    """`name` usable as one directory name."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name).strip(".")[:64] or "job"
