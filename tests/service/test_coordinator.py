@@ -325,7 +325,7 @@ def test_survivors_below_min_workers_are_released_and_the_job_resumes_from_stora
     advance(c, lambda c: c.step_done >= 7)
     cluster.dead.add("b")
     advance(c, lambda c: str(c.sm.state) == "WAITING_FOR_CAPACITY")
-    assert c.group is None and c._heal is None
+    assert c.group is None and c.state.survivors is None
     (fb,) = [e for e in c.events_since(0) if e["kind"] == "fallback"]
     assert "surviving workers are released" in fb["reason"] and "(step 5)" in fb["reason"]
     cluster.dead.discard("b")
@@ -394,9 +394,15 @@ def test_the_real_group_and_the_fakes_satisfy_the_group_protocol(tmp_path):
     assert isinstance(c.group, Group)
 
 
-def test_each_acting_state_has_one_handler(tmp_path):
+def test_each_state_but_the_final_one_has_one_handler_and_every_lifecycle_state_a_value(tmp_path):
+    import typing
+
     from service.control.state import JobState
+    from service.control.states import Ended, State, Waiting
 
     c, _, _ = make_coordinator(tmp_path, {"a": 2})
-    acting = {s for s in JobState if not s.is_terminal and s is not JobState.PAUSED}
-    assert set(c._handlers) == acting
+    classes = set(typing.get_args(State))
+    assert set(c._handlers) == classes - {Ended}
+    names = {cls.name for cls in classes if cls not in (Waiting, Ended)}
+    names |= {JobState.QUEUED, JobState.WAITING_FOR_CAPACITY} | {s for s in JobState if s.is_terminal}
+    assert names == set(JobState)
