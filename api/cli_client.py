@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from api.client import DEFAULT_SERVER, APIError, Client
 from api.render import table
+from service.control.commands import CommandError, Pause, Resume, SetWorkers, Stop
 
 
 def _client(args: argparse.Namespace) -> Client:
@@ -121,16 +122,21 @@ def cmd_resize(args: argparse.Namespace) -> int:
     if args.workers is None and args.min is None and args.max is None:
         print("elastron: error: give N (workers), or --min and/or --max", file=sys.stderr)
         return 2
+    try:
+        cmd = SetWorkers(workers=args.workers, min_workers=args.min, max_workers=args.max)
+    except CommandError as e:
+        print(f"elastron: error: {e}", file=sys.stderr)
+        return 2
     with _client(args) as c:
-        out = c.resize(args.id, workers=args.workers, min_workers=args.min, max_workers=args.max)
+        out = c.command(args.id, cmd)
     return _accepted(out)
 
 
-def _action(name: str) -> Callable[[argparse.Namespace], int]:
+def _action(cmd: Pause | Resume | Stop) -> Callable[[argparse.Namespace], int]:
     @_guard
     def run(args: argparse.Namespace) -> int:
         with _client(args) as c:
-            out = getattr(c, name)(args.id)
+            out = c.command(args.id, cmd)
         return _accepted(out)
     return run
 
@@ -174,8 +180,8 @@ def add_client_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max", type=int, help="new max_workers")
     p.set_defaults(fn=cmd_resize)
 
-    for name, text in (("pause", "checkpoint and release a job's workers (resume later)"),
-                       ("resume", "resume a paused job"), ("stop", "stop a job for good (after a checkpoint)")):
-        p = sub.add_parser(name, parents=[common], help=text)
+    for cmd, text in ((Pause(), "checkpoint and release a job's workers (resume later)"),
+                      (Resume(), "resume a paused job"), (Stop(), "stop a job for good (after a checkpoint)")):
+        p = sub.add_parser(cmd.kind, parents=[common], help=text)
         p.add_argument("id")
-        p.set_defaults(fn=_action(name))
+        p.set_defaults(fn=_action(cmd))

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
+from service.control.commands import Pause, Resume, SetWorkers, Stop, to_json
+
 if TYPE_CHECKING:  # httpx is imported when a client is made, so `elastron --help` stays instant
     import httpx
 
@@ -105,20 +107,10 @@ class Client:
     def checkpoints(self, job_id: str) -> dict:
         return self._request("GET", f"/api/v1/jobs/{job_id}/checkpoints")
 
-    def resize(self, job_id: str, *, workers: int | None = None, min_workers: int | None = None,
-               max_workers: int | None = None) -> dict:
-        body = {k: v for k, v in (("workers", workers), ("min_workers", min_workers), ("max_workers", max_workers))
-                if v is not None}
-        return self._request("POST", f"/api/v1/jobs/{job_id}/resize", json=body)
-
-    def pause(self, job_id: str) -> dict:
-        return self._request("POST", f"/api/v1/jobs/{job_id}/pause")
-
-    def resume(self, job_id: str) -> dict:
-        return self._request("POST", f"/api/v1/jobs/{job_id}/resume")
-
-    def stop(self, job_id: str) -> dict:
-        return self._request("POST", f"/api/v1/jobs/{job_id}/stop")
+    def command(self, job_id: str, cmd: SetWorkers | Pause | Resume | Stop) -> dict:
+        """Send a user's command: a resize with its range as the body, the others as bare POSTs."""
+        body = to_json(cmd)["args"] if isinstance(cmd, SetWorkers) else None
+        return self._request("POST", f"/api/v1/jobs/{job_id}/{cmd.kind}", json=body)
 
     def delete(self, job_id: str) -> dict:
         return self._request("DELETE", f"/api/v1/jobs/{job_id}")

@@ -19,6 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
+from service.control.commands import SetWorkers
 from service.server.limits import LIMITS, MAX_STEPS, MAX_WORKERS
 from service.server.specs import JobConfig
 from service.server.job_record import JobRecord
@@ -100,13 +101,11 @@ class ResizeRequest(BaseModel):
 
     @model_validator(mode="after")
     def _one_form(self) -> "ResizeRequest":
-        if self.workers is None and self.min_workers is None and self.max_workers is None:
-            raise ValueError("give workers, or min_workers and/or max_workers")
-        if self.workers is not None and (self.min_workers is not None or self.max_workers is not None):
-            raise ValueError("give workers, or min_workers/max_workers, not both")
-        if self.min_workers is not None and self.max_workers is not None and self.min_workers > self.max_workers:
-            raise ValueError(f"min_workers={self.min_workers} is greater than max_workers={self.max_workers}")
+        self.command()  # the command's own checks, once: a CommandError is a ValueError, so a 422
         return self
+
+    def command(self) -> SetWorkers:
+        return SetWorkers(workers=self.workers, min_workers=self.min_workers, max_workers=self.max_workers)
 
 
 # -- responses -----------------------------------------------------------------------------------------------

@@ -117,8 +117,9 @@ def measure_elastron(*, cluster, scenario: str, workdir: str, state: State, resh
                      steps: int = 10_000, raw_reps: int = 3) -> dict:
     import ray
 
-    from service.pool.cluster import drain_node, kill_node
+    from service.control.commands import SetWorkers, Stop
     from service.control.coordinator import Coordinator, CoordinatorOptions
+    from service.pool.cluster import drain_node, kill_node
     from workers.config import JobConfig
 
     added = [cluster.add_node(num_cpus=1) for _ in range(START_NODES[scenario])]
@@ -137,7 +138,7 @@ def measure_elastron(*, cluster, scenario: str, workdir: str, state: State, resh
         if scenario == "resize":
             target = 1
             t_event = time.time()
-            coord.resize(workers=target)
+            coord.send(SetWorkers(workers=target))
         elif scenario == "join":
             added.append(cluster.add_node(num_cpus=1))
             t_event = time.time()
@@ -177,7 +178,7 @@ def measure_elastron(*, cluster, scenario: str, workdir: str, state: State, resh
         else:  # storage: a planned change checkpoints first; every change re-forms and loads
             out["moving_state_s"] = _storage_seconds(out["timeline"])
     finally:
-        coord.stop()
+        coord.send(Stop())
         t.join(timeout=180)
         if out is not None and out.get("transfer_throughput_Bps"):
             pair = [n for n in added if n is not victim][:2]

@@ -50,6 +50,7 @@ def wait(fn, what: str, timeout: float = 300):
 
 def one(preset: str, root: Path) -> dict:
     from api.store import JobStore
+    from service.control.commands import Stop
     from service.server.job_actor import RayLauncher
     from service.server.job_manager import JobManager
 
@@ -75,7 +76,7 @@ def one(preset: str, root: Path) -> dict:
         out["admitted_s"] = admitted - arrival
         out["first_step_s"] = m.metrics(urgent)[0]["time"] - arrival
         for j in (a, b):
-            m.stop(j)
+            m.command(j, Stop())
             wait(lambda j=j: m.get(j).state == "STOPPED", f"job {j} stopped")
         out["steps_lost"] = sum(m.get(j).status.steps_lost for j in (a, b))
         out["shrink_s"] = max(out.pop(f"shrink_{a}"), out.pop(f"shrink_{b}"))

@@ -2,7 +2,7 @@
 only (and to models, for presets). Every product module is parsed with `ast` (nothing is imported), and
 every import counts, lazy ones inside functions too: an import moved into a function to dodge a cycle
 is still a cycle, and so is one under `if TYPE_CHECKING:` (a type from the module that imports you is one
-concept split in two). Inside service/ the folders are layers too: pool <- sharing <- control <- server.
+concept split in two). Inside service/ the folders are layers too: pool <- control <- sharing <- server.
 The checker runs on a planted tree too, to show that it fails when it should.
 """
 
@@ -15,8 +15,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ("models", "parallel", "workers", "service", "api")
 """Lowest first: a module may import its own layer and the layers before it."""
-SERVICE_LAYERS = ("pool", "sharing", "control", "server")
-"""service/'s folders, lowest first: the worker pool, cluster sharing, the job's state machine, the server."""
+SERVICE_LAYERS = ("pool", "control", "sharing", "server")
+"""service/'s folders, lowest first: the worker pool, a job's state machine, cluster sharing (which tells
+the jobs' state machines what to do), the server."""
 API_MAY_IMPORT = frozenset({"api", "service", "models"})
 
 # Known violations, as (importer, imported) module pairs; a cycle is excused by naming one of its imports.

@@ -7,6 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Query, Response, status
 
 from api.deps import JobsDep, ReaderDep, WriterDep
+from service.control.commands import Pause, Resume, Stop
 from api.schemas import (MAX_STEPS, ActionResult, Checkpoints, Deleted, ErrorBody, EventOut, JobCreated, JobDetail,
                          JobSubmit, JobSummary, MetricRow, ResizeRequest, ValidationErrorBody, job_view)
 
@@ -81,23 +82,22 @@ def _action(code: int = status.HTTP_202_ACCEPTED):
 @router.post("/{job_id}/resize", **_action())
 def resize_job(job_id: str, body: ResizeRequest, jobs: JobsDep, who: WriterDep) -> dict:
     """Queue a resize; the coordinator checkpoints and re-forms at its next iteration."""
-    return jobs.resize(job_id, workers=body.workers, min_workers=body.min_workers, max_workers=body.max_workers,
-                       owner=who.owner)
+    return jobs.command(job_id, body.command(), owner=who.owner)
 
 
 @router.post("/{job_id}/pause", **_action())
 def pause_job(job_id: str, jobs: JobsDep, who: WriterDep) -> dict:
-    return jobs.pause(job_id, owner=who.owner)
+    return jobs.command(job_id, Pause(), owner=who.owner)
 
 
 @router.post("/{job_id}/resume", **_action())
 def resume_job(job_id: str, jobs: JobsDep, who: WriterDep) -> dict:
-    return jobs.resume(job_id, owner=who.owner)
+    return jobs.command(job_id, Resume(), owner=who.owner)
 
 
 @router.post("/{job_id}/stop", **_action())
 def stop_job(job_id: str, jobs: JobsDep, who: WriterDep) -> dict:
-    return jobs.stop(job_id, owner=who.owner)
+    return jobs.command(job_id, Stop(), owner=who.owner)
 
 
 @router.delete("/{job_id}", response_model=Deleted, responses={**NOT_FOUND, **AUTH, **CONFLICT})

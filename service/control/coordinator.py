@@ -44,14 +44,12 @@ from service.control.status import JobStatus
 from service.pool.cluster import ClusterSnapshot, ClusterWatcher
 from service.pool.group import Group, WorkerFailure
 from service.pool.node_health import NodeHealth
-from service.pool.placement import assign_nodes, probe_nodes, raylets_refusing
+from service.pool.placement import assign_nodes, cap_slots, probe_nodes, raylets_refusing
 from service.pool.worker_group import WorkerGroup
-from service.sharing.ledger import cap_slots
 from workers.config import JobConfig, job_constraints
 
 logger = logging.getLogger(__name__)
 S = JobState
-PAUSERS = ("user", "scheduler")
 
 
 class Coordinator:
@@ -368,33 +366,13 @@ class Coordinator:
         return self.group is not None and NodeHealth.any_gone(snap, self.group.nodes())
 
     # -- commands: what the user and the scheduler may ask, from any thread ----------------------------
-    def resize(self, *, workers: int | None = None, min_workers: int | None = None,
-               max_workers: int | None = None) -> None:
-        cmd = SetWorkers(workers=workers, min_workers=min_workers, max_workers=max_workers)
-        self._policy_config(*cmd.bounds(self.policy.config.min_workers, self.policy.config.max_workers))  # validate now
-        self._enqueue(cmd)  # applied to the range current then: a second resize composes with the first
-
-    def pause(self, *, by: str = "user", reason: str | None = None) -> None:
-        if by not in PAUSERS:
-            raise ValueError(f"pause by must be one of {PAUSERS}, got {by!r}")
-        self._enqueue(Pause(by=by, reason=reason))
-
-    def resume(self, *, by: str = "user") -> None:
-        if by not in PAUSERS:
-            raise ValueError(f"resume by must be one of {PAUSERS}, got {by!r}")
-        self._enqueue(Resume(by=by))
-
-    def stop(self) -> None:
-        self._enqueue(Stop())
-
-    def set_grant(self, nodes: dict[str, int], reason: str, queue_position: int | None = None) -> None:
-        """The shared-cluster scheduler's grant (service.sharing.rounds): plan onto these workers only."""
-        if not isinstance(nodes, dict) or not all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
-                                                  and v >= 1 for k, v in nodes.items()):
-            raise ValueError(f"a grant is {{node_id: workers >= 1}}, got {nodes!r}")
-        if not isinstance(reason, str) or not reason:
-            raise ValueError("a grant needs its reason (a non-empty string)")
-        self._enqueue(Grant(nodes=dict(nodes), reason=reason, queue_position=queue_position))
+    def send(self, cmd: Command) -> None:
+        """Queue `cmd` for the next step. A resize is checked now against the range as it stands
+        (CommandError naming the field), and applied to the range current then, so that a second resize
+        composes with the first."""
+        if isinstance(cmd, SetWorkers):
+            self._policy_config(*cmd.bounds(self.policy.config.min_workers, self.policy.config.max_workers))
+        self._enqueue(cmd)
 
     def _enqueue(self, cmd: Command) -> None:
         self._commands.put(cmd)

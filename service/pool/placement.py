@@ -10,6 +10,7 @@ import selectors
 import socket
 import time
 from collections import Counter
+from collections.abc import Mapping
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -132,3 +133,11 @@ def refusing(addrs: dict[str, tuple[str | None, int | None]], *, timeout_s: floa
             k.fileobj.close()
         sel.close()
     return refused
+
+
+def cap_slots(slots: Mapping[str, int], grant: Mapping[str, int] | None) -> dict[str, int]:
+    """The per-node slots a job may plan onto, capped by its grant ({node: workers},
+    None when the job runs without a scheduler). A node outside the grant offers nothing."""
+    if grant is None:
+        return dict(slots)
+    return {nid: min(n, grant.get(nid, 0)) for nid, n in slots.items() if min(n, grant.get(nid, 0)) > 0}

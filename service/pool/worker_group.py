@@ -2,8 +2,8 @@
 
 The coordinator decides how many workers go on which node (`service.pool.placement.assign_nodes`); ranks
 are numbered node by node, so the ranks of a TP group (adjacent ranks: TP is the innermost mesh axis)
-share a node. On a planned resize, surviving actors are kept and only re-join (process-group re-form,
-~0.03 s); only missing ranks are started and only extra ones stopped. After an unplanned failure the
+share a node. On a planned resize, surviving actors are kept and only re-join their process group;
+only missing ranks are started and only extra ones stopped. After an unplanned failure the
 survivors may be stuck in a collective with a dead peer: `salvage` aborts their group, and those that
 answer leave it and are kept (to heal from, or as warm processes for a resume from storage). While it
 waits on workers (a start, a form, a transfer) the group probes their nodes (`service.pool.placement.
@@ -11,6 +11,8 @@ probe_nodes`), so a node that dies meanwhile fails the wait within seconds. A gr
 coordinator in a named actor, which Ray restarts when its process dies) starts its workers as detached
 actors in detached placement groups: they outlive the coordinator's process, the restarted coordinator
 takes them over (`adopt`), and each ends itself once its owner is gone for good (`workers.actor.watch_owner`).
+Every actor the group holds is one `WorkerHandle` in `workers`, with its role: a member (a rank), a spare
+(started for a slot, taken by the next start) or a standby (idle, reserving nothing until claimed).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import uuid
 from collections import Counter, defaultdict
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import ray
@@ -35,7 +38,7 @@ from service.pool.placement import on_node, probe_nodes
 from workers.config import JobConfig
 from workers.report import Salvaged
 
-__all__ = ["CONTROL", "Member", "WorkerGroup"]
+__all__ = ["CONTROL", "Role", "WorkerGroup", "WorkerHandle"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,26 +46,42 @@ CONTROL = "control"
 """A worker actor's second lane (concurrency group): `abort` runs there while the default lane is busy."""
 
 
-@dataclass
-class Member:
+class Role(StrEnum):
+    MEMBER = "member"
+    """A rank of the group, in its placement group."""
+    SPARE = "spare"
+    """Started in a placement group of its own but not a rank: ahead of a growth (`prewarm`), or a member
+    a salvage kept idle; the next start takes it."""
+    STANDBY = "standby"
+    """Idle on its node, reserving nothing until a start claims it with a placement group."""
+
+
+@dataclass(eq=False, slots=True)
+class WorkerHandle:
+    """One worker actor of the group, whatever its role."""
+
     actor: Any
-    pg: PlacementGroup
     node_id: str
-    ip: str
+    pg: PlacementGroup | None
+    """Its placement group (None for a standby)."""
+    role: Role
+    ip: str = ""
+    ping: Any = None
+    """Ref of its last `info` call (a standby's ping, a starting worker's answer) or, claimed, its `claim`."""
+    rejoins: bool = False
+    """A member a salvage kept as a spare: taken back by a start, it counts as rejoined, not started."""
 
 
 FIRST_PROBE_S = 0.5
 """A wait on workers probes their nodes first after this long: soon enough to catch a node that died
 just before the call (a second fault right after a first), late enough that a quick call (a live
-resize's form, ~0.1 s) never pays for a probe."""
+resize's form) never pays for a probe."""
 
 
 def probe_gaps(cap_s: float) -> Iterator[float]:
-    """Seconds before each probe of a wait on workers: FIRST_PROBE_S, then 1 s, doubling up to `cap_s`.
-    The probes come close together early, when a second fault is most likely (the chaos run's double:
-    a node removed 0.3 s after a worker kill, which a probe just before it misses; every 3 s from the
-    start, the next probe came 3 s later), and every `cap_s` through a long wait (a checkpoint load of
-    minutes), so that a large group does not flood the GCS with probe placement groups."""
+    """Seconds before each probe of a wait on workers: FIRST_PROBE_S, then 1 s, doubling up to `cap_s`:
+    close together early, when a second fault is most likely, and every `cap_s` through a long wait (a
+    checkpoint load of minutes), so that a large group does not flood the GCS with probe placement groups."""
     yield min(FIRST_PROBE_S, cap_s)
     gap = 1.0
     while True:
@@ -77,9 +96,8 @@ class WorkerGroup:
         """`owner`: the named actor (in `namespace`) the coordinator runs in, whose restart the workers
         outlive (None: they end with the process that started them). `start_probe_s`: how long a start
         waits for its workers before it probes the nodes they are still starting on (and again as
-        often); one that does not answer within `probe_timeout_s` fails the start at once. A node killed
-        just as the group starts on it (the second failure of a double fault) leaves its actor pending
-        until Ray's health checks declare the node dead, ~15 s."""
+        often); one that does not answer within `probe_timeout_s` fails the start at once, instead of
+        leaving its actor pending until Ray's health checks declare the node dead."""
         self.cfg = cfg
         self.run_dir = run_dir
         self.cpus = cpus_per_worker
@@ -88,16 +106,8 @@ class WorkerGroup:
         self.start_timeout_s = start_timeout_s
         self.start_probe_s, self.probe_timeout_s = start_probe_s, probe_timeout_s
         self.owner, self.namespace = owner, namespace
-        self.members: list[Member] = []
-        self.spares: list[tuple[str, Any, PlacementGroup, Any]] = []
-        """Actors started ahead of a growth (node, actor, pg, info ref), not yet members."""
-        self.standby: list[tuple[str, Any, Any]] = []
-        """Idle actors kept started on the members' nodes, reserving nothing (node, actor, ref of its
-        last ping): `keep_standby`."""
-        self._idle_members: dict[int, Any] = {}
-        """The actor handles by id (held, so an id is not reused) of members a `salvage` kept as spares:
-        they hold no state to heal from, but their processes are idle and sound (`Salvaged.reusable`), so
-        the next start takes them, and counts them as rejoined, not started."""
+        self.workers: list[WorkerHandle] = []
+        """Every worker the group holds: the members first, in rank order, then spares and standbys."""
         self._unread: list[Any] = []
         """Refs of calls the group stopped waiting for (the other ranks' `run` once one rank failed, say):
         read when they have ended (`_settle`), so that their errors, expected after a failure, go to this
@@ -105,6 +115,30 @@ class WorkerGroup:
         are dropped."""
 
     # -- membership ------------------------------------------------------------------------------------
+    @property
+    def members(self) -> list[WorkerHandle]:
+        """The ranks, in rank order."""
+        return self._with(Role.MEMBER)
+
+    @property
+    def spares(self) -> list[WorkerHandle]:
+        return self._with(Role.SPARE)
+
+    @property
+    def standby(self) -> list[WorkerHandle]:
+        return self._with(Role.STANDBY)
+
+    def _with(self, role: Role) -> list[WorkerHandle]:
+        return [w for w in self.workers if w.role is role]
+
+    def _set_members(self, members: list[WorkerHandle]) -> None:
+        """`members` become the ranks, in this order; every other handle keeps its role (a member left
+        out must have been stopped, or be given another role, by the caller)."""
+        for m in members:
+            m.role = Role.MEMBER
+        rest = [w for w in self.workers if w.role is not Role.MEMBER and all(w is not m for m in members)]
+        self.workers = list(members) + rest
+
     @property
     def size(self) -> int:
         return len(self.members)
@@ -116,30 +150,31 @@ class WorkerGroup:
         """Make the group have one member per entry of `nodes`. Keeps members already on those nodes,
         stops the rest, starts the missing. Members end up ordered node by node (rank order), in the
         order nodes first appear in `nodes`."""
-        self.members, _, _, start = self._arrange(nodes, stop_leavers_first=True)
+        members, _, _, start = self._arrange(nodes, stop_leavers_first=True)
+        self._set_members(members)
         return start
 
     def _arrange(self, nodes: list[str], *, stop_leavers_first: bool
-                 ) -> tuple[list[Member], list[Member], list[Member], Started]:
+                 ) -> tuple[list[WorkerHandle], list[WorkerHandle], list[WorkerHandle], Started]:
         """(members in rank order for `nodes`, leavers, the members started, the counts): survivors kept on their nodes,
         the missing started (pre-started spares first, then standbys). Leavers are stopped before the
         start when `stop_leavers_first` (their slots may be needed), else left running for the caller."""
         want = Counter(nodes)
-        pool: dict[str, list[Member]] = defaultdict(list)
-        leavers: list[Member] = []
+        pool: dict[str, list[WorkerHandle]] = defaultdict(list)
+        leavers: list[WorkerHandle] = []
         for m in self.members:
             (pool[m.node_id].append(m) if len(pool[m.node_id]) < want[m.node_id] else leavers.append(m))
         if stop_leavers_first:
             self._stop(leavers)
         missing = [nid for nid in want for _ in range(want[nid] - len(pool[nid]))]
         warm = self._take_spares(missing)
-        for nid, *_ in warm:
-            missing.remove(nid)
+        for w in warm:
+            missing.remove(w.node_id)
         # salvaged members kept idle rejoin: not started here, as warm survivors kept as members are not
-        rejoined = sum(self._idle_members.pop(id(a), None) is not None for _, a, *_ in warm)
+        rejoined = sum(w.rejoins for w in warm)
         warm += (claimed := self._take_standby(missing))
-        for nid, *_ in claimed:
-            missing.remove(nid)
+        for w in claimed:
+            missing.remove(w.node_id)
         kept = sorted({m.node_id for ms in pool.values() for m in ms})  # a kept member's node can die meanwhile
         started = self._start(warm + self._launch(missing), watch=kept) if warm or missing else []
         for m in started:  # placement targets a node softly: group by where the actor really runs
@@ -166,13 +201,12 @@ class WorkerGroup:
 
     def shutdown(self) -> None:
         self.stop_members()
-        self._stop_standby()
+        self._stop(self.standby)
 
     def stop_members(self) -> None:
         """Stop every member and spare; standbys stay (`shutdown` stops them too)."""
         self._settle()
-        self._stop(self.members + [Member(a, pg, nid, "") for nid, a, pg, _ in self.spares])
-        self.members, self.spares, self._idle_members = [], [], {}
+        self._stop(self.members + self.spares)
 
     # -- collective operations ---------------------------------------------------------------------------
     def form(self, plan: Plan, *, adopt: bool = False) -> Formed:
@@ -209,7 +243,7 @@ class WorkerGroup:
         old_members = list(self.members)
         members, leavers, started, start = self._arrange(nodes, stop_leavers_first=False)
         everyone = old_members + started  # the transfer group: old ranks first, in their order
-        self.members = everyone
+        self._set_members(everyone)
         slot = {id(m): i for i, m in enumerate(everyone)}
         new_to_group = {r: slot[id(m)] for r, m in enumerate(members)}
         group_to_new = {g: r for r, g in new_to_group.items()}
@@ -224,7 +258,7 @@ class WorkerGroup:
         moved = self._await_probing(refs, "state transfer", timeout_s=600)
         t2 = time.perf_counter()
         self._stop(leavers)
-        self.members = members
+        self._set_members(members)
         formed = self.form(new, adopt=True)
         return Moved(step=formed.step, started=start.started, stopped=start.stopped,
                      bytes_moved=sum(r["bytes_received"] for r in moved), handover_s=t1 - t0, transfer_s=t2 - t1,
@@ -271,9 +305,9 @@ class WorkerGroup:
         self._replies(list(aborts.values()), timeout_s=2.0, grace_s=0.5, skip=on_dead_nodes(aborts))
         refs = {id(m): m.actor.salvage.remote() for m in asked}
         ready = self._replies(list(refs.values()), timeout_s=timeout_s, grace_s=2.0, skip=on_dead_nodes(refs))
-        kept: dict[int, tuple[Member, Salvaged]] = {}
-        lost: list[Member] = []
-        idle: list[tuple[str, Any, PlacementGroup, Any]] = []
+        kept: dict[int, tuple[WorkerHandle, Salvaged]] = {}
+        lost: list[WorkerHandle] = []
+        idle: list[WorkerHandle] = []
         stopped_why: list[str] = []
         for m in self.members:
             info, ref = None, refs.get(id(m))
@@ -290,14 +324,14 @@ class WorkerGroup:
             if info is not None and info.held:
                 kept[info.old_rank] = (m, info)
             elif info is not None and info.reusable:  # idle, holding its slot: a spare for the next start
-                idle.append((m.node_id, m.actor, m.pg, m.actor.info.options(concurrency_group=CONTROL).remote()))
+                idle.append(m)
             else:
                 lost.append(m)
                 stopped_why.append(why or "no reason given")
         self._stop(lost)
-        self.spares += idle
-        self._idle_members.update((id(a), a) for _, a, *_ in idle)
-        self.members = [kept[r][0] for r in sorted(kept)]
+        for m in idle:
+            m.role, m.rejoins, m.ping = Role.SPARE, True, m.actor.info.options(concurrency_group=CONTROL).remote()
+        self._set_members([kept[r][0] for r in sorted(kept)])
         self._unread += list(aborts.values()) + list(refs.values())
         self._settle()  # the survivors' interrupted calls have ended: their salvage ran after them
         return Salvage(kept={r: kept[r][1] for r in sorted(kept)}, idle=len(idle), stopped_why=tuple(stopped_why))
@@ -363,15 +397,16 @@ class WorkerGroup:
         return WorkerFailure(kind, f"a worker raised during {what}: {msg}")
 
     # -- starting, taking over and stopping actors ------------------------------------------------------
-    def _launch(self, nodes: list[str]) -> list[tuple[str, Any, PlacementGroup, Any]]:
-        """Ask for one placement group and actor per node, without waiting for either."""
+    def _launch(self, nodes: list[str]) -> list[WorkerHandle]:
+        """Ask for one placement group and actor per node, without waiting for either: spares until a
+        start makes them members."""
         out = []
         for nid in nodes:
             named = self._named()
             pg = self._slot(nid, **named)
             actor = self._actor(num_cpus=self.cpus, num_gpus=self.gpus or None,
                                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0), **named)
-            out.append((nid, actor, pg, actor.info.remote()))
+            out.append(WorkerHandle(actor, nid, pg, Role.SPARE, ping=actor.info.remote()))
         return out
 
     def _slot(self, nid: str, *, node: dict | None = None, **named) -> PlacementGroup:
@@ -408,38 +443,38 @@ class WorkerGroup:
         Returns how many were started."""
         per_node = self.cfg.resources.standby_per_node if not self.gpus else 0
         hosts = {m.node_id for m in self.members}
-        done, _ = ray.wait([ref for *_, ref in self.standby], num_returns=len(self.standby), timeout=0)
-        keep = []
-        for nid, actor, ping in self.standby:
-            if nid not in hosts or (ping in done and not _idle(ping)):
-                self._kill(actor)
-            else:
-                keep.append((nid, actor, actor.info.remote() if ping in done else ping))
-        have = Counter(nid for nid, *_ in keep)
+        standby = self.standby
+        done, _ = ray.wait([w.ping for w in standby], num_returns=len(standby), timeout=0)
+        gone = [w for w in standby if w.node_id not in hosts or (w.ping in done and not _idle(w.ping))]
+        for w in gone:
+            self._kill(w.actor)
+        self.workers = [w for w in self.workers if all(w is not g for g in gone)]
+        for w in self.standby:
+            if w.ping in done:
+                w.ping = w.actor.info.remote()
+        have = Counter(w.node_id for w in self.standby)
         need = [nid for nid in sorted(hosts) for _ in range(per_node - have[nid])]
-        self.standby = keep
         for nid in need:
             actor = self._actor(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False),
                                 **self._named(STANDBY))
-            self.standby.append((nid, actor, actor.info.remote()))
+            self.workers.append(WorkerHandle(actor, nid, None, Role.STANDBY, ping=actor.info.remote()))
         return len(need)
 
-    def _take_standby(self, nodes: list[str]) -> list[tuple[str, Any, PlacementGroup, Any]]:
+    def _take_standby(self, nodes: list[str]) -> list[WorkerHandle]:
         """Standbys on `nodes` (one per entry at most), each claimed with a new placement group for its
         slot on its node (`Worker.claim`), to be awaited with this start like a fresh worker. The bundle
         asks for a sliver of the node's `node:IP` resource too: where IPs are unique, a slot that is not
         free yet (the group of the worker it replaces still being removed) is waited for there, not
         taken on another node."""
-        want, taken, keep = Counter(nodes), [], []
-        info = {n["NodeID"]: n for n in ray.nodes()} if any(want[nid] for nid, *_ in self.standby) else {}
-        for nid, actor, ref in self.standby:
-            if want[nid] > 0:
-                want[nid] -= 1
-                pg = self._slot(nid, node=info.get(nid), **self._named())
-                taken.append((nid, actor, pg, actor.claim.remote(pg)))
-            else:
-                keep.append((nid, actor, ref))
-        self.standby = keep
+        want, taken = Counter(nodes), []
+        info = {n["NodeID"]: n for n in ray.nodes()} if any(want[w.node_id] for w in self.standby) else {}
+        for w in self.standby:
+            if want[w.node_id] > 0:
+                want[w.node_id] -= 1
+                w.pg = self._slot(w.node_id, node=info.get(w.node_id), **self._named())
+                w.ping = w.actor.claim.remote(w.pg)
+                taken.append(w)
+        self.workers = [w for w in self.workers if all(w is not t for t in taken)]
         return taken
 
     def adopt(self, *, timeout_s: float = 10.0) -> int:
@@ -467,24 +502,27 @@ class WorkerGroup:
             if info is None:
                 self._kill(actor)
             elif info["pg"] is None:  # a standby, never claimed: it stays one
-                self.standby.append((info["node_id"], actor, ref))
+                self.workers.append(WorkerHandle(actor, info["node_id"], None, Role.STANDBY, ping=ref))
             else:
-                self.members.append(Member(actor, info["pg"], info["node_id"], info["ip"]))
+                self.workers.append(WorkerHandle(actor, info["node_id"], info["pg"], Role.MEMBER, ip=info["ip"]))
         self._unread += [r for r in refs if r not in ready]
         release_workers(self.job_id, keep={m.pg.id.hex() for m in self.members})
+        self._set_members(self.members)  # members first
         return len(self.members)
 
-    def _start(self, launched: list, *, watch: list[str] = ()) -> list[Member]:
-        """Members of `launched` (new actors, and spares taken for this start) once all have answered;
-        `watch`: the nodes of the members kept beside them, probed with those being started on."""
+    def _start(self, launched: list[WorkerHandle], *, watch: list[str] = ()) -> list[WorkerHandle]:
+        """`launched` (new actors, and spares and standbys taken for this start) as members once all have
+        answered; `watch`: the nodes of the members kept beside them, probed with those being started on."""
         try:
             infos = self._await_starts(launched, watch=watch)
         except WorkerFailure:  # none of them is a member yet: release all, or their CPUs stay held
-            self._stop([Member(a, pg, nid, "") for nid, a, pg, _ in launched])
+            self._stop(launched)
             raise
-        return [Member(a, pg, i["node_id"], i["ip"]) for (_, a, pg, _), i in zip(launched, infos)]
+        for w, i in zip(launched, infos):
+            w.node_id, w.ip, w.role, w.rejoins, w.ping = i["node_id"], i["ip"], Role.MEMBER, False, None
+        return launched
 
-    def _await_starts(self, launched: list, *, watch: list[str] = ()) -> list[dict]:
+    def _await_starts(self, launched: list[WorkerHandle], *, watch: list[str] = ()) -> list[dict]:
         """Each launched actor's `info`, in order; WorkerFailure as soon as one fails, when a placement
         group is not placed within `start_timeout_s` ("start"), or when the workers have not answered
         60 s after that ("timeout"). While some have not answered, probe the nodes (`probe_gaps`)
@@ -493,8 +531,8 @@ class WorkerGroup:
         an actor on it; for good for a placement group that cannot fit without it)."""
         from ray.util import placement_group_table
 
-        pending = {ref: (nid, pg) for nid, _, pg, ref in launched}
-        targets = {nid for nid, *_ in launched}
+        pending = {w.ping: (w.node_id, w.pg) for w in launched}
+        targets = {w.node_id for w in launched}
         infos = {}
         t0 = time.monotonic()
         place_by, deadline = t0 + self.start_timeout_s, t0 + self.start_timeout_s + 60
@@ -525,7 +563,7 @@ class WorkerGroup:
                 where = {x for ref in pending for x in (tables[ref].get("bundles_to_node_id") or {}).values() if x}
                 self._probe_or_fail(sorted(where | targets | set(watch)), "while workers started")
                 next_probe = time.monotonic() + next(gaps)
-        return [infos[ref] for *_, ref in launched]
+        return [infos[w.ping] for w in launched]
 
     def _probe_or_fail(self, nodes: list[str], during: str) -> None:
         """WorkerFailure("node") if one of `nodes` does not answer a probe: a call waiting on a worker
@@ -539,37 +577,32 @@ class WorkerGroup:
         """Start actors on `nodes` in the background while the group keeps training (a growth is
         settling), so the resize itself only re-forms the process group. Returns how many were started;
         nodes that already have a spare are skipped."""
-        have = Counter(nid for nid, *_ in self.spares)
+        have = Counter(w.node_id for w in self.spares)
         need = [nid for nid, k in (Counter(nodes) - have).items() for _ in range(k)]
-        self.spares += self._launch(need)
+        self.workers += self._launch(need)
         return len(need)
 
-    def _take_spares(self, nodes: list[str]) -> list:
-        """Spares pre-started on `nodes`, taken out of `spares` to be awaited with this start (a spare
-        that failed, or whose node died, fails the start like a fresh worker would)."""
-        want, taken, keep = Counter(nodes), [], []
-        for spare in self.spares:
-            if want[spare[0]] > 0:
-                want[spare[0]] -= 1
-                taken.append(spare)
-            else:
-                keep.append(spare)
-        self.spares = keep
+    def _take_spares(self, nodes: list[str]) -> list[WorkerHandle]:
+        """Spares on `nodes`, taken out of the group to be awaited with this start (a spare that failed,
+        or whose node died, fails the start like a fresh worker would)."""
+        want, taken = Counter(nodes), []
+        for w in self.spares:
+            if want[w.node_id] > 0:
+                want[w.node_id] -= 1
+                taken.append(w)
+        self.workers = [w for w in self.workers if all(w is not t for t in taken)]
         return taken
 
-    def _stop(self, members: list[Member]) -> None:
-        for m in members:
-            self._kill(m.actor)
+    def _stop(self, handles: list[WorkerHandle]) -> None:
+        """Kill these workers, release their placement groups and drop them from the group."""
+        for w in handles:
+            self._kill(w.actor)
             try:
-                if m.pg is not None:
-                    remove_placement_group(m.pg)
+                if w.pg is not None:
+                    remove_placement_group(w.pg)
             except Exception:
                 logger.debug("placement group removal failed", exc_info=True)
-
-    def _stop_standby(self) -> None:
-        for _, actor, _ in self.standby:
-            self._kill(actor)
-        self.standby = []
+        self.workers = [w for w in self.workers if all(w is not h for h in handles)]
 
     @staticmethod
     def _kill(actor) -> None:

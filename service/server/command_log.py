@@ -1,9 +1,9 @@
 """The user's commands to a job, kept in RUN_DIR/commands.jsonl so that a restarted coordinator (Ray
 restarts a job actor whose process died) knows what the user asked: a paused job stays paused, a
-stopped one stops, a resize holds. One JSON line per command a coordinator accepted, written (and
-fsynced) before the caller is answered; a restarted JobRunner replays this job's lines in order, before
-its loop starts (resizes compose, service.control.commands.SetWorkers; the last of pause/resume/stop wins; the
-last grant of the shared-cluster scheduler holds).
+stopped one stops, a resize holds. One JSON line per command a coordinator accepted
+(service.control.commands.to_json), written (and fsynced) before the caller is answered; a restarted
+JobRunner replays this job's commands in order, before its loop starts (resizes compose, SetWorkers; the
+last of pause/resume/stop wins; the last grant of the shared-cluster scheduler holds).
 """
 
 from __future__ import annotations
@@ -14,28 +14,26 @@ import os
 import time
 from pathlib import Path
 
-logger = logging.getLogger(__name__)
+from service.control.commands import Command, CommandError, from_json, to_json
 
-COMMANDS = ("resize", "pause", "resume", "stop", "set_grant")
+logger = logging.getLogger(__name__)
 
 
 class CommandLog:
     def __init__(self, path: Path, job_id: str):
         self.path, self.job_id = Path(path), job_id
 
-    def append(self, command: str, **args) -> None:
-        if command not in COMMANDS:
-            raise ValueError(f"unknown command {command!r}")
-        line = json.dumps({"time": time.time(), "job_id": self.job_id, "command": command,
-                           "args": {k: v for k, v in args.items() if v is not None}})
+    def append(self, cmd: Command) -> None:
+        line = json.dumps({"time": time.time(), "job_id": self.job_id, **to_json(cmd)})
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a") as f:
             f.write(line + "\n")
             f.flush()
             os.fsync(f.fileno())
 
-    def commands(self) -> list[tuple[str, dict]]:
-        """This job's commands, oldest first (other jobs' lines and a torn last line are skipped)."""
+    def commands(self) -> list[Command]:
+        """This job's commands, oldest first (other jobs' lines, a torn last line and a line that is no
+        command are skipped)."""
         try:
             lines = self.path.read_text(errors="replace").splitlines()
         except FileNotFoundError:
@@ -46,7 +44,10 @@ class CommandLog:
                 d = json.loads(line)
             except ValueError:
                 continue
-            if (isinstance(d, dict) and d.get("job_id") == self.job_id and d.get("command") in COMMANDS
-                    and isinstance(d.get("args", {}), dict)):
-                out.append((d["command"], d.get("args", {})))
+            if not isinstance(d, dict) or d.get("job_id") != self.job_id:
+                continue
+            try:
+                out.append(from_json(d))
+            except CommandError as e:
+                logger.warning("job %s: %s in %s skipped: %s", self.job_id, line[:200], self.path, e)
         return out

@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from service.control.commands import Command
 from service.control.coordinator import Coordinator, CoordinatorOptions
 from service.server.specs import check_plannable
 from service.control.status import JobStatus
@@ -76,19 +77,9 @@ class JobRunner:
     def reconfigs(self) -> list[dict]:
         return [r.to_dict() for r in list(self.coord.reconfigs)]
 
-    # -- commands (queued; the loop applies them at its next iteration) ----------------------------------
-    def resize(self, *, workers: int | None = None, min_workers: int | None = None,
-               max_workers: int | None = None) -> None:
-        self.coord.resize(workers=workers, min_workers=min_workers, max_workers=max_workers)
-
-    def pause(self, *, by: str = "user", reason: str | None = None) -> None:
-        self.coord.pause(by=by, reason=reason)
-
-    def resume(self, *, by: str = "user") -> None:
-        self.coord.resume(by=by)
-
-    def stop(self) -> None:
-        self.coord.stop()
+    # -- commands (queued; the loop applies them at its next step) ---------------------------------------
+    def send(self, cmd: Command) -> None:
+        self.coord.send(cmd)
 
     def join(self, timeout: float | None = None) -> bool:
         """Wait for the loop to end; True if it has."""

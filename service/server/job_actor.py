@@ -16,6 +16,7 @@ from typing import Any
 
 from pathlib import Path
 
+from service.control.commands import Command, CommandError, Stop
 from service.server.command_log import CommandLog
 from service.control.coordinator import Coordinator
 from service.server.driver import CoordinatorFactory, JobRunner
@@ -48,36 +49,19 @@ class JobActorBody(JobRunner):
             coord = base(*a, **k)
             if grant is not None:
                 coord.grant = dict(grant)
-            for command, args in log.commands():
+            for cmd in log.commands():
                 try:
-                    getattr(coord, command)(**args)
-                except ValueError as e:  # e.g. a resize the spec no longer allows
-                    logger.warning("job %s: logged command %s%s not replayed: %s", job_id, command, args, e)
+                    coord.send(cmd)
+                except CommandError as e:  # e.g. a resize the spec no longer allows
+                    logger.warning("job %s: logged command %s not replayed: %s", job_id, cmd, e)
             return coord
 
         self.commands = log
         super().__init__(job_id, cfg, run_dir=run_dir, coordinator_factory=factory, **kw)
 
-    def resize(self, *, workers: int | None = None, min_workers: int | None = None,
-               max_workers: int | None = None) -> None:
-        super().resize(workers=workers, min_workers=min_workers, max_workers=max_workers)
-        self.commands.append("resize", workers=workers, min_workers=min_workers, max_workers=max_workers)
-
-    def pause(self, *, by: str = "user", reason: str | None = None) -> None:
-        super().pause(by=by, reason=reason)
-        self.commands.append("pause", by=by, reason=reason)
-
-    def resume(self, *, by: str = "user") -> None:
-        super().resume(by=by)
-        self.commands.append("resume", by=by)
-
-    def set_grant(self, nodes: dict[str, int], reason: str, queue_position: int | None = None) -> None:
-        self.coord.set_grant(nodes, reason, queue_position)
-        self.commands.append("set_grant", nodes=nodes, reason=reason, queue_position=queue_position)
-
-    def stop(self) -> None:
-        super().stop()
-        self.commands.append("stop")
+    def send(self, cmd: Command) -> None:
+        super().send(cmd)
+        self.commands.append(cmd)
 
 
 _actor_cls = None
@@ -151,7 +135,7 @@ class LocalLauncher:
         with self._lock:
             runner = self._runners.pop(job_id, None)
         if runner is not None:
-            runner.stop()
+            runner.send(Stop())
             if not runner.join(timeout_s):
                 logger.warning("job %s: coordinator thread still running %.0f s after stop; it is a daemon "
                                "thread and ends with the process", job_id, timeout_s)
@@ -178,6 +162,8 @@ class RayHandle:
         try:
             return ray.get(getattr(self.actor, method).remote(*args, **kwargs), timeout=self.timeout_s)
         except RayTaskError as e:
+            if isinstance(e.cause, CommandError):
+                raise CommandError(e.cause.field, str(e.cause)) from None
             if isinstance(e.cause, ValueError):
                 raise ValueError(str(e.cause)) from None
             raise JobUnavailable(f"job {self.job_id}: {method} failed in the coordinator: {e.cause!r}") from None
@@ -211,20 +197,8 @@ class RayHandle:
     def metrics_since(self, step: int = 0) -> list[dict]:
         return self._call("metrics_since", step)
 
-    def resize(self, **kw) -> None:
-        self._call("resize", **kw)
-
-    def pause(self, **kw) -> None:
-        self._call("pause", **kw)
-
-    def resume(self, **kw) -> None:
-        self._call("resume", **kw)
-
-    def set_grant(self, nodes: dict[str, int], reason: str, queue_position: int | None = None) -> None:
-        self._call("set_grant", nodes, reason, queue_position)
-
-    def stop(self) -> None:
-        self._call("stop")
+    def send(self, cmd: Command) -> None:
+        self._call("send", cmd)
 
 
 HEAD_RESOURCE = "node:__internal_head__"

@@ -30,6 +30,7 @@ from typing import Any
 
 from parallel.planner import size_for
 from service.control.run_files import iter_metrics, list_checkpoints, read_job_events
+from service.control.commands import CommandError, Grant, Pause, Resume, SetWorkers, Stop
 from service.control.job import worker_range
 from service.control.state import TERMINAL
 from service.control.status import JobStatus
@@ -38,7 +39,7 @@ from service.server.job_types import (JobConflict, JobGone, JobHandle, JobNotFou
                                       Store)
 from service.server.specs import SpecError, check_paths, resolve_run_dir, safe_name, validate_spec
 from service.sharing.ledger import WorkerShape
-from service.sharing.rounds import Action, JobView, PauseJob, ResumeJob, Round, SetGrant, plan_round
+from service.sharing.rounds import JobView, Round, Tell, plan_round
 from service.sharing.scheduler import Quota
 from workers.config import JobConfig, job_constraints
 
@@ -181,38 +182,27 @@ class JobManager:
         return {"time": snap.time, "nodes": nodes, "usable_workers": snap.usable_workers()}
 
     # -- commands ------------------------------------------------------------------------------------------
-    def resize(self, job_id: str, *, workers: int | None = None, min_workers: int | None = None,
-               max_workers: int | None = None, owner: str | None = None) -> dict:
-        given = {k: v for k, v in (("workers", workers), ("min_workers", min_workers),
-                                   ("max_workers", max_workers)) if v is not None}
-        if not given:
-            raise SpecError((), "give workers, or min_workers and/or max_workers")
-        for k, v in given.items():
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise SpecError((k,), f"{k} must be an integer >= 1, got {v!r}")
-        if min_workers is not None and max_workers is not None and min_workers > max_workers:
-            raise SpecError(("min_workers",), f"min_workers={min_workers} is greater than max_workers={max_workers}")
-
-        def send(h: JobHandle) -> None:
+    def command(self, job_id: str, cmd: SetWorkers | Pause | Resume | Stop, *, owner: str | None = None) -> dict:
+        """Send a user's command (built and checked where the request entered) to the job's coordinator;
+        JobConflict when the job's state rules it out, SpecError naming the field when the coordinator
+        cannot apply it (e.g. a range below its current minimum)."""
+        action = {SetWorkers: "resize", Pause: "pause", Resume: "resume", Stop: "stop"}[type(cmd)]
+        self._mine(job_id, owner)
+        with self._locked_row(job_id):
+            row = self.sync(job_id)
+            if why := _conflict(cmd, row.state):
+                raise JobConflict(f"cannot {action} job {job_id}: it is {row.state}; {why}")
+            h = self._handles.get(job_id)
+            if h is None:
+                raise JobConflict(f"cannot {action} job {job_id}: its coordinator is not running"
+                                  + (f" on {self.launcher.where()}" if row.state == UNKNOWN else ""))
             try:
-                h.resize(**given)
-            except ValueError as e:
-                raise SpecError((next((k for k in given if k in str(e)), next(iter(given))),), str(e)) from None
-
-        return self._command(job_id, owner, "resize", send, lambda s: "a finished job cannot be resized"
-                             if s in TERMINAL else None)
-
-    def pause(self, job_id: str, *, owner: str | None = None) -> dict:
-        return self._command(job_id, owner, "pause", lambda h: h.pause(), lambda s: (
-            "a finished job cannot be paused" if s in TERMINAL else "it is already paused" if s == "PAUSED" else None))
-
-    def resume(self, job_id: str, *, owner: str | None = None) -> dict:
-        return self._command(job_id, owner, "resume", lambda h: h.resume(), lambda s: (
-            None if s == "PAUSED" else "only a PAUSED job can be resumed"))
-
-    def stop(self, job_id: str, *, owner: str | None = None) -> dict:
-        return self._command(job_id, owner, "stop", lambda h: h.stop(), lambda s: (
-            "it has already finished" if s in TERMINAL else None))
+                h.send(cmd)
+            except CommandError as e:
+                raise SpecError((e.field,) if e.field else (), str(e)) from None
+            except JobGone as e:
+                raise JobUnavailable(f"cannot {action} job {job_id}: {e}") from None
+            return {"id": job_id, "action": action, "accepted": True, "state": row.state}
 
     def delete(self, job_id: str, *, owner: str | None = None, force: bool = False) -> dict:
         """Stop the job, wait up to stop_timeout_s for its final checkpoint, release its coordinator and
@@ -223,7 +213,7 @@ class JobManager:
             row = self.sync(job_id) if lock_row.state != UNKNOWN else lock_row
             if row.state not in TERMINAL and (h := self._handles.get(job_id)) is not None:
                 try:
-                    h.stop()
+                    h.send(Stop())
                     deadline = time.monotonic() + self.stop_timeout_s
                     while time.monotonic() < deadline and self.sync(job_id).state not in TERMINAL:
                         time.sleep(0.05)
@@ -242,23 +232,6 @@ class JobManager:
         self._forget_lock(job_id)
         self._last_traceback.pop(job_id, None)
         return {"id": job_id, "state": row.state, "deleted": True, "run_dir": row.run_dir}
-
-    def _command(self, job_id: str, owner: str | None, action: str, send: Callable[[JobHandle], None],
-                 conflict: Callable[[str], str | None]) -> dict:
-        self._mine(job_id, owner)
-        with self._locked_row(job_id):
-            row = self.sync(job_id)
-            if why := conflict(row.state):
-                raise JobConflict(f"cannot {action} job {job_id}: it is {row.state}; {why}")
-            h = self._handles.get(job_id)
-            if h is None:
-                raise JobConflict(f"cannot {action} job {job_id}: its coordinator is not running"
-                                  + (f" on {self.launcher.where()}" if row.state == UNKNOWN else ""))
-            try:
-                send(h)
-            except JobGone as e:
-                raise JobUnavailable(f"cannot {action} job {job_id}: {e}") from None
-            return {"id": job_id, "action": action, "accepted": True, "state": row.state}
 
     # -- helpers -------------------------------------------------------------------------------------------
     def _mine(self, job_id: str, owner: str | None) -> JobRecord:
@@ -475,7 +448,7 @@ class JobManager:
         self.shared = shared
         """Whether jobs are scheduled: `elastron serve` does (Settings.schedule); in-process tests choose."""
         self._cfgs: dict[str, JobConfig] = {}
-        self._told: dict[str, Action] = {}
+        self._told: dict[str, Tell] = {}
         """The last command each job was sent (not sent again)."""
         self._sizers: dict = {}
         self._granted: dict[str, dict[str, int]] = {}
@@ -506,26 +479,20 @@ class JobManager:
             self.last_round = r
             return r
 
-    def _carry_out(self, a: Action) -> None:
+    def _carry_out(self, a: Tell) -> None:
         h = self._handles.get(a.job_id)
         if h is None or self._told.get(a.job_id) == a:
             return
         try:
-            match a:
-                case SetGrant():
-                    h.set_grant(a.nodes, a.reason, a.queue_position)
-                case PauseJob():
-                    h.pause(by="scheduler", reason=a.reason)
-                case ResumeJob():
-                    h.resume(by="scheduler")
+            h.send(a.command)
         except (JobGone, JobUnavailable, ValueError) as e:
             logger.info("job %s: could not tell it %s (%s); the next round tries again", a.job_id,
-                        type(a).__name__, e)
+                        type(a.command).__name__, e)
             return
-        logger.info("job %s: %s", a.job_id, a)
+        logger.info("job %s: %s", a.job_id, a.command)
         self._told[a.job_id] = a
-        if isinstance(a, SetGrant):
-            self._granted[a.job_id] = dict(a.nodes)
+        if isinstance(a.command, Grant):
+            self._granted[a.job_id] = dict(a.command.nodes)
 
     def _job_view(self, row: JobRecord) -> JobView | None:
         cfg = self._cfg_of(row)
@@ -620,3 +587,18 @@ class _Locked:
 def queued_status(st: JobStatus, reason: str) -> JobStatus:
     """A just-submitted job's stored status when jobs are scheduled: QUEUED until its first round."""
     return replace(st, state="QUEUED", reason=reason)
+
+
+def _conflict(cmd: SetWorkers | Pause | Resume | Stop, state: str) -> str | None:
+    """Why a user's command does not fit the job's state (None: it does)."""
+    match cmd:
+        case SetWorkers():
+            return "a finished job cannot be resized" if state in TERMINAL else None
+        case Pause():
+            return ("a finished job cannot be paused" if state in TERMINAL else
+                    "it is already paused" if state == "PAUSED" else None)
+        case Resume():
+            return None if state == "PAUSED" else "only a PAUSED job can be resumed"
+        case Stop():
+            return "it has already finished" if state in TERMINAL else None
+    return None

@@ -100,8 +100,9 @@ class Shrink:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Pause:
-    """Pause a running job, checkpoint first; it is given back capacity later (a `Grow` from 0)."""
+class Preempt:
+    """Pause a running job, checkpoint first, to admit others; it is given back capacity later (a `Grow`
+    from 0)."""
     job_id: str
     before: int
     reason: str
@@ -129,7 +130,7 @@ class Queued:
 class Schedule:
     grants: tuple[Start, ...] = ()
     resizes: tuple[Shrink, ...] = ()
-    pauses: tuple[Pause, ...] = ()
+    pauses: tuple[Preempt, ...] = ()
     returns: tuple[Grow, ...] = ()
     """In priority order."""
     queued: tuple[Queued, ...] = ()
@@ -137,7 +138,7 @@ class Schedule:
     ledger: Ledger = field(default_factory=Ledger)
     """The ledger once every decision is carried out: the grant of each job is its holding here."""
 
-    def decision(self, job_id: str) -> Start | Shrink | Pause | Grow | Queued | None:
+    def decision(self, job_id: str) -> Start | Shrink | Preempt | Grow | Queued | None:
         """What happens to one job (None: it keeps what it holds)."""
         for d in (*self.grants, *self.resizes, *self.pauses, *self.returns, *self.queued):
             if d.job_id == job_id:

@@ -196,11 +196,3 @@ class Ledger:
             nodes.append(NodeCapacity(node_id=nid, cpus=n.cpus, gpus=n.gpus, outside_cpus=out_c, outside_gpus=out_g,
                                       usable=not n.draining and (include_head or not n.is_head)))
         return cls(nodes=tuple(nodes), holdings=tuple(sorted(kept, key=lambda h: h.job_id)))
-
-
-def cap_slots(slots: Mapping[str, int], grant: Mapping[str, int] | None) -> dict[str, int]:
-    """The coordinator's seam: the per-node slots it may plan onto, capped by its grant ({node: workers},
-    None when the job runs without a scheduler). A node outside the grant offers nothing."""
-    if grant is None:
-        return dict(slots)
-    return {nid: min(n, grant.get(nid, 0)) for nid, n in slots.items() if min(n, grant.get(nid, 0)) > 0}

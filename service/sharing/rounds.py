@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 
 from service.pool.cluster import ClusterSnapshot
 from service.sharing.ledger import Holding, Ledger, WorkerShape
-from service.sharing.scheduler import Grow, JobRequest, Pause, Phase, Queued, Quota, Schedule, Start, schedule
+from service.control.commands import Grant, Pause, Resume
+from service.sharing.scheduler import Grow, JobRequest, Phase, Preempt, Queued, Quota, Schedule, Start, schedule
 
 UNKNOWN = "UNKNOWN"
 TERMINAL_STATES = frozenset({"SUCCEEDED", "FAILED", "STOPPED"})
@@ -79,28 +80,12 @@ class JobView:
 
 # -- what the coordinators are told ---------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True, slots=True)
-class SetGrant:
-    """Plan onto these workers only ({} : none; a queued job is told its place and why)."""
+class Tell:
+    """What one job's coordinator is told: a grant (plan onto these workers only; {}: none, and a queued
+    job its place and why), a pause (checkpoint, release the workers, wait for capacity back), or a
+    resume on the grant just sent."""
     job_id: str
-    nodes: dict[str, int]
-    reason: str
-    queue_position: int | None = None
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class PauseJob:
-    """Checkpoint, release the workers, wait for the scheduler to give capacity back."""
-    job_id: str
-    reason: str
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ResumeJob:
-    """Start again on the grant just sent (a job the scheduler paused)."""
-    job_id: str
-
-
-Action = SetGrant | PauseJob | ResumeJob
+    command: Grant | Pause | Resume
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -108,7 +93,7 @@ class Round:
     schedule: Schedule
     ledger: Ledger
     """The ledger the round decided on (what every job holds now)."""
-    actions: tuple[Action, ...]
+    actions: tuple[Tell, ...]
 
 
 def ledger_of(snap: ClusterSnapshot, jobs: Sequence[JobView], *,
@@ -128,53 +113,60 @@ def plan_round(snap: ClusterSnapshot, jobs: Sequence[JobView], quotas: Mapping[s
                            shape=j.shape) for j in scheduled]
     s = schedule(ledger, requests, quotas)
     free = {nid: list(v) for nid, v in ledger.free().items()}
-    actions: list[Action] = []
+    actions: list[Tell] = []
     by_rank = {r.job_id: i for i, r in enumerate(sorted(requests, key=lambda r: (-r.priority, r.submitted, r.job_id)))}
     for j in sorted(scheduled, key=lambda j: by_rank[j.job_id]):
         actions += _tell(j, s, free)
     for j in jobs:  # not scheduled but still granted (paused by its user): take the grant back
         if j.phase is None and j.state == "PAUSED" and j.grant:
-            actions.append(SetGrant(job_id=j.job_id, nodes={}, reason="paused by its user: its workers go to "
-                                                                      "other jobs until it is resumed"))
+            actions.append(_grant(j, {}, "paused by its user: its workers go to other jobs until it is resumed"))
     # What frees workers goes first: a coordinator slow to answer (one just launched) must not hold up
     # the shrinks and pauses the jobs waiting for their workers depend on.
     held = {j.job_id: sum(j.holding().values()) for j in jobs}
-    actions.sort(key=lambda a: not (isinstance(a, PauseJob)
-                                    or (isinstance(a, SetGrant) and sum(a.nodes.values()) < held[a.job_id])))
+    actions.sort(key=lambda a: not (isinstance(a.command, Pause) or (
+        isinstance(a.command, Grant) and sum(a.command.nodes.values()) < held[a.job_id])))
     return Round(schedule=s, ledger=ledger, actions=tuple(actions))
 
 
-def _tell(j: JobView, s: Schedule, free: dict[str, list[float]]) -> list[Action]:
+def _grant(j: JobView, nodes: dict[str, int], reason: str, queue_position: int | None = None) -> Tell:
+    return Tell(job_id=j.job_id, command=Grant(nodes=nodes, reason=reason, queue_position=queue_position))
+
+
+def _resume(j: JobView) -> Tell:
+    return Tell(job_id=j.job_id, command=Resume(by="scheduler"))
+
+
+def _tell(j: JobView, s: Schedule, free: dict[str, list[float]]) -> list[Tell]:
     """What job `j` is told this round; `free` ({node: [cpus, gpus]} free now) loses what is given."""
     d = s.decision(j.job_id)
     want = s.grant(j.job_id)
     now = j.holding()
-    if isinstance(d, Pause):
-        return [PauseJob(job_id=j.job_id, reason=d.reason)]
+    if isinstance(d, Preempt):
+        return [Tell(job_id=j.job_id, command=Pause(by="scheduler", reason=d.reason))]
     if isinstance(d, Queued):
         if j.grant == {} and (j.queue_position, j.reason) == (d.position, d.reason):
             return []
-        return [SetGrant(job_id=j.job_id, nodes={}, reason=d.reason, queue_position=d.position)]
+        return [_grant(j, {}, d.reason, d.position)]
     if j.phase is Phase.PAUSED and not want:
-        return [SetGrant(job_id=j.job_id, nodes={}, reason="paused by the scheduler")] if j.grant else []
+        return [_grant(j, {}, "paused by the scheduler")] if j.grant else []
     want = _usable(j, want, now)
     more = {nid: k - now.get(nid, 0) for nid, k in want.items() if k > now.get(nid, 0)}
     if not _fits(more, j.shape, free):
         if isinstance(d, (Start, Grow)) and j.phase is not Phase.RUNNING:
             why = f"{d.reason}; waiting for the workers it is given to be released by the jobs that held them"
-            return [] if j.reason == why else [SetGrant(job_id=j.job_id, nodes={}, reason=why, queue_position=1)]
+            return [] if j.reason == why else [_grant(j, {}, why, 1)]
         want = {nid: min(k, now.get(nid, 0)) for nid, k in want.items() if min(k, now.get(nid, 0))}  # shrink parts only
         if want == dict(j.grant or {}) or not want:
             return []
     else:
         _take(more, j.shape, free)
     if want == dict(j.grant or {}):
-        return [ResumeJob(job_id=j.job_id)] if j.phase is Phase.PAUSED and want else []
+        return [_resume(j)] if j.phase is Phase.PAUSED and want else []
     reason = d.reason if d is not None and not isinstance(d, Queued) else \
         f"granted {sum(want.values())} workers by the shared-cluster scheduler"
-    out: list[Action] = [SetGrant(job_id=j.job_id, nodes=want, reason=reason)]
+    out = [_grant(j, want, reason)]
     if j.phase is Phase.PAUSED:
-        out.append(ResumeJob(job_id=j.job_id))
+        out.append(_resume(j))
     return out
 
 

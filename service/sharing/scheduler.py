@@ -34,9 +34,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from service.sharing.ledger import Holding, Ledger, WorkerShape
-from service.sharing.decisions import Grow, JobRequest, Pause, Phase, Queued, Quota, Schedule, Shrink, Start
+from service.sharing.decisions import Grow, JobRequest, Phase, Preempt, Queued, Quota, Schedule, Shrink, Start
 
-__all__ = ["Grow", "JobRequest", "Pause", "Phase", "Queued", "Quota", "Schedule", "Shrink", "Start", "schedule"]
+__all__ = ["Grow", "JobRequest", "Phase", "Preempt", "Queued", "Quota", "Schedule", "Shrink", "Start", "schedule"]
 
 _ADMIT_RANK = {Phase.RUNNING: 0, Phase.PAUSED: 1, Phase.QUEUED: 2}
 """Within one priority: jobs running keep their place, then jobs the scheduler paused, then the queue."""
@@ -281,7 +281,7 @@ def _explain(ledger: Ledger, jobs: list[JobRequest], alloc: dict[str, dict[str, 
                               reason=f"resumed on {b} workers: capacity given back in priority order (priority {j.priority})"))
         elif j.phase is Phase.RUNNING and not b:
             why = (f"because of {lim}" if (lim := limit(j)) else beneficiary(j, strict=True)) or f"because {lost}"
-            pauses.append(Pause(job_id=j.job_id, before=a, reason=f"paused (checkpoint first, was {a} workers) {why}"))
+            pauses.append(Preempt(job_id=j.job_id, before=a, reason=f"paused (checkpoint first, was {a} workers) {why}"))
         elif j.phase is Phase.RUNNING and b < a:
             why = (f"because of {lim}" if (lim := limit(j)) else beneficiary(j, strict=False)) or f"because {lost}"
             shrinks.append(Shrink(job_id=j.job_id, before=a, after=b, nodes=nodes, reason=f"shrunk {a}→{b} {why}"))

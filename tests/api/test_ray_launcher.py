@@ -12,6 +12,7 @@ from service.server.job_manager import JobManager
 from tests.api.helpers import SPEC, fake_factory, wait_for
 from tests.fakes import FakeCluster
 from tests.ray_local import local_ray  # noqa: F401  (a fixture)
+from service.control.commands import SetWorkers
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.e2e
@@ -38,7 +39,7 @@ def test_a_detached_job_actor_survives_its_manager_and_is_found_by_name(local_ra
     try:
         step = second.get(job_id).status.step
         assert second.get(job_id).state == "RUNNING" and step >= 3
-        second.resize(job_id, workers=2)
+        second.command(job_id, SetWorkers(workers=2))
         j = wait_for(lambda: (x := second.get(job_id).status).degrees["dp"] == 2 and x, timeout=30, what="resized")
         assert j.world_size == 2
         j = wait_for(lambda: (x := second.get(job_id).status).state == "SUCCEEDED" and x, timeout=60, what="done")

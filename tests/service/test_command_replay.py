@@ -10,6 +10,7 @@ from service.server.job_actor import JobActorBody
 from service.server.specs import validate_spec
 from tests.api.helpers import SPEC, fake_factory, wait_for
 from tests.fakes import FakeCluster, Gate
+from service.control.commands import Pause, Resume, SetWorkers, Stop
 
 
 def runner(tmp_path, cluster, gate, job_id="job1"):
@@ -28,18 +29,18 @@ def test_a_paused_job_stays_paused_after_its_coordinator_restarts(tmp_path):
     cluster, gate = FakeCluster({"a": 2, "b": 2}), Gate(limit=3)
     first = runner(tmp_path, cluster, gate)
     wait_for(lambda: first.status().step == 3, what="step 3")
-    first.pause()
+    first.send(Pause())
     wait_for(lambda: first.status().state == "PAUSED", what="PAUSED")
     gate.allow(None)
     # The actor's process dies; Ray builds the actor again with the same arguments.
     second = runner(tmp_path, cluster, gate)
     wait_for(lambda: second.status().state == "PAUSED", what="PAUSED after the restart")
     assert transitions_after_restart(second) == ["PAUSED"] and second.status().world_size == 0
-    second.resume()
+    second.send(Resume())
     wait_for(lambda: second.status().state == "SUCCEEDED", what="SUCCEEDED after resume")
     lines = [json.loads(x) for x in (tmp_path / "commands.jsonl").read_text().splitlines()]
     assert [x["command"] for x in lines] == ["pause", "resume"]
-    first.coord.stop()
+    first.coord.send(Stop())
     second.join(10)
 
 
@@ -47,9 +48,9 @@ def test_a_stopped_job_does_not_start_again_and_a_resize_holds(tmp_path):
     cluster, gate = FakeCluster({"a": 2, "b": 2}), Gate(limit=3)
     first = runner(tmp_path, cluster, gate)
     wait_for(lambda: first.status().step == 3, what="step 3")
-    first.resize(workers=2)
-    first.resize(min_workers=2)
-    first.stop()
+    first.send(SetWorkers(workers=2))
+    first.send(SetWorkers(min_workers=2))
+    first.send(Stop())
     wait_for(lambda: first.status().state == "STOPPED", what="STOPPED")
     second = runner(tmp_path, cluster, gate)
     assert second.join(10)

@@ -12,6 +12,7 @@ from parallel.planner import PlanError
 from service.control.coordinator import Coordinator
 from service.pool.group import WorkerFailure
 from tests.fakes import advance, make_coordinator
+from service.control.commands import Pause, Resume, SetWorkers, Stop
 
 
 def changes(c: Coordinator):
@@ -168,19 +169,19 @@ def test_repeated_failures_of_one_kind_end_in_failed_with_the_error(tmp_path):
 def test_user_resize_pause_resume_stop(tmp_path):
     c, _, _ = make_coordinator(tmp_path, {"a": 2, "b": 2}, settle=1e9)
     advance(c, lambda c: c.step_done >= 3)
-    c.resize(workers=2)
+    c.send(SetWorkers(workers=2))
     advance(c, lambda c: len(c.reconfigs) == 2)
     assert c.group.size == 2 and c.reconfigs[-1].cause == "user" and c.reconfigs[-1].steps_lost == 0
-    c.resize(workers=4)  # a user's growth ignores the settle time
+    c.send(SetWorkers(workers=4))  # a user's growth ignores the settle time
     advance(c, lambda c: len(c.reconfigs) == 3)
     assert c.group.size == 4
-    c.pause()
+    c.send(Pause())
     advance(c, lambda c: str(c.sm.state) == "PAUSED")
     paused_at = c.step_done
     assert c.group is None and c.committed_step == paused_at
-    c.resume()
+    c.send(Resume())
     advance(c, lambda c: c.step_done > paused_at)
-    c.stop()
+    c.send(Stop())
     advance(c, lambda c: c.sm.state.is_terminal)
     assert str(c.sm.state) == "STOPPED"
 
@@ -188,7 +189,7 @@ def test_user_resize_pause_resume_stop(tmp_path):
 def test_a_planned_resize_moves_state_live_then_writes_a_durable_checkpoint_in_the_background(tmp_path):
     c, _, _ = make_coordinator(tmp_path, {"a": 2, "b": 2}, settle=1e9, interval=5)
     advance(c, lambda c: c.step_done >= 7)
-    c.resize(workers=2)
+    c.send(SetWorkers(workers=2))
     advance(c, lambda c: len(c.reconfigs) == 2)
     rc = c.reconfigs[-1]
     assert rc.transfer["path"] == "live" and rc.transfer["bytes_moved"] == 1 << 20
@@ -204,7 +205,7 @@ def test_a_planned_resize_moves_state_live_then_writes_a_durable_checkpoint_in_t
 def test_reshard_storage_resizes_through_a_blocking_checkpoint(tmp_path):
     c, _, _ = make_coordinator(tmp_path, {"a": 2, "b": 2}, settle=1e9, parallel={"reshard": "storage"})
     advance(c, lambda c: c.step_done >= 7)
-    c.resize(workers=2)
+    c.send(SetWorkers(workers=2))
     advance(c, lambda c: len(c.reconfigs) == 2)
     assert c.reconfigs[-1].transfer["path"] == "storage"
     assert c.reconfigs[-1].transfer.keys() == {"path", "start_s", "standby", "form_s"}  # where its time went
@@ -216,7 +217,7 @@ def test_a_live_transfer_that_fails_midway_falls_back_to_the_last_commit_and_say
     c, _, G = make_coordinator(tmp_path, {"a": 2, "b": 2}, settle=1e9, interval=5)
     advance(c, lambda c: c.step_done >= 7)
     G.fail_next.append("transfer")
-    c.resize(workers=2)
+    c.send(SetWorkers(workers=2))
     advance(c, lambda c: len(c.reconfigs) == 2 and c.step_done >= 8)
     fallback = [e for e in c.events_since(0) if e["kind"] == "fallback"]
     assert len(fallback) == 1 and "last committed checkpoint (step 5)" in fallback[0]["reason"]
@@ -356,7 +357,7 @@ def test_a_recovery_that_resumes_at_the_last_step_is_still_recorded(tmp_path):
 def test_bad_resize_is_rejected_in_the_callers_thread(tmp_path):
     c, _, _ = make_coordinator(tmp_path, {"a": 2})
     with pytest.raises(ValueError, match="max_workers=1 is less than min_workers=2"):
-        c.resize(min_workers=2, max_workers=1)
+        c.send(SetWorkers(min_workers=2, max_workers=1))
 
 
 def test_status_reports_layout_and_world_size_of_one_plan_while_a_group_re_forms(tmp_path):
@@ -372,7 +373,7 @@ def test_status_reports_layout_and_world_size_of_one_plan_while_a_group_re_forms
         seen.append(c.status().to_dict())  # members changed, plan not yet: what an API poll would see now
         return out
     G.scale_to = scale_to
-    c.resize(workers=2)
+    c.send(SetWorkers(workers=2))
     advance(c, lambda c: c.group.size == 2 and c.plan.world_size == 2 and c.step_done >= 5)
     assert seen
     for st in seen + [c.status().to_dict()]:

@@ -7,13 +7,14 @@ from __future__ import annotations
 from service.control.metrics_ring import RecentMetrics
 from service.pool.group import WorkerFailure
 from tests.fakes import advance, make_coordinator
+from service.control.commands import Pause, SetWorkers, Stop
 
 
 def test_two_quick_resizes_compose(tmp_path):
     c, _, _ = make_coordinator(tmp_path, {"a": 2, "b": 2}, max_workers=4)
     advance(c, lambda c: c.step_done >= 2)
-    c.resize(workers=2)          # both queued before the loop applies either
-    c.resize(min_workers=2)
+    c.send(SetWorkers(workers=2))          # both queued before the loop applies either
+    c.send(SetWorkers(min_workers=2))
     advance(c, lambda c: c.group is not None and c.group.size == 2 and c.step_done >= 4)
     assert (c.policy.config.min_workers, c.policy.config.max_workers) == (2, 2)
 
@@ -26,7 +27,7 @@ def test_a_failed_checkpoint_before_stop_is_an_event_and_not_a_clean_stop(tmp_pa
         raise WorkerFailure("died", "disk full")
 
     c.group.__class__.checkpoint = broken
-    c.stop()
+    c.send(Stop())
     advance(c, lambda c: c.sm.state.is_terminal)
     assert str(c.sm.state) == "FAILED"
     ev = [e for e in c.events_since(0) if e["kind"] == "failure"]
@@ -38,7 +39,7 @@ def test_a_failed_checkpoint_before_pause_is_an_event_and_the_job_still_pauses(t
     c, _, _ = make_coordinator(tmp_path, {"a": 2, "b": 2})
     advance(c, lambda c: c.step_done >= 7)
     c.group.__class__.checkpoint = lambda self, *, blocking=True: (_ for _ in ()).throw(WorkerFailure("died", "x"))
-    c.pause()
+    c.send(Pause())
     advance(c, lambda c: str(c.sm.state) == "PAUSED")
     assert any(e["kind"] == "failure" and e["details"].get("kind") == "checkpoint_before_pause"
                for e in c.events_since(0))

@@ -4,6 +4,7 @@ deliverable 1), with the fake group and cluster of tests/fakes.py."""
 from __future__ import annotations
 
 from tests.fakes import advance, make_coordinator
+from service.control.commands import Grant, Pause, Resume
 
 
 def test_a_coordinator_places_only_on_its_grant_and_follows_it_with_planned_resizes(tmp_path):
@@ -35,25 +36,25 @@ def test_a_grant_below_min_workers_is_queued_and_says_the_scheduler_is_why(tmp_p
 def test_grants_come_as_commands_with_their_reason_as_an_event_and_the_queue_in_the_status(tmp_path):
     c, _, _ = make_coordinator(tmp_path, {"a": 2, "b": 2}, min_workers=2, steps=40, settle=3600.0)
     c.grant = {}  # launched by the service: nothing granted yet
-    c.set_grant({}, "needs 2 workers; 0 can be granted", queue_position=3)
+    c.send(Grant(nodes={}, reason="needs 2 workers; 0 can be granted", queue_position=3))
     advance(c, lambda c: str(c.sm.state) == "QUEUED")
     st = c.status()
     assert (st.state, st.queue_position, st.reason) == ("QUEUED", 3, "needs 2 workers; 0 can be granted")
     assert st.grant == {} and st.held == {}
 
-    c.set_grant({"b": 2}, "admitted on 2 workers (min 2, priority 0)")
+    c.send(Grant(nodes={"b": 2}, reason="admitted on 2 workers (min 2, priority 0)"))
     advance(c, lambda c: c.step_done >= 2)
     st = c.status()
     assert (st.state, st.queue_position, st.held, st.grant) == ("RUNNING", None, {"b": 2}, {"b": 2})
     told = [e.reason for e in c.events.events if e.kind == "schedule"]
     assert told == ["needs 2 workers; 0 can be granted", "admitted on 2 workers (min 2, priority 0)"]
 
-    c.pause(by="scheduler", reason="paused (checkpoint first, was 2 workers) to admit job h (priority 9)")
+    c.send(Pause(by="scheduler", reason="paused (checkpoint first, was 2 workers) to admit job h (priority 9)"))
     advance(c, lambda c: str(c.sm.state) == "PAUSED")
     assert c.sm.cause == "scheduler" and c.sm.reason.startswith("paused (checkpoint first") and c.group is None
     assert c.committed_step == c.step_done  # checkpoint first: nothing to redo
-    c.set_grant({"a": 2}, "resumed on 2 workers: capacity given back in priority order (priority 0)")
-    c.resume(by="scheduler")
+    c.send(Grant(nodes={"a": 2}, reason="resumed on 2 workers: capacity given back in priority order (priority 0)"))
+    c.send(Resume(by="scheduler"))
     advance(c, lambda c: str(c.sm.state) == "RUNNING")
     assert set(c.group.nodes()) == {"a"} and c.sm.cause is not None
 
@@ -63,8 +64,8 @@ def test_bad_grants_and_pausers_are_refused_at_once(tmp_path):
 
     c, _, _ = make_coordinator(tmp_path, {"a": 2})
     with pytest.raises(ValueError, match="a grant is"):
-        c.set_grant({"a": 0}, "x")
+        c.send(Grant(nodes={"a": 0}, reason="x"))
     with pytest.raises(ValueError, match="needs its reason"):
-        c.set_grant({"a": 1}, "")
+        c.send(Grant(nodes={"a": 1}, reason=""))
     with pytest.raises(ValueError, match="pause by must be one of"):
-        c.pause(by="someone")
+        c.send(Pause(by="someone"))

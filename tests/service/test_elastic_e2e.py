@@ -15,6 +15,7 @@ import pytest
 from service.control.coordinator import Coordinator, CoordinatorOptions
 from tests.bodies import train_body
 from tests.multiproc import run_ranks
+from service.control.commands import SetWorkers
 from workers.config import JobConfig
 from workers.reshard import SEND_RECV_PARTS
 
@@ -166,7 +167,7 @@ def test_planned_resize_redoes_no_steps(cluster, nodes, reference, tmp_path):
     hold = Hold(4)  # a chunk of steps could otherwise reach the last step before the request is queued
     coord, t = start(tmp_path, hold=hold)
     wait_for(coord, running_at(coord, 4), "step 4")
-    coord.resize(workers=1)
+    coord.send(SetWorkers(workers=1))
     hold.release()
     (rc,) = finish(coord, t, reference)
     assert rc.cause == "user" and rc.steps_lost == 0 and rc.resumed_step == rc.step_before

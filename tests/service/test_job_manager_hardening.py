@@ -17,6 +17,7 @@ from api.store import JobStore
 from service.server.job_manager import JobConflict, JobManager, JobNotFound
 from service.server.job_manager import UNKNOWN
 from service.control.status import JobStatus
+from service.control.commands import Pause, SetWorkers, Stop
 
 SPEC = {"name": "h", "data": {"source": "synthetic", "seq_len": 16},
         "train": {"steps": 10, "global_batch_size": 8, "micro_batch_size": 2}}
@@ -43,13 +44,9 @@ class Handle:
     def metrics_since(self, step=0):
         return [{"step": s, "loss": 1.0} for s in range(step + 1, self.step + 1)]
 
-    def stop(self):
-        self.stops += 1
-
-    def resize(self, **kw):
-        pass
-
-    pause = resume = stop
+    def send(self, cmd):
+        if not isinstance(cmd, SetWorkers):  # a stop, pause or resume
+            self.stops += 1
 
 
 class Launcher:
@@ -95,7 +92,8 @@ def test_requests_for_unknown_ids_leave_nothing_behind(mgr):
     before = len(mgr._locks)
     for _ in range(500):
         bad = uuid.uuid4().hex[:12]
-        for call in (mgr.get, mgr.events, mgr.metrics, mgr.checkpoints, mgr.sync, mgr.pause, mgr.stop, mgr.delete):
+        for call in (mgr.get, mgr.events, mgr.metrics, mgr.checkpoints, mgr.sync, lambda j: mgr.command(j, Pause()),
+                     lambda j: mgr.command(j, Stop()), mgr.delete):
             with pytest.raises(JobNotFound):
                 call(bad)
     assert len(mgr._locks) == before

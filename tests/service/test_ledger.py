@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from service.pool.cluster import in_use_from, snapshot_from
-from service.sharing.ledger import Holding, Ledger, NodeCapacity, WorkerShape, cap_slots
+from service.pool.placement import cap_slots
+from service.sharing.ledger import Holding, Ledger, NodeCapacity, WorkerShape
 
 CPU = WorkerShape(cpus=1.0)
 GPU = WorkerShape(cpus=2.0, gpus=1.0)

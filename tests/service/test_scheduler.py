@@ -9,7 +9,7 @@ import re
 import pytest
 
 from service.sharing.ledger import Holding, Ledger, NodeCapacity, WorkerShape
-from service.sharing.scheduler import Grow, JobRequest, Pause, Phase, Queued, Quota, Shrink, Start, schedule
+from service.sharing.scheduler import Grow, JobRequest, Preempt, Phase, Queued, Quota, Shrink, Start, schedule
 
 CPU = WorkerShape(cpus=1.0)
 R, P, Q = Phase.RUNNING, Phase.PAUSED, Phase.QUEUED
@@ -85,7 +85,7 @@ def test_only_when_shrinking_is_not_enough_is_the_lowest_job_paused():
     jobs = [job("mid", R, min_workers=2, priority=5), job("low", R, min_workers=2, priority=1),
             job("h", min_workers=6, max_workers=6, priority=10)]
     s = schedule(led, jobs)
-    assert s.pauses == (Pause(job_id="low", before=4,
+    assert s.pauses == (Preempt(job_id="low", before=4,
                               reason="paused (checkpoint first, was 4 workers) to admit job h (priority 10)"),)
     assert s.decision("mid") == Shrink(job_id="mid", before=4, after=2, nodes=(("a", 2),),
                                        reason="shrunk 4→2 to admit job h (priority 10)")
@@ -106,7 +106,7 @@ def test_a_job_whose_nodes_a_higher_one_took_is_paused_not_kept_on_the_extras_of
     s = schedule(led, [job("hi", R, priority=5), job("lo", R, min_workers=2),
                        job("new", min_workers=4, max_workers=4, priority=1)])
     assert s.grant("hi") == {"b": 4} and s.grant("new") == {"a": 4} and s.resizes == ()
-    assert s.pauses == (Pause(job_id="lo", before=4,
+    assert s.pauses == (Preempt(job_id="lo", before=4,
                               reason="paused (checkpoint first, was 4 workers) to admit job new (priority 1)"),)
 
 
@@ -271,9 +271,9 @@ def test_invariants_hold_on_random_scenarios(seed):
     for j in jobs:
         d = s.decision(j.job_id)
         if j.phase is R and not after.get(j.job_id):
-            assert isinstance(d, Pause)
+            assert isinstance(d, Preempt)
         if j.job_id not in after:
-            assert isinstance(d, (Pause, Queued))
+            assert isinstance(d, (Preempt, Queued))
     # quotas never exceeded
     for owner, q in quotas.items():
         mine = [w for jid, w in after.items() if by_id[jid].owner == owner]
@@ -334,7 +334,7 @@ def test_lost_capacity_shrinks_then_pauses_and_says_so():
         "shrunk 4→2 because the cluster has less capacity (a node left, is draining, or is used outside the service)"))
     assert s.decision("lo").after == 2
     s = schedule(led, [job("hi", R, min_workers=3, priority=5), job("lo", R, min_workers=2, priority=1)])
-    assert s.decision("lo") == Pause(job_id="lo", before=4, reason=(
+    assert s.decision("lo") == Preempt(job_id="lo", before=4, reason=(
         "paused (checkpoint first, was 4 workers) because the cluster has less capacity (a node left, is "
         "draining, or is used outside the service)"))
     assert "lo" not in sizes(s)

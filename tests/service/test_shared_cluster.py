@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from service.pool.cluster import snapshot_from
 from service.sharing.scheduler import Phase, Quota
-from service.sharing.rounds import JobView, PauseJob, ResumeJob, SetGrant, plan_round
+from service.control.commands import Grant, Pause, Resume
+from service.sharing.rounds import JobView, plan_round
 
 
 def cluster(**cpus: int):
@@ -19,9 +20,10 @@ def job(job_id, *, state="RUNNING", held=None, grant=None, lo=1, hi=None, prio=0
 
 
 def by_job(actions):
+    """The commands each job is told, in order."""
     out: dict[str, list] = {}
     for a in actions:
-        out.setdefault(a.job_id, []).append(a)
+        out.setdefault(a.job_id, []).append(a.command)
     return out
 
 
@@ -41,7 +43,7 @@ def test_phases_follow_the_status():
 def test_a_queued_job_is_started_on_free_workers_and_told_its_place_otherwise():
     r = plan_round(cluster(n=4), [job("a", state="QUEUED", lo=2, hi=2, t=1), job("b", state="QUEUED", lo=4, t=2)])
     acts = by_job(r.actions)
-    assert acts["a"] == [SetGrant(job_id="a", nodes={"n": 2}, reason="admitted on 2 workers (min 2, priority 0)")]
+    assert acts["a"] == [Grant(nodes={"n": 2}, reason="admitted on 2 workers (min 2, priority 0)")]
     (b,) = acts["b"]
     assert b.nodes == {} and b.queue_position == 1 and "needs 4 workers" in b.reason
     # told once: the same place and reason are not sent again
@@ -56,7 +58,7 @@ def test_a_higher_priority_job_waits_for_the_shrink_it_causes_then_starts():
     r = plan_round(cluster(n=4), [low, high])
     assert [a.job_id for a in r.actions] == ["low", "high"]  # what frees workers is sent first
     acts = by_job(r.actions)
-    assert acts["low"] == [SetGrant(job_id="low", nodes={"n": 2}, reason="shrunk 4→2 to admit job high (priority 10)")]
+    assert acts["low"] == [Grant(nodes={"n": 2}, reason="shrunk 4→2 to admit job high (priority 10)")]
     (h,) = acts["high"]
     assert h.nodes == {} and "waiting for the workers" in h.reason  # low still runs on them
 
@@ -68,7 +70,7 @@ def test_a_higher_priority_job_waits_for_the_shrink_it_causes_then_starts():
     # low's group has shrunk: high is started on the two workers it gave up
     low = job("low", held={"n": 2}, grant={"n": 2}, lo=2, t=1)
     acts = by_job(plan_round(cluster(n=4), [low, high]).actions)
-    assert acts == {"high": [SetGrant(job_id="high", nodes={"n": 2},
+    assert acts == {"high": [Grant(nodes={"n": 2},
                                       reason="admitted on 2 workers (min 2, priority 10)")]}
 
 
@@ -76,13 +78,13 @@ def test_pause_is_sent_at_once_and_a_paused_job_is_resumed_once_capacity_is_free
     low = job("low", held={"n": 2}, grant={"n": 2}, lo=2, t=1)
     high = job("high", state="QUEUED", lo=4, hi=4, prio=5, t=2)
     acts = by_job(plan_round(cluster(n=4), [low, high]).actions)
-    assert acts["low"] == [PauseJob(job_id="low", reason="paused (checkpoint first, was 2 workers) to admit job "
+    assert acts["low"] == [Pause(by="scheduler", reason="paused (checkpoint first, was 2 workers) to admit job "
                                                          "high (priority 5)")]
     # low is paused (by the scheduler) and high finished: low gets its workers back and is resumed
     low = job("low", state="PAUSED", cause="scheduler", grant={"n": 2}, lo=2, t=1)
     done = job("high", state="SUCCEEDED", held={}, grant={"n": 4}, lo=4, prio=5, t=2)
     acts = by_job(plan_round(cluster(n=4), [low, done]).actions)
-    assert acts["low"][0].nodes == {"n": 4} and acts["low"][1] == ResumeJob(job_id="low")
+    assert acts["low"][0].nodes == {"n": 4} and acts["low"][1] == Resume(by="scheduler")
     assert "high" not in acts
 
 
@@ -91,7 +93,7 @@ def test_a_user_paused_job_gives_its_grant_back_and_an_unknown_job_keeps_what_it
                                             job("u", state="UNKNOWN", held={"n": 3}),
                                             job("q", state="QUEUED", lo=1, hi=4, t=3)]).actions)
     assert acts["p"][0].nodes == {}
-    assert acts["q"] == [SetGrant(job_id="q", nodes={"n": 1}, reason="admitted on 1 workers (min 1, priority 0)")]
+    assert acts["q"] == [Grant(nodes={"n": 1}, reason="admitted on 1 workers (min 1, priority 0)")]
     assert "u" not in acts
 
 

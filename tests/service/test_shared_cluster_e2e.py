@@ -15,6 +15,7 @@ from service.server.job_actor import RayLauncher
 from service.server.job_manager import JobManager
 from tests.bodies import train_body
 from tests.multiproc import run_ranks
+from service.control.commands import Stop
 
 pytestmark = pytest.mark.e2e
 
@@ -87,7 +88,7 @@ def test_a_higher_priority_job_shrinks_two_running_ones_and_they_grow_back(clust
             wait(lambda j=j: (x := m.get(j).status).world_size == 2 and x.reconfigurations.get("grow"),
                  f"job {j} grown back")
             assert f"shrunk 2→1 to admit job {urgent} (priority 10)" in told(m, j)
-            m.stop(j)
+            m.command(j, Stop())
         done = {j: wait(lambda j=j: (x := m.get(j).status).state == "STOPPED" and x, f"job {j} stopped") for j in (a, b)}
     finally:
         m.close()

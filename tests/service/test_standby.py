@@ -25,8 +25,8 @@ def _cpus_free(n: float, timeout_s: float = 15) -> None:
 
 
 def _settled_standby(g: WorkerGroup) -> dict:
-    (_, _, ref), = g.standby
-    return ray.get(ref, timeout=60)
+    (standby,) = g.standby
+    return ray.get(standby.ping, timeout=60)
 
 
 def test_a_crashed_member_is_replaced_by_the_standby_which_then_holds_the_slot(local_ray, tmp_path):
@@ -78,7 +78,7 @@ def test_a_dead_standby_is_replaced_standbys_leave_nodes_without_members_none_fo
     finally:
         g.shutdown()
     gpu = WorkerGroup(JobConfig(), str(tmp_path), cpus_per_worker=1, gpus_per_worker=1, job_id="t3")
-    gpu.members = g.members  # none: keep_standby must not need a GPU to decide
+    gpu.workers = g.workers  # no member: keep_standby must not need a GPU to decide
     assert gpu.keep_standby() == 0
 
 

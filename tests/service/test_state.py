@@ -272,3 +272,16 @@ def test_load_of_missing_file_is_empty_and_creates_on_append(tmp_path):
     assert len(log) == 0 and not path.exists()
     log.append(_event(0))
     assert read_events(path) == [_event(0)]
+
+
+def test_the_recovery_page_shows_the_lifecycle_as_the_code_has_it():
+    """docs/recovery.md embeds the diagram and the state table generated from TRANSITIONS and the state
+    values: a move added to the table or a field added to a state fails here until it is regenerated."""
+    from pathlib import Path
+
+    from service.control.diagram import generated, mermaid
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "recovery.md").read_text()
+    assert generated() in page
+    assert sum(line.count("-->") for line in mermaid().splitlines()) == \
+        1 + sum(len(d) for d in TRANSITIONS.values()) + sum(s.is_terminal for s in ALL)

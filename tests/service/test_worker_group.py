@@ -10,7 +10,7 @@ import time
 import pytest
 
 from service.pool.group import WorkerFailure
-from service.pool.worker_group import Member, WorkerGroup
+from service.pool.worker_group import Role, WorkerGroup, WorkerHandle
 from tests.ray_local import local_ray  # noqa: F401  (a fixture)
 
 ray = pytest.importorskip("ray")
@@ -85,7 +85,7 @@ def test_the_other_ranks_errors_after_a_failed_step_are_read_not_reported_as_unh
     try:
         first, second = FailingRank.remote(0.0, "rank-0-6f1e"), FailingRank.remote(0.5, "rank-1-6f1e")
         g = WorkerGroup(JobConfig(), str(tmp_path), cpus_per_worker=0, gpus_per_worker=0, job_id="t")
-        g.members = [Member(first, None, "n", ""), Member(second, None, "n", "")]
+        g.workers = [WorkerHandle(first, "n", None, Role.MEMBER), WorkerHandle(second, "n", None, Role.MEMBER)]
         with pytest.raises(WorkerFailure, match="rank-0-6f1e"):
             g.run(until_step=1, steps=1)
         assert ray.get(second.ping.remote(), timeout=30)  # rank 1's run has ended: one call at a time
