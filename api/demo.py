@@ -64,6 +64,7 @@ def run_demo(*, steps: int = 100, workers: int = 4, run_dir: str | None = None, 
     from ray.cluster_utils import Cluster
 
     from service.pool.cluster import drain_node, kill_node
+    from service.control.job import Job
     from service.server.driver import JobRunner
     from service.server.specs import validate_spec
 
@@ -86,8 +87,8 @@ def run_demo(*, steps: int = 100, workers: int = 4, run_dir: str | None = None, 
         ray.init(address=cluster.address, log_to_driver=False)
         progress = Progress(steps)
         pace = _Pace(lambda c: c.plan is not None and c.plan.world_size == workers)
-        runner = JobRunner("demo", cfg, run_dir=rd, options={"settle_seconds": 2.0, "chunk_seconds": 0.3,
-                                                             "poll_interval_s": 0.25},
+        runner = JobRunner(Job.of(cfg, job_id="demo", run_dir=rd),
+                           options={"settle_seconds": 2.0, "chunk_seconds": 0.3, "poll_interval_s": 0.25},
                            on_tick=lambda c: (progress.update(c.status()), pace(c)))
         coord = runner.coord
 

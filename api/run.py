@@ -66,20 +66,17 @@ def run_job(config: str, *, address: str | None = None, workers: int | None = No
 
     from service.server.driver import JobRunner, load_job
 
-    # The spec is parsed here, once, and checked before Ray starts; the coordinator and workers get `cfg`.
-    cfg, rd = load_job(config, workers=workers, layout=layout, steps=steps, run_dir=run_dir)
+    # The spec is parsed here, once, and checked before Ray starts; the coordinator and workers get its job.
+    job = load_job(config, job_id=uuid.uuid4().hex[:12], workers=workers, layout=layout, steps=steps, run_dir=run_dir)
     try:
         connect_ray(address)
     except Exception as e:  # ConnectionError, TimeoutError, RuntimeError from ray.init
         where = address or os.environ.get("RAY_ADDRESS") or "a new local Ray"
         raise RuntimeError(f"cannot connect to Ray at {where}: "
                            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-    job_id = uuid.uuid4().hex[:12]
-    total = steps or cfg.train.steps
-    print(f"elastron run: job {job_id} ({cfg.name}), {total} steps, run dir {rd}", flush=True)
-    progress = Progress(total)
-    runner = JobRunner(job_id, cfg, run_dir=rd, steps=steps, workers=workers, layout=layout,
-                       options={"settle_seconds": settle_seconds}, on_tick=lambda c: progress.update(c.status()))
+    print(f"elastron run: job {job.id} ({job.cfg.name}), {job.total_steps} steps, run dir {job.run_dir}", flush=True)
+    progress = Progress(job.total_steps)
+    runner = JobRunner(job, options={"settle_seconds": settle_seconds}, on_tick=lambda c: progress.update(c.status()))
     runner.join()
     progress.close()
     return summarize(runner, json_path)

@@ -119,13 +119,14 @@ def measure_elastron(*, cluster, scenario: str, workdir: str, state: State, resh
 
     from service.control.commands import SetWorkers, Stop
     from service.control.coordinator import Coordinator, CoordinatorOptions
+    from service.control.job import Job
     from service.pool.cluster import drain_node, kill_node
     from workers.config import JobConfig
 
     added = [cluster.add_node(num_cpus=1) for _ in range(START_NODES[scenario])]
     cluster.wait_for_nodes()
-    coord = Coordinator(JobConfig.from_dict(_cfg(state, steps, reshard)),
-                        run_dir=Path(workdir) / f"elastron-{reshard}-{scenario}",
+    coord = Coordinator(Job.of(JobConfig.from_dict(_cfg(state, steps, reshard)), job_id=f"{reshard}-{scenario}",
+                               run_dir=Path(workdir) / f"elastron-{reshard}-{scenario}"),
                         options=CoordinatorOptions(settle_seconds=settle, chunk_seconds=0.2, poll_interval_s=0.1))
     t = threading.Thread(target=coord.run, daemon=True)
     t.start()

@@ -13,6 +13,7 @@ from collections import Counter
 
 from service.pool.cluster import ClusterWatcher
 from service.control.coordinator import Coordinator, CoordinatorOptions
+from service.control.job import Job
 from service.pool.group import Formed, Moved, Salvage, Started, WorkerFailure
 from workers.config import JobConfig
 from workers.report import Salvaged
@@ -141,7 +142,7 @@ def make_coordinator(tmp_path, nodes, *, steps=20, interval=5, min_workers=1, ma
         "checkpoint": {"interval_steps": interval},
     })
     group_cls = type("G", (FakeGroup,), {"disk": Disk(interval), "cluster": cluster, "fail_next": []})
-    c = Coordinator(cfg, run_dir=tmp_path, job_id="job1", watcher=cluster.watcher(),
+    c = Coordinator(Job.of(cfg, job_id="job1", run_dir=tmp_path), watcher=cluster.watcher(),
                     options=CoordinatorOptions(settle_seconds=settle, max_restarts=2, **opts))
     c.worker_group_cls = group_cls
     # The fake cluster's "dead" nodes are exactly those a placement probe would not reach.

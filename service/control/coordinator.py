@@ -20,17 +20,15 @@ import logging
 import queue
 import threading
 import time
-import uuid
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from pathlib import Path
 
 from parallel.exchange import survivors_hold_everything
 from parallel.planner import Plan, PlanError, plan, size_for
 from service.control.commands import Command, Grant, Pause, Resume, SetWorkers, Stop
-from service.control.job import worker_range
+from service.control.job import Job
 from service.control.metrics_ring import RecentMetrics
 from service.control.options import CoordinatorOptions
 from service.control.policy import Decision, Fail, Failure, PolicyConfig, Resize, ScalingPolicy, Wait
@@ -46,7 +44,7 @@ from service.pool.group import Group, WorkerFailure
 from service.pool.node_health import NodeHealth
 from service.pool.placement import assign_nodes, cap_slots, probe_nodes, raylets_refusing
 from service.pool.worker_group import WorkerGroup
-from workers.config import JobConfig, job_constraints
+from workers.config import job_constraints
 
 logger = logging.getLogger(__name__)
 S = JobState
@@ -55,22 +53,17 @@ S = JobState
 class Coordinator:
     worker_group_cls: Callable[..., Group] = WorkerGroup  # seam: tests swap in a fake group
 
-    def __init__(self, cfg: JobConfig, *, run_dir: str | Path, total_steps: int | None = None,
-                 job_id: str | None = None, workers: int | None = None, layout: str | None = None,
-                 options: CoordinatorOptions | None = None, watcher: ClusterWatcher | None = None):
-        self.cfg = cfg
-        self.model_cfg = cfg.model.build()
-        self.run_dir = Path(run_dir)
+    def __init__(self, job: Job, *, options: CoordinatorOptions | None = None, watcher: ClusterWatcher | None = None):
+        self.job = job
+        self.cfg, self.job_id, self.run_dir, self.total_steps = job.cfg, job.id, job.run_dir, job.total_steps
+        self.model_cfg = self.cfg.model.build()
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.job_id = job_id or uuid.uuid4().hex[:12]
-        self.total_steps = total_steps or cfg.train.steps
         self.opts = options or CoordinatorOptions()
-        self.constraints = job_constraints(cfg, layout=layout)  # a forced layout (argument or config) in it
+        self.constraints = job_constraints(self.cfg, layout=job.layout)  # a forced layout (request or config) in it
         self.forced = self.constraints.layout
-        lo, hi = worker_range(cfg, workers, layout=layout)
         self.events = job_events(self.run_dir / "events.jsonl", self.job_id)
         self.sm = StateMachine(self.job_id, sink=self.events.append)
-        self.policy = ScalingPolicy(self._policy_config(lo, hi), size_for=self._size_for)
+        self.policy = ScalingPolicy(self._policy_config(job.min_workers, job.max_workers), size_for=self._size_for)
         self.watcher = watcher or ClusterWatcher(interval_s=self.opts.poll_interval_s)
         self._own_watcher = watcher is None
         self.group: Group | None = None

@@ -1,7 +1,10 @@
-"""What a job may run on, from its config and what its request added: one rule for the coordinator and
-the scheduler alike."""
+"""One job as its coordinator runs it: the parsed config and what the request added, built once where
+the job enters (the REST submit, `elastron run`, the demo) and passed whole from there."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
 
 from workers.config import JobConfig, job_constraints
 
@@ -16,3 +19,23 @@ def worker_range(cfg: JobConfig, workers: int | None = None, *, layout: str | No
     if forced is not None:
         lo = hi = forced.world_size
     return lo, hi
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Job:
+    id: str
+    cfg: JobConfig
+    run_dir: Path
+    total_steps: int
+    """The run's length in optimizer steps (the request's, else train.steps)."""
+    min_workers: int
+    max_workers: int | None
+    layout: str | None = None
+    """A layout the request forces (`elastron run --layout`), on top of cfg.parallel.layout."""
+
+    @classmethod
+    def of(cls, cfg: JobConfig, *, job_id: str, run_dir: str | Path, steps: int | None = None,
+           workers: int | None = None, layout: str | None = None) -> Job:
+        lo, hi = worker_range(cfg, workers, layout=layout)
+        return cls(id=job_id, cfg=cfg, run_dir=Path(run_dir), total_steps=steps or cfg.train.steps,
+                   min_workers=lo, max_workers=hi, layout=layout)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from service.control.commands import Command
 from service.control.coordinator import Coordinator, CoordinatorOptions
+from service.control.job import Job
 from service.server.specs import check_plannable
 from service.control.status import JobStatus
 from workers.config import JobConfig, job_plan, load_config
@@ -26,29 +27,24 @@ from workers.run_dir import check_run_dir
 logger = logging.getLogger(__name__)
 
 CoordinatorFactory = Callable[..., Coordinator]
-"""Builds a Coordinator from (cfg, run_dir=, total_steps=, job_id=, workers=, options=[, layout=]); a test
-seam."""
+"""Builds a Coordinator from (job, options=); a test seam."""
 
 
 class JobRunner:
     """A Coordinator in a daemon thread, with thread-safe accessors. Starts at construction: this is an
     actor body, and a Ray actor's constructor is its only start signal."""
 
-    def __init__(self, job_id: str, cfg: JobConfig, *, run_dir: str | Path, steps: int | None = None,
-                 workers: int | None = None, options: dict | None = None,
-                 coordinator_factory: CoordinatorFactory | None = None, layout: str | None = None,
+    def __init__(self, job: Job, *, options: dict | None = None, coordinator_factory: CoordinatorFactory | None = None,
                  on_tick: Callable[[Coordinator], object] | None = None):
-        """`cfg`: the job's spec as its edge parsed and checked it (service.server.specs.validate_spec for REST,
-        `load_job` for the CLI), not parsed again here. `layout` forces one (`elastron run --layout`);
-        `on_tick(coordinator)` runs after every iteration (progress output)."""
-        self.job_id = job_id
+        """`job`: as its edge built it (its config parsed and checked there: service.server.specs.validate_spec
+        for REST, `load_job` for the CLI), not parsed again here. `on_tick(coordinator)` runs after every
+        step (progress output)."""
+        self.job_id = job.id
         factory = coordinator_factory or Coordinator
-        forced = {"layout": layout} if layout is not None else {}
-        self.coord = factory(cfg, run_dir=Path(run_dir), total_steps=steps, job_id=job_id, workers=workers,
-                             options=CoordinatorOptions(**(options or {})), **forced)
+        self.coord = factory(job, options=CoordinatorOptions(**(options or {})))
         self.on_tick = on_tick
         self.error: str | None = None
-        self._thread = threading.Thread(target=self._run, name=f"elastron-job-{job_id}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"elastron-job-{job.id}", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
@@ -92,11 +88,11 @@ class JobRunner:
 
 # -- the CLI's edge ------------------------------------------------------------------------------------------
 
-def load_job(config: str | Path, *, workers: int | None = None, layout: str | None = None,
-             steps: int | None = None, run_dir: str | Path | None = None) -> tuple[JobConfig, Path]:
-    """The job YAML at `config`, parsed once, and its run directory (default runs/NAME), after every check
-    that can fail before Ray starts: the options, a readable data path, a forced layout the planner
-    accepts, a writable run directory. ValueError (or ConfigError, PlanError) in one line."""
+def load_job(config: str | Path, *, job_id: str, workers: int | None = None, layout: str | None = None,
+             steps: int | None = None, run_dir: str | Path | None = None) -> Job:
+    """The job of the YAML at `config`, parsed once, in its run directory (default runs/NAME), after
+    every check that can fail before Ray starts: the options, a readable data path, a forced layout the
+    planner accepts, a writable run directory. ValueError (or ConfigError, PlanError) in one line."""
     cfg = resolve_init_from(load_config(config))  # the model's shape, before the planner needs it
     check_data_path(cfg.data)
     if workers is not None and layout is not None:
@@ -114,7 +110,7 @@ def load_job(config: str | Path, *, workers: int | None = None, layout: str | No
         check_plannable(cfg, workers)
     rd = Path(run_dir or Path("runs") / cfg.name)
     check_run_dir(cfg, rd)  # a run that cannot write its events must not start
-    return cfg, rd
+    return Job.of(cfg, job_id=job_id, run_dir=rd, steps=steps, workers=workers, layout=layout)
 
 
 def check_local_job(config: str | Path, *, nproc: int, layout: str | None, steps: int | None,

@@ -14,14 +14,13 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from pathlib import Path
 
 from service.control.commands import Command, CommandError, Stop
 from service.server.command_log import CommandLog
 from service.control.coordinator import Coordinator
+from service.control.job import Job
 from service.server.driver import CoordinatorFactory, JobRunner
 from service.control.status import JobStatus
-from workers.config import JobConfig
 
 logger = logging.getLogger(__name__)
 
@@ -38,11 +37,11 @@ class JobActorBody(JobRunner):
     (service.server.command_log): a paused job stays paused across a Ray restart of its actor, a stopped one
     stops, a resize holds."""
 
-    def __init__(self, job_id: str, cfg: JobConfig, *, run_dir: str | Path,
-                 coordinator_factory: CoordinatorFactory | None = None, grant: dict[str, int] | None = None, **kw):
+    def __init__(self, job: Job, *, coordinator_factory: CoordinatorFactory | None = None,
+                 grant: dict[str, int] | None = None, **kw):
         """`grant`: the shared-cluster scheduler's first grant ({} for a job that starts QUEUED; None: no
         scheduler), set before the loop starts so that the job never plans onto the whole cluster."""
-        log = CommandLog(Path(run_dir) / "commands.jsonl", job_id)
+        log = CommandLog(job.run_dir / "commands.jsonl", job.id)
         base = coordinator_factory or Coordinator
 
         def factory(*a, **k):  # JobRunner builds the coordinator, then starts its loop: replay between
@@ -53,11 +52,11 @@ class JobActorBody(JobRunner):
                 try:
                     coord.send(cmd)
                 except CommandError as e:  # e.g. a resize the spec no longer allows
-                    logger.warning("job %s: logged command %s not replayed: %s", job_id, cmd, e)
+                    logger.warning("job %s: logged command %s not replayed: %s", job.id, cmd, e)
             return coord
 
         self.commands = log
-        super().__init__(job_id, cfg, run_dir=run_dir, coordinator_factory=factory, **kw)
+        super().__init__(job, coordinator_factory=factory, **kw)
 
     def send(self, cmd: Command) -> None:
         super().send(cmd)
@@ -107,12 +106,10 @@ class LocalLauncher:
         self._runners: dict[str, JobRunner] = {}
         self._lock = threading.Lock()
 
-    def launch(self, job_id: str, cfg: JobConfig, *, run_dir: str, steps: int | None,
-               workers: int | None, grant: dict[str, int] | None = None) -> JobRunner:
-        runner = JobActorBody(job_id, cfg, run_dir=run_dir, steps=steps, workers=workers, options=self.options,
-                              coordinator_factory=self.coordinator_factory, grant=grant)
+    def launch(self, job: Job, *, grant: dict[str, int] | None = None) -> JobRunner:
+        runner = JobActorBody(job, options=self.options, coordinator_factory=self.coordinator_factory, grant=grant)
         with self._lock:
-            self._runners[job_id] = runner
+            self._runners[job.id] = runner
         return runner
 
     def attach(self, job_id: str) -> JobRunner | None:
@@ -228,10 +225,10 @@ class RayLauncher:
         self.pin_to_this_node = pin_to_this_node
         self.coordinator_factory = coordinator_factory
 
-    def launch(self, job_id: str, cfg: JobConfig, *, run_dir: str, steps: int | None,
-               workers: int | None, grant: dict[str, int] | None = None) -> RayHandle:
+    def launch(self, job: Job, *, grant: dict[str, int] | None = None) -> RayHandle:
         import ray
 
+        job_id = job.id
         opts: dict[str, Any] = dict(name=actor_name(job_id), namespace=self.namespace, lifetime="detached",
                                     num_cpus=0, max_concurrency=4, max_restarts=self.max_restarts)
         if self.pin_to_this_node and _has_head():
@@ -246,9 +243,8 @@ class RayLauncher:
                                                                          soft=True)
         # its workers outlive a restart of this actor, and end once it is gone for good
         owned = {**self.options, "owner": actor_name(job_id), "namespace": self.namespace}
-        actor = job_actor_class().options(**opts).remote(
-            job_id, cfg, run_dir=run_dir, steps=steps, workers=workers, options=owned,
-            coordinator_factory=self.coordinator_factory, grant=grant)
+        actor = job_actor_class().options(**opts).remote(job, options=owned, coordinator_factory=self.coordinator_factory,
+                                                         grant=grant)
         return RayHandle(actor, job_id, self.timeout_s, self.namespace)
 
     def attach(self, job_id: str) -> RayHandle | None:

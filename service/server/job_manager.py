@@ -31,7 +31,7 @@ from typing import Any
 from parallel.planner import size_for
 from service.control.run_files import iter_metrics, list_checkpoints, read_job_events
 from service.control.commands import CommandError, Grant, Pause, Resume, SetWorkers, Stop
-from service.control.job import worker_range
+from service.control.job import Job, worker_range
 from service.control.state import TERMINAL
 from service.control.status import JobStatus
 from service.server.areas import areas_of, overlap
@@ -90,10 +90,10 @@ class JobManager:
         cfg = validate_spec(spec, steps=steps, workers=workers)
         job_id = uuid.uuid4().hex[:12]
         rd = resolve_run_dir(run_dir, runs_root=self.runs_root, default_name=f"{safe_name(cfg.name)}-{job_id}")
+        job = Job.of(cfg, job_id=job_id, run_dir=rd, steps=steps, workers=workers)
         now = self.clock()
-        total = steps or cfg.train.steps
         grant = self.first_grant()
-        status = JobStatus.submitted(total_steps=total, now=now)
+        status = JobStatus.submitted(total_steps=job.total_steps, now=now)
         if grant is not None:
             status = queued_status(status, "waiting for the shared-cluster scheduler's first round")
         request = {"spec": spec, "steps": steps, "workers": workers, "run_dir": run_dir}
@@ -116,12 +116,11 @@ class JobManager:
                     self._cfgs[job_id] = cfg
             try:
                 shared = {} if grant is None else {"grant": grant}  # a launcher for unscheduled jobs needs none
-                self._handles[job_id] = self.launcher.launch(job_id, cfg, run_dir=str(rd), steps=steps,
-                                                             workers=workers, **shared)
+                self._handles[job_id] = self.launcher.launch(job, **shared)
             except Exception as e:
                 logger.warning("job %s: could not start its coordinator; it is recorded as FAILED", job_id,
                                exc_info=True)
-                self.store.set_status(job_id, JobStatus.not_started(e, total_steps=total, now=now))
+                self.store.set_status(job_id, JobStatus.not_started(e, total_steps=job.total_steps, now=now))
                 self.store.mark_released(job_id)
         self._schedule_quietly()  # admitted now if its workers are free
         return job_id

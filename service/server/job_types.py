@@ -6,10 +6,10 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from service.control.commands import Command
+from service.control.job import Job
 from service.server.job_actor import JobGone, JobUnavailable
 from service.server.job_record import JobRecord
 from service.control.status import JobStatus
-from workers.config import JobConfig
 
 __all__ = ["JobConflict", "JobGone", "JobHandle", "JobNotFound", "JobRecord", "JobUnavailable", "Launcher", "Store"]
 
@@ -35,8 +35,7 @@ class Launcher(Protocol):
     """Starts a job's coordinator and finds it again by job id (service.server.job_actor has a Ray one and an
     in-process one)."""
 
-    def launch(self, job_id: str, cfg: JobConfig, *, run_dir: str, steps: int | None,
-               workers: int | None, grant: dict[str, int] | None = None) -> JobHandle: ...
+    def launch(self, job: Job, *, grant: dict[str, int] | None = None) -> JobHandle: ...
     def attach(self, job_id: str) -> JobHandle | None: ...
     def gone(self, job_id: str) -> bool:
         """Whether the job's coordinator is known to have ended for good (not merely not found: the

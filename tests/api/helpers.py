@@ -31,12 +31,11 @@ def fake_factory(cluster: FakeCluster, *, gate: Gate | None = None, step_s: floa
                  mfu_per_step: float | None = 0.001):
     """A coordinator factory for JobRunner: fake group on `cluster`, no settle time, short chunks."""
 
-    def factory(cfg, *, run_dir, total_steps, job_id, workers, options):
-        group = type("G", (GatedGroup,), {"disk": Disk(cfg.checkpoint.interval_steps), "cluster": cluster,
+    def factory(job, *, options):
+        group = type("G", (GatedGroup,), {"disk": Disk(job.cfg.checkpoint.interval_steps), "cluster": cluster,
                                           "fail_next": [], "gate": gate, "step_s": step_s,
                                           "mfu_per_step": mfu_per_step})
-        c = PollingCoordinator(cfg, run_dir=run_dir, total_steps=total_steps, job_id=job_id, workers=workers,
-                               options=replace(options, settle_seconds=0.0, chunk_seconds=0.05),
+        c = PollingCoordinator(job, options=replace(options, settle_seconds=0.0, chunk_seconds=0.05),
                                watcher=cluster.watcher())
         c.worker_group_cls = group
         return c

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+from service.control.job import Job
 from service.server.job_actor import JobActorBody
 from service.server.specs import validate_spec
 from tests.api.helpers import SPEC, fake_factory, wait_for
@@ -14,8 +15,8 @@ from service.control.commands import Pause, Resume, SetWorkers, Stop
 
 
 def runner(tmp_path, cluster, gate, job_id="job1"):
-    return JobActorBody(job_id, validate_spec(SPEC), run_dir=tmp_path, steps=20, workers=None, options={},
-                        coordinator_factory=fake_factory(cluster, gate=gate))
+    job = Job.of(validate_spec(SPEC), job_id=job_id, run_dir=tmp_path, steps=20)
+    return JobActorBody(job, options={}, coordinator_factory=fake_factory(cluster, gate=gate))
 
 
 def transitions_after_restart(r) -> list[str]:

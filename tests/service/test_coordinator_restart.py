@@ -16,7 +16,7 @@ from tests.fakes import advance, make_coordinator
 
 def again(first: Coordinator, group_cls, cluster, *, job_id: str = "job1", owner: str | None = None) -> Coordinator:
     """A new coordinator for the same run directory, as Ray's actor restart builds it."""
-    c = Coordinator(first.cfg, run_dir=first.run_dir, job_id=job_id, watcher=cluster.watcher(),
+    c = Coordinator(replace(first.job, id=job_id), watcher=cluster.watcher(),
                     options=CoordinatorOptions(settle_seconds=0.0, max_restarts=2, owner=owner))
     c.worker_group_cls = group_cls
     c.group_probe = lambda nodes, timeout_s: set(nodes)

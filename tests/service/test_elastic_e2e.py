@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from service.control.job import Job
 from service.control.coordinator import Coordinator, CoordinatorOptions
 from tests.bodies import train_body
 from tests.multiproc import run_ranks
@@ -107,7 +108,7 @@ def start(tmp_path, *, settle=1000.0, steps=STEPS, hold: Hold | None = None,
           **cfg_over) -> tuple[Coordinator, threading.Thread]:
     d = {**CFG, **cfg_over}
     chunk_s = 1e-6 if hold is not None else 0.2  # 1e-6: one step per chunk (see Hold)
-    coord = Coordinator(JobConfig.from_dict(d), run_dir=tmp_path, total_steps=steps,
+    coord = Coordinator(Job.of(JobConfig.from_dict(d), job_id="e2e", run_dir=tmp_path, steps=steps),
                         options=CoordinatorOptions(settle_seconds=settle, chunk_seconds=chunk_s, poll_interval_s=0.2))
     t = threading.Thread(target=coord.run, kwargs={"on_tick": hold}, daemon=True)
     t.start()

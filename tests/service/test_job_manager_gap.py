@@ -35,7 +35,7 @@ class Launcher:
     def __init__(self):
         self.handle = Handle()
 
-    def launch(self, job_id, spec, *, run_dir, steps, workers):
+    def launch(self, job):
         return self.handle
 
     def attach(self, job_id):
@@ -88,7 +88,7 @@ def test_a_slow_coordinator_does_not_hold_up_the_other_jobs(tmp_path):
     handles = iter([Slow(), Handle()])
 
     class Two(Launcher):
-        def launch(self, job_id, spec, *, run_dir, steps, workers):
+        def launch(self, job):
             return next(handles)
 
     mgr = JobManager(JobStore(tmp_path / "jobs.db"), Two(), runs_root=tmp_path / "runs", sync_interval_s=0.05)
@@ -124,7 +124,7 @@ def test_a_manager_can_be_started_again_after_close(tmp_path, monkeypatch):
             return super().status()
 
     class Two(Launcher):
-        def launch(self, job_id, spec, *, run_dir, steps, workers):
+        def launch(self, job):
             return Slow()
 
     monkeypatch.setattr(jm, "SYNC_THREADS", 1)  # one sync at a time: the second job's waits in the queue

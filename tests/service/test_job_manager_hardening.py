@@ -57,9 +57,9 @@ class Launcher:
         self.dead: set[str] = set()
         self.released: list[str] = []
 
-    def launch(self, job_id, cfg, *, run_dir, steps, workers):
-        self.live[job_id] = Handle()
-        return self.live[job_id]
+    def launch(self, job):
+        self.live[job.id] = Handle()
+        return self.live[job.id]
 
     def attach(self, job_id):
         return self.live.get(job_id)
