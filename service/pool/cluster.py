@@ -145,12 +145,13 @@ def ray_draining() -> dict[str, int]:
 
 def in_use_from(snap: ClusterSnapshot, available: Mapping[str, Mapping[str, float]]) -> dict[str, tuple[float, float]]:
     """{node_id: (cpus, gpus) in use} = each alive node's total minus what Ray reports available (pure).
-    A node Ray reports nothing for counts as fully available."""
+    Ray leaves a resource out of a node's report when none of it is available, so a missing CPU or GPU
+    is fully in use, and so is a node missing from the report: never offer what may be taken."""
     out = {}
     for n in snap.alive():
         avail = available.get(n.node_id, {})
-        out[n.node_id] = (max(0.0, n.cpus - float(avail.get("CPU", n.cpus))),
-                          max(0.0, n.gpus - float(avail.get("GPU", n.gpus))))
+        out[n.node_id] = (max(0.0, n.cpus - float(avail.get("CPU", 0.0))),
+                          max(0.0, n.gpus - float(avail.get("GPU", 0.0))))
     return out
 
 

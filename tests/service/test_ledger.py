@@ -62,6 +62,15 @@ def test_resources_used_outside_the_service_count_as_held():
     assert led.free_workers(GPU) == 1
 
 
+def test_a_node_ray_reports_with_nothing_available_is_fully_in_use():
+    """Ray's per-node report leaves out a resource none of which is available: a node whose CPUs are all
+    taken by a job outside the service has no CPU entry at all, and must not be offered."""
+    s = snap([row("a", 1), row("b", 1), row("g", 4, 2)])
+    in_use = in_use_from(s, {"a": {"memory": 1e9}, "g": {"CPU": 4.0}})  # b: not reported at all
+    assert in_use == {"a": (1.0, 0.0), "b": (1.0, 0.0), "g": (0.0, 2.0)}
+    assert Ledger.from_snapshot(s, in_use=in_use).free_workers(CPU) == 4  # g's four CPUs only
+
+
 def test_holdings_over_a_shrunken_node_are_reported():
     led = Ledger.from_snapshot(snap([row("a", 2)]), [Holding.of("j", CPU, {"a": 3})])
     assert led.overcommitted() == {"a": (1.0, 0.0)}
