@@ -54,7 +54,7 @@ def default_manager(settings: Settings) -> JobManager:
     return JobManager(store, launcher, runs_root=settings.runs_root,
                       data_roots=settings.data_roots, sync_interval_s=settings.sync_interval_s,
                       stop_timeout_s=settings.stop_timeout_s, quotas=settings.quotas,
-                      shared=settings.schedule)
+                      shared=settings.schedule, resume_prefixes=settings.resume_prefixes)
 
 
 class BodyLimit:

@@ -55,6 +55,9 @@ class Settings:
     ELASTRON_SCHEDULE=0 turns it off: each job then plans onto the whole cluster, as if it were alone."""
     quotas: dict[str, Quota] = field(default_factory=dict)
     """User name -> the workers and running jobs that user's jobs may hold on the shared cluster."""
+    resume_prefixes: tuple[str, ...] = ()
+    """Paths or object-store URLs under which any user's job may name its checkpoint.resume_from (e.g.
+    shared base checkpoints); besides them, a user may name only their own jobs' directories."""
 
     def __post_init__(self) -> None:
         self.runs_root = Path(self.runs_root)
@@ -107,6 +110,8 @@ class Settings:
             kw["max_body_bytes"] = int(v)
         if env.get("ELASTRON_DATA_ROOTS"):
             kw["data_roots"] = tuple(Path(r) for r in env["ELASTRON_DATA_ROOTS"].split(os.pathsep) if r)
+        if env.get("ELASTRON_RESUME_PREFIXES"):
+            kw["resume_prefixes"] = tuple(p.strip() for p in env["ELASTRON_RESUME_PREFIXES"].split(",") if p.strip())
         kw.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**kw)
 

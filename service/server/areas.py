@@ -8,17 +8,23 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
 
-__all__ = ["Area", "areas_of", "overlap"]
+__all__ = ["Area", "SCHEME_ALIASES", "area_of", "areas_of", "overlap", "within"]
+
+SCHEME_ALIASES = {"s3a": "s3", "s3n": "s3", "gcs": "gs", "az": "abfs", "abfss": "abfs"}
+"""URL schemes fsspec reads from the same store as another: compared as that one."""
 
 Area = tuple[str, tuple[str, ...]]
 """(what it is, as a message names it: "run_dir" or "checkpoint.dir"; its path parts, a URL's scheme first)."""
 
 
-def _parts(where: str) -> tuple[str, ...]:
-    """A local path (absolute, resolved) or a URL as comparable parts: a nested one extends the other's."""
+def area_of(where: str) -> tuple[str, ...]:
+    """A local path (absolute, resolved) or a URL as comparable parts, a URL's scheme first (aliases as
+    the scheme they stand for): a nested one extends the other's. A URL's '..' parts are refused where
+    the request enters (service.server.specs), never resolved here."""
     if "://" in where and not where.lower().startswith("file://"):
         scheme, rest = where.split("://", 1)
-        return (scheme.lower() + "://", *[p for p in PurePosixPath(rest).parts if p not in ("", "/", ".")])
+        scheme = SCHEME_ALIASES.get(scheme.lower(), scheme.lower())
+        return (scheme + "://", *[p for p in PurePosixPath(rest).parts if p not in ("", "/", ".")])
     local = where[len("file://"):] if where.lower().startswith("file://") else where
     return ("file://", *Path(local).resolve().parts)
 
@@ -26,10 +32,15 @@ def _parts(where: str) -> tuple[str, ...]:
 def areas_of(run_dir: str, checkpoint_dir: str | None) -> list[Area]:
     """The areas a job with this run_dir and spec checkpoint.dir writes to (the default checkpoint
     directory lies inside the run directory)."""
-    out: list[Area] = [("run_dir", _parts(run_dir))]
+    out: list[Area] = [("run_dir", area_of(run_dir))]
     if checkpoint_dir:
-        out.append(("checkpoint.dir", _parts(checkpoint_dir)))
+        out.append(("checkpoint.dir", area_of(checkpoint_dir)))
     return out
+
+
+def within(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
+    """Whether area `a` is `b` or lies inside it."""
+    return len(a) >= len(b) and a[:len(b)] == b
 
 
 def _nested(a: tuple[str, ...], b: tuple[str, ...]) -> bool:

@@ -34,7 +34,7 @@ from service.control.commands import CommandError, Grant, Pause, Resume, SetWork
 from service.control.job import Job, worker_range
 from service.control.state import TERMINAL
 from service.control.status import JobStatus
-from service.server.areas import areas_of, overlap
+from service.server.areas import area_of, areas_of, overlap, within
 from service.server.job_types import (JobConflict, JobGone, JobHandle, JobNotFound, JobRecord, JobUnavailable, Launcher,
                                       Store)
 from service.server.specs import SpecError, check_paths, resolve_run_dir, safe_name, validate_spec
@@ -60,12 +60,15 @@ class JobManager:
     def __init__(self, store: Store, launcher: Launcher, *, runs_root: str | Path, sync_interval_s: float = 0.5,
                  stop_timeout_s: float = 10.0, clock: Callable[[], float] = time.time,
                  data_roots: Sequence[str | Path] | None = None, quotas: Mapping[str, Quota] | None = None,
-                 shared: bool = False):
+                 shared: bool = False, resume_prefixes: Sequence[str] = ()):
         """`data_roots`: directories a spec's data.path may lie under (None or empty: none, so data.path
         is refused; never the runs root, where other jobs' files and the store live). `quotas`: per
         owner (user name), the workers and jobs its jobs may hold. `shared`: schedule the jobs on one
-        shared cluster (service.server.job_scheduling)."""
+        shared cluster. `resume_prefixes`: paths or object-store URLs under which any user's job may
+        name its checkpoint.resume_from (shared base checkpoints); besides them, a user may name only
+        the directories of their own jobs."""
         self.store, self.launcher = store, launcher
+        self.resume_prefixes = [area_of(p) for p in resume_prefixes]
         self.runs_root = Path(runs_root)
         self.data_roots = [Path(r) for r in data_roots or ()]
         root = self.runs_root.resolve()
@@ -107,7 +110,8 @@ class JobManager:
                                           f"(job {first.id}); use a new key for a new job")
                     self._forget_lock(job_id, lock)
                     return first.id
-                self._check_areas(str(rd), cfg.checkpoint.dir)
+                self._check_areas(str(rd), cfg.checkpoint.dir, owner)
+                self._check_resume_from(cfg.checkpoint.resume_from, owner)
                 self.store.create(JobRecord(
                     id=job_id, name=cfg.name, spec=spec, steps=steps, workers=workers, run_dir=str(rd),
                     created=now, updated=now, owner=owner, idempotency_key=idempotency_key, request=request,
@@ -125,17 +129,38 @@ class JobManager:
         self._schedule_quietly()  # admitted now if its workers are free
         return job_id
 
-    def _check_areas(self, run_dir: str, checkpoint_dir: str | None) -> None:
+    def _check_areas(self, run_dir: str, checkpoint_dir: str | None, owner: str | None) -> None:
         """JobConflict when the new job's run or checkpoint directory is, contains or lies in one of a
-        job the server keeps (a deleted job's directories are free again)."""
+        job the server keeps (a deleted job's directories are free again). Another user's job is not
+        named."""
         mine = areas_of(run_dir, checkpoint_dir)
-        others = ((r.id, areas_of(r.run_dir, r.checkpoint_dir)) for r in self.store.list())
-        if hit := overlap(mine, others):
+        rows = {r.id: r for r in self.store.list()}
+        if hit := overlap(mine, ((i, areas_of(r.run_dir, r.checkpoint_dir)) for i, r in rows.items())):
             field, other, their_field, how = hit
             where = run_dir if field == "run_dir" else checkpoint_dir
+            if owner is not None and rows[other].owner != owner:
+                raise JobConflict(f"{field} {where} is in use by another user's job: each job's run and checkpoint "
+                                  f"directories must be its own (choose another {field})")
             raise JobConflict(f"{field} {where} {how} the {their_field} of job {other}, which is in use by job "
                               f"{other} until it is deleted: each job's run and checkpoint directories must be "
                               f"its own (delete job {other} first, or choose another {field})")
+
+    def _check_resume_from(self, src: str | None, owner: str | None) -> None:
+        """checkpoint.resume_from names checkpoints to start from: an admin (owner None) may name any
+        that passed the path rules; a user only the directories of their own jobs or those under the
+        server's resume prefixes, never another user's."""
+        if src is None or owner is None:
+            return
+        area = area_of(src)
+        if any(within(area, p) for p in self.resume_prefixes):
+            return
+        for r in self.store.list(owner=owner):
+            if any(within(area, a) for _, a in areas_of(r.run_dir, r.checkpoint_dir)):
+                return
+        raise SpecError(("spec", "checkpoint", "resume_from"),
+                        f"checkpoint.resume_from {src!r} is not a directory of one of your jobs"
+                        + (" nor under the server's resume prefixes (ELASTRON_RESUME_PREFIXES)"
+                           if self.resume_prefixes else "") + ": name your own job's run or checkpoint directory")
 
     def list(self, *, owner: str | None = None, limit: int | None = None, offset: int = 0) -> list[JobRecord]:
         return self.store.list(owner=owner, limit=limit, offset=offset)

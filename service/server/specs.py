@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterable, Sequence
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from parallel.layout import Layout
@@ -184,24 +184,27 @@ def resolve_run_dir(run_dir: str | None, *, runs_root: Path, default_name: str, 
     return full
 
 
-def check_checkpoint_dir(ck: str, *, runs_root: Path) -> None:
-    """checkpoint.dir: an absolute path (or file:// URL) inside the runs root, or a remote fsspec URL."""
-    loc = ("spec", "checkpoint", "dir")
+def check_checkpoint_dir(ck: str, *, runs_root: Path, loc=("spec", "checkpoint", "dir")) -> None:
+    """checkpoint.dir (or checkpoint.resume_from, by `loc`): an absolute path (or file:// URL) inside the
+    runs root, or an object store's URL without '..' parts."""
+    name = _field(loc)
     if "\x00" in ck:
-        raise SpecError(loc, f"checkpoint.dir {ck!r} must not contain NUL bytes")
+        raise SpecError(loc, f"{name} {ck!r} must not contain NUL bytes")
     if "://" in ck:
         scheme = ck.split("://", 1)[0].lower()
         if scheme == "memory":
-            raise SpecError(loc, f"checkpoint.dir {ck!r}: memory:// lives in one process only, so its checkpoints "
+            raise SpecError(loc, f"{name} {ck!r}: memory:// lives in one process only, so its checkpoints "
                                  "cannot survive a restart or reach other workers; use a path or an object store")
         if scheme != "file":
-            if scheme not in REMOTE_SCHEMES:  # zip::, simplecache::file://, local://, sftp:// ... reach this disk
-                raise SpecError(loc, f"checkpoint.dir {ck!r}: a URL's scheme must be one of "
+            if scheme not in REMOTE_SCHEMES:  # zip::, simplecache::file://, local://, sftp://, http:// ...
+                raise SpecError(loc, f"{name} {ck!r}: a URL's scheme must be one of "
                                      f"{', '.join(sorted(REMOTE_SCHEMES))} (or give a path inside the runs root)")
+            if ".." in PurePosixPath(ck.split("://", 1)[1]).parts:
+                raise SpecError(loc, f"{name} {ck!r} must not contain '..'")
             return
         ck = ck[len("file://"):]
     if not Path(ck).is_absolute():
-        raise SpecError(loc, f"checkpoint.dir {ck!r} must be a URL or an absolute path inside the runs root "
+        raise SpecError(loc, f"{name} {ck!r} must be a URL or an absolute path inside the runs root "
                              f"{Path(runs_root).resolve()}")
     resolve_run_dir(ck, runs_root=runs_root, default_name="", loc=loc)
 
@@ -221,7 +224,7 @@ def check_data_path(path: str, *, data_roots: Sequence[Path], loc=("spec", "data
 
 def check_paths(spec: Any, *, run_dir: str | None, runs_root: Path, data_roots: Sequence[Path]) -> None:
     """Every path of a request that the server would resolve, checked on the raw request (before
-    JobConfig looks at the disk): run_dir, checkpoint.dir, data.path, model.init_from."""
+    JobConfig looks at the disk): run_dir, checkpoint.dir and resume_from, data.path, model.init_from."""
     if run_dir is not None:
         resolve_run_dir(run_dir, runs_root=runs_root, default_name="")
     if not isinstance(spec, dict):
@@ -229,6 +232,8 @@ def check_paths(spec: Any, *, run_dir: str | None, runs_root: Path, data_roots: 
     ckpt = spec.get("checkpoint") if isinstance(spec.get("checkpoint"), dict) else {}
     if isinstance(ckpt.get("dir"), str):
         check_checkpoint_dir(ckpt["dir"], runs_root=runs_root)
+    if isinstance(ckpt.get("resume_from"), str):  # whose it is: JobManager, which knows the owners
+        check_checkpoint_dir(ckpt["resume_from"], runs_root=runs_root, loc=("spec", "checkpoint", "resume_from"))
     data = spec.get("data") if isinstance(spec.get("data"), dict) else {}
     if isinstance(data.get("path"), str) and data.get("source", "corpus") != "synthetic":
         check_data_path(data["path"], data_roots=data_roots)
