@@ -11,11 +11,14 @@ actors). Startup re-attaches to the jobs' coordinators
 from __future__ import annotations
 
 import logging
+import math
 import os
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI, HTTPException, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
@@ -151,6 +154,12 @@ def create_app(*, jobs: JobManager | None = None, settings: Settings | None = No
     async def _conflict(request: Request, e: JobConflict):
         return JSONResponse({"detail": str(e)}, 409)
 
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError):
+        # the errors echo the input, which may be what JSON cannot carry (a non-finite number, a lone
+        # surrogate): a 422 must never become a 500 for the value it refuses
+        return JSONResponse({"detail": _json_safe(jsonable_encoder(e.errors()))}, 422)
+
     @app.exception_handler(SpecError)
     async def _spec(request: Request, e: SpecError):
         return JSONResponse({"detail": [{"loc": ["body", *e.loc], "msg": e.msg, "type": "value_error"}]}, 422)
@@ -160,6 +169,27 @@ def create_app(*, jobs: JobManager | None = None, settings: Settings | None = No
         return JSONResponse({"detail": str(e)}, 503, headers={"Retry-After": "1"})
 
     return app
+
+
+def _json_safe(v):
+    """`v` with what strict JSON cannot hold spelled as text: non-finite numbers, unencodable strings."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return repr(v)
+    if isinstance(v, str):
+        return v if v.isascii() or _encodes(v) else v.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(v, dict):
+        return {_json_safe(k): _json_safe(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_json_safe(x) for x in v]
+    return v
+
+
+def _encodes(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _is_loopback(host: str) -> bool:

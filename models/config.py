@@ -95,7 +95,7 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
-def model_config(preset: str, **overrides) -> ModelConfig:
+def model_config(preset: str, /, **overrides) -> ModelConfig:
     """A preset, optionally with some fields replaced."""
     if preset not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")

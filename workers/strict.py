@@ -5,6 +5,7 @@ got 'ten' (str)``). The one parser of job specs; workers.config defines what the
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from typing import Any, Literal
@@ -63,6 +64,8 @@ def _convert(tp: Any, v: Any, where: str) -> Any:
     if tp is float:
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ConfigError(f"{where}: expected a number, got {_describe(v)}")
+        if not math.isfinite(v):
+            raise ConfigError(f"{where}: expected a finite number, got {v!r}")
         return float(v)
     if tp is str:
         if not isinstance(v, str):

@@ -37,7 +37,7 @@ from service.control.status import JobStatus
 from service.server.areas import area_of, areas_of, overlap, within
 from service.server.job_types import (JobConflict, JobGone, JobHandle, JobNotFound, JobRecord, JobUnavailable, Launcher,
                                       Store)
-from service.server.specs import SpecError, check_paths, resolve_run_dir, safe_name, validate_spec
+from service.server.specs import SpecError, check_paths, check_text, resolve_run_dir, safe_name, validate_spec
 from service.sharing.ledger import WorkerShape
 from service.sharing.rounds import JobView, Round, Tell, plan_round
 from service.sharing.scheduler import Quota
@@ -89,6 +89,7 @@ class JobManager:
         differs)."""
         # Paths first, on the raw request: validate_spec looks at data.path on disk. The spec is parsed
         # here, once: the JobConfig it gives is what the coordinator and the workers get.
+        check_text({"spec": spec, "run_dir": run_dir})
         check_paths(spec, run_dir=run_dir, runs_root=self.runs_root, data_roots=self.data_roots)
         cfg = validate_spec(spec, steps=steps, workers=workers)
         job_id = uuid.uuid4().hex[:12]
@@ -103,21 +104,25 @@ class JobManager:
         # The job lock: the sync thread must not look for the coordinator before it is launched.
         lock = self._lock_of(job_id)
         with lock:
-            with self._submit_lock:
-                if idempotency_key is not None and (first := self.store.find_idempotent(owner, idempotency_key)):
-                    if first.request != request:
-                        raise JobConflict(f"Idempotency-Key {idempotency_key!r} was used for another request "
-                                          f"(job {first.id}); use a new key for a new job")
-                    self._forget_lock(job_id, lock)
-                    return first.id
-                self._check_areas(str(rd), cfg.checkpoint.dir, owner)
-                self._check_resume_from(cfg.checkpoint.resume_from, owner)
-                self.store.create(JobRecord(
-                    id=job_id, name=cfg.name, spec=spec, steps=steps, workers=workers, run_dir=str(rd),
-                    created=now, updated=now, owner=owner, idempotency_key=idempotency_key, request=request,
-                    status=status))
-                if self.shared:
-                    self._cfgs[job_id] = cfg
+            try:
+                with self._submit_lock:
+                    if idempotency_key is not None and (first := self.store.find_idempotent(owner, idempotency_key)):
+                        if first.request != request:
+                            raise JobConflict(f"Idempotency-Key {idempotency_key!r} was used for another request "
+                                              f"(job {first.id}); use a new key for a new job")
+                        self._forget_lock(job_id, lock)
+                        return first.id
+                    self._check_areas(str(rd), cfg.checkpoint.dir, owner)
+                    self._check_resume_from(cfg.checkpoint.resume_from, owner)
+                    self.store.create(JobRecord(
+                        id=job_id, name=cfg.name, spec=spec, steps=steps, workers=workers, run_dir=str(rd),
+                        created=now, updated=now, owner=owner, idempotency_key=idempotency_key, request=request,
+                        status=status))
+                    if self.shared:
+                        self._cfgs[job_id] = cfg
+            except BaseException:  # no job was recorded: its lock goes too
+                self._forget_lock(job_id, lock)
+                raise
             try:
                 shared = {} if grant is None else {"grant": grant}  # a launcher for unscheduled jobs needs none
                 self._handles[job_id] = self.launcher.launch(job, **shared)

@@ -19,7 +19,7 @@ from workers.disk_checks import check_data_path as check_data_readable
 from workers.disk_checks import resolve_init_from
 
 __all__ = ["JobConfig", "MAX_GLOBAL_BATCH", "MAX_WORKERS", "REMOTE_SCHEMES", "SpecError", "check_paths",
-           "check_plannable", "config_error_loc", "resolve_run_dir", "safe_name", "validate_spec"]
+           "check_plannable", "check_text", "config_error_loc", "resolve_run_dir", "safe_name", "validate_spec"]
 
 REMOTE_SCHEMES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "hdfs"})
 """fsspec URL schemes a checkpoint.dir may use: object stores the server does not resolve on its disk.
@@ -145,8 +145,8 @@ def _most_workers(cfg: JobConfig, workers: int | None) -> int:
 
 # -- paths ---------------------------------------------------------------------------------------------------
 
-def _field(loc: Sequence[str]) -> str:
-    return ".".join(x for x in loc if x != "spec")
+def _field(loc: Sequence[str | int]) -> str:
+    return ".".join(str(x) for x in loc if x != "spec")
 
 
 def _plain(path: str, loc: Sequence[str]) -> Path:
@@ -220,6 +220,24 @@ def check_data_path(path: str, *, data_roots: Sequence[Path], loc=("spec", "data
     if not _inside(_resolve(p, loc), roots, or_root=True):
         raise SpecError(loc, f"{_field(loc)} {path!r} is outside the server's data roots: {where} "
                              "(the server's ELASTRON_DATA_ROOTS)")
+
+
+def check_text(request: Any, loc: tuple[str | int, ...] = ()) -> None:
+    """SpecError naming the field for a string that is not text: a lone surrogate (JSON's "\\ud800"
+    escapes allow one) cannot be written as UTF-8 to the store, a run directory's name or a log."""
+    if isinstance(request, str):
+        try:
+            request.encode("utf-8")
+        except UnicodeEncodeError:
+            raise SpecError(loc, f"{_field(loc) or 'the request'} is not valid text (it holds a lone UTF-16 "
+                                 "surrogate); send UTF-8 text") from None
+    elif isinstance(request, dict):
+        for k, v in request.items():
+            check_text(k, loc)
+            check_text(v, (*loc, k) if isinstance(k, str) else loc)
+    elif isinstance(request, list):
+        for i, v in enumerate(request):
+            check_text(v, (*loc, i))
 
 
 def check_paths(spec: Any, *, run_dir: str | None, runs_root: Path, data_roots: Sequence[Path]) -> None:
