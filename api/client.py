@@ -4,6 +4,7 @@ notebooks. Every failure is an `APIError` whose message is one line fit to show 
 from __future__ import annotations
 
 import os
+import time
 from typing import TYPE_CHECKING, Any
 
 from service.control.commands import Pause, Resume, SetWorkers, Stop, to_json
@@ -65,11 +66,17 @@ class Client:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _request(self, method: str, path: str, **kw) -> Any:
+    def _request(self, method: str, path: str, *, retries: int = 0, **kw) -> Any:
+        """`retries`: how often a 503 (the job's coordinator busy or restarting) is tried again, after the
+        server's Retry-After (at most 2 s)."""
         import httpx
 
         try:
             r = self._http.request(method, path, **kw)
+            while r.status_code == 503 and retries > 0:
+                retries -= 1
+                time.sleep(_retry_after(r.headers.get("retry-after")))
+                r = self._http.request(method, path, **kw)
         except httpx.TimeoutException:
             raise ServerUnreachable(f"the Elastron server at {self.server} did not answer in time") from None
         except httpx.TransportError as e:
@@ -110,10 +117,18 @@ class Client:
     def command(self, job_id: str, cmd: SetWorkers | Pause | Resume | Stop) -> dict:
         """Send a user's command: a resize with its range as the body, the others as bare POSTs."""
         body = to_json(cmd)["args"] if isinstance(cmd, SetWorkers) else None
-        return self._request("POST", f"/api/v1/jobs/{job_id}/{cmd.kind}", json=body)
+        return self._request("POST", f"/api/v1/jobs/{job_id}/{cmd.kind}", json=body, retries=5)
 
     def delete(self, job_id: str) -> dict:
         return self._request("DELETE", f"/api/v1/jobs/{job_id}")
 
     def cluster(self) -> dict:
         return self._request("GET", "/api/v1/cluster")
+
+
+def _retry_after(value: str | None) -> float:
+    """Seconds to wait for a Retry-After header (seconds; a date or nothing counts as 1), at most 2."""
+    try:
+        return max(0.0, min(2.0, float(value)))
+    except (TypeError, ValueError):
+        return 1.0

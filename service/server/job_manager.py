@@ -22,6 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import replace
@@ -217,7 +218,7 @@ class JobManager:
         cannot apply it (e.g. a range below its current minimum)."""
         action = {SetWorkers: "resize", Pause: "pause", Resume: "resume", Stop: "stop"}[type(cmd)]
         self._mine(job_id, owner)
-        with self._locked_row(job_id):
+        with self._one_command(job_id, action), self._locked_row(job_id):
             row = self.sync(job_id)
             if why := _conflict(cmd, row.state):
                 raise JobConflict(f"cannot {action} job {job_id}: it is {row.state}; {why}")
@@ -275,6 +276,8 @@ class JobManager:
         self._handles: dict[str, JobHandle] = {}
         self._locks: dict[str, threading.RLock] = {}
         self._locks_guard = threading.Lock()
+        self._commanding: set[str] = set()
+        """Jobs a command is being delivered to (`_one_command`)."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pool: ThreadPoolExecutor | None = None
@@ -365,6 +368,22 @@ class JobManager:
         with self._locks_guard:
             if lock is None or self._locks.get(job_id) is lock:
                 self._locks.pop(job_id, None)
+
+    @contextmanager
+    def _one_command(self, job_id: str, action: str):
+        """At most one command per job waits for its lock (held while its coordinator is asked, which a
+        stuck coordinator may make slow): the others are JobUnavailable at once (503, retry), so that one
+        job's commands cannot take every request thread and leave other users' reads waiting."""
+        with self._locks_guard:
+            if job_id in self._commanding:
+                raise JobUnavailable(f"cannot {action} job {job_id} now: another command for it is still being "
+                                     "delivered to its coordinator; retry in a moment")
+            self._commanding.add(job_id)
+        try:
+            yield
+        finally:
+            with self._locks_guard:
+                self._commanding.discard(job_id)
 
     def _locked_row(self, job_id: str):
         """Context manager: the job's lock, held, yielding its stored record. An id the store does not have
