@@ -17,7 +17,7 @@ import torch
 
 from tests.bodies import train_body
 from tests.distributed.test_equivalence import merged_params, tiny_cfg
-from tests.multiproc import run_ranks
+from tests.multiproc import rank_device, run_ranks
 
 pytestmark = pytest.mark.dist
 pytest.importorskip("torchao.float8")
@@ -40,7 +40,7 @@ def all_gather_body(cfg_dict: dict, layout: str, steps: int) -> dict:
     from workers.trainer import Trainer
 
     cfg = JobConfig.from_dict(cfg_dict)
-    trainer = Trainer(cfg, layout=Layout.parse(layout), device=torch.device("cpu")).build()
+    trainer = Trainer(cfg, layout=Layout.parse(layout), device=rank_device()).build()
     metrics = trainer.fit(steps)
     return {"losses": [m.loss for m in metrics], "float8_all_gather": uses_float8_all_gather(trainer.model)}
 
