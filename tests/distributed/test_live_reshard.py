@@ -66,7 +66,8 @@ def live_body(cfg_dict: dict, old: str, new: str, ports: list[int], run_dir: str
                         old_rank=rank if rank < old_l.world_size else None,
                         new_rank=rank if rank < new_l.world_size else None,
                         old_to_group={r: r for r in range(old_l.world_size)},
-                        new_to_group={r: r for r in range(new_l.world_size)}, nodes={r: "n0" for r in ident})
+                        new_to_group={r: r for r in range(new_l.world_size)}, nodes={r: "n0" for r in ident},
+                        device=device)
     dist.destroy_process_group()
 
     problems: list[str] = []
