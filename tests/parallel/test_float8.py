@@ -81,3 +81,20 @@ def test_without_torchao_the_reason_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao.float8", None)  # what an install without the extra sees
     reason = float8_unavailable_reason("tensorwise", "cpu", dtype="float32")
     assert reason is not None and "install elastron[float8]" in reason
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_bf16_compute_over_fp32_weights(recipe):
+    """train.dtype bfloat16 at dp=1: bf16 activations reach float8 layers whose weights stay fp32 (no
+    FSDP2 casts them); the float8 casts take the fp32 weight, and its gradient lands in fp32."""
+    cfg = model_config("tiny", n_layers=1)
+    model = build_model(cfg)
+    convert_float8(model, recipe, emulate=True, fsdp_float8_all_gather=False)
+    materialize(model, seed=0, device=torch.device("cpu"))
+    model.tok_embeddings.compute_dtype = torch.bfloat16  # what parallelize sets for bf16
+    x = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    logits = model(x)
+    assert logits.dtype == torch.bfloat16
+    logits.float().sum().backward()
+    w = model.layers["0"].attention.wq.weight
+    assert w.dtype == torch.float32 and w.grad.dtype == torch.float32 and w.grad.abs().sum() > 0
