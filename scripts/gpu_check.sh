@@ -32,6 +32,13 @@ else
 fi
 echo "GPUs: $NGPU" | tee -a "$OUT/gpu.txt"
 "$PY" -c 'import torch; print("torch", torch.__version__)' | tee -a "$OUT/gpu.txt"
+# torchao (train.float8) is not on the lent machines and they have no network: it travels as a wheel in
+# the ignored .whl/ (pip download --no-deps torchao==0.18.0 -d .whl; carry .whl), installed here.
+if ! "$PY" -c 'import torchao.float8' 2>/dev/null && ls .whl/torchao-*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-deps .whl/torchao-*.whl 2>&1 | tail -n 2
+fi
+"$PY" -c 'import torchao; print("torchao", torchao.__version__)' 2>/dev/null | tee -a "$OUT/gpu.txt" \
+    || echo "torchao: not installed (float8 tests skip)" | tee -a "$OUT/gpu.txt"
 DEFAULT_PARTS="tests bench profile"
 [ "$NGPU" -ge 2 ] && DEFAULT_PARTS="multi $DEFAULT_PARTS"
 PARTS=" ${PARTS:-$DEFAULT_PARTS} "
