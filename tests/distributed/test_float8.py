@@ -103,3 +103,16 @@ def test_float8_switched_off_and_on_across_a_resume(reference, saved_at_dp2, tmp
     (on,) = run_ranks(1, train_body, f8_cfg("rowwise"), "dp=1", STEPS + 1, run_dir, return_params=False)
     assert on["resumed_from"] == STEPS  # the checkpoint the float8-off run saved
     assert len(on["losses"]) == 1 and 0 < on["losses"][0] < off["losses"][-1] * 1.1
+
+
+def test_float8_live_reshard_equals_the_checkpoint_path(tmp_path):
+    """A planned resize moves a float8 run's state over the network (parallel.live) from dp=2, where the
+    weights are float8 all-gather wrappers, to tp=2: the same shards, data position and next losses as
+    resuming from its checkpoint."""
+    from tests.distributed.test_live_reshard import CFG, live_body
+    from tests.ports import free_port
+
+    cfg = {**CFG, "train": {**CFG["train"], "float8": "tensorwise"}}
+    ports = [free_port() for _ in range(3)]
+    problems = [p for r in run_ranks(2, live_body, cfg, "dp=2", "tp=2", ports, str(tmp_path)) for p in r]
+    assert problems == []
