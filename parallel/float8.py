@@ -19,6 +19,7 @@ high-precision matmuls, so the wiring is tested without a GPU.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Literal
 
 import torch
@@ -92,9 +93,11 @@ def convert_float8(model: nn.Module, recipe: str, *, emulate: bool, fsdp_float8_
 
 def uses_float8_all_gather(model: nn.Module) -> bool:
     """Whether any of `model`'s float8 layers all-gathers its weight in float8 under FSDP2."""
-    from torchao.float8.float8_linear import Float8Linear
-
-    return any(isinstance(m, Float8Linear) and m.config.enable_fsdp_float8_all_gather for m in model.modules())
+    linear = sys.modules.get("torchao.float8.float8_linear")
+    if linear is None:  # torchao never imported: nothing was converted (and a run without it needs none)
+        return False
+    return any(isinstance(m, linear.Float8Linear) and m.config.enable_fsdp_float8_all_gather
+               for m in model.modules())
 
 
 def precompute_scales_after_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
