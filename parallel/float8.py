@@ -10,22 +10,22 @@ and fp32 dtype, so checkpoints, live reshards and `elastron export` see the same
 or off, and a run can resume or reshard with it switched either way.
 
 Recipes: `tensorwise` (one scale per tensor; under FSDP2 the weights are cast to float8 before the
-all-gather, halving its bytes, with the scales of all units computed in one go after each optimizer
-step) and `rowwise` (one scale per row, more accurate, all-gathers in bf16). Float8 GEMMs need compute
-capability 8.9+ (H100, L4, ...); on CPU torchao's emulation runs the same casts and scales with
-high-precision matmuls, so the wiring is tested without a GPU.
+all-gather, half the bytes of a bf16 one, with the scales of all units computed in one go after each
+optimizer step) and `rowwise` (one scale per row, more accurate; FSDP2 gathers in the compute dtype, as
+torchao requires). TP keeps its ordinary plans, so its collectives stay in the compute dtype (torchtitan's
+float8 TP styles are not used). Float8 GEMMs need compute capability 8.9+ (H100, L4, ...); on CPU
+torchao's emulation runs the same casts and scales with high-precision matmuls, so the wiring is tested
+without a GPU.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Literal
 
 import torch
 from torch import nn
 
-Float8Recipe = Literal["none", "tensorwise", "rowwise"]
 FLOAT8_RECIPES: tuple[str, ...] = ("none", "tensorwise", "rowwise")
 SKIPPED_FQNS: tuple[str, ...] = ("output",)
 """Linear layers left in high precision by name (torchtitan's default filter)."""
