@@ -1,10 +1,15 @@
 """Training throughput on one device: Elastron's Trainer against a hand-written PyTorch loop, side by side.
 
     .venv/bin/python benchmarks/gpu.py --device cuda --preset 1b [--seq-len 2048] [--micro-batches 4,8]
-        [--compile no,yes] [--ac none] [--warmup 4] [--steps 9] [--profile] [--json out.json]
+        [--compile no,yes] [--ac none] [--float8 none,tensorwise] [--layers 8] [--override vocab_size=128256]
+        [--warmup 4] [--steps 9] [--profile] [--json out.json]
     .venv/bin/python benchmarks/gpu.py --device cpu --preset tiny          # CI-sized, well under a minute
+    .venv/bin/python benchmarks/gpu.py --device cuda --preset 8b --layers 8 --loss-compare tensorwise \
+        --data tokens/train.bin [--loss-steps 300] [--loss-window 50]    # float8 against bf16, real text
 
-One process, dp=1. For every setting (micro batch x compile x activation checkpointing) both loops train
+One process, dp=1. `--layers N` and `--override FIELD=VALUE` (repeatable, any `ModelConfig` field) change
+the preset's shape, e.g. the 8b preset cut to 8 layers. For every setting (micro batch x compile x
+activation checkpointing x float8 recipe) both loops train
 the same model (same initial weights, `models.llama.init_value`) on the same batches (the Trainer's
 synthetic data, recorded through its `on_batch` seam and replayed to the plain loop). By default on
 CUDA one after the other, each freed before the next is built (two 1b loops with AdamW state do not fit
@@ -19,11 +24,20 @@ load swings within seconds) both are built and their steps alternate, so both se
             where the setting says so (the whole block recomputed for AC full and selective alike:
             selective's op policy is Elastron's own, so its rows compare it with full),
             `F.cross_entropy` on fp32 logits, `clip_grad_norm_(foreach)`, AdamW (fused on CUDA,
-            foreach on CPU)
+            foreach on CPU); under `--float8` its linear layers converted by the same torchao call
+            (`parallel.float8.convert_float8`, the same layers left out)
 
 One optimizer step is one micro batch (no accumulation). Steps are timed one by one (synchronised on
 CUDA); reported: median tokens/s over the steps after `--warmup`, MFU against the device's dense peak
 (`workers.mfu`; "-" where unknown, e.g. CPUs), peak allocated memory (CUDA only) and elastron/plain.
+With a float8 recipe among `--float8`, each float8 row's Elastron tokens/s is also set against Elastron's
+row without float8 at the same setting (target: >= 1.25x, and >= 0.97x the plain loop with the same
+conversion). On CPU float8 is emulated (slower, not faster): there the rows test the wiring only.
+
+`--loss-compare RECIPE` trains instead, on `--data` (a token file or a directory of text), Elastron with
+`train.float8: RECIPE` and without, `--loss-steps` each, and reports the mean loss of each over the last
+`--loss-window` steps and their relative difference (target: within 1%).
+
 `--profile` adds a torch.profiler table (3 steps, top ops by self device time) per loop and setting, and
 the ops whose time per step differs most between the two loops (what is left between them, op by op).
 """
@@ -45,15 +59,41 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 TARGET = 0.97
+FLOAT8_SPEEDUP_TARGET = 1.25
+LOSS_TARGET = 0.01
 
 
-def _job_cfg(a: argparse.Namespace, micro_batch: int, compile_: bool, ac: str) -> dict:
+def model_overrides(a: argparse.Namespace) -> dict:
+    """`--override FIELD=VALUE` (a value is an int, else a float, else YAML: 8 is an int, 1e-6 a float)
+    and `--layers N` as `model.overrides`; a malformed one is a one-line error."""
+    import yaml
+
+    def scalar(text: str):
+        for kind in (int, float):
+            try:
+                return kind(text)
+            except ValueError:
+                pass
+        return yaml.safe_load(text)
+
+    out = {}
+    for item in a.override:
+        field, sep, value = item.partition("=")
+        if not sep or not field.strip():
+            raise SystemExit(f"--override {item!r}: expected FIELD=VALUE, e.g. n_layers=8")
+        out[field.strip()] = scalar(value.strip())
+    if a.layers is not None:
+        out["n_layers"] = a.layers
+    return out
+
+
+def _job_cfg(a: argparse.Namespace, micro_batch: int, compile_: bool, ac: str, float8: str = "none") -> dict:
     return {
-        "model": {"preset": a.preset},
+        "model": {"preset": a.preset, "overrides": model_overrides(a)},
         "data": {"source": "synthetic", "seq_len": a.seq_len, "num_samples": 100_000},
         "train": {"steps": 1_000_000, "global_batch_size": micro_batch, "micro_batch_size": micro_batch,
                   "lr": 1e-4, "warmup_steps": 0, "schedule": "constant", "grad_clip": 1.0, "dtype": a.dtype,
-                  "compile": compile_, "activation_checkpointing": ac, "seed": 0},
+                  "compile": compile_, "activation_checkpointing": ac, "seed": 0, "float8": float8},
         "resources": {"device": a.device},
     }
 
@@ -92,6 +132,10 @@ class Plain:
             for name, p in model.named_parameters():
                 p.copy_(init_value(mc, name, tuple(p.shape), t.seed))
         model.init_buffers(device)
+        if t.float8 != "none":
+            from parallel.float8 import convert_float8
+
+            convert_float8(model, t.float8, emulate=device.type == "cpu", fsdp_float8_all_gather=False)
         for block in model.layers.values():
             if t.activation_checkpointing != "none":
                 _checkpointed(block)
@@ -208,16 +252,16 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def run_setting(a, device, micro_batch: int, compile_: bool, ac: str) -> dict:
+def run_setting(a, device, micro_batch: int, compile_: bool, ac: str, float8: str = "none") -> dict:
     from workers.config import JobConfig
     from workers.mfu import peak_flops
 
-    cfg = JobConfig.from_dict(_job_cfg(a, micro_batch, compile_, ac))
+    cfg = JobConfig.from_dict(_job_cfg(a, micro_batch, compile_, ac, float8))
     mc = cfg.model.build()
     tokens = micro_batch * a.seq_len
     fpt = mc.flops_per_token(a.seq_len)
     peak = peak_flops(torch.cuda.get_device_name(device) if device.type == "cuda" else None, a.dtype)
-    res = {"micro_batch": micro_batch, "compile": compile_, "ac": ac, "interleaved": a.interleave}
+    res = {"micro_batch": micro_batch, "compile": compile_, "ac": ac, "float8": float8, "interleaved": a.interleave}
     # Each loop compiles from a clean cache: compiled graphs of earlier models and micro batches would
     # count towards dynamo's recompile limit, past which blocks silently run eager.
     torch.compiler.reset()
@@ -257,16 +301,62 @@ def _fmt(x, spec: str, none: str = "-") -> str:
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| micro batch | compile | AC | loop | tokens/s | MFU | peak mem (GiB) | ratio |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| micro batch | compile | AC | float8 | loop | tokens/s | MFU | peak mem (GiB) | ratio |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         for name in ("elastron", "plain"):
             m = r[name]
             ratio = f"{r['ratio']:.2f}" if name == "elastron" else "1.00"
-            lines.append(f"| {r['micro_batch']} | {'yes' if r['compile'] else 'no'} | {r['ac']} | {name} | "
-                         f"{m['tokens_per_s']:,.0f} | {_fmt(m['mfu'], '.1%')} | {_fmt(m['peak_mem_gib'], '.1f')} "
-                         f"| {ratio} |")
+            lines.append(f"| {r['micro_batch']} | {'yes' if r['compile'] else 'no'} | {r['ac']} | {r['float8']} | "
+                         f"{name} | {m['tokens_per_s']:,.0f} | {_fmt(m['mfu'], '.1%')} | "
+                         f"{_fmt(m['peak_mem_gib'], '.1f')} | {ratio} |")
     return "\n".join(lines)
+
+
+def float8_speedups(results: list[dict]) -> list[str]:
+    """Per float8 row: Elastron float8 tokens/s over Elastron without float8 at the same setting, and over
+    the plain loop with the same conversion."""
+    base = {(r["micro_batch"], r["compile"], r["ac"]): r for r in results if r["float8"] == "none"}
+    lines = []
+    for r in results:
+        if r["float8"] == "none":
+            continue
+        setting = f"mb {r['micro_batch']} compile {'yes' if r['compile'] else 'no'} AC {r['ac']} {r['float8']}"
+        b = base.get((r["micro_batch"], r["compile"], r["ac"]))
+        vs_bf16 = (f"{r['elastron']['tokens_per_s'] / b['elastron']['tokens_per_s']:.2f}x elastron without float8"
+                   if b else "no row without float8 to compare")
+        lines.append(f"{setting}: {vs_bf16} (target >= {FLOAT8_SPEEDUP_TARGET}), {r['ratio']:.2f}x the plain "
+                     f"float8 loop (target >= {TARGET})")
+    return lines
+
+
+def loss_compare(a, device) -> dict:
+    """Elastron with `train.float8: a.loss_compare` and without, `a.loss_steps` steps each on `a.data`:
+    the mean loss over the last `a.loss_window` steps of each and their relative difference."""
+    from workers.config import JobConfig
+    from workers.trainer import Trainer
+    from parallel.layout import Layout
+
+    path = Path(a.data)
+    data = ({"source": "tokens", "path": str(path), "token_dtype": a.token_dtype} if path.is_file()
+            else {"source": "corpus", "path": str(path), "suffixes": a.suffixes.split(",")})
+    mb = int((a.micro_batches or "2").split(",")[0])
+    means = {}
+    for recipe in ("none", a.loss_compare):
+        d = _job_cfg(a, mb, _flags(a.compile or "no")[0], a.ac.split(",")[0], recipe)
+        d["data"] = {**data, "seq_len": a.seq_len}
+        d["train"].update(steps=a.loss_steps, lr=a.loss_lr, warmup_steps=min(a.loss_steps // 10, 100),
+                          schedule="cosine", global_batch_size=mb * a.loss_accum)
+        torch.compiler.reset()
+        trainer = Trainer(JobConfig.from_dict(d), layout=Layout.parse("dp=1"), device=device).build()
+        losses = [trainer.train_step().loss for _ in range(a.loss_steps)]
+        print(f"{recipe}: first loss {losses[0]:.4f}, last {losses[-1]:.4f}", file=sys.stderr, flush=True)
+        means[recipe] = statistics.fmean(losses[-a.loss_window:])
+        del trainer
+        _free(device)
+    rel = abs(means[a.loss_compare] - means["none"]) / abs(means["none"])
+    return {"recipe": a.loss_compare, "steps": a.loss_steps, "window": a.loss_window,
+            "mean_loss_none": means["none"], "mean_loss_float8": means[a.loss_compare], "rel_diff": rel}
 
 
 def _flags(text: str) -> list[bool]:
@@ -283,6 +373,20 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--micro-batches", default=None, help="comma-separated (default: 4,8 on cuda, 2 on cpu)")
     p.add_argument("--compile", default=None, help="comma-separated yes/no (default: no,yes on cuda, no on cpu)")
     p.add_argument("--ac", default="none", help="comma-separated none/full/selective")
+    p.add_argument("--float8", default="none", help="comma-separated none/tensorwise/rowwise (train.float8)")
+    p.add_argument("--layers", type=int, default=None, help="n_layers of the preset (e.g. 8 of the 8b)")
+    p.add_argument("--override", action="append", default=[], metavar="FIELD=VALUE",
+                   help="change a preset field, e.g. vocab_size=128256 (repeatable)")
+    p.add_argument("--loss-compare", choices=("tensorwise", "rowwise"), default=None,
+                   help="train float8 RECIPE and without float8 on --data and compare their losses")
+    p.add_argument("--data", default=None, help="--loss-compare: a token file or a directory of text")
+    p.add_argument("--token-dtype", choices=("uint16", "uint32"), default="uint32",
+                   help="--loss-compare with a token file: its element type")
+    p.add_argument("--suffixes", default=".py,.txt,.md", help="--loss-compare with a directory: file endings")
+    p.add_argument("--loss-steps", type=int, default=300, help="--loss-compare: steps per run")
+    p.add_argument("--loss-window", type=int, default=50, help="--loss-compare: last steps averaged")
+    p.add_argument("--loss-lr", type=float, default=3e-4, help="--loss-compare: peak learning rate")
+    p.add_argument("--loss-accum", type=int, default=1, help="--loss-compare: micro batches per step")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps (default: 4 on cuda, 2 on cpu)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default: 9 on cuda, 5 on cpu)")
     p.add_argument("--profile", action="store_true", help="print a torch.profiler breakdown per loop")
@@ -300,6 +404,19 @@ def main(argv: list[str] | None = None) -> dict:
     micro_batches = [int(x) for x in (a.micro_batches or ("4,8" if cuda else "2")).split(",")]
     compiles = _flags(a.compile or ("no,yes" if cuda else "no"))
     acs = [x.strip() for x in a.ac.split(",")]
+    recipes = [x.strip() for x in a.float8.split(",")]
+    if bad := [r for r in recipes if r not in ("none", "tensorwise", "rowwise")]:
+        p.error(f"--float8 {','.join(bad)}: expected none, tensorwise or rowwise")
+    if a.loss_compare and not a.data:
+        p.error("--loss-compare needs --data (a token file or a directory of text)")
+    if a.loss_compare and not 0 < a.loss_window <= a.loss_steps:
+        p.error(f"--loss-window {a.loss_window} must be in 1..--loss-steps ({a.loss_steps})")
+    from workers.config import ConfigError, JobConfig
+
+    try:  # a bad --override or --layers fails here, in one line, before any device work
+        JobConfig.from_dict(_job_cfg(a, micro_batches[0], compiles[0], acs[0]))
+    except ConfigError as e:
+        p.error(str(e))
 
     from workers.runtime import destroy_process_group, init_process_group, pick_device
 
@@ -307,14 +424,24 @@ def main(argv: list[str] | None = None) -> dict:
     init_process_group(device)
     results = []
     try:
+        if a.loss_compare:
+            lc = loss_compare(a, device)
+            print(f"{a.preset} {model_overrides(a)}, seq {a.seq_len}, {a.dtype}, {device.type}, data {a.data}: "
+                  f"mean loss over the last {lc['window']} of {lc['steps']} steps: none {lc['mean_loss_none']:.4f}, "
+                  f"{lc['recipe']} {lc['mean_loss_float8']:.4f}, relative difference {lc['rel_diff']:.2%} "
+                  f"(target <= {LOSS_TARGET:.0%})")
+            if a.json:
+                Path(a.json).write_text(json.dumps({"args": vars(a), "loss_compare": lc}, indent=2))
+            return {"loss_compare": lc}
         for mb in micro_batches:
             for c in compiles:
                 for ac in acs:
-                    print(f"micro batch {mb}, compile {c}, AC {ac} ...", file=sys.stderr, flush=True)
-                    results.append(run_setting(a, device, mb, c, ac))
+                    for f8 in recipes:
+                        print(f"micro batch {mb}, compile {c}, AC {ac}, float8 {f8} ...", file=sys.stderr, flush=True)
+                        results.append(run_setting(a, device, mb, c, ac, f8))
     finally:
         destroy_process_group()
-    print(f"{a.preset}, seq {a.seq_len}, {a.dtype}, dp=1, {device.type}"
+    print(f"{a.preset}{' ' + str(model_overrides(a)) if model_overrides(a) else ''}, seq {a.seq_len}, {a.dtype}, dp=1, {device.type}"
           f"{' (' + torch.cuda.get_device_name(device) + ')' if cuda else ''}, torch {torch.__version__}; "
           f"median of {a.steps} steps after {a.warmup}, "
           f"{'interleaved' if a.interleave else 'one loop after the other'}; "
@@ -322,12 +449,16 @@ def main(argv: list[str] | None = None) -> dict:
     print(table(results))
     if a.interleave:
         print("paired (median over steps of plain time / elastron time, steps alternating): "
-              + ", ".join(f"mb {r['micro_batch']} compile {'yes' if r['compile'] else 'no'} AC {r['ac']}: "
-                          f"{r['paired_ratio']:.2f}" for r in results))
+              + ", ".join(f"mb {r['micro_batch']} compile {'yes' if r['compile'] else 'no'} AC {r['ac']}"
+                          f"{' float8 ' + r['float8'] if r['float8'] != 'none' else ''}: {r['paired_ratio']:.2f}"
+                          for r in results))
+    if any(r["float8"] != "none" for r in results):
+        print("float8: " + "; ".join(float8_speedups(results)))
     worst = max(r["max_loss_rel_diff"] for r in results)
     print(f"losses: elastron and plain within {worst:.1e} (relative) step by step")
     for r in results:
-        setting = f"micro batch {r['micro_batch']}, compile {r['compile']}, AC {r['ac']}"
+        setting = f"micro batch {r['micro_batch']}, compile {r['compile']}, AC {r['ac']}" + (
+            f", float8 {r['float8']}" if r["float8"] != "none" else "")
         for name in ("elastron", "plain"):
             if "profile" in r[name]:
                 print(f"\n## profile: {name}, {setting}")

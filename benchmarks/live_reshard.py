@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/live_reshard.py [--layers 28] [--old tp=2] [--new dp=2] [--reps 5]
 
 State: the `small` preset with `--layers` blocks (28: 0.99 GB of fp32 weights + AdamW moments), trained
-one step under `--old`, on spawned gloo ranks (world = the larger of the two layouts; every rank is a
+one step under `--old`, on spawned gloo ranks (NCCL, one GPU per rank, under ELASTRON_TEST_DEVICE=cuda:
+tests/multiproc.py picks, and "raw" is then NCCL's own send/recv) (world = the larger of the two layouts; every rank is a
 survivor, as in a planned resize on live workers). Each repetition runs, in rotating order:
 
   live:   `parallel.live.hold` + `plan_exchange` + `transfer` + `Trainer.adopt` into a trainer of the new
@@ -48,6 +49,7 @@ def body(cfg_dict: dict, old: str, new: str, work: str, reps: int) -> dict:
     from parallel.exchange import plan_exchange
     from parallel.layout import Layout
     from parallel.sharding import boxes
+    from tests.multiproc import rank_device
     from workers.config import JobConfig
     from workers.trainer import Trainer
 
@@ -56,10 +58,10 @@ def body(cfg_dict: dict, old: str, new: str, work: str, reps: int) -> dict:
     if old_l.world_size != world or new_l.world_size != world:
         raise ValueError("this benchmark keeps every worker: both layouts must have the same world size")
     cfg = JobConfig.from_dict(cfg_dict)
-    cpu = torch.device("cpu")
-    src = Trainer(cfg, layout=old_l, device=cpu).build()
+    device = rank_device()  # the CPU, or this rank's GPU under ELASTRON_TEST_DEVICE=cuda
+    src = Trainer(cfg, layout=old_l, device=device).build()
     src.train_step()
-    dst = Trainer(cfg, layout=new_l, device=cpu).build()
+    dst = Trainer(cfg, layout=new_l, device=device).build()
     meta = build_model(cfg.model.build())
     shapes = {n: tuple(p.shape) for n, p in meta.named_parameters()}
     old_b, new_b = boxes(old_l, shapes, len(meta.layers)), boxes(new_l, shapes, len(meta.layers))
@@ -84,12 +86,14 @@ def body(cfg_dict: dict, old: str, new: str, work: str, reps: int) -> dict:
         t = time.perf_counter()
         parts: dict[str, float] = {}
         pieces = live.transfer(plan, old_rank=rank, new_rank=rank, held=held, dtypes=dtypes,
-                               old_to_group=ident, new_to_group=ident, timings=parts)
+                               old_to_group=ident, new_to_group=ident, device=device, timings=parts)
         out["transfer"].append(time.perf_counter() - t)
         for k, v in parts.items():
             out.setdefault(f"transfer.{k}", []).append(v)
         t = time.perf_counter()
         dst.adopt(pieces, steps, state)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         out["adopt"].append(time.perf_counter() - t)
 
     sent = {}
@@ -98,10 +102,12 @@ def body(cfg_dict: dict, old: str, new: str, work: str, reps: int) -> dict:
         # What this rank sends in the live plan, to each peer, as one message per pair.
         ops = []
         for peer, n in sent.items():
-            ops.append(dist.P2POp(dist.isend, torch.empty(n, dtype=torch.uint8), peer))
-            ops.append(dist.P2POp(dist.irecv, torch.empty(recv[peer], dtype=torch.uint8), peer))
+            ops.append(dist.P2POp(dist.isend, torch.empty(n, dtype=torch.uint8, device=device), peer))
+            ops.append(dist.P2POp(dist.irecv, torch.empty(recv[peer], dtype=torch.uint8, device=device), peer))
         for w in dist.batch_isend_irecv(ops) if ops else []:
             w.wait()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     root = os.path.join(work, "ckpt")
     step = [100]
@@ -116,7 +122,7 @@ def body(cfg_dict: dict, old: str, new: str, work: str, reps: int) -> dict:
         if rank == 0:
             _drop_cache(_files(root))
         dist.barrier()
-        fresh = Trainer(cfg, layout=new_l, device=cpu).build()
+        fresh = Trainer(cfg, layout=new_l, device=device).build()
         CheckpointManager(root, keep_last=1).load_latest(fresh.model, fresh.optimizer)
 
     run_live()  # warm-up; also tells the raw run how many bytes go to whom
@@ -256,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from benchmarks.checkpoint import _cfg
     from parallel.layout import Layout
-    from tests.multiproc import run_ranks
+    from tests.multiproc import backend, run_ranks
     from tests.ports import free_port
 
     old_world, new_world = Layout.parse(args.old).world_size, Layout.parse(args.new).world_size
@@ -287,13 +293,14 @@ def main(argv: list[str] | None = None) -> int:
          "state_bytes": state, "network_bytes": moved, "medians_s": med,
          "live_vs_raw_throughput": med["raw"] / med["live"], "storage_vs_live": med["storage"] / med["live"],
          "transfer_vs_raw_throughput": med["raw"] / med["transfer"],
-         "transfer_parts_by_rank": parts, "runs": res[0]["runs"], "load_avg": os.getloadavg()[0]}
+         "transfer_parts_by_rank": parts, "runs": res[0]["runs"], "load_avg": os.getloadavg()[0],
+         "backend": backend()}
     print(f"State {state / 1e9:.2f} GB ({args.old} -> {args.new}, every worker a survivor); "
           f"{moved / 1e9:.2f} GB cross the network; medians of {args.reps} interleaved runs.\n")
     print("| path | s | note |\n|---|---|---|")
     print(f"| live path (hold, plan, send/recv, fill) | {med['live']:.2f} | of which hold+plan "
           f"{med['plan']:.3f} s, transfer {med['transfer']:.3f} s, fill {med['adopt']:.3f} s (rank 0) |")
-    print(f"| raw gloo send/recv of the bytes that cross | {med['raw']:.2f} | transfer step at "
+    print(f"| raw {r['backend']} send/recv of the bytes that cross | {med['raw']:.2f} | transfer step at "
           f"{100 * r['transfer_vs_raw_throughput']:.0f}% of raw throughput (target >= 50%); whole live path "
           f"{100 * r['live_vs_raw_throughput']:.0f}% |")
     print(f"| storage path (blocking save + cold load) | {med['storage']:.2f} | live is "

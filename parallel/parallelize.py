@@ -1,7 +1,8 @@
 """Apply a Layout to a (meta-device) model: pipeline split, TP, activation checkpointing, compile,
 FSDP2/HSDP, then materialise weights.
 
-Order matters: split the stage first (so no rank allocates layers it does not own), then TP (parameters
+Order matters: split the stage first (so no rank allocates layers it does not own), then swap its
+linear layers for float8 ones where `train.float8` asks (`parallel.float8`, names unchanged), then TP (parameters
 become DTensors on the tp axis), then activation checkpointing and torch.compile per block (torchtitan's
 order: both see the TP-sharded block, and FSDP2's hooks stay outside them), then FSDP2 (adds the dp
 axes), and only then materialise, so that each rank allocates just its own shard. Initial values come
@@ -30,6 +31,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from models.llama import init_value
+from parallel.float8 import convert_float8
 from parallel.layout import Layout, MeshAxis
 from parallel.pipeline import split_stage
 from parallel.precision import PrecisionPolicy
@@ -90,14 +92,19 @@ def parallelize(
     precision: PrecisionPolicy | None = None,
     activation_checkpointing: ACMode = "none",
     compile: bool = False,
+    float8: str = "none",
 ) -> nn.Module:
     """Turn the full meta-device model into this rank's part of it under `layout` (in place).
 
     `precision` comes from `parallel.precision.select_precision` (default: fp32, today's behaviour);
-    `activation_checkpointing` and `compile` apply per transformer block."""
+    `activation_checkpointing` and `compile` apply per transformer block; `float8` is a recipe of
+    `parallel.float8` (emulated on CPU), applied to this stage before it is sharded."""
     precision = precision or PrecisionPolicy(param_dtype=None)
     if layout.pp_enabled:
         split_stage(model, mesh.get_local_rank(MeshAxis.PP.value), layout.pp)
+    if float8 != "none":
+        convert_float8(model, float8, emulate=mesh.device_type == "cpu",
+                       fsdp_float8_all_gather=layout.dp_shard > 1 and not uses_ddp(layout))
     if model.tok_embeddings is not None:
         model.tok_embeddings.compute_dtype = precision.param_dtype
     if layout.tp_enabled:

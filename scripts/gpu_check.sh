@@ -1,18 +1,27 @@
 #!/usr/bin/env bash
-# Issue 17's GPU checks in one call, for a lent GPU machine (torch, no Ray; 15 minutes of device time):
+# The GPU checks in one call, for a lent GPU machine (torch, no Ray):
 #   PYTHONPATH=. bash scripts/gpu_check.sh          # results and logs under $OUT (or /tmp/gpu-check)
+# It counts the GPUs first.
+# One GPU (issue 17's checks, ~15 minutes of device time):
 # 1. the CUDA paths' tests (fused AdamW on DTensor, precision, the GPU options), ~4-5 min on an H200;
 # 2. benchmarks/gpu.py side by side with the plain loop: 1b, seq 2048, micro batch 4 and 8, compile
 #    no and yes (the table in docs/benchmarks.md, "Training throughput (GPU)");
 # 3. with the time left, a profile of micro batch 4 with compile (what is left between the two loops).
-# Without a GPU it runs the same on the CPU defaults (tiny model) in about a minute: a dry run.
+# Two or more GPUs, first (issue 32; "Multi-GPU" in docs/benchmarks.md):
+# 0. tests/distributed over NCCL, one rank per GPU (ELASTRON_TEST_DEVICE=cuda: every layout the GPUs
+#    allow, wider ones skip; a live reshard between two layouts; a hung collective aborted), then
+#    benchmarks/live_reshard.py over NCCL (tp=2 -> dp=2 on two of the GPUs).
+# PARTS picks parts by name (default: all that apply): multi, tests, bench, profile, and float8 (issue
+# 32's 8b-cut-to-8-layers rows with float8, not in the default: it needs most of a session by itself).
+# Without a GPU it runs the single-GPU parts on the CPU defaults (tiny model) in about a minute: a dry run.
 # Each part has its own time limit, so a slow one still leaves the others their results.
 set -u
 OUT=${OUT:-/tmp/gpu-check}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
-if "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')
+if [ "$NGPU" -ge 1 ]; then
     BENCH=(--device cuda --preset 1b --seq-len 2048 --micro-batches 4,8 --compile no,yes --ac none)
     PROFILE=(--device cuda --preset 1b --seq-len 2048 --micro-batches 4 --compile yes --ac none --profile)
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
@@ -21,24 +30,76 @@ else
     PROFILE=(--device cpu --profile)
     echo "no CUDA device: a dry run on the CPU defaults" | tee "$OUT/gpu.txt"
 fi
+echo "GPUs: $NGPU" | tee -a "$OUT/gpu.txt"
 "$PY" -c 'import torch; print("torch", torch.__version__)' | tee -a "$OUT/gpu.txt"
+# torchao (train.float8) is not on the lent machines and they have no network: it travels as a wheel in
+# the ignored .whl/ (pip download --no-deps torchao==0.18.0 -d .whl; carry .whl), installed here.
+if ! "$PY" -c 'import torchao.float8' 2>/dev/null && ls .whl/torchao-*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-deps .whl/torchao-*.whl 2>&1 | tail -n 2
+fi
+"$PY" -c 'import torchao; print("torchao", torchao.__version__)' 2>/dev/null | tee -a "$OUT/gpu.txt" \
+    || echo "torchao: not installed (float8 tests skip)" | tee -a "$OUT/gpu.txt"
+DEFAULT_PARTS="tests bench profile"
+[ "$NGPU" -ge 2 ] && DEFAULT_PARTS="multi $DEFAULT_PARTS"
+PARTS=" ${PARTS:-$DEFAULT_PARTS} "
+want() { [[ "$PARTS" == *" $1 "* ]]; }
+has_pytest() { "$PY" -c 'import pytest' 2>/dev/null; }
 
 status=0
-echo "== tests"
-if "$PY" -c 'import pytest' 2>/dev/null; then
-    timeout 330 "$PY" -m pytest -q -p no:cacheprovider tests/distributed/test_gpu_options.py \
-        tests/parallel/test_precision.py tests/distributed/test_fused_optimizer.py > "$OUT/tests.log" 2>&1
-    rc=$?; tail -n 15 "$OUT/tests.log"; [ $rc -eq 0 ] || status=$rc
-else
-    echo "pytest is not installed here: tests skipped" | tee "$OUT/tests.log"; status=1
+if want multi; then
+    if [ "$NGPU" -lt 2 ]; then
+        echo "== multi: $NGPU GPU(s), needs 2 or more: skipped"
+    elif has_pytest; then
+        echo "== multi: tests/distributed over NCCL, one rank per GPU ($NGPU)"
+        ELASTRON_TEST_DEVICE=cuda timeout "${MULTI_TESTS_TIMEOUT_S:-1500}" "$PY" -m pytest -q -p no:cacheprovider \
+            -rs --durations=15 tests/distributed --ignore=tests/distributed/test_gpu_options.py \
+            > "$OUT/multi-tests.log" 2>&1
+        rc=$?; tail -n 40 "$OUT/multi-tests.log"; [ $rc -eq 0 ] || status=$rc
+        echo "== multi: live reshard over NCCL, tp=2 -> dp=2"
+        ELASTRON_TEST_DEVICE=cuda CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0,1} \
+            timeout "${MULTI_BENCH_TIMEOUT_S:-600}" "$PY" benchmarks/live_reshard.py --layers 28 --old tp=2 \
+            --new dp=2 --reps 3 --json "$OUT/live-reshard-nccl.json" > "$OUT/live-reshard-nccl.log" 2>&1
+        rc=$?; grep -E '^(\||State|send/recv)' "$OUT/live-reshard-nccl.log" || tail -n 30 "$OUT/live-reshard-nccl.log"
+        [ $rc -eq 0 ] || status=$rc
+    else
+        echo "pytest is not installed here: multi-GPU tests skipped" | tee "$OUT/multi-tests.log"; status=1
+    fi
 fi
 
-echo "== benchmark: ${BENCH[*]}"
-timeout 420 "$PY" benchmarks/gpu.py "${BENCH[@]}" --json "$OUT/gpu.json" > "$OUT/gpu.log" 2>&1
-rc=$?; tail -n 40 "$OUT/gpu.log"; [ $rc -eq 0 ] || status=$rc
+if want tests; then
+    echo "== tests"
+    if has_pytest; then
+        timeout 330 "$PY" -m pytest -q -p no:cacheprovider tests/distributed/test_gpu_options.py \
+            tests/parallel/test_precision.py tests/distributed/test_fused_optimizer.py > "$OUT/tests.log" 2>&1
+        rc=$?; tail -n 15 "$OUT/tests.log"; [ $rc -eq 0 ] || status=$rc
+    else
+        echo "pytest is not installed here: tests skipped" | tee "$OUT/tests.log"; status=1
+    fi
+fi
 
-echo "== profile: ${PROFILE[*]}"
-timeout "${PROFILE_TIMEOUT_S:-150}" "$PY" benchmarks/gpu.py "${PROFILE[@]}" --json "$OUT/profile.json" \
-    > "$OUT/profile.log" 2>&1
-rc=$?; tail -n 60 "$OUT/profile.log"; [ $rc -eq 0 ] || echo "profile: exit $rc (informational)"
+if want bench; then
+    echo "== benchmark: ${BENCH[*]}"
+    timeout 420 "$PY" benchmarks/gpu.py "${BENCH[@]}" --json "$OUT/gpu.json" > "$OUT/gpu.log" 2>&1
+    rc=$?; tail -n 40 "$OUT/gpu.log"; [ $rc -eq 0 ] || status=$rc
+fi
+
+if want profile; then
+    echo "== profile: ${PROFILE[*]}"
+    timeout "${PROFILE_TIMEOUT_S:-150}" "$PY" benchmarks/gpu.py "${PROFILE[@]}" --json "$OUT/profile.json" \
+        > "$OUT/profile.log" 2>&1
+    rc=$?; tail -n 60 "$OUT/profile.log"; [ $rc -eq 0 ] || echo "profile: exit $rc (informational)"
+fi
+
+if want float8; then
+    if [ "$NGPU" -ge 1 ]; then
+        F8=(--device cuda --preset 8b --layers 8 --seq-len 4096 --micro-batches 2 --compile yes
+            --float8 none,tensorwise,rowwise --no-interleave)
+    else
+        F8=(--device cpu --layers 2 --seq-len 16 --micro-batches 1 --float8 none,tensorwise)
+    fi
+    echo "== float8: ${F8[*]}"
+    timeout "${FLOAT8_TIMEOUT_S:-540}" "$PY" benchmarks/gpu.py "${F8[@]}" --json "$OUT/float8.json" \
+        > "$OUT/float8.log" 2>&1
+    rc=$?; tail -n 20 "$OUT/float8.log"; [ $rc -eq 0 ] || status=$rc
+fi
 exit $status

@@ -6,6 +6,7 @@ import torch
 
 from parallel.layout import Layout
 from parallel.parallelize import full_params
+from tests.multiproc import rank_device
 from workers.config import JobConfig
 
 
@@ -18,7 +19,7 @@ def train_body(cfg_dict: dict, layout: str, steps: int, run_dir: str | None = No
 
     cfg = JobConfig.from_dict(cfg_dict)
     lay = Layout.parse(layout, dp_mode=cfg.parallel.dp_mode)
-    trainer = Trainer(cfg, layout=lay, device=torch.device("cpu"), run_dir=run_dir).build()
+    trainer = Trainer(cfg, layout=lay, device=rank_device(), run_dir=run_dir).build()
     samples: list[list[int]] = []
     if record_samples:
         trainer.on_batch = lambda b: samples.append(list(b.sample_ids))

@@ -1,6 +1,11 @@
-"""Run a function on N spawned CPU ranks joined by a gloo process group (test tier 2).
+"""Run a function on N spawned ranks joined by one process group (test tier 2): gloo on CPU by default, or
+NCCL with one GPU per rank when ELASTRON_TEST_DEVICE=cuda (scripts/gpu_check.sh on a multi-GPU machine).
 
     results = run_ranks(4, tests.bodies.train_body, cfg, "dp=2,tp=2")
+
+Bodies take their device from `rank_device()` and the test's backend from `ranks_device_type()`, so the
+same test file runs on gloo/CPU in CI and on NCCL/CUDA; a layout needing more ranks than there are GPUs
+is skipped there.
 
 `fn` must be importable by its module name (spawn re-imports it in each child), so rank bodies live in
 ordinary modules such as tests/bodies.py rather than in test files. Each child gets RANK, WORLD_SIZE,
@@ -20,6 +25,39 @@ from typing import Any, Callable
 import torch.multiprocessing as mp
 
 from tests.ports import free_port
+
+DEVICE_ENV = "ELASTRON_TEST_DEVICE"
+"""cpu (default) or cuda: where spawned ranks compute, and so which backend joins them (gloo or NCCL)."""
+
+
+def ranks_device_type() -> str:
+    """"cuda" when ELASTRON_TEST_DEVICE asks for it and CUDA is there, else "cpu"; a request for CUDA
+    without a GPU is an error rather than a silent CPU run."""
+    want = os.environ.get(DEVICE_ENV, "cpu").strip().lower() or "cpu"
+    if want not in ("cpu", "cuda"):
+        raise ValueError(f"{DEVICE_ENV}={want!r}: expected cpu or cuda")
+    if want == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"{DEVICE_ENV}=cuda but no CUDA device is visible; unset it to test on CPU")
+    return want
+
+
+
+
+def rank_device():
+    """This rank's device: cuda:LOCAL_RANK under ELASTRON_TEST_DEVICE=cuda, else the CPU."""
+    import torch
+
+    if ranks_device_type() == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def backend() -> str:
+    """The backend collectives on `rank_device()` tensors go through: nccl or gloo."""
+    return "nccl" if ranks_device_type() == "cuda" else "gloo"
 
 
 def _to_wire(x: Any) -> Any:
@@ -64,7 +102,10 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kwa
         torch.set_num_threads(1)
         from workers.runtime import destroy_process_group, init_process_group
 
-        init_process_group(torch.device("cpu"), timeout_s=120)
+        device = rank_device()
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        init_process_group(device, timeout_s=120)
         try:
             result = fn(*args, **kwargs)
         finally:
@@ -75,10 +116,17 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kwa
 
 
 def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 240.0, **kwargs: Any) -> list[Any]:
-    """Run `fn(*args, **kwargs)` on `world_size` ranks; return the results ordered by rank.
+    """Run `fn(*args, **kwargs)` on `world_size` ranks; return the results ordered by rank. On CUDA, a
+    world larger than the GPUs here skips the calling test.
 
     The rendezvous port is picked free and released before rank 0 binds it, so another process can
     take it in between (EADDRINUSE); only that error relaunches, on a new port, up to 3 times."""
+    if ranks_device_type() == "cuda":
+        import pytest
+        import torch
+
+        if world_size > torch.cuda.device_count():
+            pytest.skip(f"{world_size} ranks need {world_size} GPUs, {torch.cuda.device_count()} here")
     for attempt in range(3):
         try:
             return _run_once(world_size, fn, args, kwargs, timeout)

@@ -152,6 +152,12 @@ class TrainConfig:
     """Recompute activations in backward, per transformer block, to save memory: none; full (keep only
     each block's input); selective (keep matmul, attention and TP-collective outputs, recompute norms,
     RoPE and pointwise ops). Results are unchanged; parameter names (and checkpoints) too."""
+    float8: Literal["none", "tensorwise", "rowwise"] = "none"
+    """float8 matmuls in the transformer blocks' linear layers (torchao, `parallel.float8`): none;
+    tensorwise (one scale per tensor, float8 all-gather under FSDP2); rowwise (one scale per row, more
+    accurate, slower). The output head stays in high precision; weights, optimizer state and checkpoints
+    stay fp32, so a run resumes or reshards with it switched on or off. Needs torchao and, on CUDA,
+    train.dtype bfloat16 on an H100-class GPU (compute capability 8.9+); emulated on CPU."""
     eval_interval: int = 0
     """Every this many steps, the loss on the held-out split (data.val_path) goes into the metrics as
     val_loss; 0: never."""
@@ -176,6 +182,8 @@ class TrainConfig:
         if self.activation_checkpointing not in ("none", "full", "selective"):
             raise ConfigError("train.activation_checkpointing must be one of none, full, selective, "
                               f"got {self.activation_checkpointing!r}")
+        if self.float8 not in ("none", "tensorwise", "rowwise"):
+            raise ConfigError(f"train.float8 must be one of none, tensorwise, rowwise, got {self.float8!r}")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

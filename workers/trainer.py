@@ -24,6 +24,7 @@ from models.llama import build_model
 from parallel.checkpoint.manager import CheckpointManager
 from parallel.checkpoint.manifest import CheckpointError, Manifest
 from parallel.checkpoint.state import capture_rng, restore_rng
+from parallel.float8 import float8_unavailable_reason, precompute_scales_after_step
 from parallel.layout import Layout, MeshAxis
 from parallel.loss import cross_entropy
 from parallel.optim import build_adamw, clip_grad_norm_
@@ -108,6 +109,8 @@ class Trainer:
             raise ConfigError(str(e)) from None
         if t.compile and (why := compile_unavailable_reason(self.device.type)):
             raise ConfigError(f"train.compile: {why}")
+        if why := float8_unavailable_reason(t.float8, self.device.type, dtype=t.dtype):
+            raise ConfigError(f"train.float8: {why}")
         self.model_cfg = cfg.model.build()
         self.mesh = layout.build_mesh(self.device.type)
         coords = layout.coords(self.rank)
@@ -126,6 +129,7 @@ class Trainer:
             precision=precision,
             activation_checkpointing=t.activation_checkpointing,
             compile=t.compile,
+            float8=t.float8,
         )
         materialize(model, seed=cfg.train.seed, device=self.device, init=init_weights)
         self.model = model
@@ -135,6 +139,7 @@ class Trainer:
         fused = t.fused_optimizer if t.fused_optimizer is not None else True
         self.optimizer = build_adamw(self.params, fused=fused, lr=lr_at(0, t), betas=(t.beta1, t.beta2),
                                      eps=t.eps, weight_decay=t.weight_decay)
+        precompute_scales_after_step(self.model, self.optimizer)
 
         self.micro_batch_size = self.plan.micro_batch_size  # the planner's: it may be smaller to fit memory
         self.n_microbatches = self.plan.grad_accum_steps

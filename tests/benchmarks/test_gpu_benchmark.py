@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.distributed.test_equivalence import tiny_cfg
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,9 +33,9 @@ def test_cpu_tiny_run_prints_both_rows(mode):
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = [line for line in out.stdout.splitlines() if line.startswith("| 1 | no | none |")]
-    assert [r.split("|")[4].strip() for r in rows] == ["elastron", "plain"], out.stdout
-    ratio = float(rows[0].split("|")[8])
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| 1 | no | none | none |")]
+    assert [r.split("|")[5].strip() for r in rows] == ["elastron", "plain"], out.stdout
+    ratio = float(rows[0].split("|")[9])
     assert ratio > 0
     assert "## profile: elastron" in out.stdout and "## profile: plain" in out.stdout
     assert "losses: elastron and plain within" in out.stdout
@@ -63,3 +67,57 @@ def test_a_profiler_marker_is_listed_by_its_count_after_the_totals_not_ranked_as
     rows = gpu.profile_difference(el, pl).splitlines()[2:]
     assert [r.split("|")[1].strip() for r in rows][:2] == ["aten::mm", "(total)"]
     assert rows[2].startswith("| Command Buffer Full (a marker") and rows[2].split("|")[3].strip() == "(263)"
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--device", "cpu", "--preset", "tiny", *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_model_overrides_are_read_as_preset_fields():
+    gpu = _gpu_module()
+    p = argparse.Namespace(override=["vocab_size=512", "ffn_hidden = 256", "norm_eps=1e-6"], layers=2)
+    assert gpu.model_overrides(p) == {"vocab_size": 512, "ffn_hidden": 256, "norm_eps": 1e-6, "n_layers": 2}
+    with pytest.raises(SystemExit, match="expected FIELD=VALUE"):
+        gpu.model_overrides(argparse.Namespace(override=["n_layers"], layers=None))
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--override", "n_layer=2"], "unknown model field(s) ['n_layer']"),
+    (["--float8", "fp8"], "--float8 fp8: expected none, tensorwise or rowwise"),
+    (["--loss-compare", "tensorwise"], "--loss-compare needs --data"),
+])
+def test_bad_arguments_fail_in_one_line(args, needle):
+    out = _run(*args)
+    assert out.returncode == 2 and needle in out.stderr.strip().splitlines()[-1], out.stderr[-2000:]
+
+
+def test_float8_rows_with_a_cut_model():
+    """A 2-step emulated float8 run of both loops beside the same setting without float8, on the preset
+    cut to 2 layers with another vocabulary: the rows, the float8 ratio line, and both loops' losses
+    agreeing (the same torchao conversion on both sides)."""
+    pytest.importorskip("torchao.float8")
+    out = _run("--layers", "2", "--override", "vocab_size=512", "--seq-len", "16", "--micro-batches", "1",
+               "--warmup", "1", "--steps", "2", "--float8", "none,tensorwise")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "tiny {'vocab_size': 512, 'n_layers': 2}, seq 16" in out.stdout
+    loops = [(r.split("|")[4].strip(), r.split("|")[5].strip()) for r in out.stdout.splitlines()
+             if r.startswith("| 1 | no | none |")]
+    assert loops == [("none", "elastron"), ("none", "plain"), ("tensorwise", "elastron"), ("tensorwise", "plain")]
+    assert "float8: mb 1 compile no AC none tensorwise: " in out.stdout and "x elastron without float8" in out.stdout
+    worst = float(out.stdout.split("losses: elastron and plain within ")[1].split()[0])
+    assert worst < 1e-4
+
+
+def test_loss_compare_on_text(tmp_path):
+    """The float8-against-bf16 loss comparison, 3 emulated steps each on a directory of text."""
+    pytest.importorskip("torchao.float8")
+    data = tiny_cfg()["data"]["val_path"]  # a directory of Python source
+    out = _run("--layers", "2", "--seq-len", "16", "--loss-compare", "tensorwise", "--data", data,
+               "--loss-steps", "3", "--loss-window", "2", "--json", str(tmp_path / "lc.json"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    lc = json.loads((tmp_path / "lc.json").read_text())["loss_compare"]
+    assert lc["steps"] == 3 and lc["window"] == 2 and lc["recipe"] == "tensorwise"
+    assert 0 < lc["rel_diff"] < 0.01 and lc["mean_loss_none"] != lc["mean_loss_float8"]
+    assert f"relative difference {lc['rel_diff']:.2%}" in out.stdout

@@ -13,7 +13,7 @@ import torch
 
 from tests.bodies import train_body
 from tests.distributed.test_equivalence import STEPS, assert_matches, tiny_cfg
-from tests.multiproc import run_ranks
+from tests.multiproc import rank_device, run_ranks
 
 pytestmark = pytest.mark.dist
 
@@ -26,7 +26,7 @@ def fused_body(cfg_dict: dict, layout: str, steps: int) -> dict:
 
     out = train_body(cfg_dict, layout, steps)
     cfg = JobConfig.from_dict(cfg_dict)
-    trainer = Trainer(cfg, layout=Layout.parse(layout), device=torch.device("cpu")).build()
+    trainer = Trainer(cfg, layout=Layout.parse(layout), device=rank_device()).build()
     out["fused"] = [bool(g.get("fused")) for g in trainer.optimizer.param_groups]
     out["foreach"] = [bool(g.get("foreach")) for g in trainer.optimizer.param_groups]
     return out
@@ -73,7 +73,7 @@ def local_vs_dtensor_body(cfg_dict: dict, layout: str, steps: int) -> dict:
     out = {}
     for name in ("local", "dtensor"):
         trainer = Trainer(cfg, layout=Layout.parse(layout, dp_mode=cfg.parallel.dp_mode),
-                          device=torch.device("cpu")).build()
+                          device=rank_device()).build()
         assert type(trainer.optimizer) is LocalAdamW
         if name == "dtensor":
             hyper = {k: v for k, v in trainer.optimizer.defaults.items() if k != "decoupled_weight_decay"}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.multiproc import run_ranks
+from tests.multiproc import rank_device, run_ranks
 
 pytestmark = pytest.mark.dist
 transformers = pytest.importorskip("transformers")
@@ -33,14 +33,15 @@ def layout_body(path: str, layout_text: str) -> dict:
     want = dict(full.named_parameters())
     layout = Layout.parse(layout_text)
     model = build_model(cfg)
-    parallelize(model, layout=layout, mesh=layout.build_mesh("cpu"))
-    materialize(model, seed=2, device=torch.device("cpu"))
+    device = rank_device()
+    parallelize(model, layout=layout, mesh=layout.build_mesh(device.type))
+    materialize(model, seed=2, device=device)
     nbytes = load_hf_weights(model, weights, cfg)
     bad = []
     for name, t in model.state_dict(keep_vars=True).items():
         local, offs = local_box(t)
         ref = want[name].detach()[tuple(slice(o, o + n) for o, n in zip(offs, local.shape))]
-        if not torch.equal(local, ref):
+        if not torch.equal(local.cpu(), ref):
             bad.append(f"rank {dist.get_rank()} {name}")
     return {"bad": bad, "read": nbytes, "total": sum(p.numel() * 4 for p in full.parameters())}
 

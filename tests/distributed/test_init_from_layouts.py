@@ -30,12 +30,13 @@ def first_step_body(cfg_dict: dict, layout: str, run_dir: str) -> dict:
     from torch.distributed.tensor import DTensor
 
     from parallel.layout import Layout
+    from tests.multiproc import rank_device
     from workers.config import JobConfig
     from workers.disk_checks import resolve_init_from
     from workers.trainer import Trainer
 
     cfg = resolve_init_from(JobConfig.from_dict(cfg_dict))  # as the trainer's edge does
-    trainer = Trainer(cfg, layout=Layout.parse(layout), device=torch.device("cpu"), run_dir=run_dir).build()
+    trainer = Trainer(cfg, layout=Layout.parse(layout), device=rank_device(), run_dir=run_dir).build()
     trainer.fit(0)  # 0 steps: only the final save, of the weights as loaded
     # The first step's own forward, before its optimizer update: the inputs this rank is given and the
     # output projection's result for each microbatch, in order (the pipeline schedule runs them in order).

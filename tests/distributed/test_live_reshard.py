@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.multiproc import run_ranks
+from tests.multiproc import rank_device, run_ranks
 from tests.ports import free_port
 
 pytestmark = pytest.mark.dist
@@ -45,15 +45,16 @@ def live_body(cfg_dict: dict, old: str, new: str, ports: list[int], run_dir: str
     dist.destroy_process_group()
     old_l, new_l = Layout.parse(old), Layout.parse(new)
     cfg = JobConfig.from_dict(cfg_dict)
-    cpu = torch.device("cpu")
+    device = rank_device()  # the CPU, or this rank's GPU under ELASTRON_TEST_DEVICE=cuda
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"  # as workers.runtime joins
 
     def init(port: int, size: int) -> None:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
 
     handover = None
     if rank < old_l.world_size:
         init(ports[0], old_l.world_size)
-        old_trainer = Trainer(cfg, layout=old_l, device=cpu, run_dir=run_dir).build()
+        old_trainer = Trainer(cfg, layout=old_l, device=device, run_dir=run_dir).build()
         old_trainer.fit(3)  # ends with a committed checkpoint at step 3
         handover = hand_over(old_trainer)
         old_trainer.close()
@@ -65,16 +66,17 @@ def live_body(cfg_dict: dict, old: str, new: str, ports: list[int], run_dir: str
                         old_rank=rank if rank < old_l.world_size else None,
                         new_rank=rank if rank < new_l.world_size else None,
                         old_to_group={r: r for r in range(old_l.world_size)},
-                        new_to_group={r: r for r in range(new_l.world_size)}, nodes={r: "n0" for r in ident})
+                        new_to_group={r: r for r in range(new_l.world_size)}, nodes={r: "n0" for r in ident},
+                        device=device)
     dist.destroy_process_group()
 
     problems: list[str] = []
     if rank < new_l.world_size:
         init(ports[2], new_l.world_size)
         fed = Trainer(JobConfig.from_dict({**cfg_dict, "checkpoint": {"async_save": False}}), layout=new_l,
-                      device=cpu).build(resume=False, init_weights=False)  # as a worker that adopts builds it
+                      device=device).build(resume=False, init_weights=False)  # as a worker that adopts builds it
         fed.adopt(received.pieces, received.optimizer_steps, received.state)
-        resumed = Trainer(cfg, layout=new_l, device=cpu, run_dir=run_dir).build()
+        resumed = Trainer(cfg, layout=new_l, device=device, run_dir=run_dir).build()
         if resumed.resumed_from is None or resumed.step != 3 or fed.step != 3:
             problems.append(f"steps: live {fed.step}, resumed {resumed.step}")
         a, _ = collect(fed.model, fed.optimizer)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.multiproc import run_ranks
+from tests.multiproc import rank_device, run_ranks
 
 pytestmark = pytest.mark.dist
 
@@ -32,8 +32,9 @@ def boxes_body(layout_text: str) -> list[str]:
     cfg = model_config(SHAPE["preset"], **{k: v for k, v in SHAPE.items() if k != "preset"})
     full = {n: tuple(p.shape) for n, p in build_model(cfg).named_parameters()}
     model = build_model(cfg)
-    parallelize(model, layout=layout, mesh=layout.build_mesh("cpu"))
-    materialize(model, seed=0, device=torch.device("cpu"))
+    device = rank_device()
+    parallelize(model, layout=layout, mesh=layout.build_mesh(device.type))
+    materialize(model, seed=0, device=device)
     want = boxes(layout, full, cfg.n_layers, optimizer_states=())[dist.get_rank()]
     got = {}
     for name, t in model.state_dict(keep_vars=True).items():

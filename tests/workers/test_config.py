@@ -34,6 +34,7 @@ def test_example_config_loads():
     ({"model": {"overrides": {"n_heads": 3}}}, "divisible"),
     ({"train": {"global_batch_size": 10, "micro_batch_size": 4}}, "multiple of"),
     ({"checkpoint": {"async_save": "yes"}}, "checkpoint.async_save: expected true or false"),
+    ({"train": {"float8": "fp8"}}, r"train.float8: expected one of \['none', 'tensorwise', 'rowwise'\], got 'fp8'"),
     ([1, 2], "expected a mapping"),
 ])
 def test_bad_configs_name_the_field(bad, needle):
@@ -102,3 +103,12 @@ def test_job_plan_is_the_plan_for_exactly_the_ranks_given():
         job_plan(cfg, 3, layout="dp=3")
     with pytest.raises(ValueError, match=r"cannot use all 7 ranks: .*using 4 of 7 workers offered.*; pass --layout"):
         job_plan(JobConfig.from_dict({**cfg.to_dict(), "parallel": {"max_tp": 1, "max_pp": 1}}), 7)
+
+
+def test_float8_recipe_is_read_and_defaults_to_none():
+    assert JobConfig.from_dict({}).train.float8 == "none"
+    assert JobConfig.from_dict({"train": {"float8": "rowwise"}}).train.float8 == "rowwise"
+    from workers.config import TrainConfig
+
+    with pytest.raises(ConfigError, match="train.float8 must be one of none, tensorwise, rowwise, got 'int8'"):
+        TrainConfig(float8="int8")
