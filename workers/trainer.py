@@ -30,6 +30,7 @@ from parallel.optim import build_adamw, clip_grad_norm_
 from parallel.parallelize import (
     compile_unavailable_reason,
     materialize,
+    init_shards,
     parallelize,
     reshard_after_eval,
     set_grad_sync,
@@ -85,6 +86,8 @@ class Trainer:
         self.checkpointer: CheckpointManager | None = None
         self.resumed_from: Manifest | None = None
         """Manifest of the checkpoint `build()` resumed from, if any."""
+        self.init_elements = 0
+        """Random initial values `build()` drew on this rank (0 when the state was loaded or adopted)."""
         self._before_update: dict | None = None
         self._mid_step = False
         self.last_metrics: StepMetrics | None = None
@@ -95,7 +98,11 @@ class Trainer:
     def build(self, *, resume: bool = True, init_weights: bool = True) -> "Trainer":
         """Build model, optimizer, data and schedule for this rank; `resume`: load the newest committed
         checkpoint (off when the state arrives another way, e.g. `adopt()` after a live reshard, which
-        also needs no initial values: `init_weights=False` leaves the shards allocated but unset)."""
+        also needs no initial values: `init_weights=False` leaves the shards allocated but unset).
+
+        The shards are allocated unset and given initial values only when nothing else fills them: a
+        resume (or `model.init_from`) writes every element, so a restart never computes random values
+        that the load overwrites. `init_elements` says how many this rank drew."""
         cfg, layout = self.cfg, self.layout
         # Checks every rank makes alike, before any collective: a bad option fails fast, never hangs.
         t = cfg.train
@@ -127,7 +134,7 @@ class Trainer:
             activation_checkpointing=t.activation_checkpointing,
             compile=t.compile,
         )
-        materialize(model, seed=cfg.train.seed, device=self.device, init=init_weights)
+        materialize(model, seed=cfg.train.seed, device=self.device, init=False)
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.flops_per_token = self.model_cfg.flops_per_token(cfg.data.seq_len)
@@ -163,6 +170,8 @@ class Trainer:
                 self.resume()
         if resume and self.resumed_from is None and cfg.model.init_from is not None:
             self.load_init_from()  # a fresh start; the run's own checkpoint, when there is one, wins
+        elif init_weights and self.resumed_from is None:
+            self.init_elements = init_shards(model, seed=t.seed)
         return self
 
     def load_init_from(self) -> int:

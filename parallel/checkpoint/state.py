@@ -26,6 +26,7 @@ from torch.optim.optimizer import _get_scalar_dtype
 from parallel.checkpoint.manifest import MODEL_PREFIX, OPTIM_PREFIX, CheckpointError
 from parallel.checkpoint.tensor_io import Target
 from parallel.checkpoint.writer import Piece
+from parallel.unset import mark_unset
 
 
 def _optim_key(state_name: str, fqn: str) -> str:
@@ -165,9 +166,12 @@ class Stager:
             self._views.append(self._pool[a:a + p.nbytes].view(p.data.dtype).view(p.data.shape))
 
 
-def ensure_optimizer_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+def ensure_optimizer_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], *,
+                           zero: bool = True) -> None:
     """Create AdamW's state (zero step, zero moments) for each of `params` that has none yet, exactly as
-    AdamW's first step would, so a fresh trainer can be loaded into without a dummy optimizer step."""
+    AdamW's first step would, so a fresh trainer can be loaded into without a dummy optimizer step.
+    `zero=False`: the moments are allocated but left unset (`parallel.unset`), for a caller that writes
+    every element of them next."""
     missing = [p for p in params if not optimizer.state.get(p)]
     if not missing:
         return
@@ -178,14 +182,17 @@ def ensure_optimizer_state(optimizer: torch.optim.Optimizer, params: list[torch.
     for p in missing:
         group = group_of[id(p)]
         fused, capturable = bool(group.get("fused")), bool(group.get("capturable"))
+        moment = torch.zeros_like if zero else torch.empty_like
         st: dict[str, Any] = {
             "step": (torch.zeros((), dtype=_get_scalar_dtype(is_fused=fused), device=p.device)
                      if fused or capturable else torch.tensor(0.0, dtype=_get_scalar_dtype())),
-            "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-            "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+            "exp_avg": moment(p, memory_format=torch.preserve_format),
+            "exp_avg_sq": moment(p, memory_format=torch.preserve_format),
         }
         if group.get("amsgrad"):
-            st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            st["max_exp_avg_sq"] = moment(p, memory_format=torch.preserve_format)
+        if not zero:
+            mark_unset(v for k, v in st.items() if k != "step")
         optimizer.state[p] = st
 
 
@@ -195,7 +202,8 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, read: Callable[[dic
     of every tensor (the live shards themselves, so nothing is written back afterwards). A parameter has
     optimizer state after the load exactly when the checkpoint has a step counter for it: missing state is
     created (`ensure_optimizer_state`), state the checkpoint does not have (saved before the first step)
-    is dropped."""
+    is dropped. Moments created here are not zeroed first: `read` writes every element of them (the
+    manifest's chunks cover each tensor exactly; a live fill checks its coverage)."""
     fqns = {id(t): n for n, t in _named(model).items()}
     params = [p for g in optimizer.param_groups for p in g["params"]]
     unknown = [p for p in params if id(p) not in fqns]
@@ -205,7 +213,7 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, read: Callable[[dic
     for p in params:
         if fqns[id(p)] not in optimizer_steps:
             optimizer.state.pop(p, None)
-    ensure_optimizer_state(optimizer, with_state)
+    ensure_optimizer_state(optimizer, with_state, zero=False)
     for p in with_state:
         st = optimizer.state[p]
         n = optimizer_steps[fqns[id(p)]]
