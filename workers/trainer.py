@@ -51,6 +51,24 @@ _LR_FIELDS = ("lr", "min_lr_ratio", "warmup_steps", "schedule", "decay_steps", "
 PHASES = ("data", "forward+backward", "grad clip", "optimizer", "loss all_reduce")
 """The parts of `Trainer.train_step` that `Trainer.phase_times` times, in order; what follows them (metrics,
 eval, periodic checkpoint) is not timed."""
+BUILD_PHASES = ("model", "allocate", "optimizer", "data", "checkpointer", "resume", "init_from", "init",
+                "staging")
+"""The parts of `Trainer.build` that `Trainer.build_times` times, in order: meta model, mesh and
+parallelize; allocating the shards; the optimizer; data and pipeline schedule; the checkpoint manager; a
+resume (its load); a Hugging Face import; drawing initial values; starting the staging pool's
+allocation."""
+
+
+class _Laps:
+    """Adds the seconds since the previous lap to `into[name]`."""
+
+    def __init__(self, into: dict[str, float]) -> None:
+        self.into, self.t = into, time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.into[name] = self.into.get(name, 0.0) + now - self.t
+        self.t = now
 
 
 def _scalar(t: torch.Tensor) -> torch.Tensor:
@@ -88,6 +106,9 @@ class Trainer:
         """Manifest of the checkpoint `build()` resumed from, if any."""
         self.init_elements = 0
         """Random initial values `build()` drew on this rank (0 when the state was loaded or adopted)."""
+        self.build_times: dict[str, float] = {}
+        """Seconds `build()` spent in each of `BUILD_PHASES` it went through (a seam for benchmarks)."""
+        """Random initial values `build()` drew on this rank (0 when the state was loaded or adopted)."""
         self._before_update: dict | None = None
         self._mid_step = False
         self.last_metrics: StepMetrics | None = None
@@ -115,6 +136,7 @@ class Trainer:
             raise ConfigError(str(e)) from None
         if t.compile and (why := compile_unavailable_reason(self.device.type)):
             raise ConfigError(f"train.compile: {why}")
+        clock = _Laps(self.build_times)
         self.model_cfg = cfg.model.build()
         self.mesh = layout.build_mesh(self.device.type)
         coords = layout.coords(self.rank)
@@ -134,7 +156,9 @@ class Trainer:
             activation_checkpointing=t.activation_checkpointing,
             compile=t.compile,
         )
+        clock.lap("model")
         materialize(model, seed=cfg.train.seed, device=self.device, init=False)
+        clock.lap("allocate")
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.flops_per_token = self.model_cfg.flops_per_token(cfg.data.seq_len)
@@ -142,7 +166,7 @@ class Trainer:
         fused = t.fused_optimizer if t.fused_optimizer is not None else True
         self.optimizer = build_adamw(self.params, fused=fused, lr=lr_at(0, t), betas=(t.beta1, t.beta2),
                                      eps=t.eps, weight_decay=t.weight_decay)
-
+        clock.lap("optimizer")
         self.micro_batch_size = self.plan.micro_batch_size  # the planner's: it may be smaller to fit memory
         self.n_microbatches = self.plan.grad_accum_steps
         loader = dict(seed=t.seed, global_batch_size=t.global_batch_size, micro_batch_size=self.micro_batch_size,
@@ -161,17 +185,25 @@ class Trainer:
                 device=self.device, n_microbatches=self.n_microbatches, loss_fn=cross_entropy,
                 schedule=cfg.parallel.pp_schedule,
             )
+        clock.lap("data")
         ckpt_dir = self.checkpoint_dir()
         if ckpt_dir is not None:
             c = cfg.checkpoint
             self.checkpointer = CheckpointManager(ckpt_dir, keep_last=c.keep_last, async_save=c.async_save,
                                                   checksum=c.checksum, io_threads=c.io_threads)
+            clock.lap("checkpointer")
             if resume:
                 self.resume()
+                clock.lap("resume")
         if resume and self.resumed_from is None and cfg.model.init_from is not None:
             self.load_init_from()  # a fresh start; the run's own checkpoint, when there is one, wins
+            clock.lap("init_from")
         elif init_weights and self.resumed_from is None:
             self.init_elements = init_shards(model, seed=t.seed)
+            clock.lap("init")
+        if self.checkpointer is not None:
+            self.checkpointer.prepare(model, self.optimizer)  # the first save finds its staging pool ready
+            clock.lap("staging")
         return self
 
     def load_init_from(self) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import random
+import threading
 from typing import Any, Callable
 
 import numpy as np
@@ -70,6 +71,23 @@ def collect(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[st
     return tensors, steps
 
 
+def collect_planned(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """The tensors a save will hold once the optimizer has stepped: `collect`'s, plus, for each parameter
+    that has no Adam/AdamW state yet, the moments its first step creates (the parameter stands in for
+    them: same box, same dtype). For sizing what a save needs before the first step."""
+    tensors, _ = collect(model, optimizer)
+    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        return tensors
+    fqns = {id(t): n for n, t in _named(model).items()}
+    for group in optimizer.param_groups:
+        names = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
+        for p in group["params"]:
+            if not optimizer.state.get(p) and id(p) in fqns:
+                for sname in names:
+                    tensors[_optim_key(sname, fqns[id(p)])] = p
+    return tensors
+
+
 def local_box(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     """(this rank's part of `t`, detached, and its offsets in the global tensor). A DTensor's box comes
     from its mesh and placements (uneven FSDP shards and TP-inside-FSDP strided shards included)."""
@@ -122,13 +140,46 @@ class Stager:
 
     def __init__(self) -> None:
         self._pool: torch.Tensor | None = None
+        self._pinned = False
         self._signature: tuple | None = None
         self._views: list[torch.Tensor] = []
         self._stream = None
+        self._reserving: threading.Thread | None = None
+        self.allocations = 0
+        """Pools allocated so far (a reservation included)."""
+
+    @classmethod
+    def pool_bytes(cls, items: list[Piece]) -> int:
+        """Bytes of the pool that holds `items` (each aligned)."""
+        return sum(-(-p.nbytes // cls._ALIGN) * cls._ALIGN for p in items)
+
+    def reserve(self, nbytes: int, *, pin: bool) -> None:
+        """Allocate a pool of `nbytes` now, in a background thread (pinned when `pin`, else with its
+        pages faulted in), so the first `stage()` of at most that many bytes finds it ready instead of
+        paying for it; `stage()` waits for a reservation still under way."""
+        self._wait_reserved()
+        if self._pool is not None and self._pool.numel() >= nbytes and self._pinned == pin:
+            return
+
+        def allocate() -> None:
+            pool = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pin)
+            if not pin:
+                pool.fill_(0)  # fault the pages in now rather than in the first save's copies
+            self._pool, self._pinned, self._signature = pool, pin, None
+            self.allocations += 1
+
+        self._reserving = threading.Thread(target=allocate, name="ckpt-stage-reserve", daemon=True)
+        self._reserving.start()
+
+    def _wait_reserved(self) -> None:
+        if self._reserving is not None:
+            self._reserving.join()
+            self._reserving = None
 
     def stage(self, items: list[Piece], *, after: Any = None) -> list[Piece]:
         """Copies of `items` in the pool; on CUDA the copies wait for the CUDA event `after` (if given)
         instead of everything queued on the current stream."""
+        self._wait_reserved()
         signature = tuple((p.key, tuple(p.data.shape), p.data.dtype, p.data.is_cuda) for p in items)
         cuda = any(p.data.is_cuda for p in items)
         if signature != self._signature:
@@ -155,13 +206,17 @@ class Stager:
         return [Piece(key=p.key, data=buf, offsets=p.offsets) for p, buf in zip(items, self._views)]
 
     def _allocate(self, items: list[Piece], *, pin: bool) -> None:
-        self._pool = None
+        """Views of the pool for `items`; a new pool only if the one there (e.g. reserved) is too small."""
         self._views = []
         starts, pos = [], 0
         for p in items:
             starts.append(pos)
             pos += -(-p.nbytes // self._ALIGN) * self._ALIGN
-        self._pool = torch.empty(max(pos, 1), dtype=torch.uint8, pin_memory=pin)
+        if self._pool is None or self._pool.numel() < pos or self._pinned != pin:
+            self._pool = None
+            self._pool = torch.empty(max(pos, 1), dtype=torch.uint8, pin_memory=pin)
+            self._pinned = pin
+            self.allocations += 1
         for p, a in zip(items, starts):
             self._views.append(self._pool[a:a + p.nbytes].view(p.data.dtype).view(p.data.shape))
 
