@@ -38,6 +38,7 @@ from parallel.parallelize import (
 from parallel.pipeline import build_schedule
 from parallel.planner import Plan
 from parallel.precision import select_precision
+from workers.compile_cache import apply_compile_cache
 from workers.config import ConfigError, JobConfig, job_plan
 from workers.data import Batch, DataLoader, build_source, build_val_source
 from workers.lr import lr_at
@@ -136,6 +137,8 @@ class Trainer:
             raise ConfigError(str(e)) from None
         if t.compile and (why := compile_unavailable_reason(self.device.type)):
             raise ConfigError(f"train.compile: {why}")
+        if t.compile:
+            apply_compile_cache(cfg.name)  # graphs compiled by an earlier rank of this job are reused
         clock = _Laps(self.build_times)
         self.model_cfg = cfg.model.build()
         self.mesh = layout.build_mesh(self.device.type)
