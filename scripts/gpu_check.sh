@@ -4,7 +4,10 @@
 # 1. the CUDA paths' tests (fused AdamW on DTensor, precision, the GPU options), ~4-5 min on an H200;
 # 2. benchmarks/gpu.py side by side with the plain loop: 1b, seq 2048, micro batch 4 and 8, compile
 #    no and yes (the table in docs/benchmarks.md, "Training throughput (GPU)");
-# 3. with the time left, a profile of micro batch 4 with compile (what is left between the two loops).
+# 3. with the time left, a profile of micro batch 4 with compile (what is left between the two loops);
+# 4. benchmarks/startup.py at 1b (fresh build, resume vs a cold read, first vs steady save, restart to
+#    the first step with and without compile; the table in docs/benchmarks.md, "Starting at size").
+#    SKIP_STARTUP=1 leaves it out.
 # Without a GPU it runs the same on the CPU defaults (tiny model) in about a minute: a dry run.
 # Each part has its own time limit, so a slow one still leaves the others their results.
 set -u
@@ -15,10 +18,12 @@ PY=${PYTHON:-python3}
 if "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
     BENCH=(--device cuda --preset 1b --seq-len 2048 --micro-batches 4,8 --compile no,yes --ac none)
     PROFILE=(--device cuda --preset 1b --seq-len 2048 --micro-batches 4 --compile yes --ac none --profile)
+    STARTUP=(--device cuda --preset 1b --layers 0 --reps 2 --saves 3 --compile yes)
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
 else
     BENCH=(--device cpu)
     PROFILE=(--device cpu --profile)
+    STARTUP=(--preset tiny --layers 0 --reps 1 --saves 2)
     echo "no CUDA device: a dry run on the CPU defaults" | tee "$OUT/gpu.txt"
 fi
 "$PY" -c 'import torch; print("torch", torch.__version__)' | tee -a "$OUT/gpu.txt"
@@ -41,4 +46,11 @@ echo "== profile: ${PROFILE[*]}"
 timeout "${PROFILE_TIMEOUT_S:-150}" "$PY" benchmarks/gpu.py "${PROFILE[@]}" --json "$OUT/profile.json" \
     > "$OUT/profile.log" 2>&1
 rc=$?; tail -n 60 "$OUT/profile.log"; [ $rc -eq 0 ] || echo "profile: exit $rc (informational)"
+
+if [ -z "${SKIP_STARTUP:-}" ]; then
+    echo "== startup: ${STARTUP[*]}"
+    timeout "${STARTUP_TIMEOUT_S:-300}" "$PY" benchmarks/startup.py "${STARTUP[@]}" --json "$OUT/startup.json" \
+        > "$OUT/startup.log" 2>&1
+    rc=$?; tail -n 25 "$OUT/startup.log"; [ $rc -eq 0 ] || status=$rc
+fi
 exit $status
