@@ -86,3 +86,20 @@ def normal_box(out: torch.Tensor, shape: tuple[int, ...], offsets: tuple[int, ..
                 dst.copy_(tile[box[:len(shape)]])
             drawn += math.prod(tile_shape)
     return drawn
+
+
+def drawn_for_box(shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...]) -> int:
+    """How many values `normal_box` draws for the box (`offsets`, `sizes`) of a tensor of `shape`: the
+    whole tiles it overlaps. Pure arithmetic, for sizing init work without doing it."""
+    if not shape:
+        return 1
+    if any(s == 0 for s in sizes):
+        return 0
+
+    def along(dim: int, tile: int) -> int:
+        n, a, k = shape[dim], offsets[dim], sizes[dim]
+        return sum(min(tile, n - i * tile) for i in _tile_ranges(a, k, n, tile))
+
+    rows = along(0, TILE[0])
+    cols = along(1, TILE[1]) if len(shape) > 1 else 1
+    return rows * cols * math.prod(shape[2:])
