@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -195,7 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--dir", help="where to write (default: a temporary directory under /tmp, removed after)")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--project-only", action="store_true", help="print the 8B/70B projection table and stop")
     args = ap.parse_args(argv)
+    if args.project_only:
+        print(projection_table(projection()))
+        return 0
     compiles = [c.strip() == "yes" for c in args.compile.split(",") if c.strip()]
 
     from tests.multiproc import run_ranks
@@ -253,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     res["load_avg"] = load_avg
     s = summarize(res)
     print(table(s))
+    s["projection"] = projection(s)
+    print(projection_table(s["projection"]))
     if args.json:
         Path(args.json).write_text(json.dumps({"summary": s, "raw": res}, indent=1, default=str) + "\n")
     return 0
@@ -304,6 +311,68 @@ def summarize(res: dict) -> dict:
         "first save <= 1.25x steady": s["first_save_ratio"] <= TARGETS["first_save_ratio"],
     }
     return s
+
+
+H200 = {"host_randn_values_per_s": 1.1e9 / 5.8, "cold_read_bytes_per_s": 13.2e9 / 8.8,
+        "pin_s_per_byte": 6.5 / 13.2e9}
+"""Rates measured on the lent H200 machine with the `1b` state (docs/benchmarks.md, FACTS.md): the old
+host `torch.randn` of every full tensor, a raw cold read of one rank's checkpoint files, and allocating +
+pinning the staging pool at the first save."""
+
+LAYOUTS = {
+    "8B (Llama-3-8B), 8 ranks: dp_shard=8": (
+        dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_hidden=14336), "dp_shard=8"),
+    "70B (Llama-3-70B), 64 ranks: tp=8, dp_shard=8": (
+        dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256, ffn_hidden=28672),
+        "dp_shard=8,tp=8"),
+}
+
+
+def projection(s: dict | None = None, ranks_per_node: int = 8) -> list[dict]:
+    """Per-rank init values, bytes read and staged, and times from measured rates, for the big layouts:
+    a projection (nothing here ran at that size). Rank 0's shard; 12 bytes of state per parameter (fp32
+    weights and two AdamW moments); a node's ranks share its disk."""
+    from models.config import ModelConfig
+    from models.init import drawn_for_box
+    from models.llama import build_model
+    from parallel.layout import Layout
+    from parallel.sharding import param_box
+
+    rows = []
+    for label, (dims, layout) in LAYOUTS.items():
+        cfg, lay = ModelConfig(**dims, max_seq_len=8192), Layout.parse(layout)
+        shapes = {n: tuple(p.shape) for n, p in build_model(cfg).named_parameters()}
+        before = now = shard = 0
+        for name, shape in shapes.items():
+            box = param_box(name, shape, lay, 0, cfg.n_layers)
+            if box is None:
+                continue
+            if not name.endswith("norm.weight"):  # norms are ones: nothing drawn, then or now
+                before += math.prod(shape)  # the old init: the whole tensor of every parameter it holds
+                now += drawn_for_box(shape, box.offsets, box.sizes)
+            shard += box.numel
+        state = 12 * shard
+        node_ranks = min(ranks_per_node, lay.world_size)
+        row = {"layout": label, "values_before": before, "values_now": now, "state_bytes": state,
+               "old_init_s_h200_host": before / H200["host_randn_values_per_s"],
+               "read_s_h200_disk": state * node_ranks / H200["cold_read_bytes_per_s"],
+               "first_save_pin_s_before": state * H200["pin_s_per_byte"]}
+        if s is not None and s.get("fresh_build_phases", {}).get("init"):
+            row["init_now_s_at_cpu_rate"] = now / (s["init_values"] / s["fresh_build_phases"]["init"])
+        rows.append(row)
+    return rows
+
+
+def projection_table(rows: list[dict]) -> str:
+    out = ["| layout (projection) | values drawn per rank, before | now | state per rank (read on resume, staged per save) "
+           "| old host init at the H200 host rate | resume read, a node's 8 ranks on one disk at the H200 rate "
+           "| first-save pinning before (now in the background) |",
+           "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['layout']} | {r['values_before'] / 1e9:.2f} G | {r['values_now'] / 1e9:.2f} G | "
+                   f"{r['state_bytes'] / 1e9:.1f} GB | {r['old_init_s_h200_host']:.0f} s | {r['read_s_h200_disk']:.0f} s | "
+                   f"{r['first_save_pin_s_before']:.1f} s |")
+    return "\n".join(out)
 
 
 def table(s: dict) -> str:
