@@ -29,8 +29,8 @@ from parallel.loss import cross_entropy
 from parallel.optim import build_adamw, clip_grad_norm_
 from parallel.parallelize import (
     compile_unavailable_reason,
-    materialize,
     init_shards,
+    materialize,
     parallelize,
     reshard_after_eval,
     set_grad_sync,
@@ -109,7 +109,6 @@ class Trainer:
         """Random initial values `build()` drew on this rank (0 when the state was loaded or adopted)."""
         self.build_times: dict[str, float] = {}
         """Seconds `build()` spent in each of `BUILD_PHASES` it went through (a seam for benchmarks)."""
-        """Random initial values `build()` drew on this rank (0 when the state was loaded or adopted)."""
         self._before_update: dict | None = None
         self._mid_step = False
         self.last_metrics: StepMetrics | None = None
