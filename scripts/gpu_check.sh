@@ -49,7 +49,7 @@ rc=$?; tail -n 60 "$OUT/profile.log"; [ $rc -eq 0 ] || echo "profile: exit $rc (
 
 if [ -z "${SKIP_STARTUP:-}" ]; then
     echo "== startup: ${STARTUP[*]}"
-    timeout "${STARTUP_TIMEOUT_S:-300}" "$PY" benchmarks/startup.py "${STARTUP[@]}" --json "$OUT/startup.json" \
+    timeout "${STARTUP_TIMEOUT_S:-420}" "$PY" benchmarks/startup.py "${STARTUP[@]}" --json "$OUT/startup.json" \
         > "$OUT/startup.log" 2>&1
     rc=$?; tail -n 25 "$OUT/startup.log"; [ $rc -eq 0 ] || status=$rc
 fi
