@@ -6,7 +6,8 @@ become DTensors on the tp axis), then activation checkpointing and torch.compile
 order: both see the TP-sharded block, and FSDP2's hooks stay outside them), then FSDP2 (adds the dp
 axes), and only then materialise, so that each rank allocates just its own shard. Initial values come
 from `models.llama.init_into`, which depends only on the seed, the canonical name and the global index:
-every layout starts from the same global weights, and each rank generates only its own shard's values. Nothing here renames a parameter: checkpointing replaces a block's
+every layout starts from the same global weights, and each rank generates only its own shard's values.
+Nothing here renames a parameter: checkpointing replaces a block's
 `forward` and compile uses `nn.Module.compile()`, neither of which inserts a wrapper module
 (`_checkpoint_wrapped_module.`, `_orig_mod.`) into the names that initialisation and checkpoints key on.
 
