@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.config import ModelConfig
+from models.init import normal_box
 
 
 class Linear(nn.Linear):
@@ -183,14 +184,25 @@ def param_seed(seed: int, name: str) -> int:
 
 
 def init_value(cfg: ModelConfig, name: str, shape: torch.Size | tuple[int, ...], seed: int) -> torch.Tensor:
-    """The global initial value of parameter `name` (fp32, on CPU).
+    """The global initial value of parameter `name` (fp32, on CPU): `init_into` over the whole tensor."""
+    out = torch.empty(tuple(shape), dtype=torch.float32)
+    init_into(cfg, name, tuple(shape), seed, out)
+    return out
+
+
+def init_into(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int, out: torch.Tensor,
+              offsets: tuple[int, ...] | None = None) -> int:
+    """Write into `out` (any device) the box of parameter `name`'s global initial value (global `shape`)
+    that starts at `offsets` (default: the origin); returns how many random values it drew. The one place
+    that says how each parameter starts: every layout's shards come from here, so every layout starts
+    from the same global weights, and a rank draws only the tiles of its own box (`models.init`).
 
     Norm weights are 1; embeddings N(0, 1); linear weights N(0, init_std), with the residual output
     projections (wo, w2) scaled by 1/sqrt(2 * n_layers) as in GPT-2 / torchtitan.
     """
     if name.endswith("norm.weight"):
-        return torch.ones(shape)
-    g = torch.Generator().manual_seed(param_seed(seed, name))
+        out.fill_(1.0)
+        return 0
     std = cfg.init_std
     if name.startswith("tok_embeddings"):
         std = 1.0
@@ -198,7 +210,8 @@ def init_value(cfg: ModelConfig, name: str, shape: torch.Size | tuple[int, ...],
         std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
     elif name == "output.weight":
         std = cfg.dim ** -0.5
-    return torch.randn(shape, generator=g) * std
+    offsets = tuple(offsets) if offsets is not None else (0,) * len(shape)
+    return normal_box(out, tuple(shape), offsets, key=param_seed(seed, name), std=std)
 
 
 def build_model(cfg: ModelConfig) -> Transformer:

@@ -6,8 +6,9 @@ linear layers for float8 ones where `train.float8` asks (`parallel.float8`, name
 become DTensors on the tp axis), then activation checkpointing and torch.compile per block (torchtitan's
 order: both see the TP-sharded block, and FSDP2's hooks stay outside them), then FSDP2 (adds the dp
 axes), and only then materialise, so that each rank allocates just its own shard. Initial values come
-from `models.llama.init_value`, which depends only on the seed and the canonical name: every layout
-starts from the same global weights. Nothing here renames a parameter: checkpointing replaces a block's
+from `models.llama.init_into`, which depends only on the seed, the canonical name and the global index:
+every layout starts from the same global weights, and each rank generates only its own shard's values.
+Nothing here renames a parameter: checkpointing replaces a block's
 `forward` and compile uses `nn.Module.compile()`, neither of which inserts a wrapper module
 (`_checkpoint_wrapped_module.`, `_orig_mod.`) into the names that initialisation and checkpoints key on.
 
@@ -28,14 +29,16 @@ from torch.distributed._composable.replicate import DDP as ReplicatedModule
 from torch.distributed._composable.replicate import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
-from models.llama import init_value
+from models.llama import init_into
+from parallel.checkpoint.state import local_box
 from parallel.float8 import convert_float8
 from parallel.layout import Layout, MeshAxis
 from parallel.pipeline import split_stage
 from parallel.precision import PrecisionPolicy
 from parallel.tensor_parallel import apply_tp
+from parallel.unset import mark_unset
 
 _NO_FORWARD_BUFFER_SYNC = (
     {"forward_sync_buffers": False}
@@ -226,22 +229,31 @@ def _wait_async_output(module: nn.Module, args, out):
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, *, seed: int, device: torch.device, init: bool = True) -> None:
-    """Allocate this rank's shards on `device` and fill them with its slice of the global initial values
-    (`init=False`: leave them unset, for a caller that overwrites every element, e.g. a live reshard)."""
+def materialize(model: nn.Module, *, seed: int, device: torch.device, init: bool = True) -> int:
+    """Allocate this rank's shards on `device` and, with `init`, fill them with their part of the global
+    initial values (`init_shards`); returns the random values drawn. `init=False`: leave them unset
+    (`parallel.unset`), for a caller that overwrites every element (a checkpoint load, a live reshard),
+    and initialise with `init_shards` only if nothing was loaded."""
     model.to_empty(device=device)
     model.init_buffers(device)
     if not init:
-        return
+        mark_unset(model.parameters())
+        return 0
+    return init_shards(model, seed=seed)
+
+
+@torch.no_grad()
+def init_shards(model: nn.Module, *, seed: int) -> int:
+    """Fill this rank's (allocated) shards with their box of each parameter's global initial value
+    (`models.llama.init_into`), generated on their device: a rank draws the values of its own shard only,
+    never a whole tensor. Returns how many random values this rank drew."""
     cfg = model.cfg
+    drawn = 0
     for name, p in model.named_parameters():
-        full = init_value(cfg, name, tuple(p.shape), seed).to(device)
-        if isinstance(p, DTensor):
-            # src_data_rank=None: every rank holds the same full value, so each slices locally (no scatter).
-            local = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
-            p.to_local().copy_(local)
-        else:
-            p.copy_(full)
+        local, offsets = local_box(p)
+        if local.numel():
+            drawn += init_into(cfg, name, tuple(p.shape), seed, local, offsets)
+    return drawn
 
 
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:

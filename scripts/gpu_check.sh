@@ -6,13 +6,16 @@
 # 1. the CUDA paths' tests (fused AdamW on DTensor, precision, the GPU options), ~4-5 min on an H200;
 # 2. benchmarks/gpu.py side by side with the plain loop: 1b, seq 2048, micro batch 4 and 8, compile
 #    no and yes (the table in docs/benchmarks.md, "Training throughput (GPU)");
-# 3. with the time left, a profile of micro batch 4 with compile (what is left between the two loops).
+# 3. with the time left, a profile of micro batch 4 with compile (what is left between the two loops);
+# 4. benchmarks/startup.py at 1b (fresh build, resume vs a cold read, first vs steady save, restart to
+#    the first step with and without compile; the table in docs/benchmarks.md, "Starting at size").
 # Two or more GPUs, first (issue 32; "Multi-GPU" in docs/benchmarks.md):
 # 0. tests/distributed over NCCL, one rank per GPU (ELASTRON_TEST_DEVICE=cuda: every layout the GPUs
 #    allow, wider ones skip; a live reshard between two layouts; a hung collective aborted), then
 #    benchmarks/live_reshard.py over NCCL (tp=2 -> dp=2 on two of the GPUs).
-# PARTS picks parts by name (default: all that apply): multi, tests, bench, profile, and float8 (issue
-# 32's 8b-cut-to-8-layers rows with float8, not in the default: it needs most of a session by itself).
+# PARTS picks parts by name (default: all that apply): multi, tests, bench, profile, startup, and float8
+# (issue 32's 8b-cut-to-8-layers rows with float8, not in the default: it needs most of a session by
+# itself); SKIP_STARTUP=1 leaves startup out of the default.
 # Without a GPU it runs the single-GPU parts on the CPU defaults (tiny model) in about a minute: a dry run.
 # Each part has its own time limit, so a slow one still leaves the others their results.
 set -u
@@ -24,10 +27,12 @@ NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_
 if [ "$NGPU" -ge 1 ]; then
     BENCH=(--device cuda --preset 1b --seq-len 2048 --micro-batches 4,8 --compile no,yes --ac none)
     PROFILE=(--device cuda --preset 1b --seq-len 2048 --micro-batches 4 --compile yes --ac none --profile)
+    STARTUP=(--device cuda --preset 1b --layers 0 --reps 2 --saves 3 --compile yes)
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
 else
     BENCH=(--device cpu)
     PROFILE=(--device cpu --profile)
+    STARTUP=(--preset tiny --layers 0 --reps 1 --saves 2)
     echo "no CUDA device: a dry run on the CPU defaults" | tee "$OUT/gpu.txt"
 fi
 echo "GPUs: $NGPU" | tee -a "$OUT/gpu.txt"
@@ -40,6 +45,7 @@ fi
 "$PY" -c 'import torchao; print("torchao", torchao.__version__)' 2>/dev/null | tee -a "$OUT/gpu.txt" \
     || echo "torchao: not installed (float8 tests skip)" | tee -a "$OUT/gpu.txt"
 DEFAULT_PARTS="tests bench profile"
+[ -z "${SKIP_STARTUP:-}" ] && DEFAULT_PARTS="$DEFAULT_PARTS startup"
 [ "$NGPU" -ge 2 ] && DEFAULT_PARTS="multi $DEFAULT_PARTS"
 PARTS=" ${PARTS:-$DEFAULT_PARTS} "
 want() { [[ "$PARTS" == *" $1 "* ]]; }
@@ -101,5 +107,12 @@ if want float8; then
     timeout "${FLOAT8_TIMEOUT_S:-540}" "$PY" benchmarks/gpu.py "${F8[@]}" --json "$OUT/float8.json" \
         > "$OUT/float8.log" 2>&1
     rc=$?; tail -n 20 "$OUT/float8.log"; [ $rc -eq 0 ] || status=$rc
+fi
+
+if want startup; then
+    echo "== startup: ${STARTUP[*]}"
+    timeout "${STARTUP_TIMEOUT_S:-420}" "$PY" benchmarks/startup.py "${STARTUP[@]}" --json "$OUT/startup.json" \
+        > "$OUT/startup.log" 2>&1
+    rc=$?; tail -n 25 "$OUT/startup.log"; [ $rc -eq 0 ] || status=$rc
 fi
 exit $status

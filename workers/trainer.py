@@ -30,6 +30,7 @@ from parallel.loss import cross_entropy
 from parallel.optim import build_adamw, clip_grad_norm_
 from parallel.parallelize import (
     compile_unavailable_reason,
+    init_shards,
     materialize,
     parallelize,
     reshard_after_eval,
@@ -38,6 +39,7 @@ from parallel.parallelize import (
 from parallel.pipeline import build_schedule
 from parallel.planner import Plan
 from parallel.precision import select_precision
+from workers.compile_cache import apply_compile_cache
 from workers.config import ConfigError, JobConfig, job_plan
 from workers.data import Batch, DataLoader, build_source, build_val_source
 from workers.lr import lr_at
@@ -51,6 +53,24 @@ _LR_FIELDS = ("lr", "min_lr_ratio", "warmup_steps", "schedule", "decay_steps", "
 PHASES = ("data", "forward+backward", "grad clip", "optimizer", "loss all_reduce")
 """The parts of `Trainer.train_step` that `Trainer.phase_times` times, in order; what follows them (metrics,
 eval, periodic checkpoint) is not timed."""
+BUILD_PHASES = ("model", "allocate", "optimizer", "data", "checkpointer", "resume", "init_from", "init",
+                "staging")
+"""The parts of `Trainer.build` that `Trainer.build_times` times, in order: meta model, mesh and
+parallelize; allocating the shards; the optimizer; data and pipeline schedule; the checkpoint manager; a
+resume (its load); a Hugging Face import; drawing initial values; starting the staging pool's
+allocation."""
+
+
+class _Laps:
+    """Adds the seconds since the previous lap to `into[name]`."""
+
+    def __init__(self, into: dict[str, float]) -> None:
+        self.into, self.t = into, time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.into[name] = self.into.get(name, 0.0) + now - self.t
+        self.t = now
 
 
 def _scalar(t: torch.Tensor) -> torch.Tensor:
@@ -86,6 +106,10 @@ class Trainer:
         self.checkpointer: CheckpointManager | None = None
         self.resumed_from: Manifest | None = None
         """Manifest of the checkpoint `build()` resumed from, if any."""
+        self.init_elements = 0
+        """Random initial values `build()` drew on this rank (0 when the state was loaded or adopted)."""
+        self.build_times: dict[str, float] = {}
+        """Seconds `build()` spent in each of `BUILD_PHASES` it went through (a seam for benchmarks)."""
         self._before_update: dict | None = None
         self._mid_step = False
         self.last_metrics: StepMetrics | None = None
@@ -96,7 +120,11 @@ class Trainer:
     def build(self, *, resume: bool = True, init_weights: bool = True) -> "Trainer":
         """Build model, optimizer, data and schedule for this rank; `resume`: load the newest committed
         checkpoint (off when the state arrives another way, e.g. `adopt()` after a live reshard, which
-        also needs no initial values: `init_weights=False` leaves the shards allocated but unset)."""
+        also needs no initial values: `init_weights=False` leaves the shards allocated but unset).
+
+        The shards are allocated unset and given initial values only when nothing else fills them: a
+        resume (or `model.init_from`) writes every element, so a restart never computes random values
+        that the load overwrites. `init_elements` says how many this rank drew."""
         cfg, layout = self.cfg, self.layout
         # Checks every rank makes alike, before any collective: a bad option fails fast, never hangs.
         t = cfg.train
@@ -111,6 +139,9 @@ class Trainer:
             raise ConfigError(f"train.compile: {why}")
         if why := float8_unavailable_reason(t.float8, self.device.type, dtype=t.dtype):
             raise ConfigError(f"train.float8: {why}")
+        if t.compile:
+            apply_compile_cache(cfg.name)  # graphs compiled by an earlier rank of this job are reused
+        clock = _Laps(self.build_times)
         self.model_cfg = cfg.model.build()
         self.mesh = layout.build_mesh(self.device.type)
         coords = layout.coords(self.rank)
@@ -131,7 +162,9 @@ class Trainer:
             compile=t.compile,
             float8=t.float8,
         )
-        materialize(model, seed=cfg.train.seed, device=self.device, init=init_weights)
+        clock.lap("model")
+        materialize(model, seed=cfg.train.seed, device=self.device, init=False)
+        clock.lap("allocate")
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.flops_per_token = self.model_cfg.flops_per_token(cfg.data.seq_len)
@@ -140,7 +173,7 @@ class Trainer:
         self.optimizer = build_adamw(self.params, fused=fused, lr=lr_at(0, t), betas=(t.beta1, t.beta2),
                                      eps=t.eps, weight_decay=t.weight_decay)
         precompute_scales_after_step(self.model, self.optimizer)
-
+        clock.lap("optimizer")
         self.micro_batch_size = self.plan.micro_batch_size  # the planner's: it may be smaller to fit memory
         self.n_microbatches = self.plan.grad_accum_steps
         loader = dict(seed=t.seed, global_batch_size=t.global_batch_size, micro_batch_size=self.micro_batch_size,
@@ -159,15 +192,25 @@ class Trainer:
                 device=self.device, n_microbatches=self.n_microbatches, loss_fn=cross_entropy,
                 schedule=cfg.parallel.pp_schedule,
             )
+        clock.lap("data")
         ckpt_dir = self.checkpoint_dir()
         if ckpt_dir is not None:
             c = cfg.checkpoint
             self.checkpointer = CheckpointManager(ckpt_dir, keep_last=c.keep_last, async_save=c.async_save,
                                                   checksum=c.checksum, io_threads=c.io_threads)
+            clock.lap("checkpointer")
             if resume:
                 self.resume()
+                clock.lap("resume")
         if resume and self.resumed_from is None and cfg.model.init_from is not None:
             self.load_init_from()  # a fresh start; the run's own checkpoint, when there is one, wins
+            clock.lap("init_from")
+        elif init_weights and self.resumed_from is None:
+            self.init_elements = init_shards(model, seed=t.seed)
+            clock.lap("init")
+        if self.checkpointer is not None:
+            self.checkpointer.prepare(model, self.optimizer)  # the first save finds its staging pool ready
+            clock.lap("staging")
         return self
 
     def load_init_from(self) -> int:

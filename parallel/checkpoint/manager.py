@@ -178,6 +178,22 @@ class CheckpointManager:
                 self.flush()
         self.blocked_s = time.perf_counter() - t0
 
+    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+        """Get the host staging pool for this rank's share of a save of `model` and `optimizer` (AdamW
+        moments counted before they exist) allocated, and on CUDA pinned, in the background now, so the
+        first save costs what the others do. Collective (it agrees which rank writes which box, as a
+        save does). Only where saves stage: async saves, or device memory; a blocking save on CPU writes
+        from the live tensors and reserves nothing. Returns the bytes reserved."""
+        if self.read_only:
+            return 0
+        local = state_mod.pieces(state_mod.collect_planned(model, optimizer))
+        cuda = any(p.data.is_cuda for p in local)
+        if not (self.async_save or cuda):
+            return 0
+        nbytes = state_mod.Stager.pool_bytes(self._my_pieces(local))
+        self._stager.reserve(nbytes, pin=cuda)
+        return nbytes
+
     def _hook(self, optimizer: torch.optim.Optimizer) -> None:
         """Make `optimizer.step()` wait until a deferred staging copy is done (registered once)."""
         if self._hooked is not None and self._hooked[0] is optimizer:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import random
+import threading
 from typing import Any, Callable
 
 import numpy as np
@@ -26,6 +27,7 @@ from torch.optim.optimizer import _get_scalar_dtype
 from parallel.checkpoint.manifest import MODEL_PREFIX, OPTIM_PREFIX, CheckpointError
 from parallel.checkpoint.tensor_io import Target
 from parallel.checkpoint.writer import Piece
+from parallel.unset import mark_unset
 
 
 def _optim_key(state_name: str, fqn: str) -> str:
@@ -67,6 +69,23 @@ def collect(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[st
                     raise CheckpointError(f"optimizer state {sname!r} of {fqn} is not a tensor with dimensions; "
                                           "only AdamW-style state (tensors plus a step counter) is supported")
     return tensors, steps
+
+
+def collect_planned(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """The tensors a save will hold once the optimizer has stepped: `collect`'s, plus, for each parameter
+    that has no Adam/AdamW state yet, the moments its first step creates (the parameter stands in for
+    them: same box, same dtype). For sizing what a save needs before the first step."""
+    tensors, _ = collect(model, optimizer)
+    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        return tensors
+    fqns = {id(t): n for n, t in _named(model).items()}
+    for group in optimizer.param_groups:
+        names = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
+        for p in group["params"]:
+            if not optimizer.state.get(p) and id(p) in fqns:
+                for sname in names:
+                    tensors[_optim_key(sname, fqns[id(p)])] = p
+    return tensors
 
 
 def local_box(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -121,13 +140,46 @@ class Stager:
 
     def __init__(self) -> None:
         self._pool: torch.Tensor | None = None
+        self._pinned = False
         self._signature: tuple | None = None
         self._views: list[torch.Tensor] = []
         self._stream = None
+        self._reserving: threading.Thread | None = None
+        self.allocations = 0
+        """Pools allocated so far (a reservation included)."""
+
+    @classmethod
+    def pool_bytes(cls, items: list[Piece]) -> int:
+        """Bytes of the pool that holds `items` (each aligned)."""
+        return sum(-(-p.nbytes // cls._ALIGN) * cls._ALIGN for p in items)
+
+    def reserve(self, nbytes: int, *, pin: bool) -> None:
+        """Allocate a pool of `nbytes` now, in a background thread (pinned when `pin`, else with its
+        pages faulted in), so the first `stage()` of at most that many bytes finds it ready instead of
+        paying for it; `stage()` waits for a reservation still under way."""
+        self._wait_reserved()
+        if self._pool is not None and self._pool.numel() >= nbytes and self._pinned == pin:
+            return
+
+        def allocate() -> None:
+            pool = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pin)
+            if not pin:
+                pool.fill_(0)  # fault the pages in now rather than in the first save's copies
+            self._pool, self._pinned, self._signature = pool, pin, None
+            self.allocations += 1
+
+        self._reserving = threading.Thread(target=allocate, name="ckpt-stage-reserve", daemon=True)
+        self._reserving.start()
+
+    def _wait_reserved(self) -> None:
+        if self._reserving is not None:
+            self._reserving.join()
+            self._reserving = None
 
     def stage(self, items: list[Piece], *, after: Any = None) -> list[Piece]:
         """Copies of `items` in the pool; on CUDA the copies wait for the CUDA event `after` (if given)
         instead of everything queued on the current stream."""
+        self._wait_reserved()
         signature = tuple((p.key, tuple(p.data.shape), p.data.dtype, p.data.is_cuda) for p in items)
         cuda = any(p.data.is_cuda for p in items)
         if signature != self._signature:
@@ -154,20 +206,27 @@ class Stager:
         return [Piece(key=p.key, data=buf, offsets=p.offsets) for p, buf in zip(items, self._views)]
 
     def _allocate(self, items: list[Piece], *, pin: bool) -> None:
-        self._pool = None
+        """Views of the pool for `items`; a new pool only if the one there (e.g. reserved) is too small."""
         self._views = []
         starts, pos = [], 0
         for p in items:
             starts.append(pos)
             pos += -(-p.nbytes // self._ALIGN) * self._ALIGN
-        self._pool = torch.empty(max(pos, 1), dtype=torch.uint8, pin_memory=pin)
+        if self._pool is None or self._pool.numel() < pos or self._pinned != pin:
+            self._pool = None
+            self._pool = torch.empty(max(pos, 1), dtype=torch.uint8, pin_memory=pin)
+            self._pinned = pin
+            self.allocations += 1
         for p, a in zip(items, starts):
             self._views.append(self._pool[a:a + p.nbytes].view(p.data.dtype).view(p.data.shape))
 
 
-def ensure_optimizer_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+def ensure_optimizer_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], *,
+                           zero: bool = True) -> None:
     """Create AdamW's state (zero step, zero moments) for each of `params` that has none yet, exactly as
-    AdamW's first step would, so a fresh trainer can be loaded into without a dummy optimizer step."""
+    AdamW's first step would, so a fresh trainer can be loaded into without a dummy optimizer step.
+    `zero=False`: the moments are allocated but left unset (`parallel.unset`), for a caller that writes
+    every element of them next."""
     missing = [p for p in params if not optimizer.state.get(p)]
     if not missing:
         return
@@ -178,14 +237,17 @@ def ensure_optimizer_state(optimizer: torch.optim.Optimizer, params: list[torch.
     for p in missing:
         group = group_of[id(p)]
         fused, capturable = bool(group.get("fused")), bool(group.get("capturable"))
+        moment = torch.zeros_like if zero else torch.empty_like
         st: dict[str, Any] = {
             "step": (torch.zeros((), dtype=_get_scalar_dtype(is_fused=fused), device=p.device)
                      if fused or capturable else torch.tensor(0.0, dtype=_get_scalar_dtype())),
-            "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-            "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+            "exp_avg": moment(p, memory_format=torch.preserve_format),
+            "exp_avg_sq": moment(p, memory_format=torch.preserve_format),
         }
         if group.get("amsgrad"):
-            st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            st["max_exp_avg_sq"] = moment(p, memory_format=torch.preserve_format)
+        if not zero:
+            mark_unset(v for k, v in st.items() if k != "step")
         optimizer.state[p] = st
 
 
@@ -195,7 +257,8 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, read: Callable[[dic
     of every tensor (the live shards themselves, so nothing is written back afterwards). A parameter has
     optimizer state after the load exactly when the checkpoint has a step counter for it: missing state is
     created (`ensure_optimizer_state`), state the checkpoint does not have (saved before the first step)
-    is dropped."""
+    is dropped. Moments created here are not zeroed first: `read` writes every element of them (the
+    manifest's chunks cover each tensor exactly; a live fill checks its coverage)."""
     fqns = {id(t): n for n, t in _named(model).items()}
     params = [p for g in optimizer.param_groups for p in g["params"]]
     unknown = [p for p in params if id(p) not in fqns]
@@ -205,7 +268,7 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, read: Callable[[dic
     for p in params:
         if fqns[id(p)] not in optimizer_steps:
             optimizer.state.pop(p, None)
-    ensure_optimizer_state(optimizer, with_state)
+    ensure_optimizer_state(optimizer, with_state, zero=False)
     for p in with_state:
         st = optimizer.state[p]
         n = optimizer_steps[fqns[id(p)]]

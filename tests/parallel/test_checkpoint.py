@@ -169,6 +169,40 @@ def test_async_save_writes_the_staged_values(tmp_path):
     assert_same(snapshot(m2, o2), before)
 
 
+def test_the_staging_pool_is_reserved_before_the_first_save(tmp_path):
+    """`prepare` (before any optimizer step) sizes the pool for the weights and the AdamW moments the first
+    step creates; the first async save stages into that pool instead of allocating one, and saves the
+    right values. A blocking save on CPU stages nothing, so nothing is reserved for it."""
+    from parallel.checkpoint.state import Stager, collect, pieces
+
+    model, opt = tiny()
+    assert CheckpointManager(str(tmp_path / "blocking"), async_save=False).prepare(model, opt) == 0
+    mgr = CheckpointManager(str(tmp_path / "async"), async_save=True)
+    reserved = mgr.prepare(model, opt)
+    train(model, opt, 1)
+    assert reserved == Stager.pool_bytes(pieces(collect(model, opt)[0])) > 0
+    before = snapshot(model, opt)
+    mgr.save(1, model, opt, state={})
+    mgr.flush()
+    assert mgr._stager.allocations == 1  # the reservation, used by the first save
+    m2, o2 = tiny(seed=5)
+    mgr.load_latest(m2, o2)
+    assert_same(snapshot(m2, o2), before)
+
+
+def test_a_reserved_pool_too_small_is_replaced():
+    from parallel.checkpoint.state import Stager
+    from parallel.checkpoint.writer import Piece
+
+    items = [Piece(key="a", data=torch.arange(100.0), offsets=(0,))]
+    st = Stager()
+    st.reserve(64, pin=False)
+    staged = st.stage(items)
+    assert st.allocations == 2 and torch.equal(staged[0].data, items[0].data)
+    st.reserve(Stager.pool_bytes(items), pin=False)  # large enough already: nothing new
+    assert torch.equal(st.stage(items)[0].data, items[0].data) and st.allocations == 2
+
+
 def _corrupt(kind: str, root: str, step: int) -> None:
     d = os.path.join(root, STEP_DIR.format(step))
     shard = shard_of(root, step)

@@ -1,0 +1,80 @@
+"""One-time process costs paid before they are needed: what a standby worker runs while it waits.
+
+The first training step of a process pays for more than its arithmetic: importing torch's compiler stack
+(any optimizer step, and every op on the meta device, import torch._dynamo), the modules that register
+DTensor, FSDP2 and pipelining ops, the CUDA context, and on GPUs the lazy loading of each kernel on its
+first launch. `warm_up` pays all of them in the current process by running one real training step of a
+tiny model through the production path (the `Trainer`, on a private single-rank process group that it
+tears down after), so a standby worker that is later given a rank starts at the speed of a warm one. With
+`job_name` it also points torch.compile's caches at the job's node-local directory
+(`workers.compile_cache`), so a compiled job's workers reuse each other's graphs.
+
+    from workers.warmup import warm_up
+    timings = warm_up("auto", job_name=spec.name)   # in the standby actor, after it imports torch
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from workers.compile_cache import apply_compile_cache
+
+PHASES = ("import", "cuda_context", "first_step")
+
+
+def warm_up(device: str | torch.device = "auto", *, job_name: str | None = None) -> dict[str, float]:
+    """Pay the process's one-time costs now; returns the seconds each of `PHASES` took. Refuses to run
+    inside a process group (a worker that already has a rank is warm by definition)."""
+    if dist.is_initialized():
+        raise RuntimeError("warm_up runs before the worker joins a process group, not after")
+    out: dict[str, float] = {}
+    t = time.perf_counter()
+    if job_name is not None:
+        apply_compile_cache(job_name)
+    import torch._dynamo  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+    import torch.distributed.pipelining  # noqa: F401
+    import torch.distributed.tensor.parallel  # noqa: F401
+
+    from workers.runtime import pick_device
+    from workers.trainer import Trainer  # noqa: F401 (and everything it imports)
+
+    out["import"] = time.perf_counter() - t
+    t = time.perf_counter()
+    dev = pick_device(str(device)) if not isinstance(device, torch.device) else device
+    if dev.type == "cuda":
+        torch.cuda.init()
+        torch.ones(1, device=dev).sum().item()  # the context and the caching allocator
+    out["cuda_context"] = time.perf_counter() - t
+    t = time.perf_counter()
+    _one_tiny_step(dev)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    out["first_step"] = time.perf_counter() - t
+    return out
+
+
+def _one_tiny_step(device: torch.device) -> None:
+    """One step of the `tiny` preset through the Trainer on a private single-rank group."""
+    from parallel.layout import Layout
+    from workers.config import JobConfig
+    from workers.trainer import Trainer
+
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        cfg = JobConfig.from_dict({
+            "name": "warm-up",
+            "model": {"preset": "tiny", "overrides": {"n_layers": 1}},
+            "data": {"source": "synthetic", "seq_len": 16},
+            "train": {"steps": 1, "global_batch_size": 1, "micro_batch_size": 1,
+                      "dtype": "bfloat16" if device.type == "cuda" else "float32"},
+        })
+        trainer = Trainer(cfg, layout=Layout.parse("dp=1"), device=device).build(resume=False)
+        trainer.train_step()
+        trainer.close()
+    finally:
+        dist.destroy_process_group()
