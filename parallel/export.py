@@ -1,10 +1,12 @@
-"""Export a model state to the Hugging Face `LlamaForCausalLM` layout (safetensors + config.json).
+"""Export a model state to the Hugging Face layout of its family (`LlamaForCausalLM`, `MistralForCausalLM`,
+`Qwen2ForCausalLM`, `Qwen3ForCausalLM`: safetensors + config.json).
 
 Our attention rotates interleaved pairs (x0, x1), (x2, x3), ... like Meta's original Llama, while HF's
 Llama rotates the two halves of each head (`rotate_half`). The rows of wq and wk are therefore permuted
 per head so that pair i lands in rows i and i + head_dim/2; this is the same permutation as HF's
 `convert_llama_weights_to_hf.py`. q and k get the same permutation, so q.k per head is unchanged and
-wv/wo need nothing.
+wv/wo need nothing; their biases are permuted with their rows, and the per-head q/k norm weights
+(Qwen3) as one head. A tied output projection is not written: `lm_head` is `embed_tokens` in transformers too.
 """
 
 from __future__ import annotations
@@ -34,28 +36,43 @@ _LAYER = {
     "feed_forward.w3.weight": "mlp.up_proj.weight",
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attention.wq.bias": "self_attn.q_proj.bias",
+    "attention.wk.bias": "self_attn.k_proj.bias",
+    "attention.wv.bias": "self_attn.v_proj.bias",
+    "attention.wo.bias": "self_attn.o_proj.bias",
+    "attention.q_norm.weight": "self_attn.q_norm.weight",
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
 }
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Canonical name -> global shape of every parameter of the unsplit model."""
-    kv = cfg.n_kv_heads * cfg.head_dim
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     shapes: dict[str, tuple[int, ...]] = {
         "tok_embeddings.weight": (cfg.vocab_size, cfg.dim),
         "norm.weight": (cfg.dim,),
-        "output.weight": (cfg.vocab_size, cfg.dim),
     }
+    if not cfg.tie_embeddings:
+        shapes["output.weight"] = (cfg.vocab_size, cfg.dim)
     per_layer = {
-        "attention.wq.weight": (cfg.dim, cfg.dim),
+        "attention.wq.weight": (q, cfg.dim),
         "attention.wk.weight": (kv, cfg.dim),
         "attention.wv.weight": (kv, cfg.dim),
-        "attention.wo.weight": (cfg.dim, cfg.dim),
+        "attention.wo.weight": (cfg.dim, q),
         "feed_forward.w1.weight": (cfg.ffn_hidden, cfg.dim),
         "feed_forward.w2.weight": (cfg.dim, cfg.ffn_hidden),
         "feed_forward.w3.weight": (cfg.ffn_hidden, cfg.dim),
         "attention_norm.weight": (cfg.dim,),
         "ffn_norm.weight": (cfg.dim,),
     }
+    if cfg.qkv_bias:
+        per_layer.update({"attention.wq.bias": (q,), "attention.wk.bias": (kv,), "attention.wv.bias": (kv,)})
+    if cfg.out_bias:
+        per_layer["attention.wo.bias"] = (cfg.dim,)
+    if cfg.qk_norm:
+        per_layer.update({"attention.q_norm.weight": (cfg.head_dim,), "attention.k_norm.weight": (cfg.head_dim,)})
     for i in range(cfg.n_layers):
         shapes.update({f"layers.{i}.{k}": v for k, v in per_layer.items()})
     return shapes
@@ -73,13 +90,18 @@ def interleaved_to_halves(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Reorder the output rows of a q/k projection, per head, from interleaved RoPE pairs to halves.
 
     Within a head of size D, new row j = old row 2j and new row D/2 + j = old row 2j + 1 (j < D/2).
+    A 1-D `w` (a bias, a per-head norm weight) is permuted as one column.
     """
+    if w.dim() == 1:
+        return interleaved_to_halves(w[:, None], n_heads)[:, 0]
     rows, cols = w.shape
     return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
 def halves_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Inverse of `interleaved_to_halves`: q/k rows of a Hugging Face checkpoint into our RoPE order."""
+    if w.dim() == 1:
+        return halves_to_interleaved(w[:, None], n_heads)[:, 0]
     rows, cols = w.shape
     return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
 
@@ -110,19 +132,41 @@ def to_hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[s
     out: dict[str, torch.Tensor] = {}
     for name in expected:
         t = state[name].detach()
-        if name.endswith("attention.wq.weight"):
-            t = interleaved_to_halves(t, cfg.n_heads)
-        elif name.endswith("attention.wk.weight"):
-            t = interleaved_to_halves(t, cfg.n_kv_heads)
+        if (heads := rope_heads(cfg, name)) is not None:
+            t = interleaved_to_halves(t, heads)
         out[hf_name(name)] = t
     return out
 
 
+def rope_heads(cfg: ModelConfig, name: str) -> int | None:
+    """How many heads the rows of parameter `name` span when they are in RoPE order (q/k weights and
+    biases, q/k norm weights: one head), so they are permuted between ours and Hugging Face's; else None."""
+    if name.endswith(("attention.wq.weight", "attention.wq.bias")):
+        return cfg.n_heads
+    if name.endswith(("attention.wk.weight", "attention.wk.bias")):
+        return cfg.n_kv_heads
+    if name.endswith(("attention.q_norm.weight", "attention.k_norm.weight")):
+        return 1
+    return None
+
+
 def hf_config(cfg: ModelConfig, *, dtype: str = "float32") -> dict:
-    """config.json for `LlamaForCausalLM` (fields understood by transformers 4.x and 5.x)."""
+    """config.json for the family's `*ForCausalLM` (fields understood by transformers 4.x and 5.x)."""
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    max_positions = cfg.max_seq_len
+    if cfg.rope_scaling:
+        rope.update(cfg.rope_scaling)
+        if cfg.rope_scaling["rope_type"] == "dynamic":
+            # transformers scales dynamic RoPE from max_position_embeddings itself.
+            max_positions = rope.pop("original_max_position_embeddings")
+    window = {}
+    if cfg.family == "mistral":
+        window = {"sliding_window": cfg.sliding_window}
+    elif cfg.family in ("qwen2", "qwen3"):
+        window = {"use_sliding_window": cfg.sliding_window is not None, "sliding_window": cfg.sliding_window}
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [ARCHITECTURES[cfg.family]],
+        "model_type": cfg.family,
         "hidden_size": cfg.dim,
         "intermediate_size": cfg.ffn_hidden,
         "num_hidden_layers": cfg.n_layers,
@@ -130,16 +174,18 @@ def hf_config(cfg: ModelConfig, *, dtype: str = "float32") -> dict:
         "num_key_value_heads": cfg.n_kv_heads,
         "head_dim": cfg.head_dim,
         "vocab_size": cfg.vocab_size,
-        "max_position_embeddings": cfg.max_seq_len,
+        "max_position_embeddings": max_positions,
         "rms_norm_eps": cfg.norm_eps,
         # transformers 4.x reads the top-level rope_theta; 5.x reads rope_parameters (and folds a
         # top-level rope_theta into it), so both are written and agree.
         "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_parameters": rope,
+        **({"rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"}} if cfg.rope_scaling else {}),
+        **window,
         "hidden_act": "silu",
-        "attention_bias": False,
+        "attention_bias": cfg.out_bias,
         "mlp_bias": False,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": cfg.tie_embeddings,
         "initializer_range": cfg.init_std,
         # LlamaConfig defaults to bos=1/eos=2 (Llama-2's SentencePiece ids), which mean nothing for our
         # vocabularies; None keeps generate() from stopping on an arbitrary token.

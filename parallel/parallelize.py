@@ -223,6 +223,7 @@ def materialize(model: nn.Module, *, seed: int, device: torch.device, init: bool
     """Allocate this rank's shards on `device` and fill them with its slice of the global initial values
     (`init=False`: leave them unset, for a caller that overwrites every element, e.g. a live reshard)."""
     model.to_empty(device=device)
+    model.tie_weights()  # to_empty gives each module its own copy of a shared Parameter
     model.init_buffers(device)
     if not init:
         return

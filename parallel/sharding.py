@@ -30,7 +30,7 @@ parallel). `tensor_parallel.apply_tp` builds its plan from this table."""
 TP_TOP_SHARD_DIM: dict[str, int] = {"tok_embeddings": 0, "output": 0}
 """Outside the blocks: the vocab-parallel embedding and the column-parallel output projection."""
 
-_LAYER = re.compile(r"layers\.(\d+)\.(.+)\.weight")
+_LAYER = re.compile(r"layers\.(\d+)\.(.+)\.(weight|bias)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +69,9 @@ def tp_shard_dim(name: str) -> int | None:
     """The dim parameter `name` (canonical) is split on under TP; None if it is replicated."""
     m = _LAYER.fullmatch(name)
     if m:
-        return TP_BLOCK_SHARD_DIM.get(m.group(2))
+        d = TP_BLOCK_SHARD_DIM.get(m.group(2))
+        # A column-parallel bias is split with its rows; a row-parallel one is added after the reduction.
+        return d if m.group(3) == "weight" or d == 0 else None
     return TP_TOP_SHARD_DIM.get(name.removesuffix(".weight")) if name.endswith(".weight") else None
 
 

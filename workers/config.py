@@ -329,6 +329,10 @@ class JobConfig:
         mc = self.model.build()
         if self.data.seq_len > mc.max_seq_len:
             raise ConfigError(f"data.seq_len={self.data.seq_len} exceeds model max_seq_len={mc.max_seq_len}")
+        if mc.sliding_window is not None and self.data.seq_len > mc.sliding_window:
+            raise ConfigError(f"data.seq_len={self.data.seq_len} is longer than the model's sliding_window="
+                              f"{mc.sliding_window}; sliding-window attention is not implemented (within the "
+                              f"window it equals causal attention): set data.seq_len <= {mc.sliding_window}")
         if self.data.source == "corpus" and mc.vocab_size < 256:
             raise ConfigError(f"byte-level corpus needs model vocab_size >= 256, got {mc.vocab_size}")
         if self.parallel.layout is not None:
