@@ -91,10 +91,16 @@ def stage_of(name: str, n_layers: int, pp: int) -> int:
     return pp - 1  # final norm and output projection
 
 
-def param_box(name: str, shape: tuple[int, ...], layout: Layout, rank: int, n_layers: int) -> Box | None:
-    """The box of parameter `name` that `rank` holds under `layout`; None if it holds none of it."""
+def param_box(name: str, shape: tuple[int, ...], layout: Layout, rank: int, n_layers: int, *,
+              tied: bool = False) -> Box | None:
+    """The box of parameter `name` that `rank` holds under `layout`; None if it holds none of it. `tied`:
+    the embedding table is also the output projection, so the last stage holds it too (split the same
+    way: both are vocab-parallel on dim 0)."""
     c = layout.coords(rank)
-    if stage_of(name, n_layers, layout.pp) != c[MeshAxis.PP]:
+    stages = {stage_of(name, n_layers, layout.pp)}
+    if tied and name == "tok_embeddings.weight":
+        stages.add(layout.pp - 1)
+    if c[MeshAxis.PP] not in stages:
         return None
     offsets, sizes = [0] * len(shape), list(shape)
     d = tp_shard_dim(name)
@@ -109,14 +115,14 @@ def param_box(name: str, shape: tuple[int, ...], layout: Layout, rank: int, n_la
 
 
 def boxes(layout: Layout, shapes: dict[str, tuple[int, ...]], n_layers: int,
-          optimizer_states: tuple[str, ...] = ("exp_avg", "exp_avg_sq")) -> dict[int, dict[str, Box]]:
+          optimizer_states: tuple[str, ...] = ("exp_avg", "exp_avg_sq"), *, tied: bool = False) -> dict[int, dict[str, Box]]:
     """rank -> checkpoint key (`model.<name>`, `optim.<state>.<name>`) -> the box it holds, for every
     rank of `layout` and every parameter in `shapes` (canonical name -> global shape)."""
     out: dict[int, dict[str, Box]] = {}
     for rank in range(layout.world_size):
         mine: dict[str, Box] = {}
         for name, shape in shapes.items():
-            b = param_box(name, tuple(shape), layout, rank, n_layers)
+            b = param_box(name, tuple(shape), layout, rank, n_layers, tied=tied)
             if b is not None:
                 mine[f"model.{name}"] = b
                 for st in optimizer_states:
