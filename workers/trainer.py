@@ -208,7 +208,17 @@ class Trainer:
             "lr_schedule": {"step": self.step, **{k: getattr(t, k) for k in _LR_FIELDS}},
             "data": {**self.loader.state_dict(), "epoch": self.loader.position.epoch(n_samples)},
             "rng": capture_rng(),  # rank 0's states are the ones the manifest keeps
+            "sources": self._sources(),
         }
+
+    def _sources(self) -> dict:
+        """What `elastron export` copies beside the weights: model.init_from's directory (tokenizer, token
+        ids, generation config, dtype) and the tokenizer `data prepare` recorded with its EOS id."""
+        from workers.prepare import read_meta
+
+        meta = read_meta(self.cfg.data.path) if self.cfg.data.source == "tokens" and self.cfg.data.path else None
+        return {"init_from": self.cfg.model.init_from, "tokenizer": (meta or {}).get("tokenizer"),
+                "eos_id": (meta or {}).get("eos_id")}
 
     def resume(self) -> Manifest | None:
         """Load the newest loadable checkpoint (any layout) and restore step, data position and RNG."""
