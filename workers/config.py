@@ -109,7 +109,8 @@ class DataConfig:
 @dataclass(kw_only=True, slots=True, frozen=True)
 class TrainConfig:
     steps: int = 100
-    """Optimizer steps of the whole run (also the LR schedule's horizon unless decay_steps is set)."""
+    """Optimizer steps of the whole run (also the LR schedule's horizon unless decay_steps is set). A
+    `--steps` given on the command line replaces it (`with_steps`): it is the schedule's length too."""
     global_batch_size: int = 16
     """Samples per optimizer step, fixed under every layout."""
     micro_batch_size: int = 4
@@ -123,7 +124,8 @@ class TrainConfig:
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     """Decay after warmup."""
     decay_steps: int | None = None
-    """Step at which decay ends; default `steps`. Independent of --steps so a resumed run keeps its LR."""
+    """Step at which decay ends; default `steps` (so `--steps` moves it too). Set it to keep the schedule
+    fixed while a resumed run is given more or fewer steps."""
     weight_decay: float = 0.1
     """AdamW decoupled weight decay."""
     beta1: float = 0.9
@@ -412,3 +414,14 @@ def load_config(path: str | Path) -> JobConfig:
     except yaml.YAMLError as e:
         raise ConfigError(f"config {str(p)!r} is not valid YAML: {e}") from None
     return JobConfig.from_dict(data or {})
+
+
+def with_steps(cfg: JobConfig, steps: int | None) -> JobConfig:
+    """`cfg` run for `steps` optimizer steps (None: train.steps as configured). `--steps` means the run's
+    length and the LR schedule's: train.steps is replaced, so the decay ends at the last step unless
+    train.decay_steps says otherwise. ConfigError for a count below 1."""
+    if steps is None:
+        return cfg
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ConfigError(f"--steps must be >= 1, got {steps}")
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=steps))
