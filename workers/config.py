@@ -97,6 +97,8 @@ class DataConfig:
     """Held-out split for train.eval_interval: a token file (tokens) or a directory of text (corpus).
     Default for tokens: the val.bin `elastron data prepare` wrote beside data.path; synthetic: samples of
     another seed."""
+    allow_tokenizer_mismatch: bool = False
+    """Tokens: train although meta.json's tokenizer is not model.init_from's own tokenizer.json."""
 
     def __post_init__(self) -> None:
         _positive("data", self, "seq_len", "max_bytes", "num_samples")

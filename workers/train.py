@@ -22,7 +22,8 @@ from typing import NoReturn
 
 from parallel.checkpoint.manifest import CheckpointError
 from parallel.layout import Layout
-from workers.config import ConfigError, check_data_path, job_plan, load_config, resolve_init_from, with_steps
+from workers.config import ConfigError, job_plan, load_config, with_steps
+from workers.preflight import preflight
 from workers.run_dir import check_run_dir
 
 
@@ -44,14 +45,16 @@ def main(argv: list[str] | None = None) -> int:
     rank, world_size = env_world()
     logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
     try:
-        cfg = with_steps(resolve_init_from(load_config(args.config)), args.steps)
-        check_data_path(cfg.data)
+        checked = preflight(with_steps(load_config(args.config), args.steps))
+        cfg = checked.cfg
         device = pick_device(cfg.resources.device)
         plan = job_plan(cfg, world_size, layout=args.layout, device_type=device.type)
         layout = plan.layout
         steps = cfg.train.steps
         if rank == 0:
             check_run_dir(cfg, args.run_dir)
+            for w in checked.warnings:
+                print(f"warning: {w}", file=sys.stderr, flush=True)
     except (ConfigError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
