@@ -89,8 +89,9 @@ class DataConfig:
     """Corpus: read at most this many bytes of text (files in sorted order)."""
     suffixes: list[str] = field(default_factory=lambda: [".py"])
     """Corpus: file name endings to include."""
-    token_dtype: Literal["uint16", "uint32"] = "uint16"
-    """Tokens: element type of the token file."""
+    token_dtype: Literal["uint16", "uint32"] | None = None
+    """Tokens: element type of the token file; None: what `elastron data prepare`'s meta.json beside it
+    says, else uint16."""
     num_samples: int = 100_000
     """Synthetic: number of distinct samples before the order repeats."""
     val_path: str | None = None
@@ -267,14 +268,17 @@ class ResourcesConfig:
     """Device per worker; auto picks cuda when available."""
     cpus_per_worker: int = 1
     """CPUs reserved per worker actor."""
-    gpus_per_worker: int = 0
-    """GPUs per worker actor (0 on CPU clusters, 1 on GPU clusters)."""
+    gpus_per_worker: int | None = None
+    """GPUs per worker actor; None: 1 with device: cuda, else 0. So `device` is the one switch between a
+    CPU machine (auto or cpu) and a GPU cluster (cuda)."""
     standby_per_node: int = 1
     """Idle worker processes kept started on each node hosting the job's workers, reserving nothing
     (~300 MB of memory each): a worker that crashes is replaced by one without a process start (~2.5 s
     on CPU). CPU workers only (a GPU is given to a process when it starts); 0: none."""
 
     def __post_init__(self) -> None:
+        if self.gpus_per_worker is None:
+            object.__setattr__(self, "gpus_per_worker", 1 if self.device == "cuda" else 0)
         _positive("resources", self, "cpus_per_worker")
         _positive("resources", self, "gpus_per_worker", allow_zero=True)
         _positive("resources", self, "standby_per_node", allow_zero=True)
