@@ -82,8 +82,8 @@ def rope_frequencies(head_dim: int, theta: float, scaling: dict | None = None, *
     return inv
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None, scaling: dict | None = None,
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None,
+                scaling: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     inv = rope_frequencies(head_dim, theta, scaling, device=device)
     t = torch.arange(max_seq_len, device=device, dtype=torch.float32)
     freqs = torch.outer(t, inv)  # [T, head_dim/2]
