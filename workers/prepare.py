@@ -256,7 +256,7 @@ def prepare(inputs: list[str | os.PathLike[str]], out: str | os.PathLike[str], *
                            "empty document(s) skipped); nothing was written")
     meta = {
         "format": "elastron-tokens", "dtype": dtype.name, "vocab_size": vocab, "eos_id": eos, "bos_id": bos,
-        "tokenizer_sha256": digest, "tokenizer": str(_tokenizer_file(Path(tokenizer))),
+        "tokenizer_sha256": digest, "tokenizer": str(_tokenizer_file(Path(tokenizer)).absolute()),
         "documents": {k: s.documents for k, s in splits.items()}, "tokens": {k: s.tokens for k, s in splits.items()},
         "invalid_utf8_replaced": counts.invalid_utf8, "empty_documents_skipped": counts.empty_documents,
         "val_fraction": val_fraction, "seed": seed, "sources": [str(p) for p in files],
