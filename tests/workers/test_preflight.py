@@ -84,3 +84,26 @@ def test_a_sliding_window_shorter_than_seq_len_fails_here_too(tmp_path):
     with pytest.raises(ConfigError, match="longer than the model's sliding_window=32"):
         preflight(JobConfig.from_dict({"model": {"init_from": str(tmp_path / "m")},
                                        "data": {"source": "synthetic", "seq_len": 48}}))
+
+
+def test_elastron_trains_rank_entry_refuses_in_one_line_before_joining(prepared, tmp_path):
+    """`elastron train` starts `workers.train` ranks; each runs preflight before any process group."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    hf, data = prepared
+    root = Path(__file__).resolve().parents[2]
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(yaml.safe_dump({"model": {"init_from": str(hf)},
+                                   "data": {"source": "tokens", "path": str(data / "train.bin"), "seq_len": 16,
+                                            "token_dtype": "uint32"},
+                                   "train": {"global_batch_size": 4, "micro_batch_size": 1}}))
+    r = subprocess.run([sys.executable, "-m", "workers.train", str(cfg), "--run-dir", str(tmp_path / "run")],
+                       cwd=root, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [f"error: data: data.token_dtype is uint32 but {data / 'train.bin'} holds "
+                                             "uint16 ids (meta.json); set data.token_dtype: uint16"]
