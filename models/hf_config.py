@@ -77,9 +77,11 @@ def model_config_from_hf(directory: str | os.PathLike[str], *, max_seq_len: int 
         raise HFImportError(f"{where}: model_type {model_type!r} is not supported; supported: "
                             f"{', '.join(FAMILIES)}")
     if d.get("hidden_act", "silu") != "silu":
-        raise HFImportError(f"{where}: hidden_act {d.get('hidden_act')!r} is not supported; only 'silu' MLPs")
+        raise HFImportError(f"{where}: hidden_act {d.get('hidden_act')!r} is not supported; only 'silu' MLPs "
+                            "(SwiGLU) can be started from: pick a model with hidden_act 'silu'")
     if d.get("mlp_bias"):
-        raise HFImportError(f"{where}: mlp_bias is not supported; only MLPs without biases")
+        raise HFImportError(f"{where}: mlp_bias is not supported; only MLPs without biases can be started from: "
+                            "pick a model with mlp_bias false")
     theta, scaling = _rope(d, where)
     attention_bias = bool(d.get("attention_bias"))
     try:
