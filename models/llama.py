@@ -58,8 +58,34 @@ class RMSNorm(nn.Module):
         return (out * self.weight.to(x.dtype).float()).type_as(x)
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_frequencies(head_dim: int, theta: float, scaling: dict | None = None, *, seq_len: int = 0,
+                     device=None) -> torch.Tensor:
+    """RoPE's inverse frequencies, one per pair, with `scaling` applied as transformers applies it:
+    linear divides them by the factor; dynamic (NTK) raises the base once `seq_len` passes the original
+    context; llama3 divides the low frequencies by the factor and blends the middle band."""
+    kind = (scaling or {}).get("rope_type")
+    if kind == "dynamic":
+        orig = scaling["original_max_position_embeddings"]
+        n, f = max(seq_len, orig), scaling["factor"]
+        theta = theta * ((f * n / orig) - (f - 1)) ** (head_dim / (head_dim - 2))
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    if kind == "linear":
+        inv = inv / scaling["factor"]
+    elif kind == "llama3":
+        f, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / lo, inv / f, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        blended = (1 - smooth) * scaled / f + smooth * scaled
+        medium = ~(wavelen < old / hi) * ~(wavelen > old / lo)
+        inv = torch.where(medium, blended, scaled)
+    return inv
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None,
+                scaling: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = rope_frequencies(head_dim, theta, scaling, device=device)
     t = torch.arange(max_seq_len, device=device, dtype=torch.float32)
     freqs = torch.outer(t, inv)  # [T, head_dim/2]
     return freqs.cos(), freqs.sin()
@@ -107,17 +133,22 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.head_dim = cfg.head_dim
-        kv = cfg.n_kv_heads * cfg.head_dim
-        self.wq = Linear(cfg.dim, cfg.dim, bias=False)
-        self.wk = Linear(cfg.dim, kv, bias=False)
-        self.wv = Linear(cfg.dim, kv, bias=False)
-        self.wo = Linear(cfg.dim, cfg.dim, bias=False)
+        q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        self.wq = Linear(cfg.dim, q, bias=cfg.qkv_bias)
+        self.wk = Linear(cfg.dim, kv, bias=cfg.qkv_bias)
+        self.wv = Linear(cfg.dim, kv, bias=cfg.qkv_bias)
+        self.wo = Linear(q, cfg.dim, bias=cfg.out_bias)
+        # Per-head norms (Qwen3): their weight spans one head, so under TP every rank holds all of it.
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, -1, self.head_dim)
         k = self.wk(x).view(B, T, -1, self.head_dim)
         v = self.wv(x).view(B, T, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
         return self.wo(causal_attention(q, k, v).transpose(1, 2).reshape(B, T, -1))
@@ -158,23 +189,57 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output: Linear | None = Linear(cfg.dim, cfg.vocab_size, bias=False)
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device="meta")
+        self.tie_weights()
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device="meta", scaling=cfg.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        cos, sin = self._rope(h.shape[1])
         for layer in self.layers.values():
-            h = layer(h, self.rope_cos, self.rope_sin)
+            h = layer(h, cos, sin)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h
 
+    def tie_weights(self) -> None:
+        """With tied embeddings, make the output projection hold the embedding's Parameter (again: sharding
+        and `to_empty` each make two of it). A pipeline's last stage has no embedding and keeps its own
+        copy, which `parallel.pipeline.sync_tied_grads` keeps equal."""
+        if self.cfg.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
+            self.output.weight = self.tok_embeddings.weight
+
+    def _rope(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The RoPE tables for a sequence of T tokens: the precomputed ones, except that dynamic scaling
+        past its original context depends on T (as in transformers)."""
+        cfg = self.cfg
+        if cfg.sliding_window is not None and T > cfg.sliding_window:
+            raise ValueError(f"a sequence of {T} tokens is longer than model.sliding_window={cfg.sliding_window}; "
+                             "sliding-window attention is not implemented: use data.seq_len <= the window")
+        s = cfg.rope_scaling or {}
+        if s.get("rope_type") == "dynamic" and T > s["original_max_position_embeddings"]:
+            inv = rope_frequencies(cfg.head_dim, cfg.rope_theta, s, seq_len=T, device=self.rope_cos.device)
+            freqs = torch.outer(torch.arange(T, device=inv.device, dtype=torch.float32), inv)
+            return freqs.cos(), freqs.sin()
+        return self.rope_cos, self.rope_sin
+
     @torch.no_grad()
     def init_buffers(self, device: torch.device | str | None = None) -> None:
         device = device if device is not None else self.rope_cos.device
-        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device=device)
+        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device=device,
+                               scaling=self.cfg.rope_scaling)
         self.rope_cos, self.rope_sin = cos, sin
+
+
+TIED = {"output.weight": "tok_embeddings.weight"}
+"""With tied embeddings: the name a tensor is held under on a module -> the one name it has everywhere
+else (initial values, checkpoints, exports)."""
+
+
+def canonical_name(cfg: ModelConfig, name: str) -> str:
+    """The one name of parameter `name`: a tied output projection is the embedding table."""
+    return TIED.get(name, name) if cfg.tie_embeddings else name
 
 
 def param_seed(seed: int, name: str) -> int:
@@ -197,15 +262,20 @@ def init_into(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int, ou
     that says how each parameter starts: every layout's shards come from here, so every layout starts
     from the same global weights, and a rank draws only the tiles of its own box (`models.init`).
 
-    Norm weights are 1; embeddings N(0, 1); linear weights N(0, init_std), with the residual output
-    projections (wo, w2) scaled by 1/sqrt(2 * n_layers) as in GPT-2 / torchtitan.
+    Norm weights are 1; biases 0; embeddings N(0, 1) (N(0, 1/dim) when tied, the output projection's
+    scale); linear weights N(0, init_std), with the residual output projections (wo, w2) scaled by
+    1/sqrt(2 * n_layers) as in GPT-2 / torchtitan. A tied output projection gets the embedding's value.
     """
+    name = canonical_name(cfg, name)
     if name.endswith("norm.weight"):
         out.fill_(1.0)
         return 0
+    if name.endswith(".bias"):
+        out.zero_()
+        return 0
     std = cfg.init_std
     if name.startswith("tok_embeddings"):
-        std = 1.0
+        std = cfg.dim ** -0.5 if cfg.tie_embeddings else 1.0
     elif name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
         std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
     elif name == "output.weight":

@@ -3,13 +3,13 @@ straight into any layout, each rank reading only the rows of the slices it owns.
 
 A directory holds config.json and either model.safetensors, or shards listed by
 model.safetensors.index.json (its weight_map), or shards alone. Everything is checked before a weight is
-read (`check_hf_dir`): a missing or unreadable file, another architecture, tied embeddings, an unknown
-RoPE scaling, a missing tensor or a shape that disagrees with config.json is one line naming it.
+read (`check_hf_dir`): a missing or unreadable file, another architecture, an unknown RoPE scaling, a missing tensor or a shape that disagrees with config.json is one line naming it.
 
 The weights are read by the checkpoint reader (`tensor_io.read_into`): each safetensors file becomes a
 chunk of its tensors, so the same box intersection that reshards our checkpoints slices them. q and k
-rows are in Hugging Face's RoPE order (halves of each head); they are read a whole head at a time and
-put back into ours with `export.halves_to_interleaved`, the inverse of what `elastron export` applies.
+rows (and their biases, and the q/k norm weights) are in Hugging Face's RoPE order (halves of each
+head); they are read a whole head at a time and put back into ours with `export.halves_to_interleaved`,
+the inverse of what `elastron export` applies.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from torch import nn
 from models.config import ModelConfig
 from models.hf_config import HFImportError, model_config_from_hf
 from parallel.checkpoint.manifest import MODEL_PREFIX, CheckpointError, Chunk, FileEntry, Manifest, TensorEntry
-from parallel.checkpoint.state import local_box
+from parallel.checkpoint.state import local_box, named_state
 from parallel.checkpoint.storage import LocalStorage
 from parallel.checkpoint.tensor_io import SAFETENSORS_DTYPES, Target, dtype_name, read_header, read_into
-from parallel.export import expected_shapes, halves_to_interleaved, hf_name
+from parallel.export import expected_shapes, halves_to_interleaved, hf_name, rope_heads
 
 INDEX = "model.safetensors.index.json"
 
@@ -108,12 +108,12 @@ def load_hf_weights(model: nn.Module, weights: HFWeights, cfg: ModelConfig, *, t
     """Copy the Hugging Face weights into this rank's shards of `model` (any layout); returns bytes read."""
     targets: dict[str, Target] = {}
     fixups: list[tuple[torch.Tensor, torch.Tensor, int, int]] = []
-    for name, t in model.state_dict(keep_vars=True).items():
+    for name, t in named_state(model).items():
         local, offsets = local_box(t)
         if not local.numel():
             continue
         key = MODEL_PREFIX + name
-        if name.endswith(("attention.wq.weight", "attention.wk.weight")):
+        if rope_heads(cfg, name) is not None:
             # Whole heads, in Hugging Face's row order; permuted into ours after the read.
             hd = cfg.head_dim
             h0, h1 = offsets[0] // hd, -(-(offsets[0] + local.shape[0]) // hd)

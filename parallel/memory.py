@@ -29,9 +29,12 @@ def estimate_memory(model: ModelConfig, layout: Layout, *, micro_batch_size: int
     if layout.pp > model.n_layers:
         raise ValueError(f"pp={layout.pp} exceeds n_layers={model.n_layers}")
     table = model.vocab_size * model.dim
-    layer_params = (model.num_params(embedding=False) - table - model.dim) / model.n_layers
+    output = 0 if model.tie_embeddings else table  # a tied output projection is the embedding table
+    layer_params = (model.num_params(embedding=False) - output - model.dim) / model.n_layers
     layers = -(-model.n_layers // layout.pp)
-    ends = (2 if layout.pp == 1 else 1) * table + model.dim
+    # One stage holds both ends; under PP the first holds the embedding, the last the output (a tied
+    # table's copy there too).
+    ends = (table + output if layout.pp == 1 else table) + model.dim
     params = (layers * layer_params + ends) / layout.tp
     per_param = param_bytes + 4 + 8 + (4 if param_bytes < 4 else 0)
     tokens = micro_batch_size * seq_len

@@ -85,12 +85,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, *, pp_group=None,
-                    optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor:
+                    optimizer: torch.optim.Optimizer | None = None,
+                    uncounted: list[nn.Parameter] = ()) -> torch.Tensor:
     """Global gradient 2-norm over every rank's parameters, and clip to `max_norm` (0 = do not clip).
 
     Parameters may live on different meshes (TP DTensors, FSDP DTensors, plain tensors on one pipeline
     stage), so norms are taken per (mesh, placements) group, reduced to full values, then combined; with
-    PP the squared norms of all stages are summed.
+    PP the squared norms of all stages are summed. `uncounted` gradients are clipped by the same factor
+    but left out of the norm: a tied table's second pipeline copy, whose twin the first stage counts.
 
     Given an `optimizer` whose every group is fused AdamW, the clip costs no pass over the gradients of
     its own: the factor goes to the fused kernel as its `grad_scale` (the protocol GradScaler uses; the
@@ -98,8 +100,9 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, *, pp_group=Non
     next `optimizer.step()` applies it. Otherwise one `_foreach_mul_` clips the local gradients.
     """
     groups: dict[object, list[torch.Tensor]] = defaultdict(list)
+    skip = {id(p) for p in uncounted}
     for p in params:
-        if p.grad is not None:
+        if p.grad is not None and id(p) not in skip:
             g = p.grad
             key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
             groups[key].append(g)
@@ -120,6 +123,7 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, *, pp_group=Non
         return total
     if max_norm > 0:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        locals_ = [g.to_local() if isinstance(g, DTensor) else g for gs in groups.values() for g in gs]
+        extra = [p.grad for p in uncounted if p.grad is not None]
+        locals_ = [g.to_local() if isinstance(g, DTensor) else g for gs in (*groups.values(), extra) for g in gs]
         torch._foreach_mul_(locals_, coef)
     return total

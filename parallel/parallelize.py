@@ -235,6 +235,7 @@ def materialize(model: nn.Module, *, seed: int, device: torch.device, init: bool
     (`parallel.unset`), for a caller that overwrites every element (a checkpoint load, a live reshard),
     and initialise with `init_shards` only if nothing was loaded."""
     model.to_empty(device=device)
+    model.tie_weights()  # to_empty gives each module its own copy of a shared Parameter
     model.init_buffers(device)
     if not init:
         mark_unset(model.parameters())

@@ -2,6 +2,12 @@
 torch.distributed.pipelining schedule for one stage per rank.
 
 `stage_layers` is pure; the rest imports torch lazily so the split math stays importable anywhere.
+
+Tied embeddings: the first stage holds the table as `tok_embeddings.weight`, the last as its output
+projection's weight, two copies of one tensor. Both start from the same value (initialisation and
+checkpoints know the copy by the table's name), and `sync_tied_grads` sums their gradients across the
+two stages after every backward, so the same AdamW update keeps them bitwise equal. A checkpoint stores
+the table once: both copies are saved under `tok_embeddings.weight` as replicas of the same box.
 """
 
 from __future__ import annotations
@@ -41,6 +47,40 @@ def split_stage(model: "nn.Module", stage: int, pp: int) -> "nn.Module":
         model.norm = None
         model.output = None
     return model
+
+
+def tied_group(mesh, layout):
+    """The process group of this rank's first and last pipeline stages (same dp/tp coordinates), for
+    `sync_tied_grads`; None without PP. Collective: every rank calls it, in the same order."""
+    import torch.distributed as dist
+
+    from parallel.layout import MeshAxis
+
+    if not layout.pp_enabled:
+        return None
+    names = list(mesh.mesh_dim_names)
+    lines = mesh.mesh.movedim(names.index(MeshAxis.PP.value), -1).reshape(-1, layout.pp).tolist()
+    mine = None
+    for line in lines:
+        group = dist.new_group([line[0], line[-1]])
+        if dist.get_rank() in (line[0], line[-1]):
+            mine = group
+    return mine
+
+
+def sync_tied_grads(model: "nn.Module", group) -> None:
+    """Sum the gradient of the tied table over its two pipeline copies (first and last stage; a no-op on
+    the stages between, and without a group)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    if group is None:
+        return
+    holder = model.tok_embeddings if model.tok_embeddings is not None else model.output
+    if holder is None or holder.weight.grad is None:
+        return
+    g = holder.weight.grad
+    dist.all_reduce(g.to_local() if isinstance(g, DTensor) else g, group=group)
 
 
 def build_schedule(

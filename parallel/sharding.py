@@ -30,7 +30,7 @@ parallel). `tensor_parallel.apply_tp` builds its plan from this table."""
 TP_TOP_SHARD_DIM: dict[str, int] = {"tok_embeddings": 0, "output": 0}
 """Outside the blocks: the vocab-parallel embedding and the column-parallel output projection."""
 
-_LAYER = re.compile(r"layers\.(\d+)\.(.+)\.weight")
+_LAYER = re.compile(r"layers\.(\d+)\.(.+)\.(weight|bias)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +69,9 @@ def tp_shard_dim(name: str) -> int | None:
     """The dim parameter `name` (canonical) is split on under TP; None if it is replicated."""
     m = _LAYER.fullmatch(name)
     if m:
-        return TP_BLOCK_SHARD_DIM.get(m.group(2))
+        d = TP_BLOCK_SHARD_DIM.get(m.group(2))
+        # A column-parallel bias is split with its rows; a row-parallel one is added after the reduction.
+        return d if m.group(3) == "weight" or d == 0 else None
     return TP_TOP_SHARD_DIM.get(name.removesuffix(".weight")) if name.endswith(".weight") else None
 
 
@@ -89,10 +91,16 @@ def stage_of(name: str, n_layers: int, pp: int) -> int:
     return pp - 1  # final norm and output projection
 
 
-def param_box(name: str, shape: tuple[int, ...], layout: Layout, rank: int, n_layers: int) -> Box | None:
-    """The box of parameter `name` that `rank` holds under `layout`; None if it holds none of it."""
+def param_box(name: str, shape: tuple[int, ...], layout: Layout, rank: int, n_layers: int, *,
+              tied: bool = False) -> Box | None:
+    """The box of parameter `name` that `rank` holds under `layout`; None if it holds none of it. `tied`:
+    the embedding table is also the output projection, so the last stage holds it too (split the same
+    way: both are vocab-parallel on dim 0)."""
     c = layout.coords(rank)
-    if stage_of(name, n_layers, layout.pp) != c[MeshAxis.PP]:
+    stages = {stage_of(name, n_layers, layout.pp)}
+    if tied and name == "tok_embeddings.weight":
+        stages.add(layout.pp - 1)
+    if c[MeshAxis.PP] not in stages:
         return None
     offsets, sizes = [0] * len(shape), list(shape)
     d = tp_shard_dim(name)
@@ -107,14 +115,14 @@ def param_box(name: str, shape: tuple[int, ...], layout: Layout, rank: int, n_la
 
 
 def boxes(layout: Layout, shapes: dict[str, tuple[int, ...]], n_layers: int,
-          optimizer_states: tuple[str, ...] = ("exp_avg", "exp_avg_sq")) -> dict[int, dict[str, Box]]:
+          optimizer_states: tuple[str, ...] = ("exp_avg", "exp_avg_sq"), *, tied: bool = False) -> dict[int, dict[str, Box]]:
     """rank -> checkpoint key (`model.<name>`, `optim.<state>.<name>`) -> the box it holds, for every
     rank of `layout` and every parameter in `shapes` (canonical name -> global shape)."""
     out: dict[int, dict[str, Box]] = {}
     for rank in range(layout.world_size):
         mine: dict[str, Box] = {}
         for name, shape in shapes.items():
-            b = param_box(name, tuple(shape), layout, rank, n_layers)
+            b = param_box(name, tuple(shape), layout, rank, n_layers, tied=tied)
             if b is not None:
                 mine[f"model.{name}"] = b
                 for st in optimizer_states:

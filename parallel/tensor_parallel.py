@@ -3,7 +3,10 @@
 Embedding is vocab-parallel (row-wise over vocab), attention/MLP are column-then-row parallel, and the
 output projection is column-parallel over the vocabulary so the loss can run vocab-parallel
 (`torch.distributed.tensor.parallel.loss_parallel`). With sequence parallel the norms and the residual
-stream between TP regions are sharded along the sequence dimension.
+stream between TP regions are sharded along the sequence dimension. Per-head q/k norms (Qwen3) see the
+local heads only: their weight is replicated and their input is taken as sharded on the head dim, so
+its gradient is summed over the TP ranks. Both the embedding and the output are split on the
+vocabulary (dim 0 of their weights), so a tied table is one DTensor that both modules hold again.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, 
         )
     if top:
         parallelize_module(model, tp_mesh, top)
+    model.tie_weights()  # sharding made two Parameters of a tied table
 
     for block in model.layers.values():
         # Column-parallel (dim 0) or row-parallel (dim 1), from the table the resize planner reads too.
@@ -45,6 +49,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, 
             name: ColwiseParallel() if dim == 0 else RowwiseParallel(output_layouts=seq)
             for name, dim in TP_BLOCK_SHARD_DIM.items()
         }
+        if block.attention.q_norm is not None:
+            heads = SequenceParallel(sequence_dim=2, use_local_output=True)  # [B, T, local heads, head_dim]
+            plan.update({"attention.q_norm": heads, "attention.k_norm": heads})
         if sequence_parallel:
             plan.update({
                 "attention_norm": SequenceParallel(),

@@ -88,14 +88,17 @@ class DataConfig:
     """Corpus: read at most this many bytes of text (files in sorted order)."""
     suffixes: list[str] = field(default_factory=lambda: [".py"])
     """Corpus: file name endings to include."""
-    token_dtype: Literal["uint16", "uint32"] = "uint16"
-    """Tokens: element type of the token file."""
+    token_dtype: Literal["uint16", "uint32"] | None = None
+    """Tokens: element type of the token file; None: what `elastron data prepare`'s meta.json beside it
+    says, else uint16."""
     num_samples: int = 100_000
     """Synthetic: number of distinct samples before the order repeats."""
     val_path: str | None = None
     """Held-out split for train.eval_interval: a token file (tokens) or a directory of text (corpus).
     Default for tokens: the val.bin `elastron data prepare` wrote beside data.path; synthetic: samples of
     another seed."""
+    allow_tokenizer_mismatch: bool = False
+    """Tokens: train although meta.json's tokenizer is not model.init_from's own tokenizer.json."""
 
     def __post_init__(self) -> None:
         _positive("data", self, "seq_len", "max_bytes", "num_samples")
@@ -108,7 +111,8 @@ class DataConfig:
 @dataclass(kw_only=True, slots=True, frozen=True)
 class TrainConfig:
     steps: int = 100
-    """Optimizer steps of the whole run (also the LR schedule's horizon unless decay_steps is set)."""
+    """Optimizer steps of the whole run (also the LR schedule's horizon unless decay_steps is set). A
+    `--steps` given on the command line replaces it (`with_steps`): it is the schedule's length too."""
     global_batch_size: int = 16
     """Samples per optimizer step, fixed under every layout."""
     micro_batch_size: int = 4
@@ -122,7 +126,8 @@ class TrainConfig:
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     """Decay after warmup."""
     decay_steps: int | None = None
-    """Step at which decay ends; default `steps`. Independent of --steps so a resumed run keeps its LR."""
+    """Step at which decay ends; default `steps` (so `--steps` moves it too). Set it to keep the schedule
+    fixed while a resumed run is given more or fewer steps."""
     weight_decay: float = 0.1
     """AdamW decoupled weight decay."""
     beta1: float = 0.9
@@ -270,14 +275,17 @@ class ResourcesConfig:
     """Device per worker; auto picks cuda when available."""
     cpus_per_worker: int = 1
     """CPUs reserved per worker actor."""
-    gpus_per_worker: int = 0
-    """GPUs per worker actor (0 on CPU clusters, 1 on GPU clusters)."""
+    gpus_per_worker: int | None = None
+    """GPUs per worker actor; None: 1 with device: cuda, else 0. So `device` is the one switch between a
+    CPU machine (auto or cpu) and a GPU cluster (cuda)."""
     standby_per_node: int = 1
     """Idle worker processes kept started on each node hosting the job's workers, reserving nothing
     (~300 MB of memory each): a worker that crashes is replaced by one without a process start (~2.5 s
     on CPU). CPU workers only (a GPU is given to a process when it starts); 0: none."""
 
     def __post_init__(self) -> None:
+        if self.gpus_per_worker is None:
+            object.__setattr__(self, "gpus_per_worker", 1 if self.device == "cuda" else 0)
         _positive("resources", self, "cpus_per_worker")
         _positive("resources", self, "gpus_per_worker", allow_zero=True)
         _positive("resources", self, "standby_per_node", allow_zero=True)
@@ -336,6 +344,10 @@ class JobConfig:
         mc = self.model.build()
         if self.data.seq_len > mc.max_seq_len:
             raise ConfigError(f"data.seq_len={self.data.seq_len} exceeds model max_seq_len={mc.max_seq_len}")
+        if mc.sliding_window is not None and self.data.seq_len > mc.sliding_window:
+            raise ConfigError(f"data.seq_len={self.data.seq_len} is longer than the model's sliding_window="
+                              f"{mc.sliding_window}; sliding-window attention is not implemented (within the "
+                              f"window it equals causal attention): set data.seq_len <= {mc.sliding_window}")
         if self.data.source == "corpus" and mc.vocab_size < 256:
             raise ConfigError(f"byte-level corpus needs model vocab_size >= 256, got {mc.vocab_size}")
         if self.parallel.layout is not None:
@@ -415,3 +427,14 @@ def load_config(path: str | Path) -> JobConfig:
     except yaml.YAMLError as e:
         raise ConfigError(f"config {str(p)!r} is not valid YAML: {e}") from None
     return JobConfig.from_dict(data or {})
+
+
+def with_steps(cfg: JobConfig, steps: int | None) -> JobConfig:
+    """`cfg` run for `steps` optimizer steps (None: train.steps as configured). `--steps` means the run's
+    length and the LR schedule's: train.steps is replaced, so the decay ends at the last step unless
+    train.decay_steps says otherwise. ConfigError for a count below 1."""
+    if steps is None:
+        return cfg
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ConfigError(f"--steps must be >= 1, got {steps}")
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=steps))

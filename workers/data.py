@@ -188,6 +188,13 @@ def check_token_meta(path: str, *, vocab_size: int, dtype: str) -> None:
                          f"set data.token_dtype: {meta['dtype']}")
 
 
+def token_dtype(cfg: DataConfig) -> str:
+    """data.token_dtype, else what meta.json beside data.path says, else uint16."""
+    from workers.prepare import read_meta
+
+    return cfg.token_dtype or (read_meta(cfg.path) or {}).get("dtype") or "uint16"
+
+
 def build_source(cfg: DataConfig, *, seed: int, vocab_size: int) -> Source:
     """The source a `DataConfig` describes; `vocab_size` is the model's."""
     if cfg.source == "synthetic":
@@ -201,8 +208,9 @@ def build_source(cfg: DataConfig, *, seed: int, vocab_size: int) -> Source:
     if cfg.source == "tokens":
         if not cfg.path:
             raise ValueError("data.path is required when data.source is 'tokens'")
-        check_token_meta(cfg.path, vocab_size=vocab_size, dtype=cfg.token_dtype)
-        return TokenFileSource(cfg.path, seq_len=cfg.seq_len, vocab_size=vocab_size, dtype=cfg.token_dtype)
+        dtype = token_dtype(cfg)
+        check_token_meta(cfg.path, vocab_size=vocab_size, dtype=dtype)
+        return TokenFileSource(cfg.path, seq_len=cfg.seq_len, vocab_size=vocab_size, dtype=dtype)
     raise ValueError(f"unknown data source {cfg.source!r}; expected corpus, synthetic or tokens")
 
 

@@ -4,26 +4,33 @@ Input: files or directories (searched recursively) of `.txt`/`.md` (one document
 (one document per line, its `text_field`) and `.parquet` (one document per row of `text_field`).
 Documents are tokenised with a Hugging Face `tokenizers` tokenizer (a `tokenizer.json`, or a model
 directory holding one) in batches (the tokenizers library encodes a batch on all cores), an EOS token is
-appended to every document, and each document goes whole to the training or the validation split
-(chosen by a seeded hash of its position, so the split is reproducible and independent of batching).
+appended to every document (and a BOS token put before it with `add_bos`, by default when the
+tokenizer's config says `add_bos_token`), and each document goes whole to the training or the validation
+split (chosen by a seeded hash of its position, so the split is reproducible and independent of batching).
+Invalid UTF-8 becomes U+FFFD and blank documents are skipped; both are counted, reported and stored.
 
 Output, in `out`: `train.bin` and `val.bin` (nanoGPT-style flat uint16 ids, uint32 when the vocabulary
 needs it: `data.source: tokens`, `data.path`, `data.token_dtype`) and `meta.json`, the sidecar the
-trainer checks: dtype, vocab size, tokenizer digest, documents and tokens per split, EOS id, sources.
-Files are written under temporary names and renamed at the end: an interrupted run leaves no
-half-written split that looks complete.
+trainer checks: dtype, vocab size, tokenizer digest, documents and tokens per split, EOS (and BOS) id,
+replaced invalid UTF-8 sequences, skipped empty documents, sources. Files are written under temporary
+names and renamed at the end: an interrupted run, or one that produced no training token, leaves no
+half-written split that looks complete (and no output directory it created).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 TEXT_SUFFIXES = (".txt", ".md")
 EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "[SEP]")
@@ -64,6 +71,39 @@ def _tokenizer_file(path: Path) -> Path:
     if not f.is_file():
         raise PrepareError(f"tokenizer: {f} does not exist; pass a tokenizer.json or a model directory holding one")
     return f
+
+
+def tokenizer_digest(path: str | os.PathLike[str]) -> str | None:
+    """sha256 of the tokenizer.json at `path` (a file or a directory holding one); None if there is none.
+    meta.json records it, so data can be matched with a model's own tokenizer."""
+    p = Path(path)
+    f = p / "tokenizer.json" if p.is_dir() else p
+    try:
+        return hashlib.sha256(f.read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def bos_id(path: str | os.PathLike[str], tok) -> tuple[int | None, bool]:
+    """(the BOS id tokenizer_config.json names, whether it says add_bos_token)."""
+    cfg = _tokenizer_file(Path(path)).parent / "tokenizer_config.json"
+    try:
+        d = json.loads(cfg.read_text()) if cfg.is_file() else {}
+    except (OSError, ValueError):
+        d = {}
+    name = d.get("bos_token")
+    name = name.get("content") if isinstance(name, dict) else name
+    bos = tok.token_to_id(name) if isinstance(name, str) else None
+    return bos, bool(d.get("add_bos_token")) and bos is not None
+
+
+def _decode(data: bytes) -> tuple[str, int]:
+    """(text, number of invalid UTF-8 sequences replaced by U+FFFD)."""
+    try:
+        return data.decode("utf-8"), 0
+    except UnicodeDecodeError:
+        text = data.decode("utf-8", errors="replace")
+        return text, text.count("\ufffd") - data.decode("utf-8", errors="ignore").count("\ufffd")
 
 
 def load_tokenizer(path: str | os.PathLike[str]):
@@ -108,11 +148,26 @@ def find_inputs(inputs: list[str | os.PathLike[str]]) -> list[Path]:
     return out
 
 
-def documents(path: Path, text_field: str) -> Iterator[str]:
-    """The documents of one input file, in order."""
+@dataclass(slots=True)
+class Counts:
+    """What reading the inputs replaced or skipped, for the report and meta.json."""
+
+    invalid_utf8: int = 0
+    """Invalid UTF-8 sequences replaced by U+FFFD."""
+    empty_documents: int = 0
+    """Documents with no text but whitespace, skipped."""
+    bytes_read: int = 0
+
+
+def documents(path: Path, text_field: str, counts: Counts | None = None) -> Iterator[str]:
+    """The documents of one input file, in order (blank ones included; `prepare` skips them)."""
+    counts = counts if counts is not None else Counts()
     if path.suffix == ".jsonl":
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for n, line in enumerate(f, 1):
+        with open(path, "rb") as f:
+            for n, raw in enumerate(f, 1):
+                counts.bytes_read += len(raw)
+                line, bad = _decode(raw)
+                counts.invalid_utf8 += bad
                 if not line.strip():
                     continue
                 try:
@@ -136,7 +191,11 @@ def documents(path: Path, text_field: str) -> Iterator[str]:
         for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
             yield from (t for t in batch.column(0).to_pylist() if isinstance(t, str))
     elif path.suffix in TEXT_SUFFIXES:
-        yield path.read_text(encoding="utf-8", errors="replace")
+        data = path.read_bytes()
+        counts.bytes_read += len(data)
+        text, bad = _decode(data)
+        counts.invalid_utf8 += bad
+        yield text
     else:
         raise PrepareError(f"{path}: unsupported file type {path.suffix!r} (use .txt, .md, .jsonl or .parquet)")
 
@@ -148,17 +207,24 @@ def _to_val(seed: int, index: int, fraction: float) -> bool:
 
 def prepare(inputs: list[str | os.PathLike[str]], out: str | os.PathLike[str], *, tokenizer: str | os.PathLike[str],
             text_field: str = "text", val_fraction: float = 0.01, seed: int = 0, batch_size: int = 256,
-            progress: Callable[[int, int], None] | None = None) -> dict:
+            progress: Callable[[int, int], None] | None = None, add_bos: bool | None = None) -> dict:
     """Tokenise `inputs` into `out`/{train,val}.bin + meta.json; returns the sidecar. `progress(files
-    done, files total)` is called after each file."""
+    done, files total)` is called after each file. `add_bos`: put the tokenizer's BOS token before every
+    document (None: as its tokenizer_config.json's add_bos_token says)."""
     if not 0 <= val_fraction < 1:
         raise PrepareError(f"val_fraction must be in [0, 1), got {val_fraction}")
     files = find_inputs(inputs)
     tok, eos, digest = load_tokenizer(tokenizer)
+    bos, bos_default = bos_id(tokenizer, tok)
+    if add_bos and bos is None:
+        raise PrepareError(f"--add-bos: the tokenizer at {tokenizer} names no bos_token in tokenizer_config.json")
+    bos = bos if (bos_default if add_bos is None else add_bos) else None
     vocab = tok.get_vocab_size(with_added_tokens=True)
     dtype = np.dtype(np.uint16 if vocab <= 2**16 else np.uint32)
     out = Path(out)
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
+    counts = Counts()
     splits = {"train": Split(out / "train.bin", dtype), "val": Split(out / "val.bin", dtype)}
     for s in splits.values():
         s.open()
@@ -167,38 +233,50 @@ def prepare(inputs: list[str | os.PathLike[str]], out: str | os.PathLike[str], *
     try:
         for done, path in enumerate(files, 1):
             batch: list[str] = []
-            for text in documents(path, text_field):
+            for text in documents(path, text_field, counts):
+                if not text.strip():
+                    counts.empty_documents += 1
+                    continue
                 batch.append(text)
                 if len(batch) == batch_size:
-                    index = _write(tok, eos, batch, index, splits, seed, val_fraction)
+                    index = _write(tok, eos, bos, batch, index, splits, seed, val_fraction)
                     batch = []
-            index = _write(tok, eos, batch, index, splits, seed, val_fraction)
+            index = _write(tok, eos, bos, batch, index, splits, seed, val_fraction)
             if progress is not None:
                 progress(done, len(files))
-        ok = True
+        ok = splits["train"].tokens > 0
     finally:
         for s in splits.values():
             s.close(ok)
-    if splits["train"].tokens == 0:
-        raise PrepareError("no training tokens were produced (are the inputs empty?)")
+        if not ok and created:
+            with contextlib.suppress(OSError):
+                out.rmdir()  # only if nothing else is in it
+    if not ok:
+        raise PrepareError(f"no training tokens were produced: the inputs hold no text ({counts.empty_documents} "
+                           "empty document(s) skipped); nothing was written")
     meta = {
-        "format": "elastron-tokens", "dtype": dtype.name, "vocab_size": vocab, "eos_id": eos,
-        "tokenizer_sha256": digest, "tokenizer": str(_tokenizer_file(Path(tokenizer))),
+        "format": "elastron-tokens", "dtype": dtype.name, "vocab_size": vocab, "eos_id": eos, "bos_id": bos,
+        "tokenizer_sha256": digest, "tokenizer": str(_tokenizer_file(Path(tokenizer)).absolute()),
         "documents": {k: s.documents for k, s in splits.items()}, "tokens": {k: s.tokens for k, s in splits.items()},
+        "invalid_utf8_replaced": counts.invalid_utf8, "empty_documents_skipped": counts.empty_documents,
         "val_fraction": val_fraction, "seed": seed, "sources": [str(p) for p in files],
     }
+    if counts.invalid_utf8 or counts.empty_documents:
+        log.warning("data prepare: replaced %d invalid UTF-8 sequence(s) with U+FFFD and skipped %d empty "
+                    "document(s) (counted in %s)", counts.invalid_utf8, counts.empty_documents, out / META)
     tmp = out / (META + ".part")
     tmp.write_text(json.dumps(meta, indent=1) + "\n")
     os.replace(tmp, out / META)
     return meta
 
 
-def _write(tok, eos: int, batch: list[str], index: int, splits: dict[str, Split], seed: int,
+def _write(tok, eos: int, bos: int | None, batch: list[str], index: int, splits: dict[str, Split], seed: int,
            val_fraction: float) -> int:
     if not batch:
         return index
+    head = [bos] if bos is not None else []
     for enc in tok.encode_batch(batch, add_special_tokens=False):
-        splits["val" if _to_val(seed, index, val_fraction) else "train"].add([*enc.ids, eos])
+        splits["val" if _to_val(seed, index, val_fraction) else "train"].add([*head, *enc.ids, eos])
         index += 1
     return index
 

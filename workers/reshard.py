@@ -105,8 +105,9 @@ def exchange(handover: Handover | None, *, model: ModelConfig, old: Layout, new:
         steps.update(part)
     clock.lap("agree")
     states = ("exp_avg", "exp_avg_sq") if steps else ()  # no AdamW state before the first step
-    old_b = {r: b for r, b in boxes(old, shapes, model.n_layers, states).items() if r in old_to_group}  # survivors
-    new_b = boxes(new, shapes, model.n_layers, states)
+    tied = model.tie_embeddings
+    old_b = {r: b for r, b in boxes(old, shapes, model.n_layers, states, tied=tied).items() if r in old_to_group}  # survivors
+    new_b = boxes(new, shapes, model.n_layers, states, tied=tied)
     group_to_old = {g: r for r, g in old_to_group.items()}
     same_worker = {n: group_to_old[g] for n, g in new_to_group.items() if g in group_to_old}
     nodes = nodes or {}

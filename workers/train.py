@@ -2,7 +2,8 @@
 
     torchrun --nproc_per_node N -m workers.train CONFIG --layout dp=..,tp=..,pp=.. --steps S --run-dir DIR
 
-`--steps S` is the run's total number of optimizer steps. Every rank validates its input before joining
+`--steps S` is the run's total number of optimizer steps and the length of its LR schedule (it replaces
+train.steps; train.decay_steps, when set, still fixes where the decay ends). Every rank validates its input before joining
 the process group, so a bad layout or config exits non-zero with one line instead of hanging the others.
 
 A run resumes by itself: if the checkpoint directory (checkpoint.dir, else RUN_DIR/checkpoints) holds a
@@ -21,8 +22,8 @@ from typing import NoReturn
 
 from parallel.checkpoint.manifest import CheckpointError
 from parallel.layout import Layout
-from workers.config import ConfigError, job_plan, load_config
-from workers.disk_checks import check_data_path, resolve_init_from
+from workers.config import ConfigError, job_plan, load_config, with_steps
+from workers.preflight import preflight
 from workers.run_dir import check_run_dir
 
 
@@ -44,16 +45,16 @@ def main(argv: list[str] | None = None) -> int:
     rank, world_size = env_world()
     logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
     try:
-        cfg = resolve_init_from(load_config(args.config))
-        check_data_path(cfg.data)
+        checked = preflight(with_steps(load_config(args.config), args.steps))
+        cfg = checked.cfg
         device = pick_device(cfg.resources.device)
         plan = job_plan(cfg, world_size, layout=args.layout, device_type=device.type)
         layout = plan.layout
-        steps = args.steps if args.steps is not None else cfg.train.steps
-        if steps < 1:
-            raise ConfigError(f"--steps must be >= 1, got {steps}")
+        steps = cfg.train.steps
         if rank == 0:
             check_run_dir(cfg, args.run_dir)
+            for w in checked.warnings:
+                print(f"warning: {w}", file=sys.stderr, flush=True)
     except (ConfigError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -73,8 +74,9 @@ def main(argv: list[str] | None = None) -> int:
 
         def report(m):
             if rank == 0:
-                print(f"step {m.step:>5}  loss {m.loss:.4f}  lr {m.lr:.2e}  {m.tokens_per_s:,.0f} tok/s  [{layout}]",
-                      flush=True)
+                val = f"  val_loss {m.val_loss:.4f}" if m.val_loss is not None else ""
+                print(f"step {m.step:>5}  loss {m.loss:.4f}{val}  lr {m.lr:.2e}  {m.tokens_per_s:,.0f} tok/s  "
+                      f"[{layout}]", flush=True)
 
         trainer.fit(steps, on_step=report)
     except CheckpointError as e:

@@ -36,7 +36,7 @@ from parallel.parallelize import (
     reshard_after_eval,
     set_grad_sync,
 )
-from parallel.pipeline import build_schedule
+from parallel.pipeline import build_schedule, sync_tied_grads, tied_group
 from parallel.planner import Plan
 from parallel.precision import select_precision
 from workers.compile_cache import apply_compile_cache
@@ -186,6 +186,11 @@ class Trainer:
         except ValueError as e:  # e.g. a corpus with too little text: the same verdict on every rank
             raise ConfigError(f"data: {e}") from None
         self.schedule = None
+        self.tied_group = tied_group(self.mesh, layout) if self.model_cfg.tie_embeddings else None
+        # The last stage's copy of a tied table: its gradient equals the first stage's after the sync,
+        # so the global norm counts it once.
+        self.tied_copy = ([model.output.weight] if self.tied_group is not None and self.is_last_stage
+                          and not self.is_first_stage else [])
         if layout.pp_enabled:
             self.schedule = build_schedule(
                 model, stage=self.pp_rank, pp=layout.pp, group=self.mesh[MeshAxis.PP.value].get_group(),
@@ -251,7 +256,17 @@ class Trainer:
             "lr_schedule": {"step": self.step, **{k: getattr(t, k) for k in _LR_FIELDS}},
             "data": {**self.loader.state_dict(), "epoch": self.loader.position.epoch(n_samples)},
             "rng": capture_rng(),  # rank 0's states are the ones the manifest keeps
+            "sources": self._sources(),
         }
+
+    def _sources(self) -> dict:
+        """What `elastron export` copies beside the weights: model.init_from's directory (tokenizer, token
+        ids, generation config, dtype) and the tokenizer `data prepare` recorded with its EOS id."""
+        from workers.prepare import read_meta
+
+        meta = read_meta(self.cfg.data.path) if self.cfg.data.source == "tokens" and self.cfg.data.path else None
+        return {"init_from": self.cfg.model.init_from, "tokenizer": (meta or {}).get("tokenizer"),
+                "eos_id": (meta or {}).get("eos_id")}
 
     def resume(self) -> Manifest | None:
         """Load the newest loadable checkpoint (any layout) and restore step, data position and RNG."""
@@ -353,6 +368,8 @@ class Trainer:
                     run(target=y, losses=losses)
                 else:
                     run()
+            if backward:
+                sync_tied_grads(self.model, self.tied_group)
             for loss in losses:
                 total += _scalar(loss).detach().float()
             return total
@@ -402,7 +419,7 @@ class Trainer:
         self._phase_done("forward+backward")
         pp_group = self.mesh[MeshAxis.PP.value].get_group() if self.layout.pp_enabled else None
         grad_norm = clip_grad_norm_(self.params, self.cfg.train.grad_clip, pp_group=pp_group,
-                                    optimizer=self.optimizer)
+                                    optimizer=self.optimizer, uncounted=self.tied_copy)
         self._phase_done("grad clip")
         self._before_update = None
         self._mid_step = True  # weights updated; this step's loss and metrics are not out yet

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.optim.optimizer import _get_scalar_dtype
 
+from models.llama import canonical_name
 from parallel.checkpoint.manifest import MODEL_PREFIX, OPTIM_PREFIX, CheckpointError
 from parallel.checkpoint.tensor_io import Target
 from parallel.checkpoint.writer import Piece
@@ -34,17 +35,29 @@ def _optim_key(state_name: str, fqn: str) -> str:
     return f"{OPTIM_PREFIX}{state_name}.{fqn}"
 
 
-def _named(model: nn.Module) -> dict[str, torch.Tensor]:
-    # state_dict (not named_parameters): FSDP2's hooks hand out the sharded parameters, and persistent
-    # buffers are included; keep_vars keeps the very objects the optimizer's state is keyed by.
-    return dict(model.state_dict(keep_vars=True))
+def named_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's tensors by their one canonical name. state_dict (not named_parameters): FSDP2's hooks
+    hand out the sharded parameters, and persistent buffers are included; keep_vars keeps the very objects
+    the optimizer's state is keyed by. A tied table appears once, as `tok_embeddings.weight`, also where a
+    pipeline's last stage holds it as the output projection (a replica of the first stage's box)."""
+    cfg = getattr(model, "cfg", None)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        key = canonical_name(cfg, name) if cfg is not None else name
+        if key in out:
+            if out[key] is not t:
+                raise CheckpointError(f"{name} and {key} are tied but hold different tensors")
+            continue
+        out[key] = t
+    return out
+
 
 
 def collect(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
     """(tensors by checkpoint key, optimizer step counters by canonical name). The tensors are the live
     parameters and optimizer buffers (no copy; DTensors stay DTensors): stage them before training
     continues."""
-    named = _named(model)
+    named = named_state(model)
     tensors: dict[str, torch.Tensor] = {}
     for name, t in named.items():
         if not isinstance(t, torch.Tensor):
@@ -78,7 +91,7 @@ def collect_planned(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[
     tensors, _ = collect(model, optimizer)
     if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
         return tensors
-    fqns = {id(t): n for n, t in _named(model).items()}
+    fqns = {id(t): n for n, t in named_state(model).items()}
     for group in optimizer.param_groups:
         names = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
         for p in group["params"]:
@@ -259,7 +272,7 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, read: Callable[[dic
     created (`ensure_optimizer_state`), state the checkpoint does not have (saved before the first step)
     is dropped. Moments created here are not zeroed first: `read` writes every element of them (the
     manifest's chunks cover each tensor exactly; a live fill checks its coverage)."""
-    fqns = {id(t): n for n, t in _named(model).items()}
+    fqns = {id(t): n for n, t in named_state(model).items()}
     params = [p for g in optimizer.param_groups for p in g["params"]]
     unknown = [p for p in params if id(p) not in fqns]
     if unknown:

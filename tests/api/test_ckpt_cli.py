@@ -151,8 +151,9 @@ def test_export_refuses_a_non_empty_dir_without_overwrite(ckpt, tmp_path, capsys
     assert len(err) == 1 and err[0].startswith("elastron: error: ") and "not empty" in err[0], err
     assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
 
-    assert main(["export", ckpt, str(out), "--overwrite"]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert "--overwrite" in err[0], err
+    assert main(["export", ckpt, str(out), "--overwrite"]) == 0  # replaces only what an export writes
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "keep.txt", "model.safetensors"]
 
 
 @pytest.mark.parametrize("argv", [["ckpt", "inspect"], ["ckpt", "inspect", "--json"], ["export"]],

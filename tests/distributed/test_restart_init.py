@@ -61,7 +61,8 @@ def sentinel_build_body(cfg_dict: dict, layout: str, run_dir: str | None, how: s
 
     from parallel import unset
     from parallel.layout import Layout
-    from workers.config import JobConfig, resolve_init_from
+    from workers.config import JobConfig
+    from workers.disk_checks import resolve_init_from
     from workers.trainer import Trainer
 
     unset.SENTINEL = float("nan")

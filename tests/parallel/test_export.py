@@ -138,12 +138,15 @@ def test_overwrite_refused_then_allowed(tmp_path):
     out = tmp_path / "hf"
     out.mkdir()
     (out / "keep.txt").write_text("old")
-    with pytest.raises(FileExistsError, match="not empty; pass overwrite=True"):
+    with pytest.raises(FileExistsError, match="not empty; pass --overwrite to replace the files an export writes"):
         write_hf(state, cfg, out)
     assert (out / "keep.txt").read_text() == "old"
 
-    write_hf(state, cfg, out, overwrite=True)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    write_hf(state, cfg, out, overwrite=True, max_shard_size="100KB")  # shards and an index
+    assert (out / "model.safetensors.index.json").is_file() and not (out / "model.safetensors").exists()
+    write_hf(state, cfg, out, overwrite=True)  # one file again: the older export's shards go, keep.txt stays
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "keep.txt", "model.safetensors"]
+    assert (out / "keep.txt").read_text() == "old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no temp or backup dirs left
 
 

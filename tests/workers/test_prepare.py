@@ -128,3 +128,51 @@ def test_the_trainer_refuses_a_token_file_made_for_a_larger_vocabulary(tok_path,
                                           "seq_len": 4, "token_dtype": "uint32"}}).data
     with pytest.raises(ValueError, match="set data.token_dtype: uint16"):
         build_source(wrong, seed=0, vocab_size=meta["vocab_size"])
+
+
+def test_invalid_utf8_and_empty_documents_are_counted(tok_path, tmp_path, caplog):
+    d = tmp_path / "in"
+    d.mkdir()
+    (d / "a.txt").write_bytes(b"the quick \xff\xfe fox \xef\xbf\xbd")  # 2 bad bytes, 1 genuine U+FFFD
+    (d / "b.jsonl").write_bytes(b'{"text": "a stitch in time"}\n{"text": ""}\n{"text": "  \\n "}\n'
+                                b'{"text": "bad \xc3"}\n')
+    with caplog.at_level("WARNING"):
+        meta = prepare([d], tmp_path / "out", tokenizer=tok_path, val_fraction=0.0)
+    assert (meta["invalid_utf8_replaced"], meta["empty_documents_skipped"]) == (3, 2)
+    assert meta["documents"]["train"] == 3
+    assert read_meta(tmp_path / "out" / "train.bin")["empty_documents_skipped"] == 2
+    assert "replaced 3 invalid UTF-8 sequence(s) with U+FFFD and skipped 2 empty document(s)" in caplog.text
+
+
+@pytest.mark.parametrize("name,content", [("empty.txt", ""), ("empty.jsonl", ""), ("blank.jsonl", '{"text": " "}\n')])
+def test_empty_inputs_leave_nothing_behind(tok_path, tmp_path, name, content):
+    d = tmp_path / "in"
+    d.mkdir()
+    (d / name).write_text(content)
+    with pytest.raises(PrepareError, match="no training tokens were produced: the inputs hold no text"):
+        prepare([d], tmp_path / "out", tokenizer=tok_path)
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "keep").write_text("x")
+    with pytest.raises(PrepareError):
+        prepare([d], tmp_path / "mine", tokenizer=tok_path)
+    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["keep"]
+
+
+def test_add_bos_defaults_to_the_tokenizer_config(tok_path, tmp_path):
+    import shutil
+
+    tok_dir = tmp_path / "tok"
+    shutil.copytree(tok_path, tok_dir)
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<unk>", "eos_token": "</s>",
+                                                               "add_bos_token": True}))
+    d = tmp_path / "in"
+    d.mkdir()
+    (d / "a.txt").write_text(TEXTS[0])
+    meta = prepare([d], tmp_path / "o1", tokenizer=tok_dir, val_fraction=0.0)
+    ids = np.fromfile(tmp_path / "o1" / "train.bin", dtype=meta["dtype"])
+    assert meta["bos_id"] == 0 and ids[0] == 0 and ids[-1] == meta["eos_id"]
+    meta = prepare([d], tmp_path / "o2", tokenizer=tok_dir, val_fraction=0.0, add_bos=False)
+    assert meta["bos_id"] is None and np.fromfile(tmp_path / "o2" / "train.bin", dtype=meta["dtype"])[0] != 0
+    with pytest.raises(PrepareError, match="--add-bos: the tokenizer at .* names no bos_token"):
+        prepare([d], tmp_path / "o3", tokenizer=tok_path, add_bos=True)

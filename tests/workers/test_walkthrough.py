@@ -1,7 +1,8 @@
-"""docs/hugging-face.md at toy size: a tiny random Hugging Face Llama (made by transformers, no download)
+"""docs/hugging-face.md at toy size: a tiny random Hugging Face Llama 3.2-style model (tied embeddings,
+llama3 RoPE scaling; made by transformers, no download)
 and a folder of text -> `elastron data prepare` -> `elastron run` with examples/continue-pretraining.yaml
 (init_from, val_loss, TensorBoard) on a local Ray of 2 CPUs -> `elastron export` -> transformers loads the
-result. The page's no-Ray line, `elastron train`, runs the same config on 2 local ranks beside it and gives
+result, with its tokenizer, and generates. The page's no-Ray line, `elastron train`, runs the same config on 2 local ranks beside it and gives
 the same losses."""
 
 from __future__ import annotations
@@ -49,9 +50,13 @@ def test_walkthrough_from_a_model_directory_and_a_folder_of_text(tmp_path):
     torch.manual_seed(0)
     hf = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                   vocab_size=64, intermediate_size=48, max_position_embeddings=64,
-                                  tie_word_embeddings=False)
+                                  tie_word_embeddings=True, eos_token_id=1, bos_token_id=None,
+                                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
     transformers.LlamaForCausalLM(hf).float().save_pretrained(model_dir)
     tok.save(str(model_dir / "tokenizer.json"))
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                                 "eos_token": "</s>", "unk_token": "<unk>"}))
 
     # 1. Prepare the data with the model's tokenizer.
     elastron("data", "prepare", "my-text", "--tokenizer", "models/my-llama", "--out", "data/my-text",
@@ -62,7 +67,7 @@ def test_walkthrough_from_a_model_directory_and_a_folder_of_text(tmp_path):
     # 2. The example config, shrunk to toy size (the paths are the walkthrough's own).
     cfg = yaml.safe_load((ROOT / "examples" / "continue-pretraining.yaml").read_text())
     assert cfg["model"]["init_from"] == "models/my-llama" and cfg["data"]["path"] == "data/my-text/train.bin"
-    cfg["data"].update(seq_len=16, token_dtype=meta["dtype"])
+    cfg["data"].update(seq_len=16)  # the token dtype comes from meta.json
     cfg["train"].update(steps=4, global_batch_size=4, micro_batch_size=2, warmup_steps=1, dtype="float32",
                         eval_interval=2, eval_batches=1)
     cfg["checkpoint"]["interval_steps"] = 2
@@ -91,6 +96,13 @@ def test_walkthrough_from_a_model_directory_and_a_folder_of_text(tmp_path):
     elastron("export", "runs/my-llama/checkpoints", "my-llama-continued", cwd=tmp_path)
     back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "my-llama-continued")
     assert back.config.vocab_size == 64 and back.config.num_hidden_layers == 2
+    assert back.config.tie_word_embeddings and back.config.rope_parameters["rope_type"] == "llama3"
+    assert back.config.eos_token_id == 1 and back.generation_config.eos_token_id == 1
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "my-llama-continued")
+    assert tokenizer.eos_token == "</s>" and tokenizer.eos_token_id == 1
+    prompt = tokenizer("the quick brown fox", return_tensors="pt")
+    new = back.generate(**prompt, max_new_tokens=4, do_sample=False)[0, prompt["input_ids"].shape[1]:]
+    assert 1 <= len(new) <= 4
     start = transformers.LlamaForCausalLM.from_pretrained(model_dir).state_dict()
     moved = {k: (v - start[k]).abs().max().item() for k, v in back.state_dict().items()}
     assert 0 < max(moved.values()) < 1e-3, moved  # Adam at lr 3e-5 moves each weight by at most ~lr a step
