@@ -31,6 +31,7 @@ class Progress:
         tps = status.tokens_per_s
         lay = layout_text(status.layout)
         text = (f"step {step}/{self.total}  loss {loss:.4f}" if loss is not None else f"step {step}/{self.total}")
+        text += f"  val_loss {status.val_loss:.4f}" if status.val_loss is not None else ""
         text += f"  {tps:,.0f} tok/s" if tps else ""
         if not status.is_terminal:  # a finished job holds no workers; its last layout would read as current
             text += f"  layout {lay} ({status.world_size} workers)"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import socket
 from pathlib import Path
 
@@ -62,12 +63,19 @@ def connect_ray(address: str | None, *, num_cpus: int | None = None) -> None:
 def run_job(config: str, *, address: str | None = None, workers: int | None = None, layout: str | None = None,
             steps: int | None = None, run_dir: str | None = None, settle_seconds: float = 10.0,
             json_path: str | None = None) -> int:
+    import gc
     import uuid
 
+    # a Ray call after this process's Ray is shut down (a thread still ending at Ctrl-C) must fail, never
+    # start or join another cluster: read when ray is first imported
+    os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
     from service.server.driver import JobRunner, load_job
 
     # The spec is parsed here, once, and checked before Ray starts; the coordinator and workers get its job.
-    job = load_job(config, job_id=uuid.uuid4().hex[:12], workers=workers, layout=layout, steps=steps, run_dir=run_dir)
+    job, warnings = load_job(config, job_id=uuid.uuid4().hex[:12], workers=workers, layout=layout, steps=steps,
+                             run_dir=run_dir)
+    for w in warnings:
+        print(f"elastron run: warning: {w}", file=sys.stderr, flush=True)
     try:
         connect_ray(address)
     except Exception as e:  # ConnectionError, TimeoutError, RuntimeError from ray.init
@@ -77,7 +85,19 @@ def run_job(config: str, *, address: str | None = None, workers: int | None = No
     print(f"elastron run: job {job.id} ({job.cfg.name}), {job.total_steps} steps, run dir {job.run_dir}", flush=True)
     progress = Progress(job.total_steps)
     runner = JobRunner(job, options={"settle_seconds": settle_seconds}, on_tick=lambda c: progress.update(c.status()))
-    runner.join()
+    try:
+        runner.join()
+    except KeyboardInterrupt:  # Ctrl-C reaches Ray's workers too: they are gone; say where the job stands, once
+        import ray
+
+        progress.close()
+        runner.abandon()
+        st = runner.status()
+        print(f"elastron run: interrupted: job {job.id} stopped at step {st.step}; its last checkpoint is step "
+              f"{st.committed_step}, from which the same command resumes", file=sys.stderr, flush=True)
+        gc.collect()  # free what still refers to Ray objects while Ray is up: freed after shutdown, they abort
+        ray.shutdown()
+        return 130
     progress.close()
     return summarize(runner, json_path)
 

@@ -131,15 +131,17 @@ class FakeGroup:
 
 
 def make_coordinator(tmp_path, nodes, *, steps=20, interval=5, min_workers=1, max_workers=4, settle=0.0,
-                     parallel: dict | None = None, **opts):
+                     parallel: dict | None = None, resources: dict | None = None, **opts):
     """A coordinator of a tiny job on a FakeCluster of `nodes` (id -> CPUs), with a FakeGroup class of
-    its own; `parallel` adds to the job's parallel section, `opts` go to CoordinatorOptions."""
+    its own; `parallel` adds to the job's parallel section, `resources` is its resources section, `opts`
+    go to CoordinatorOptions."""
     cluster = FakeCluster(nodes)
     cfg = JobConfig.from_dict({
         "data": {"source": "synthetic", "seq_len": 16},
         "train": {"steps": steps, "global_batch_size": 8, "micro_batch_size": 2},
         "parallel": {"min_workers": min_workers, "max_workers": max_workers, **(parallel or {})},
         "checkpoint": {"interval_steps": interval},
+        **({"resources": resources} if resources else {}),
     })
     group_cls = type("G", (FakeGroup,), {"disk": Disk(interval), "cluster": cluster, "fail_next": []})
     c = Coordinator(Job.of(cfg, job_id="job1", run_dir=tmp_path), watcher=cluster.watcher(),

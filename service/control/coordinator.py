@@ -92,6 +92,7 @@ class Coordinator:
             Resizing: self._on_resizing, Paused: self._on_paused}
         """One handler per state class; `Ended` has none."""
         self._lock = threading.RLock()
+        self._halted = threading.Event()
         self.state: State = self._restarted() if len(self.events) else Pending()
 
     @property
@@ -162,7 +163,7 @@ class Coordinator:
             self.watcher.poll()
             self.watcher.start()
         try:
-            while not self.sm.state.is_terminal:
+            while not self.sm.state.is_terminal and not self._halted.is_set():
                 self.step()
                 if on_tick is not None:
                     on_tick(self)
@@ -171,6 +172,12 @@ class Coordinator:
             if self._own_watcher:
                 self.watcher.stop()
             self._shutdown_group()
+
+    def halt(self) -> None:
+        """End `run()` at the next chance, whatever the state, releasing the group (its process is ending:
+        `elastron run` on Ctrl-C). The job's last checkpoint is where the next run resumes."""
+        self._halted.set()
+        self._woken.set()
 
     def step(self) -> tuple[State, State]:
         """One iteration: apply the queued commands (not while `Adopting`), then, unless a command moved
@@ -277,9 +284,13 @@ class Coordinator:
     def _decide(self, snap: ClusterSnapshot, *, current_workers: int, requested: bool = False) -> Decision:
         r = self.cfg.resources
         fits = sum(self.health.slots(snap, r.cpus_per_worker, r.gpus_per_worker).values())  # the grant aside
+        no_gpu = r.gpus_per_worker and not any(n.gpus for n in snap.alive())
+        why = (f"each worker needs {r.gpus_per_worker:g} GPU (resources.gpus_per_worker) and the cluster has "
+               "none; use a cluster with GPUs, or resources.device: cpu" if no_gpu else "")
         return self.policy.decide(time.time(), current_workers=current_workers, usable_workers=fits,
                                   draining=snap.draining(), failures=self.failures,
-                                  granted=None if self.grant is None else self._usable(snap), requested=requested)
+                                  granted=None if self.grant is None else self._usable(snap), requested=requested,
+                                  short_because=why)
 
     def _prewarm(self, snap: ClusterSnapshot) -> None:
         """Keep standby workers beside the members; while a growth settles, start the workers it will
@@ -299,9 +310,9 @@ class Coordinator:
     def _train_chunk(self, state: Running) -> State:
         try:
             rows = self.group.run(until_step=self.total_steps, steps=self._steps_per_call(),
-                                  should_abort=lambda: self._our_nodes_dead(self.watcher.latest))
+                                  should_abort=lambda: self._halted.is_set() or self._our_nodes_dead(self.watcher.latest))
         except WorkerFailure as e:
-            return self._recover(e)
+            return state if self._halted.is_set() else self._recover(e)
         with self._lock:
             for m in rows:
                 self.metrics[m["step"]] = m

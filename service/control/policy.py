@@ -4,8 +4,10 @@ Pure: no Ray, no clock, no sleeping. The caller passes `now` and what it observe
 kept between calls is the growth settle timer. That makes every timing rule testable to the second.
 
 Rules, in order (the first that applies decides):
-  1. Fail   when any failure kind occurred more than `max_restarts` times within `restart_window_s`:
-            restarting again would most likely fail the same way. The reason quotes the last error.
+  1. Fail   at once for a failure of a kind no restart can mend (FINAL_KINDS: a worker refused the job's
+            configuration), and when any failure kind occurred more than `max_restarts` times within
+            `restart_window_s`: restarting again would most likely fail the same way. The reason quotes
+            the last error.
   2. Wait   when usable workers < min_workers: the job cannot run; hold nothing until capacity returns.
   3. Resize (start) when nothing runs (current_workers == 0): start at once on what is offered,
             cause "planned"; there is nothing to disrupt, so no settle time.
@@ -64,6 +66,10 @@ class Fail:
 
 
 Decision = Noop | Resize | Wait | Fail
+
+FINAL_KINDS = frozenset({"error:ConfigError"})
+"""Failure kinds that fail the job at the first one: a worker found the configuration unusable, which
+no restart changes."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -137,12 +143,13 @@ class ScalingPolicy:
 
     def decide(self, now: float, *, current_workers: int, usable_workers: int,
                draining: Mapping[str, float | None] | None = None, failures: Sequence[Failure] = (),
-               granted: int | None = None, requested: bool = False) -> Decision:
+               granted: int | None = None, requested: bool = False, short_because: str = "") -> Decision:
         """`current_workers`: size of the running group (0 when none runs). `usable_workers`: how many
         workers fit on alive, non-draining nodes. `draining`: {node_id: deadline unix s or None}.
         `failures`: the job's failures so far (older ones outside the window are ignored). `granted`:
         the workers the scheduler grants this job (None: no scheduler, the whole cluster is offered).
-        `requested`: the user has just changed the job's worker range, and waits for it to act."""
+        `requested`: the user has just changed the job's worker range, and waits for it to act.
+        `short_because`: why the cluster offers too few workers, when the caller knows (said in a Wait)."""
         c = self.config
         for name, v in (("current_workers", current_workers), ("usable_workers", usable_workers),
                         ("granted", 0 if granted is None else granted)):
@@ -154,7 +161,8 @@ class ScalingPolicy:
             return self._reset(fail)
         drains = _drain_text(now, draining)
         if usable_workers < c.min_workers:
-            why = f"{usable_workers} usable workers < min_workers={c.min_workers}"
+            why = f"{usable_workers} usable workers < min_workers={c.min_workers}" + \
+                (f" ({short_because})" if short_because else "")
             return self._reset(Wait(f"{why}; {drains}" if drains else why))
         if granted is not None and granted < c.min_workers:
             return self._reset(Wait(f"the scheduler grants {granted} workers < min_workers={c.min_workers}",
@@ -210,6 +218,8 @@ class ScalingPolicy:
         return decision
 
     def _budget_exhausted(self, now: float, failures: Sequence[Failure]) -> Fail | None:
+        if final := next((f for f in reversed(failures) if f.kind in FINAL_KINDS), None):
+            return Fail(f"the job's configuration cannot run, so it is not restarted: {final.error}")
         c = self.config
         recent: dict[str, list[Failure]] = {}
         for f in failures:

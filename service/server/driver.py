@@ -20,8 +20,8 @@ from service.control.coordinator import Coordinator, CoordinatorOptions
 from service.control.job import Job
 from service.server.specs import check_plannable
 from service.control.status import JobStatus
-from workers.config import JobConfig, job_plan, load_config
-from workers.disk_checks import check_data_path, resolve_init_from
+from workers.config import JobConfig, job_plan, load_config, with_steps
+from workers.preflight import preflight
 from workers.run_dir import check_run_dir
 
 logger = logging.getLogger(__name__)
@@ -44,6 +44,7 @@ class JobRunner:
         self.coord = factory(job, options=CoordinatorOptions(**(options or {})))
         self.on_tick = on_tick
         self.error: str | None = None
+        self._abandoned = False
         self._thread = threading.Thread(target=self._run, name=f"elastron-job-{job.id}", daemon=True)
         self._thread.start()
 
@@ -51,6 +52,8 @@ class JobRunner:
         try:
             self.coord.run(self.on_tick)
         except Exception as e:
+            if self._abandoned:  # its process is ending (Ctrl-C): errors from Ray going away are expected
+                return
             error = f"coordinator crashed: {type(e).__name__}: {e}"
             logger.error("job %s: %s; the job is reported FAILED. See the traceback and events.jsonl in %s",
                          self.job_id, error, self.coord.run_dir, exc_info=True)
@@ -73,6 +76,15 @@ class JobRunner:
     def reconfigs(self) -> list[dict]:
         return [r.to_dict() for r in list(self.coord.reconfigs)]
 
+    def abandon(self, timeout_s: float = 10.0) -> None:
+        """The process is ending under the loop (Ctrl-C on `elastron run`): stop watching the cluster, end
+        the loop at its next chance (it releases the workers) and wait for it up to `timeout_s`; what the
+        loop meets meanwhile is not reported as a crash."""
+        self._abandoned = True
+        self.coord.watcher.stop()
+        self.coord.halt()
+        self._thread.join(timeout_s)
+
     # -- commands (queued; the loop applies them at its next step) ---------------------------------------
     def send(self, cmd: Command) -> None:
         self.coord.send(cmd)
@@ -89,16 +101,16 @@ class JobRunner:
 # -- the CLI's edge ------------------------------------------------------------------------------------------
 
 def load_job(config: str | Path, *, job_id: str, workers: int | None = None, layout: str | None = None,
-             steps: int | None = None, run_dir: str | Path | None = None) -> Job:
+             steps: int | None = None, run_dir: str | Path | None = None) -> tuple[Job, tuple[str, ...]]:
     """The job of the YAML at `config`, parsed once, in its run directory (default runs/NAME), after
-    every check that can fail before Ray starts: the options, a readable data path, a forced layout the
-    planner accepts, a writable run directory. ValueError (or ConfigError, PlanError) in one line."""
-    cfg = resolve_init_from(load_config(config))  # the model's shape, before the planner needs it
-    check_data_path(cfg.data)
+    every check that can fail before Ray starts (workers.preflight: the model's files, the data's
+    headers and meta.json; the options; a forced layout the planner accepts; a writable run directory),
+    with the preflight's warnings. ValueError (or ConfigError, PlanError) in one line. `steps` is the
+    run's length and its LR schedule's (workers.config.with_steps)."""
     if workers is not None and layout is not None:
         raise ValueError("give --workers or --layout, not both")
-    if steps is not None and steps < 1:
-        raise ValueError(f"--steps must be >= 1, got {steps}")
+    checked = preflight(with_steps(load_config(config), steps))
+    cfg = checked.cfg
     if workers is not None and workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")
     # The planner judges the job now, before Ray starts, as the REST API does at submit.
@@ -110,18 +122,15 @@ def load_job(config: str | Path, *, job_id: str, workers: int | None = None, lay
         check_plannable(cfg, workers)
     rd = Path(run_dir or Path("runs") / cfg.name)
     check_run_dir(cfg, rd)  # a run that cannot write its events must not start
-    return Job.of(cfg, job_id=job_id, run_dir=rd, steps=steps, workers=workers, layout=layout)
+    return Job.of(cfg, job_id=job_id, run_dir=rd, workers=workers, layout=layout), checked.warnings
 
 
 def check_local_job(config: str | Path, *, nproc: int, layout: str | None, steps: int | None,
                     run_dir: str | Path) -> JobConfig:
     """`elastron train`'s checks, before any rank starts: those every rank would make."""
-    cfg = resolve_init_from(load_config(config))  # the model's shape, before the planner needs it
-    check_data_path(cfg.data)
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
-    if steps is not None and steps < 1:
-        raise ValueError(f"--steps must be >= 1, got {steps}")
+    cfg = preflight(with_steps(load_config(config), steps)).cfg
     job_plan(cfg, nproc, layout=layout)
     check_run_dir(cfg, run_dir)
     return cfg

@@ -14,9 +14,8 @@ from typing import Any
 from parallel.layout import Layout
 from parallel.planner import plan
 from service.server.limits import MAX_GLOBAL_BATCH, MAX_WORKERS, check_limits
-from workers.config import JobConfig, job_constraints
-from workers.disk_checks import check_data_path as check_data_readable
-from workers.disk_checks import resolve_init_from
+from workers.config import JobConfig, job_constraints, with_steps
+from workers.preflight import preflight
 
 __all__ = ["JobConfig", "MAX_GLOBAL_BATCH", "MAX_WORKERS", "REMOTE_SCHEMES", "SpecError", "check_paths",
            "check_plannable", "check_text", "config_error_loc", "resolve_run_dir", "safe_name", "validate_spec"]
@@ -74,14 +73,10 @@ def validate_spec(spec: Any, *, steps: int | None = None, workers: int | None = 
     for name, v in (("steps", steps), ("workers", workers)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise SpecError((name,), f"{name} must be an integer >= 1, got {v!r}")
-    try:  # the model's shape from init_from's config.json, before the planner needs it
-        cfg = resolve_init_from(cfg)
+    try:  # the model's files and the data's headers: the server's workers usually share its filesystem
+        cfg = preflight(with_steps(cfg, steps)).cfg
     except ValueError as e:
         raise SpecError(("spec", *config_error_loc(str(e))), str(e)) from None
-    try:  # this server reads nothing of data.path, but its workers usually share its filesystem: fail early
-        check_data_readable(cfg.data)
-    except ValueError as e:
-        raise SpecError(("spec", "data", "path"), str(e)) from None
     except OSError as e:  # data.path that cannot even be looked at (name too long, ...)
         raise SpecError(("spec", "data", "path"), f"data.path cannot be checked: {e.strerror or e}") from None
     d = cfg.data

@@ -25,3 +25,12 @@ def test_a_waiting_job_says_what_it_waits_for_and_a_running_one_does_not():
         "step 2/100  layout - (0 workers)  QUEUED (3rd in the queue)",
         "step 100/100  loss 2.1000  SUCCEEDED",
     ]
+
+
+def test_the_line_shows_val_loss_once_an_eval_has_run():
+    out = io.StringIO()
+    p = Progress(10, stream=out)
+    p.update(JobStatus(state="RUNNING", reason="", step=1, loss=2.5, world_size=1))
+    p.update(JobStatus(state="RUNNING", reason="", step=2, loss=2.4, val_loss=2.6, world_size=1))
+    assert [line.split("  layout")[0] for line in out.getvalue().splitlines()] == [
+        "step 1/10  loss 2.5000", "step 2/10  loss 2.4000  val_loss 2.6000"]

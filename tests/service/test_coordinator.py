@@ -407,3 +407,19 @@ def test_each_state_but_the_final_one_has_one_handler_and_every_lifecycle_state_
     names = {cls.name for cls in classes if cls not in (Waiting, Ended)}
     names |= {JobState.QUEUED, JobState.WAITING_FOR_CAPACITY} | {s for s in JobState if s.is_terminal}
     assert names == set(JobState)
+
+
+def test_a_configuration_error_on_a_worker_fails_the_job_without_a_restart(tmp_path):
+    c, _, G = make_coordinator(tmp_path, {"a": 2})
+    advance(c, lambda c: c.step_done >= 2)
+    G.fail_next.append("error:ConfigError")  # as a worker's ConfigError comes back (WorkerGroup._failure)
+    advance(c, lambda c: c.sm.state.is_terminal)
+    assert str(c.sm.state) == "FAILED" and "configuration cannot run" in c.sm.reason
+    assert [f.kind for f in c.failures] == ["error:ConfigError"]  # failed at the first, never re-formed
+    assert len([e for e in c.events_since(0) if e["kind"] == "resize"]) == 1
+
+
+def test_a_job_asking_for_gpus_on_a_cluster_with_none_says_so(tmp_path):
+    c, _, _ = make_coordinator(tmp_path, {"a": 2}, resources={"gpus_per_worker": 1})
+    advance(c, lambda c: str(c.sm.state) == "WAITING_FOR_CAPACITY")
+    assert "needs 1 GPU (resources.gpus_per_worker) and the cluster has none" in c.sm.reason

@@ -286,3 +286,20 @@ def test_a_users_resize_is_an_input_that_acts_at_once_in_either_direction():
         Resize(workers=1, cause="user", reason="resize to 1 workers requested by user")
     # a request that changes nothing is no resize
     assert isinstance(p.decide(3.0, current_workers=1, usable_workers=4, requested=True), Noop)
+
+
+def test_a_configuration_error_on_a_worker_fails_the_job_at_once():
+    p = ScalingPolicy(PolicyConfig(min_workers=1, max_restarts=3))
+    bad = [Failure(time=1.0, kind="error:ConfigError", error="a worker raised during form: data.token_dtype ...")]
+    d = p.decide(2.0, current_workers=0, usable_workers=4, failures=bad)
+    assert isinstance(d, Fail) and "configuration cannot run" in d.reason and "data.token_dtype" in d.reason
+    # other kinds are retried as before
+    other = [Failure(time=1.0, kind="died", error="a worker died")]
+    assert isinstance(p.decide(2.0, current_workers=0, usable_workers=4, failures=other), Resize)
+
+
+def test_the_reason_for_too_few_workers_says_what_the_caller_knows():
+    d = ScalingPolicy(PolicyConfig(min_workers=1)).decide(
+        0.0, current_workers=0, usable_workers=0, short_because="each worker needs 1 GPU and the cluster has none")
+    assert isinstance(d, Wait) and d.reason == \
+        "0 usable workers < min_workers=1 (each worker needs 1 GPU and the cluster has none)"
