@@ -68,7 +68,8 @@ def _cmd_ckpt_inspect(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     from service.server.tools import export_checkpoint
 
-    out = export_checkpoint(args.path, args.out, overwrite=args.overwrite)
+    out = export_checkpoint(args.path, args.out, overwrite=args.overwrite, dtype=args.dtype,
+                            max_shard_size=args.max_shard_size)
     print(f"wrote Hugging Face Llama checkpoint to {out}")
     return 0
 
@@ -78,18 +79,27 @@ def _cmd_data_prepare(args: argparse.Namespace) -> int:
 
     def progress(done: int, total: int) -> None:
         width = 30
-        bar = "#" * (width * done // total)
-        print(f"\rtokenising [{bar:<{width}}] {done}/{total} files", end="" if done < total else "\n",
+        bar = "#" * (width * done // max(1, total))
+        print(f"\rtokenising [{bar:<{width}}] {_size(done)} of {_size(total)}", end="" if done < total else "\n",
               file=sys.stderr, flush=True)
 
     meta = prepare_data(args.inputs, args.out, tokenizer=args.tokenizer, text_field=args.text_field,
-                        val_fraction=args.val_fraction, seed=args.seed, progress=progress)
+                        val_fraction=args.val_fraction, seed=args.seed, progress=progress, add_bos=args.add_bos)
     out = Path(args.out)
     print(f"wrote {meta['tokens']['train']:,} training tokens ({meta['documents']['train']:,} documents) to "
           f"{out / 'train.bin'} and {meta['tokens']['val']:,} validation tokens to {out / 'val.bin'} "
           f"({meta['dtype']}, vocab {meta['vocab_size']:,}); use data: {{source: tokens, path: "
           f"{(out / 'train.bin').resolve()}, token_dtype: {meta['dtype']}}}")
     return 0
+
+
+def _size(n: int) -> str:
+    """Bytes as a person reads them: 812 B, 3.4 KiB, 1.2 GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+    return f"{n:,.1f} GiB"
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -141,7 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="write a checkpoint as a Hugging Face Llama model (model.safetensors)")
     p.add_argument("path")
     p.add_argument("out")
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--overwrite", action="store_true", help="replace the files a previous export wrote there")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                   help="weights' dtype (default: the source model's, else float32)")
+    p.add_argument("--max-shard-size", help="split the weights into files of at most this size (e.g. 2GB, 500MB), "
+                                           "with an index")
     p.set_defaults(fn=_cmd_export)
 
     p = sub.add_parser("data", help="data tools")
@@ -153,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--text-field", default="text", help="JSONL key / Parquet column holding the text")
     q.add_argument("--val-fraction", type=float, default=0.01, help="share of documents held out (default 0.01)")
     q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--add-bos", action=argparse.BooleanOptionalAction, default=None,
+                   help="put the tokenizer's BOS token before every document (default: as its "
+                        "tokenizer_config.json's add_bos_token says)")
     q.set_defaults(fn=_cmd_data_prepare)
 
     from api.cli_client import add_client_commands

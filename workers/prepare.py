@@ -208,8 +208,8 @@ def _to_val(seed: int, index: int, fraction: float) -> bool:
 def prepare(inputs: list[str | os.PathLike[str]], out: str | os.PathLike[str], *, tokenizer: str | os.PathLike[str],
             text_field: str = "text", val_fraction: float = 0.01, seed: int = 0, batch_size: int = 256,
             progress: Callable[[int, int], None] | None = None, add_bos: bool | None = None) -> dict:
-    """Tokenise `inputs` into `out`/{train,val}.bin + meta.json; returns the sidecar. `progress(files
-    done, files total)` is called after each file. `add_bos`: put the tokenizer's BOS token before every
+    """Tokenise `inputs` into `out`/{train,val}.bin + meta.json; returns the sidecar. `progress(bytes
+    done, bytes total)` (of the input files) is called after each file. `add_bos`: put the tokenizer's BOS token before every
     document (None: as its tokenizer_config.json's add_bos_token says)."""
     if not 0 <= val_fraction < 1:
         raise PrepareError(f"val_fraction must be in [0, 1), got {val_fraction}")
@@ -230,8 +230,10 @@ def prepare(inputs: list[str | os.PathLike[str]], out: str | os.PathLike[str], *
         s.open()
     ok = False
     index = 0
+    sizes = [os.path.getsize(p) for p in files]
+    total, done_bytes = sum(sizes), 0
     try:
-        for done, path in enumerate(files, 1):
+        for path, size in zip(files, sizes):
             batch: list[str] = []
             for text in documents(path, text_field, counts):
                 if not text.strip():
@@ -242,8 +244,9 @@ def prepare(inputs: list[str | os.PathLike[str]], out: str | os.PathLike[str], *
                     index = _write(tok, eos, bos, batch, index, splits, seed, val_fraction)
                     batch = []
             index = _write(tok, eos, bos, batch, index, splits, seed, val_fraction)
+            done_bytes += size
             if progress is not None:
-                progress(done, len(files))
+                progress(done_bytes, total)
         ok = splits["train"].tokens > 0
     finally:
         for s in splits.values():

@@ -175,3 +175,20 @@ def test_missing_step_dir_is_one_line(run_dir, capsys):
     assert main(["ckpt", "inspect", missing]) != 0
     captured = capsys.readouterr()
     assert captured.out == "" and len(captured.err.strip().splitlines()) == 1, captured
+
+
+def test_export_takes_a_dtype_and_a_shard_size_from_the_command_line(ckpt, tmp_path, capsys):
+    import json
+
+    from safetensors import safe_open
+
+    out = tmp_path / "hf-bf16"
+    assert main(["export", ckpt, str(out), "--dtype", "bfloat16", "--max-shard-size", "200KB"]) == 0
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and all((out / s).stat().st_size <= 200_000 + 65_536 for s in shards)
+    with safe_open(str(out / shards[0]), framework="pt") as f:
+        assert {str(f.get_tensor(k).dtype) for k in f.keys()} == {"torch.bfloat16"}
+    with pytest.raises(SystemExit) as e:  # argparse refuses it in one line
+        main(["export", ckpt, str(tmp_path / "bad"), "--dtype", "int8"])
+    assert e.value.code == 2 and "invalid choice: 'int8'" in capsys.readouterr().err

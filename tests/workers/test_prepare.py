@@ -47,7 +47,8 @@ def test_prepare_writes_splits_and_a_sidecar(tok_path, corpus, tmp_path):
     calls = []
     meta = prepare([corpus], tmp_path / "out", tokenizer=tok_path, val_fraction=0.0,
                    progress=lambda done, total: calls.append((done, total)))
-    assert calls == [(1, 3), (2, 3), (3, 3)]
+    sizes = [p.stat().st_size for p in sorted(corpus.rglob("*")) if p.suffix in (".txt", ".jsonl", ".parquet")]
+    assert calls == [(sum(sizes[:i]), sum(sizes)) for i in (1, 2, 3)]  # bytes of the inputs, file by file
     tok = Tokenizer.from_file(str(tok_path / "tokenizer.json"))
     eos = tok.token_to_id("</s>")
     docs = [TEXTS[0], *TEXTS[1:3], *TEXTS]  # a.txt, c.parquet, sub/b.jsonl (sorted paths)
@@ -107,7 +108,8 @@ def test_elastron_data_prepare(tok_path, corpus, tmp_path, capsys):
     assert main(["data", "prepare", str(corpus), "--tokenizer", str(tok_path), "--out", str(tmp_path / "o"),
                  "--val-fraction", "0"]) == 0
     captured = capsys.readouterr()
-    assert "3/3 files" in captured.err and "training tokens (7 documents)" in captured.out
+    total = sum(p.stat().st_size for p in corpus.rglob("*") if p.suffix in (".txt", ".jsonl", ".parquet"))
+    assert f"{total} B of {total} B" in captured.err and "training tokens (7 documents)" in captured.out
     assert (tmp_path / "o" / "train.bin").stat().st_size > 0
     assert main(["data", "prepare", str(tmp_path / "missing"), "--tokenizer", str(tok_path), "--out",
                  str(tmp_path / "o2")]) == 2
