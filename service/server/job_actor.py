@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -198,6 +199,9 @@ class RayHandle:
         self._call("send", cmd)
 
 
+STATE_API_RETRY_S = 60.0
+"""After Ray's state API failed to answer, how long `RayLauncher.gone` waits before asking it again."""
+
 HEAD_RESOURCE = "node:__internal_head__"
 """A resource only Ray's head node has (1.0 of it)."""
 
@@ -224,6 +228,9 @@ class RayLauncher:
         self.max_restarts = max_restarts
         self.pin_to_this_node = pin_to_this_node
         self.coordinator_factory = coordinator_factory
+        self._state_api_retry_at: float | None = None
+        """While Ray's state API is known not to answer (a Ray without a dashboard), `gone` does not ask
+        before this monotonic time."""
 
     def launch(self, job: Job, *, grant: dict[str, int] | None = None) -> RayHandle:
         import ray
@@ -259,17 +266,24 @@ class RayLauncher:
     def gone(self, job_id: str) -> bool:
         """Whether the Ray cluster this process is connected to knows the job's actor as DEAD (and not
         as alive or restarting). An actor it has never heard of is not gone: the job may run on another
-        cluster. False when Ray's state API cannot answer (e.g. no dashboard)."""
+        cluster. False when Ray's state API cannot answer (e.g. no dashboard): then it is asked again only
+        after STATE_API_RETRY_S, and the traceback is logged once, not every sync round for every job."""
+        now = time.monotonic()
+        if self._state_api_retry_at is not None and now < self._state_api_retry_at:
+            return False
         try:
             from ray.util.state import list_actors
 
             found = [a for a in list_actors(filters=[("name", "=", actor_name(job_id))], limit=100, timeout=10,
                                             raise_on_missing_output=False)
                      if getattr(a, "ray_namespace", self.namespace) == self.namespace]
-        except Exception:
-            logger.info("job %s: Ray's state API did not answer; its coordinator is not taken for gone", job_id,
-                        exc_info=True)
+        except Exception as e:
+            first = self._state_api_retry_at is None
+            self._state_api_retry_at = now + STATE_API_RETRY_S
+            logger.warning("Ray's state API did not answer (%s); jobs whose coordinator is not found stay UNKNOWN, "
+                           "not FAILED; asking again in %.0f s", type(e).__name__, STATE_API_RETRY_S, exc_info=first)
             return False
+        self._state_api_retry_at = None
         return bool(found) and all(a.state == "DEAD" for a in found)
 
     def where(self) -> str:

@@ -238,3 +238,25 @@ def test_a_failing_sync_logs_its_traceback_once_a_minute_not_every_round(mgr, ca
     mine = [r for r in caplog.records if job_id in r.getMessage()]
     assert len(mine) == 20 and all("boom" in r.getMessage() for r in mine)
     assert sum(bool(r.exc_info) for r in mine) == 1
+
+
+def test_a_ray_without_a_state_api_is_asked_once_a_minute_and_its_traceback_logged_once(monkeypatch, caplog):
+    """Issue 29 item 7: with 10 UNKNOWN jobs on a Ray whose state API does not answer (no dashboard),
+    every sync round asked it for every job and logged a traceback each time (~98 KB/s of log)."""
+    import ray.util.state
+
+    from service.server.job_actor import RayLauncher
+
+    asked = []
+
+    def no_answer(**kw):
+        asked.append(kw)
+        raise ConnectionError("no dashboard")
+
+    monkeypatch.setattr(ray.util.state, "list_actors", no_answer)
+    launcher = RayLauncher()
+    with caplog.at_level(logging.INFO, logger="service.server.job_actor"):
+        for _ in range(20):  # 20 sync rounds
+            assert not any(launcher.gone(f"job{i}") for i in range(10))
+    assert len(asked) == 1
+    assert sum(r.exc_info is not None for r in caplog.records) == 1 and len(caplog.records) == 1
