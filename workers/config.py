@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import yaml
 
-from models.config import ModelConfig, model_config
+from models.config import PRESETS, ModelConfig, model_config
 from parallel.layout import Layout
 from parallel.planner import Constraints, Plan, PlanError, plan
 from workers.strict import ConfigError, build
@@ -31,7 +31,7 @@ def _positive(section: str, obj: Any, *names: str, allow_zero: bool = False) -> 
         if v is None:
             continue
         if v < 0 or (v == 0 and not allow_zero):
-            raise ConfigError(f"{section}.{n} must be {'>= 0' if allow_zero else '> 0'}, got {v!r}")
+            raise ConfigError(f"{section}.{n} must be {'>= 0' if allow_zero else '> 0'}, got {v!r}", loc=(section, n))
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -50,16 +50,20 @@ class ModelSection:
     def __post_init__(self) -> None:
         if self.init_from is not None:
             if not self.init_from.strip() or "\x00" in self.init_from:
-                raise ConfigError(f"model.init_from {self.init_from!r} must be a non-blank path without NUL bytes")
+                raise ConfigError(f"model.init_from {self.init_from!r} must be a non-blank path without NUL bytes",
+                                  loc=('model', 'init_from'))
             if bad := sorted(set(self.overrides) - {"max_seq_len"}):
                 raise ConfigError(f"model.overrides {bad} cannot change a model started from model.init_from "
-                                  "(its config.json fixes the shape); only max_seq_len may be overridden")
+                                  "(its config.json fixes the shape); only max_seq_len may be overridden",
+                                  loc=('model', 'overrides'))
         elif self.resolved is not None:
-            raise ConfigError("model.resolved is read from model.init_from's config.json; set init_from instead")
+            raise ConfigError("model.resolved is read from model.init_from's config.json; set init_from instead",
+                              loc=('model', 'resolved'))
         try:
             self.build() if self.is_resolved else None
-        except ValueError as e:
-            raise ConfigError(f"model: {e}") from None
+        except ValueError as e:  # an unknown preset, or overrides the model cannot take
+            where = ("model", "preset") if self.init_from is None and self.preset not in PRESETS else ("model", "overrides")
+            raise ConfigError(f"model: {e}", loc=where) from None
 
     @property
     def is_resolved(self) -> bool:
@@ -71,7 +75,8 @@ class ModelSection:
             return model_config(self.preset, **self.overrides)
         if self.resolved is None:
             raise ConfigError(f"model.init_from {self.init_from!r} has not been read: the job's edge calls "
-                              "workers.disk_checks.resolve_init_from before the model is built")
+                              "workers.disk_checks.resolve_init_from before the model is built",
+                              loc=('model', 'init_from'))
         return dataclasses.replace(self.resolved, **self.overrides)
 
 
@@ -103,9 +108,10 @@ class DataConfig:
     def __post_init__(self) -> None:
         _positive("data", self, "seq_len", "max_bytes", "num_samples")
         if self.source == "tokens" and not self.path:
-            raise ConfigError("data.path is required when data.source is 'tokens'")
+            raise ConfigError("data.path is required when data.source is 'tokens'", loc=('data', 'path'))
         if self.val_path is not None and self.source == "synthetic":
-            raise ConfigError("data.val_path means nothing for source 'synthetic' (its held-out samples are seeded)")
+            raise ConfigError("data.val_path means nothing for source 'synthetic' (its held-out samples are seeded)",
+                              loc=('data', 'val_path'))
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -178,17 +184,19 @@ class TrainConfig:
         if self.global_batch_size % self.micro_batch_size:
             raise ConfigError(
                 f"train.global_batch_size={self.global_batch_size} must be a multiple of "
-                f"train.micro_batch_size={self.micro_batch_size}"
-            )
+                f"train.micro_batch_size={self.micro_batch_size}", loc=("train", "global_batch_size"))
         if not 0 <= self.beta1 < 1 or not 0 <= self.beta2 < 1:
-            raise ConfigError(f"train.beta1/beta2 must be in [0, 1), got {self.beta1}, {self.beta2}")
+            raise ConfigError(f"train.beta1/beta2 must be in [0, 1), got {self.beta1}, {self.beta2}",
+                              loc=('train', 'beta1'))
         if self.min_lr_ratio > 1:
-            raise ConfigError(f"train.min_lr_ratio must be <= 1, got {self.min_lr_ratio}")
+            raise ConfigError(f"train.min_lr_ratio must be <= 1, got {self.min_lr_ratio}",
+                              loc=('train', 'min_lr_ratio'))
         if self.activation_checkpointing not in ("none", "full", "selective"):
             raise ConfigError("train.activation_checkpointing must be one of none, full, selective, "
-                              f"got {self.activation_checkpointing!r}")
+                              f"got {self.activation_checkpointing!r}", loc=('train', 'activation_checkpointing'))
         if self.float8 not in ("none", "tensorwise", "rowwise"):
-            raise ConfigError(f"train.float8 must be one of none, tensorwise, rowwise, got {self.float8!r}")
+            raise ConfigError(f"train.float8 must be one of none, tensorwise, rowwise, got {self.float8!r}",
+                              loc=('train', 'float8'))
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -229,18 +237,20 @@ class ParallelConfig:
         _positive("parallel", self, "min_workers", "max_workers", "tp", "pp", "max_tp", "max_pp",
                   "gpus_per_node", "memory_budget_gb")
         if self.dp_mode not in ("auto", "shard", "replicate"):
-            raise ConfigError(f"parallel.dp_mode must be one of auto, shard, replicate, got {self.dp_mode!r}")
+            raise ConfigError(f"parallel.dp_mode must be one of auto, shard, replicate, got {self.dp_mode!r}",
+                              loc=('parallel', 'dp_mode'))
         if self.reshard not in ("live", "storage"):
-            raise ConfigError(f"parallel.reshard must be live or storage, got {self.reshard!r}")
+            raise ConfigError(f"parallel.reshard must be live or storage, got {self.reshard!r}",
+                              loc=('parallel', 'reshard'))
         if self.min_workers > self.max_workers:
             raise ConfigError(
-                f"parallel.min_workers={self.min_workers} is greater than parallel.max_workers={self.max_workers}"
-            )
+                f"parallel.min_workers={self.min_workers} is greater than parallel.max_workers={self.max_workers}",
+                loc=("parallel", "min_workers"))
         if self.layout is not None:
             try:
                 Layout.parse(self.layout, dp_mode=self.dp_mode)
             except ValueError as e:
-                raise ConfigError(f"parallel.layout: {e}") from None
+                raise ConfigError(f"parallel.layout: {e}", loc=('parallel', 'layout')) from None
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -266,7 +276,8 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         _positive("checkpoint", self, "interval_steps", "keep_last", "io_threads")
         if self.resume_from is not None and (not isinstance(self.resume_from, str) or not self.resume_from.strip()):
-            raise ConfigError(f"checkpoint.resume_from must be a directory path, got {self.resume_from!r}")
+            raise ConfigError(f"checkpoint.resume_from must be a directory path, got {self.resume_from!r}",
+                              loc=('checkpoint', 'resume_from'))
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -301,9 +312,11 @@ class SchedulingConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.weight, (int, float)) or isinstance(self.weight, bool) or not 0 < self.weight < 1e6:
-            raise ConfigError(f"scheduling.weight must be a number > 0 and < 1e6, got {self.weight!r}")
+            raise ConfigError(f"scheduling.weight must be a number > 0 and < 1e6, got {self.weight!r}",
+                              loc=('scheduling', 'weight'))
         if not -1_000_000 <= self.priority <= 1_000_000:
-            raise ConfigError(f"scheduling.priority must be between -1000000 and 1000000, got {self.priority}")
+            raise ConfigError(f"scheduling.priority must be between -1000000 and 1000000, got {self.priority}",
+                              loc=('scheduling', 'priority'))
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -338,24 +351,29 @@ class JobConfig:
 
     def __post_init__(self) -> None:
         if self.train.eval_interval and self.data.source == "corpus" and self.data.val_path is None:
-            raise ConfigError("train.eval_interval needs a held-out split: set data.val_path to a directory of text")
+            raise ConfigError("train.eval_interval needs a held-out split: set data.val_path to a directory of text",
+                              loc=('train', 'eval_interval'))
         if not self.model.is_resolved:
             return  # judged by resolve_init_from, which builds this config again with the model's shape
         mc = self.model.build()
         if self.data.seq_len > mc.max_seq_len:
-            raise ConfigError(f"data.seq_len={self.data.seq_len} exceeds model max_seq_len={mc.max_seq_len}")
+            raise ConfigError(f"data.seq_len={self.data.seq_len} exceeds model max_seq_len={mc.max_seq_len}",
+                              loc=('data', 'seq_len'))
         if mc.sliding_window is not None and self.data.seq_len > mc.sliding_window:
             raise ConfigError(f"data.seq_len={self.data.seq_len} is longer than the model's sliding_window="
                               f"{mc.sliding_window}; sliding-window attention is not implemented (within the "
-                              f"window it equals causal attention): set data.seq_len <= {mc.sliding_window}")
+                              f"window it equals causal attention): set data.seq_len <= {mc.sliding_window}",
+                              loc=('data', 'seq_len'))
         if self.data.source == "corpus" and mc.vocab_size < 256:
-            raise ConfigError(f"byte-level corpus needs model vocab_size >= 256, got {mc.vocab_size}")
+            raise ConfigError(f"byte-level corpus needs model vocab_size >= 256, got {mc.vocab_size}",
+                              loc=("model", "overrides", "vocab_size"))
         if self.parallel.layout is not None:
             c = job_constraints(self)
             try:
                 plan(c.layout.world_size, mc, c)
             except PlanError as e:
-                raise ConfigError(f"parallel.layout {self.parallel.layout!r}: {e}") from None
+                raise ConfigError(f"parallel.layout {self.parallel.layout!r}: {e}",
+                                  loc=('parallel', 'layout')) from None
 
     @classmethod
     def from_dict(cls, d: Any) -> "JobConfig":

@@ -27,16 +27,17 @@ def _check_path(name: str, path: str, data: DataConfig) -> None:
     p = Path(path).expanduser()
     want_dir = data.source == "corpus"
     if not p.exists():
-        raise ConfigError(f"{name} {path!r} does not exist")
+        raise ConfigError(f"{name} {path!r} does not exist", loc=("data", name.split(".")[1]))
     if want_dir and not p.is_dir():
-        raise ConfigError(f"{name} {path!r} must be a directory for source 'corpus'")
+        raise ConfigError(f"{name} {path!r} must be a directory for source 'corpus'", loc=("data", name.split(".")[1]))
     if not want_dir and not p.is_file():
-        raise ConfigError(f"{name} {path!r} must be a file for source 'tokens'")
+        raise ConfigError(f"{name} {path!r} must be a file for source 'tokens'", loc=("data", name.split(".")[1]))
     if not os.access(p, os.R_OK | (os.X_OK if want_dir else 0)):
-        raise ConfigError(f"{name} {path!r} is not readable by this user; fix its permissions")
+        raise ConfigError(f"{name} {path!r} is not readable by this user; fix its permissions",
+                          loc=("data", name.split(".")[1]))
     if want_dir and not _has_file(p, tuple(data.suffixes)):
         raise ConfigError(f"{name} {path!r} holds no readable file ending with {data.suffixes} "
-                          "(see data.suffixes)")
+                          "(see data.suffixes)", loc=("data", name.split(".")[1]))
 
 
 def _has_file(root: Path, suffixes: tuple[str, ...]) -> bool:
@@ -65,8 +66,9 @@ def resolve_init_from(cfg: JobConfig, *, weights: bool = True) -> JobConfig:
             from parallel.hf_import import check_hf_dir  # torch: only where weights are checked
             check_hf_dir(directory, shape)
     except HFImportError as e:
-        raise ConfigError(str(e)) from None
+        raise ConfigError(str(e), loc=("model", "init_from")) from None
     except OSError as e:  # a path that cannot even be looked at (name too long, ...)
-        raise ConfigError(f"model.init_from {m.init_from!r} cannot be read: {e.strerror or e}") from None
+        raise ConfigError(f"model.init_from {m.init_from!r} cannot be read: {e.strerror or e}",
+                          loc=('model', 'init_from')) from None
     # Absolute, as the caller meant it: the ranks may start in another working directory.
     return dataclasses.replace(cfg, model=dataclasses.replace(m, init_from=str(directory.absolute()), resolved=shape))

@@ -43,7 +43,7 @@ def _check_tokens(cfg: JobConfig) -> list[str]:
         build_source(d, seed=t.seed, vocab_size=vocab)
         val = build_val_source(d, seed=t.seed, vocab_size=vocab) if t.eval_interval else None
     except ValueError as e:
-        raise ConfigError(f"data: {e}") from None
+        raise ConfigError(f"data: {e}", loc=('data',)) from None
     meta = read_meta(d.path) or {}
     if cfg.model.init_from is not None and meta.get("tokenizer_sha256") and not d.allow_tokenizer_mismatch:
         own = tokenizer_digest(Path(cfg.model.init_from))
@@ -52,7 +52,7 @@ def _check_tokens(cfg: JobConfig) -> list[str]:
                 f"data.path {d.path} was tokenised with another tokenizer (meta.json: {meta.get('tokenizer')}, "
                 f"sha256 {meta['tokenizer_sha256'][:12]}) than model.init_from's tokenizer.json (sha256 "
                 f"{own[:12]}); prepare the data again with --tokenizer {cfg.model.init_from}, or set "
-                "data.allow_tokenizer_mismatch: true")
+                "data.allow_tokenizer_mismatch: true", loc=('data', 'path'))
     out = []
     if val is not None and len(val) < t.global_batch_size:
         out.append(f"data: the validation split holds {len(val)} sample(s) of seq_len + 1 = {d.seq_len + 1} tokens, "

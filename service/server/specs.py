@@ -18,7 +18,7 @@ from workers.config import JobConfig, job_constraints, with_steps
 from workers.preflight import preflight
 
 __all__ = ["JobConfig", "MAX_GLOBAL_BATCH", "MAX_WORKERS", "REMOTE_SCHEMES", "SpecError", "check_paths",
-           "check_plannable", "check_text", "config_error_loc", "resolve_run_dir", "safe_name", "validate_spec"]
+           "check_plannable", "check_text", "resolve_run_dir", "safe_name", "validate_spec"]
 
 REMOTE_SCHEMES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "hdfs"})
 """fsspec URL schemes a checkpoint.dir may use: object stores the server does not resolve on its disk.
@@ -38,26 +38,6 @@ class SpecError(ValueError):
 
 # -- the spec ------------------------------------------------------------------------------------------------
 
-_TOP = ("name", "model", "data", "train", "parallel", "checkpoint", "resources")
-_PATH = re.compile(r"^([A-Za-z_]\w*(?:\.[A-Za-z_]\w*|\[\d+\])*)")
-
-
-def config_error_loc(msg: str) -> tuple[str | int, ...]:
-    """The spec field a ConfigError message names, as a path ("train.steps must be > 0" -> (train, steps))."""
-    m = _PATH.match(msg)
-    loc: list[str | int] = []
-    if m and m.group(1).split(".")[0].split("[")[0] in _TOP:
-        for part in re.findall(r"[A-Za-z_]\w*|\[\d+\]", m.group(1)):
-            loc.append(int(part[1:-1]) if part.startswith("[") else part)
-    if unknown := re.search(r"unknown field '([^']+)'", msg):
-        loc.append(unknown.group(1))
-    elif loc == ["model"] and "preset" in msg:
-        loc.append("preset")
-    elif loc == ["model"]:
-        loc.append("overrides")
-    return tuple(loc)
-
-
 def validate_spec(spec: Any, *, steps: int | None = None, workers: int | None = None) -> JobConfig:
     """The JobConfig of `spec`, parsed once here for the whole job, or SpecError naming the field: the
     YAML rules (JobConfig.from_dict), plus what would only fail once the job runs: a readable data path
@@ -69,14 +49,14 @@ def validate_spec(spec: Any, *, steps: int | None = None, workers: int | None = 
     try:
         cfg = JobConfig.from_dict(spec)
     except ValueError as e:  # ConfigError, or a ValueError from a check deeper down (e.g. a NUL in a path)
-        raise SpecError(("spec", *config_error_loc(str(e))), str(e)) from None
+        raise SpecError(("spec", *getattr(e, "loc", ())), str(e)) from None
     for name, v in (("steps", steps), ("workers", workers)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise SpecError((name,), f"{name} must be an integer >= 1, got {v!r}")
     try:  # the model's files and the data's headers: the server's workers usually share its filesystem
         cfg = preflight(with_steps(cfg, steps)).cfg
     except ValueError as e:
-        raise SpecError(("spec", *config_error_loc(str(e))), str(e)) from None
+        raise SpecError(("spec", *getattr(e, "loc", ())), str(e)) from None
     except OSError as e:  # data.path that cannot even be looked at (name too long, ...)
         raise SpecError(("spec", "data", "path"), f"data.path cannot be checked: {e.strerror or e}") from None
     d = cfg.data

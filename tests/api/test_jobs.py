@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from api.store import JobStore
 from service.server.job_actor import LocalLauncher
 from service.server.job_manager import JobManager
-from service.server.specs import SpecError, config_error_loc
+from service.server.specs import SpecError
 from tests.api.helpers import SPEC, fake_factory, make_app, make_launcher, stop_all, wait_for
 from tests.fakes import FakeCluster, Gate
 
@@ -169,18 +169,24 @@ def test_a_launch_failure_is_recorded_not_lost(tmp_path):
         assert j["state"] == "FAILED" and j["reason"] == "could not start the coordinator: no Ray here"
 
 
-@pytest.mark.parametrize("msg,loc", [
-    ("train.steps must be > 0, got 0", ("train", "steps")),
-    ("config: unknown field 'bogus'; known fields: name", ("bogus",)),
-    ("data: unknown field 'x'; known fields: source", ("data", "x")),
-    ("data.suffixes[1]: expected a string, got 3 (int)", ("data", "suffixes", 1)),
-    ("parallel.min_workers=3 is greater than parallel.max_workers=2", ("parallel", "min_workers")),
-    ("model: unknown model preset 'giant'", ("model", "preset")),
-    ("model: model.dim=130 must be divisible by model.n_heads=4", ("model", "overrides")),
-    ("byte-level corpus needs model vocab_size >= 256, got 64", ()),
+@pytest.mark.parametrize("spec,loc", [
+    ({"train": {"steps": 0}}, ("train", "steps")),
+    ({"bogus": 1}, ("bogus",)),
+    ({"data": {"x": 1}}, ("data", "x")),
+    ({"data": {"suffixes": [".txt", 3]}}, ("data", "suffixes", 1)),
+    ({"parallel": {"min_workers": 3, "max_workers": 2}}, ("parallel", "min_workers")),
+    ({"model": {"preset": "giant"}}, ("model", "preset")),
+    ({"model": {"preset": "tiny", "overrides": {"dim": 130}}}, ("model", "overrides")),
+    ({"model": {"preset": "tiny", "overrides": {"vocab_size": 64}}, "data": {"source": "corpus"}},
+     ("model", "overrides", "vocab_size")),
 ])
-def test_config_error_messages_map_to_field_paths(msg, loc):
-    assert config_error_loc(msg) == loc
+def test_config_errors_carry_the_field_path(spec, loc):
+    """Each check says where it is, as a path (ConfigError.loc): no message is parsed for it."""
+    from service.server.specs import validate_spec
+
+    with pytest.raises(SpecError) as e:
+        validate_spec(spec)
+    assert e.value.loc == ("spec", *loc), e.value.msg
 
 
 def test_spec_errors_name_request_fields():
