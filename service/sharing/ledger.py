@@ -1,7 +1,6 @@
 """The capacity ledger: which workers every job holds, on which node, and what is free.
 
-One ledger for the whole cluster, so that no coordinator plans onto another job's workers (issue 16,
-deliverable 1). It is built from a `ClusterSnapshot` (each node's *total* CPUs/GPUs, see
+One ledger for the whole cluster, so that no coordinator plans onto another job's workers. It is built from a `ClusterSnapshot` (each node's *total* CPUs/GPUs, see
 service/pool/cluster.py) minus what the service's jobs hold, minus what is used outside the service.
 
 Jobs started outside the service (`elastron run`, `ray job submit`, anything else on the cluster) are

@@ -1,4 +1,4 @@
-"""The service's side of a shared cluster (issue 16): from what every job holds to what each is told.
+"""The service's side of a shared cluster: from what every job holds to what each is told.
 
 `plan_round(snap, jobs, quotas, in_use=)` is one scheduling round, pure: it reads each job as the
 service last saw it (`JobView`: its state, the workers its group holds, the grant it was given), builds

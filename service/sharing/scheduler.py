@@ -1,4 +1,4 @@
-"""Who gets which workers on a shared cluster: the scheduling policy, a pure function (issue 16, D5).
+"""Who gets which workers on a shared cluster: the scheduling policy, a pure function.
 
 `schedule(ledger, jobs, quotas)` takes the capacity ledger (service.sharing.ledger), the jobs that want capacity
 and the per-owner quotas, and returns a `Schedule`: starts, shrinks, pauses, grows and the queue, each
