@@ -33,7 +33,6 @@ import json
 import math
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -41,6 +40,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.page_cache import drop_cache, files, median  # noqa: E402
 
 _CHUNK = 16 << 20
 TARGETS = {"save_fraction": 0.70, "save_vs_dcp": 2.0, "load_cold_ratio": 1.3, "load_vs_dcp": 1.0,
@@ -56,24 +57,6 @@ def _cfg(preset: str, layers: int, root: str | None) -> dict:
         "checkpoint": {"interval_steps": 100_000, "keep_last": 2, "async_save": True,
                        **({"dir": root} if root else {})},
     }
-
-
-def _median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
-def _files(d: str) -> list[str]:
-    return sorted(os.path.join(dp, n) for dp, _, ns in os.walk(d) for n in ns)
-
-
-def _drop_cache(paths: list[str]) -> None:
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)  # DONTNEED only drops clean pages
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def _raw_write(path: str, nbytes: int, block: bytes) -> None:
@@ -193,8 +176,8 @@ def save_body(cfg_dict: dict, layout: str, work: str, reps: int, device: str) ->
         os.replace(dcp_dirs[-1], dcp_final)
     dist.barrier()
     ckpt = os.path.join(mgr.root, f"step-{step[0]:08d}")
-    return {"rank": rank, "runs": runs, "parts": parts, "bytes": sum(map(os.path.getsize, _files(ckpt))),
-            "dcp_bytes": sum(map(os.path.getsize, _files(dcp_final))), "files": len(_files(ckpt)),
+    return {"rank": rank, "runs": runs, "parts": parts, "bytes": sum(map(os.path.getsize, files(ckpt))),
+            "dcp_bytes": sum(map(os.path.getsize, files(dcp_final))), "files": len(files(ckpt)),
             "rank_bytes": mine, "ckpt": ckpt, "dcp_dir": dcp_final}
 
 
@@ -213,8 +196,8 @@ def load_body(cfg_dict: dict, layout: str, root: str, ckpt: str, dcp_dir: str, r
     rank, world = dist.get_rank(), dist.get_world_size()
     mgr = CheckpointManager(root, keep_last=2)
     expected = ours.expected_tensors()
-    every = _files(ckpt) + _files(dcp_dir)
-    my_share = _files(ckpt)[rank::world]
+    every = files(ckpt) + files(dcp_dir)
+    my_share = files(ckpt)[rank::world]
 
     def elastron() -> None:
         m = mgr.load_latest(ours.model, ours.optimizer, expected=expected)
@@ -233,7 +216,7 @@ def load_body(cfg_dict: dict, layout: str, root: str, ckpt: str, dcp_dir: str, r
 
     def cold(name: str) -> float:
         if rank == 0:
-            _drop_cache(every)
+            drop_cache(every)
         dist.barrier()
         return _timed(fns[name])
 
@@ -312,9 +295,9 @@ def async_body(cfg_dict: dict, work: str, reps: int, device: str) -> dict:
 # -- report ----------------------------------------------------------------------------------------------
 
 def summarize(save: dict, load: dict, asy: dict, args: argparse.Namespace, load_avg: tuple) -> dict:
-    s = {k: _median(v) for k, v in save["runs"].items()}
-    ld = {k: _median(v) for k, v in load["runs"].items()}
-    a = {k: _median(v) for k, v in asy.items()}
+    s = {k: median(v) for k, v in save["runs"].items()}
+    ld = {k: median(v) for k, v in load["runs"].items()}
+    a = {k: median(v) for k, v in asy.items()}
     r = {
         "date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} cores, device {args.device}",
         "preset": args.preset, "layers": args.layers, "state_bytes": save["bytes"], "dcp_bytes": save["dcp_bytes"],
@@ -323,8 +306,8 @@ def summarize(save: dict, load: dict, asy: dict, args: argparse.Namespace, load_
         "load_s": ld["elastron"], "dcp_load_s": ld["dcp"], "raw_read_s": ld["raw"],
         "first_load_s": load["first"]["elastron"], "dcp_first_load_s": load["first"]["dcp"],
         "bytes_read_rank0": load["bytes_read"], "same_values": load["same_values"],
-        "save_parts": {k: _median(v) for k, v in save["parts"].items()},
-        "load_parts": {k: _median(v) for k, v in load["parts"].items()},
+        "save_parts": {k: median(v) for k, v in save["parts"].items()},
+        "load_parts": {k: median(v) for k, v in load["parts"].items()},
         "first_load_parts": load["first_parts"],
         **{f"async_{k}": v for k, v in a.items()}, "async_samples": {k: len(v) for k, v in asy.items()},
         "load_avg_start_end": load_avg, "raw": {"save": save["runs"], "load": load["runs"], "async": asy},

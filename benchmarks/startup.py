@@ -27,7 +27,6 @@ import json
 import math
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -35,6 +34,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.page_cache import drop_cache, files, median  # noqa: E402
 
 _CHUNK = 16 << 20
 TARGETS = {"resume_minus_cold_read_s": 0.5, "first_save_ratio": 1.25}
@@ -51,24 +52,6 @@ def _cfg(preset: str, layers: int, *, async_save: bool = False, compile: bool = 
                   "compile": compile},
         "checkpoint": {"interval_steps": 100_000, "keep_last": 1, "async_save": async_save},
     }
-
-
-def _median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
-def _files(d: str) -> list[str]:
-    return sorted(os.path.join(dp, n) for dp, _, ns in os.walk(d) for n in ns)
-
-
-def _drop_cache(paths: list[str]) -> None:
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)  # DONTNEED only drops clean pages
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def _raw_read(paths: list[str]) -> int:
@@ -221,17 +204,17 @@ def main(argv: list[str] | None = None) -> int:
         (res["fresh"],) = run_ranks(1, fresh_body, cfg, run_dir, args.device, args.saves, timeout=3600)
         print(f"fresh: build {res['fresh']['build_s']:.2f} s, saves {res['fresh']['saves']}", file=sys.stderr)
         ckpt = _newest(str(Path(run_dir) / "checkpoints"))
-        files = _files(ckpt)
-        res["ckpt_bytes"] = sum(os.path.getsize(f) for f in files)
+        ckpt_files = files(ckpt)
+        res["ckpt_bytes"] = sum(os.path.getsize(f) for f in ckpt_files)
         res["resume"], res["resume_warm"], res["raw_read"] = [], [], []
         for rep in range(args.reps):
             order = ("raw", "resume", "resume_warm")
             for what in order[rep % 3:] + order[:rep % 3]:
                 os.sync()
-                _drop_cache(files)
+                drop_cache(ckpt_files)
                 if what == "raw":
                     t = time.perf_counter()
-                    _raw_read(files)
+                    _raw_read(ckpt_files)
                     res["raw_read"].append(time.perf_counter() - t)
                 else:
                     (r,) = run_ranks(1, resume_body, cfg, run_dir, args.device, what == "resume_warm",
@@ -246,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             os.environ["ELASTRON_COMPILE_CACHE"] = str(work / "compile-cache")  # empty: the job's first worker
             rows = {}
             for kind in ("cold cache", "warm cache"):
-                _drop_cache(files)
+                drop_cache(ckpt_files)
                 (rows[kind],) = run_ranks(1, resume_body, _cfg(args.preset, args.layers, compile=True), run_dir,
                                           args.device, timeout=3600)
                 print(f"compile, {kind}: to first step {rows[kind]['to_first_step_s']:.1f} s", file=sys.stderr)
@@ -267,13 +250,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _phase_medians(rows: list[dict]) -> dict[str, float]:
     keys = {k for r in rows for k in r}
-    return {k: round(_median([r.get(k, 0.0) for r in rows]), 3) for k in sorted(keys)}
+    return {k: round(median([r.get(k, 0.0) for r in rows]), 3) for k in sorted(keys)}
 
 
 def summarize(res: dict) -> dict:
     f, a = res["fresh"], res["async"]
-    steady_save = _median(f["saves"][1:])
-    steady_async = _median(a["total"][1:])
+    steady_save = median(f["saves"][1:])
+    steady_async = median(a["total"][1:])
     resume = res["resume"]
     s = {
         "state_gb": round(f["bytes"] / 1e9, 3), "ckpt_gb": round(res["ckpt_bytes"] / 1e9, 3),
@@ -287,16 +270,16 @@ def summarize(res: dict) -> dict:
         "first_async_save_s": round(a["total"][0], 3), "steady_async_save_s": round(steady_async, 3),
         "first_async_ratio": round(a["total"][0] / steady_async, 3),
         "async_blocked_s": [round(x, 3) for x in a["blocked"]],
-        "cold_read_s": round(_median(res["raw_read"]), 3),
-        "resume_build_s": round(_median([r["build_s"] for r in resume]), 3),
+        "cold_read_s": round(median(res["raw_read"]), 3),
+        "resume_build_s": round(median([r["build_s"] for r in resume]), 3),
         "resume_phases": _phase_medians([r["build"] for r in resume]),
         "resume_load_phases": _phase_medians([r["load"] for r in resume]),
         "resume_init_values": max(r["init_elements"] for r in resume),
-        "restart_to_first_step_s": round(_median([r["to_first_step_s"] for r in resume]), 3),
-        "warm_resume_build_s": round(_median([r["build_s"] for r in res["resume_warm"]]), 3),
+        "restart_to_first_step_s": round(median([r["to_first_step_s"] for r in resume]), 3),
+        "warm_resume_build_s": round(median([r["build_s"] for r in res["resume_warm"]]), 3),
         "warm_resume_phases": _phase_medians([r["build"] for r in res["resume_warm"]]),
-        "warm_restart_to_first_step_s": round(_median([r["to_first_step_s"] for r in res["resume_warm"]]), 3),
-        "warm_up_s": round(_median([r["warm_up_s"] for r in res["resume_warm"]]), 3),
+        "warm_restart_to_first_step_s": round(median([r["to_first_step_s"] for r in res["resume_warm"]]), 3),
+        "warm_up_s": round(median([r["warm_up_s"] for r in res["resume_warm"]]), 3),
         "load_avg": res["load_avg"],
     }
     s["resume_minus_cold_read_s"] = round(s["resume_build_s"] - s["cold_read_s"], 3)
