@@ -107,3 +107,26 @@ def test_elastron_trains_rank_entry_refuses_in_one_line_before_joining(prepared,
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [f"error: data: data.token_dtype is uint32 but {data / 'train.bin'} holds "
                                              "uint16 ids (meta.json); set data.token_dtype: uint16"]
+
+
+def test_elastron_run_and_the_rest_submit_refuse_a_data_mistake_before_anything_starts(prepared, tmp_path,
+                                                                                         capsys, monkeypatch):
+    """Issue 31 item 3: `elastron run` (and so `ray job submit`) and the REST submit run the same checks
+    as `elastron train`: a wrong token_dtype is one line at once, and no Ray is started for it."""
+    import yaml
+
+    import api.run
+    from api.cli import main
+    from service.server.specs import SpecError, validate_spec
+
+    hf, data = prepared
+    spec = {"model": {"init_from": str(hf)}, "train": {"global_batch_size": 4, "micro_batch_size": 1},
+            "data": {"source": "tokens", "path": str(data / "train.bin"), "seq_len": 16, "token_dtype": "uint32"}}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
+    monkeypatch.setattr(api.run, "connect_ray", lambda *a, **k: pytest.fail("Ray was started"))
+    assert main(["run", str(tmp_path / "job.yaml"), "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "set data.token_dtype: uint16" in err[0]
+    with pytest.raises(SpecError) as e:
+        validate_spec(spec)
+    assert e.value.loc[:2] == ("spec", "data") and "token_dtype" in e.value.msg
