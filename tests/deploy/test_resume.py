@@ -22,7 +22,10 @@ JOB = {
     "name": "resume",
     "model": {"preset": "tiny"},
     "data": {"source": "synthetic", "seq_len": 32},
-    "train": {"steps": 50, "global_batch_size": 4, "micro_batch_size": 2, "warmup_steps": 2, "seed": 3},
+    # --steps is the run's length and its schedule's (issue 31): decay_steps pins the LR schedule, so that
+    # submissions of 6, 8 and 10 steps train the same steps alike, as one interrupted run would
+    "train": {"steps": 50, "decay_steps": 50, "global_batch_size": 4, "micro_batch_size": 2, "warmup_steps": 2,
+              "seed": 3},
     "parallel": {"min_workers": 1, "max_workers": 1},
     "checkpoint": {"interval_steps": 4, "keep_last": 3, "async_save": False},
     "resources": {"device": "cpu", "cpus_per_worker": 1},

@@ -86,7 +86,7 @@ def test_family_matches_transformers_under_every_layout(family, runs, tmp_path):
     import torch
     from safetensors.torch import load_file
 
-    from service.tools import export_checkpoint
+    from service.server.tools import export_checkpoint
 
     root, refs, results = runs
     ref = refs[family]
