@@ -41,7 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.page_cache import drop_cache, files, median  # noqa: E402
+from benchmarks.page_cache import drop_cache, files, median, raw_read  # noqa: E402
 
 _CHUNK = 16 << 20
 TARGETS = {"save_fraction": 0.70, "save_vs_dcp": 2.0, "load_cold_ratio": 1.3, "load_vs_dcp": 1.0,
@@ -68,15 +68,6 @@ def _raw_write(path: str, nbytes: int, block: bytes) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _raw_read(paths: list[str]) -> int:
-    buf, n = bytearray(_CHUNK), 0
-    for p in paths:
-        with open(p, "rb", buffering=0) as f:
-            while k := f.readinto(buf):
-                n += k
-    return n
 
 
 def _setup(cfg_dict: dict, layout: str, device: str, *, run_dir: str | None = None):
@@ -210,7 +201,7 @@ def load_body(cfg_dict: dict, layout: str, root: str, ckpt: str, dcp_dir: str, r
         set_state_dict(theirs.model, theirs.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
 
     def raw() -> None:
-        _raw_read(my_share)
+        raw_read(my_share)
 
     fns = {"elastron": elastron, "dcp": plain_dcp, "raw": raw}
 

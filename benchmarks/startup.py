@@ -35,9 +35,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.page_cache import drop_cache, files, median  # noqa: E402
+from benchmarks.page_cache import drop_cache, files, median, raw_read  # noqa: E402
 
-_CHUNK = 16 << 20
 TARGETS = {"resume_minus_cold_read_s": 0.5, "first_save_ratio": 1.25}
 """CPU, one rank, ~1 GB: resume <= cold read + 0.5 s; first save <= 1.25x a steady save."""
 
@@ -52,15 +51,6 @@ def _cfg(preset: str, layers: int, *, async_save: bool = False, compile: bool = 
                   "compile": compile},
         "checkpoint": {"interval_steps": 100_000, "keep_last": 1, "async_save": async_save},
     }
-
-
-def _raw_read(paths: list[str]) -> int:
-    buf, n = bytearray(_CHUNK), 0
-    for p in paths:
-        with open(p, "rb", buffering=0) as f:
-            while k := f.readinto(buf):
-                n += k
-    return n
 
 
 def _newest(root: str) -> str:
@@ -214,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                 drop_cache(ckpt_files)
                 if what == "raw":
                     t = time.perf_counter()
-                    _raw_read(ckpt_files)
+                    raw_read(ckpt_files)
                     res["raw_read"].append(time.perf_counter() - t)
                 else:
                     (r,) = run_ranks(1, resume_body, cfg, run_dir, args.device, what == "resume_warm",
