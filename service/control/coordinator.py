@@ -60,7 +60,6 @@ class Coordinator:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.opts = options or CoordinatorOptions()
         self.constraints = job_constraints(self.cfg, layout=job.layout)  # a forced layout (request or config) in it
-        self.forced = self.constraints.layout
         self.events = job_events(self.run_dir / "events.jsonl", self.job_id)
         self.sm = StateMachine(self.job_id, sink=self.events.append)
         self.policy = ScalingPolicy(self._policy_config(job.min_workers, job.max_workers), size_for=self._size_for)
