@@ -487,8 +487,10 @@ class Coordinator:
         if resizing:  # a planned change to nothing: it waits for capacity
             return Waiting(reason=d.reason, record=record)
         self._nap(min(0.2, self.opts.poll_interval_s))
-        return Waiting(reason=(d.by_scheduler and self.queue[1]) or d.reason, by_scheduler=d.by_scheduler,
-                       record=record)
+        # A job the scheduler has given nothing waits in its queue, even where the cluster is too small as
+        # well: the scheduler's reason ("the whole cluster fits 4") and place say why.
+        queued = d.by_scheduler or self.grant == {}
+        return Waiting(reason=(queued and self.queue[1]) or d.reason, by_scheduler=queued, record=record)
 
     def _move_live(self, old: Plan, p: Plan, nodes: list[str], *, survivors: list[int] | None, cause: str,
                    reason: str, detected: float, record: Reconfig | None) -> State:

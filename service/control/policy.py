@@ -177,9 +177,8 @@ class ScalingPolicy:
             raise ValueError(f"size_for({offered}) returned {target}, more workers than offered")
 
         if current_workers == 0:
-            return self._reset(Resize(workers=target, cause="planned",
-                                      reason=f"start on {target} workers ({usable_workers} usable"
-                                             + (f", {granted} granted)" if by_grant else ")")))
+            return self._reset(Resize(workers=target, cause="planned", reason=f"start on {target} workers (" + (
+                f"{usable_workers} usable)" if granted is None else f"granted {granted} by the scheduler)")))
         if requested and target != current_workers:
             return self._reset(Resize(workers=target, cause="user",
                                       reason=f"resize to {target} workers requested by user"))

@@ -115,6 +115,7 @@ class JobManager:
                         return first.id
                     self._check_areas(str(rd), cfg.checkpoint.dir, owner)
                     self._check_resume_from(cfg.checkpoint.resume_from, owner)
+                    self._check_quota(job, owner)
                     self.store.create(JobRecord(
                         id=job_id, name=cfg.name, spec=spec, steps=steps, workers=workers, run_dir=str(rd),
                         created=now, updated=now, owner=owner, idempotency_key=idempotency_key, request=request,
@@ -132,7 +133,7 @@ class JobManager:
                                exc_info=True)
                 self.store.set_status(job_id, JobStatus.not_started(e, total_steps=job.total_steps, now=now))
                 self.store.mark_released(job_id)
-        self._schedule_quietly()  # admitted now if its workers are free
+        self._schedule_soon()  # admitted at once if its workers are free, after the answer
         return job_id
 
     def _check_areas(self, run_dir: str, checkpoint_dir: str | None, owner: str | None) -> None:
@@ -150,6 +151,21 @@ class JobManager:
             raise JobConflict(f"{field} {where} {how} the {their_field} of job {other}, which is in use by job "
                               f"{other} until it is deleted: each job's run and checkpoint directories must be "
                               f"its own (delete job {other} first, or choose another {field})")
+
+    def _check_quota(self, job: Job, owner: str | None) -> None:
+        """On a shared cluster, a job its owner's quota could never run is refused now instead of queued
+        forever: its minimum above the quota's workers, or a quota of no jobs."""
+        if not self.shared or owner is None:
+            return
+        q = self.quotas.get(owner, Quota())
+        if q.max_jobs == 0:
+            raise SpecError(("spec",), f"owner {owner}'s quota allows no jobs (max_jobs=0): ask an admin for a quota")
+        if q.max_workers is not None and job.min_workers > q.max_workers:
+            forced = job.layout or job.cfg.parallel.layout
+            loc, what = (("spec", "parallel", "layout"), f"layout {forced} runs on exactly {job.min_workers} workers") \
+                if forced else (("spec", "parallel", "min_workers"), f"min_workers={job.min_workers}")
+            raise SpecError(loc, f"{what}, but owner {owner}'s quota allows {q.max_workers} workers, so the job "
+                                 f"could never start: ask for at most {q.max_workers} workers, or a larger quota")
 
     def _check_resume_from(self, src: str | None, owner: str | None) -> None:
         """checkpoint.resume_from names checkpoints to start from: an admin (owner None) may name any
@@ -279,6 +295,8 @@ class JobManager:
         self._commanding: set[str] = set()
         """Jobs a command is being delivered to (`_one_command`)."""
         self._stop = threading.Event()
+        self._wake = threading.Event()
+        """Set to run the next sync and scheduling round now rather than at the next interval."""
         self._thread: threading.Thread | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._inflight: dict[str, Future] = {}
@@ -294,12 +312,14 @@ class JobManager:
             f.result()  # _sync_quietly logs and swallows a job's sync errors
         self._schedule_quietly()
         self._stop.clear()
+        self._wake.clear()
         self._thread = threading.Thread(target=self._loop, name="JobManager-sync", daemon=True)
         self._thread.start()
 
     def close(self) -> None:
         """Stop syncing. The jobs go on: their coordinators do not belong to this process."""
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(10)
             self._thread = None
@@ -309,11 +329,23 @@ class JobManager:
         self._inflight = {}
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.sync_interval_s):
+        while True:
+            self._wake.wait(self.sync_interval_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             self._sync_round()
             # The scheduling round decides on the statuses this sync round brings (a shrink that just
             # ended frees the workers a queued job waits for), not on the previous round's.
             wait_futures(list(self._inflight.values()), timeout=self.sync_interval_s)
+            self._schedule_quietly()
+
+    def _schedule_soon(self) -> None:
+        """A scheduling round now on the background thread (a request is not held up by the coordinators
+        it tells), or here when none runs."""
+        if self._thread is not None and self._thread.is_alive():
+            self._wake.set()
+        else:
             self._schedule_quietly()
 
     def _schedule_quietly(self) -> None:

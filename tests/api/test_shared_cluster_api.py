@@ -3,6 +3,8 @@ that shrink or pause lower jobs and give the workers back, quotas, and the sched
 
 from __future__ import annotations
 
+import threading
+
 from fastapi.testclient import TestClient
 
 from service.sharing.scheduler import Quota
@@ -98,4 +100,60 @@ def test_quotas_hold_per_user_and_are_shown(tmp_path):
             wait_for(lambda: c.get(f"{J}/{two}", headers=ann).json()["state"] == "SUCCEEDED", timeout=30,
                      what="the second job once the first stopped")
     finally:
+        stop_all(launcher)
+
+
+def test_a_job_its_owners_quota_could_never_run_is_refused_at_submit_with_the_numbers(tmp_path):
+    launcher, _ = make_launcher({"a": 4}, step_s=0.02)
+    try:
+        with TestClient(make_app(tmp_path, launcher, schedule=True, token="admin", user_tokens={"ann": "ann-token"},
+                                 quotas={"ann": Quota(max_workers=2)})) as c:
+            r = c.post(J, json={"spec": spec("big", lo=3, hi=4)}, headers={"Authorization": "Bearer ann-token"})
+            assert r.status_code == 422, r.text
+            [err] = r.json()["detail"]
+            assert err["loc"] == ["body", "spec", "parallel", "min_workers"]
+            assert err["msg"] == ("min_workers=3, but owner ann's quota allows 2 workers, so the job could never "
+                                  "start: ask for at most 2 workers, or a larger quota")
+            assert c.get(J, headers={"Authorization": "Bearer admin"}).json() == []  # nothing recorded
+    finally:
+        stop_all(launcher)
+
+
+def test_a_job_the_whole_cluster_cannot_fit_is_queued_with_its_place_and_the_schedulers_reason(tmp_path):
+    launcher, _ = make_launcher({"a": 2, "b": 2}, step_s=0.02)
+    try:
+        with TestClient(make_app(tmp_path, launcher, schedule=True)) as c:
+            big = c.post(J, json={"spec": spec("big", lo=6, hi=8)}).json()["id"]
+            q = wait_for(lambda: (x := job(c, big))["queue_position"] and x, what="queued with a place")
+            assert q["state"] == "QUEUED" and q["queue_position"] == 1
+            assert q["reason"] == "needs 6 workers of 1 CPU; the whole cluster fits 4"
+    finally:
+        stop_all(launcher)
+
+
+def test_a_submit_answers_without_waiting_for_the_scheduling_round(tmp_path):
+    # the round tells coordinators their grants; a coordinator slow to answer must not hold up POST /jobs
+    launcher, _ = make_launcher({"a": 2}, step_s=0.02)
+    slow = threading.Event()
+    launch = launcher.launch
+
+    def launch_slow(job, **kw):
+        runner = launch(job, **kw)
+        send = runner.send
+        runner.send = lambda cmd: (slow.wait(30), send(cmd))[1]
+        return runner
+
+    launcher.launch = launch_slow
+    answered: list = []
+    try:
+        with TestClient(make_app(tmp_path, launcher, schedule=True)) as c:
+            t = threading.Thread(target=lambda: answered.append(c.post(J, json={"spec": spec("one", lo=1, hi=2)})))
+            t.start()
+            t.join(10)
+            assert answered and answered[0].status_code == 201, "POST /jobs waited for the coordinator's grant"
+            slow.set()
+            wait_for(lambda: job(c, answered[0].json()["id"])["state"] == "RUNNING", what="started once told")
+            c.post(f"{J}/{answered[0].json()['id']}/stop")
+    finally:
+        slow.set()
         stop_all(launcher)

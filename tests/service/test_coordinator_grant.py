@@ -59,6 +59,21 @@ def test_grants_come_as_commands_with_their_reason_as_an_event_and_the_queue_in_
     assert set(c.group.nodes()) == {"a"} and c.sm.cause is not None
 
 
+def test_a_job_the_whole_cluster_cannot_fit_waits_in_the_schedulers_queue_with_its_place_and_reason(tmp_path):
+    # min_workers above the whole cluster: the cluster is too small *and* the scheduler gives nothing; the
+    # scheduler's queue is where it waits, so its place and its reason are what the status shows
+    c, _, _ = make_coordinator(tmp_path, {"a": 2, "b": 2}, min_workers=6, max_workers=8)
+    c.grant = {}
+    why = "needs 6 workers of 1 CPU; the whole cluster fits 4"
+    c.send(Grant(nodes={}, reason=why, queue_position=2))
+    advance(c, lambda c: str(c.sm.state) != "PENDING")
+    for _ in range(5):  # and stays there
+        c.watcher.poll()
+        c.step()
+    st = c.status()
+    assert (st.state, st.queue_position, st.reason) == ("QUEUED", 2, why)
+
+
 def test_bad_grants_and_pausers_are_refused_at_once(tmp_path):
     import pytest
 

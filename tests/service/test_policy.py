@@ -242,7 +242,10 @@ def test_sweep_matches_the_rules(min_w, max_w):
 def test_a_grant_caps_the_start_and_a_grant_below_min_is_a_wait_that_says_so():
     p = policy(min_workers=2)
     assert p.decide(0.0, current_workers=0, usable_workers=8, granted=3) == Resize(
-        workers=3, cause="planned", reason="start on 3 workers (8 usable, 3 granted)")
+        workers=3, cause="planned", reason="start on 3 workers (granted 3 by the scheduler)")
+    # the grant, not the cluster's usable count, is what a scheduled job starts on: said even when they agree
+    assert p.decide(0.0, current_workers=0, usable_workers=2, granted=2).reason == \
+        "start on 2 workers (granted 2 by the scheduler)"
     assert p.decide(0.0, current_workers=0, usable_workers=8, granted=1) == Wait(
         "the scheduler grants 1 workers < min_workers=2", by_scheduler=True)  # the job is QUEUED
     assert p.decide(0.0, current_workers=0, usable_workers=1, granted=None) == Wait(

@@ -162,7 +162,18 @@ def test_quota_on_workers_caps_growth_and_admission():
                                                                                 submitted=1)],
                  {"ann": Quota(max_workers=4)})
     assert sizes(s) == {"a1": 4}
-    assert "owner ann holds 2 of the 4 its quota allows" in s.decision("a2").reason
+    assert "owner ann's jobs ahead of it keep 2 of the 4 its quota allows (they hold 0 now)" in s.decision("a2").reason
+
+
+def test_a_quota_reason_gives_what_the_owner_holds_and_says_when_the_minimum_is_above_the_quota():
+    led = ledger({"a": 8}, {"a1": {"a": 2}})
+    s = schedule(led, [job("a1", R, owner="ann", min_workers=1), job("a2", owner="ann", min_workers=2, submitted=1),
+                       job("a3", owner="ann", min_workers=3, priority=5, submitted=2)], {"ann": Quota(max_workers=2)})
+    assert sizes(s) == {"a1": 2}
+    assert s.decision("a3").reason == "needs 3 workers but owner ann's quota allows 2: it cannot start until the " \
+                                      "quota grows"
+    assert s.decision("a2").reason == "needs 2 workers but owner ann's jobs ahead of it keep 1 of the 2 its quota " \
+                                      "allows (they hold 2 now)"
 
 
 def test_a_lowered_quota_shrinks_a_running_job_and_says_so():
