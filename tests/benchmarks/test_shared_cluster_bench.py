@@ -123,7 +123,7 @@ def test_partial_admission_preempts_for_the_full_size_first_then_for_the_largest
 @pytest.mark.parametrize("lo,hi", [(1, 1), (2, 4), (8, 32), (16, 64), (3, 17)])
 def test_admission_size_is_the_largest_count_that_fits(lo, hi):
     spec = job("x", 0, 0, lo, hi, 1.0)
-    for room in range(0, hi + 3):
+    for room in range(hi + 3):
         fits = [k for k in range(lo, hi + 1) if k <= room]
         assert admission_size(spec, room, partial=True) == (max(fits) if fits else None), room
         assert admission_size(spec, room, partial=False) == (hi if room >= hi else None), room
