@@ -120,6 +120,14 @@ def test_partial_admission_preempts_for_the_full_size_first_then_for_the_largest
     assert res.counts["eviction"] >= 1
 
 
+def test_without_preemption_the_urgent_job_takes_the_free_workers_or_waits():
+    specs = [job("low", 0, 0, 60, 60, 5.0), job("u1", 10, URGENT, 4, 16, 0.5), job("u2", 20, URGENT, 8, 16, 0.5)]
+    res = run_baseline(SMALL, specs, partial=True, preempt=False)
+    low_end = next(r for r in res.runs if r.spec.job_id == "low").finished_at
+    assert sizes(res) == {"low": [60, 0], "u1": [4, 0], "u2": [16, 0]} and res.counts["eviction"] == 0
+    assert next(r for r in res.runs if r.spec.job_id == "u2").granted_at == low_end
+
+
 @pytest.mark.parametrize("lo,hi", [(1, 1), (2, 4), (8, 32), (16, 64), (3, 17)])
 def test_admission_size_is_the_largest_count_that_fits(lo, hi):
     spec = job("x", 0, 0, lo, hi, 1.0)
