@@ -20,17 +20,25 @@ is called with the ledger of grants and every unfinished job; its ledger is the 
     Releases and moves in flight land on the newest grant.
 Other events (a release, the end of a resize) do not call the policy: it is idempotent (calling it again
 on its own result changes nothing), so such a call would decide nothing.
-Baseline (`run_baseline`), modelled on Kueue's BestEffortFIFO queue with priority preemption:
-  - a job is gang-scheduled at its max_workers (what its user would request) or not at all;
+Baselines (`run_baseline`), modelled on Kueue's BestEffortFIFO queue with priority preemption (or none,
+`preempt=False`):
+  - gang (`partial=False`): a job is admitted at its max_workers (what its user would request) or not
+    at all;
+  - partial admission (`partial=True`, Kueue's PartialAdmission with the job's min_workers as the
+    podset's minCount): a job is admitted at max_workers if that fits, freely or by preemption; if not,
+    at the largest count down to min_workers that does (`admission_size`: Kueue's binary search over
+    the reduction). The size is chosen once per admission and never changes while the job runs; an
+    evicted job is queued again at its full size and sized anew when readmitted;
   - pending jobs are admitted by priority, then arrival; one that does not fit lets later ones try;
   - a job that does not fit evicts running jobs of strictly lower priority (lowest priority first, the
     most recently started first), then keeps running those not needed (Kueue's minimal preemption);
   - an evicted job goes back to the queue and restarts from its last periodic checkpoint (every
     `--checkpoint-interval-s` of running time): the work since then is lost; every start costs
     `--restart-s`.
-  Assumptions that favour the baseline: eviction is instant (no termination grace period), checkpoints
-  cost nothing, placement counts workers only (no node fragmentation; with one-CPU workers Elastron's
-  per-node placement never fragments either).
+  Preemption is of whole jobs in both. Assumptions that favour the baselines: eviction is instant (no
+  termination grace period), checkpoints cost nothing, placement counts workers only (no node
+  fragmentation; with one-CPU workers Elastron's per-node placement never fragments either), and a
+  partially admitted job resumes its checkpoint at whatever size it is readmitted with.
 """
 
 from __future__ import annotations
@@ -292,10 +300,11 @@ def _acquire(res: SimResult, live: list[_Run], t: float, cfg: SimConfig) -> None
             r.granted_at = t
 
 
-def run_baseline(cfg: SimConfig, specs: list[JobSpec]) -> SimResult:
-    cap = cfg.capacity
-    res = SimResult(system="baseline", capacity={"cluster": cap}, runs=[_Run(s) for s in specs],
-                    counts={"eviction": 0})
+def run_baseline(cfg: SimConfig, specs: list[JobSpec], *, partial: bool = False, preempt: bool = True) -> SimResult:
+    """Kueue-style queue; `partial` turns on partial admission, `preempt=False` turns off priority
+    preemption (Kueue's `withinClusterQueue: Never`); see the module docstring."""
+    res = SimResult(system="partial" if partial else "baseline", capacity={"cluster": cfg.capacity},
+                    runs=[_Run(s) for s in specs], counts={"eviction": 0, "partial admission": 0})
     arrivals, live, pending, t = sorted(specs, key=lambda s: s.arrival), [], [], 0.0
     by_id = {r.spec.job_id: r for r in res.runs}
     while arrivals or live:
@@ -308,38 +317,58 @@ def run_baseline(cfg: SimConfig, specs: list[JobSpec]) -> SimResult:
             live.append(r)
             pending.append(r)
             changed = True
-        while changed and _admit(res, live, pending, t, cfg):
+        while changed and _admit(res, live, pending, t, cfg, partial, preempt):
             pass  # an eviction may leave room for a job skipped earlier in the pass
     res.end = t
     return res
 
 
-def _admit(res: SimResult, live: list[_Run], pending: list[_Run], t: float, cfg: SimConfig) -> bool:
+def admission_size(spec: JobSpec, reclaimable: int, *, partial: bool) -> int | None:
+    """Workers a Kueue-style queue admits `spec` with when `reclaimable` workers are free or held by jobs
+    it may preempt, or None if it waits. Full size first; with partial admission, Kueue's binary search
+    for the smallest reduction (max_workers - min_workers at most) whose count still fits."""
+    if spec.max_workers <= reclaimable:
+        return spec.max_workers
+    if not partial:
+        return None
+    lo, hi = 0, spec.max_workers - spec.min_workers + 1  # hi: "not even the minimum fits"
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if spec.max_workers - mid <= reclaimable:
+            hi = mid
+        else:
+            lo = mid + 1
+    return spec.max_workers - lo if lo <= spec.max_workers - spec.min_workers else None
+
+
+def _admit(res: SimResult, live: list[_Run], pending: list[_Run], t: float, cfg: SimConfig, partial: bool,
+           preempt: bool) -> bool:
     """One admission pass over the queue; True if it admitted a job."""
     pending.sort(key=lambda r: (-r.spec.priority, r.spec.arrival, r.spec.job_id))
     admitted = False
     for r in list(pending):
-        size, free = r.spec.max_workers, cfg.capacity - sum(x.workers for x in live)
-        if size > free:
-            victims = sorted((x for x in live if x.phys and x.spec.priority < r.spec.priority),
-                             key=lambda x: (x.spec.priority, -x.started_at))
-            chosen = []
-            for v in victims:
-                if free >= size:
-                    break
-                chosen.append(v)
-                free += v.workers
-            if free < size:
-                continue  # BestEffortFIFO: later jobs may still fit
-            for v in reversed(list(chosen)):
-                if free - v.workers >= size:
-                    chosen.remove(v)
-                    free -= v.workers
-            for v in chosen:
-                _evict(res, v, t, cfg)
-                pending.append(v)
+        free = cfg.capacity - sum(x.workers for x in live)
+        victims = sorted((x for x in live if preempt and x.phys and x.spec.priority < r.spec.priority),
+                         key=lambda x: (x.spec.priority, -x.started_at))
+        size = admission_size(r.spec, free + sum(v.workers for v in victims), partial=partial)
+        if size is None:
+            continue  # BestEffortFIFO: later jobs may still fit
+        chosen = []
+        for v in victims:
+            if free >= size:
+                break
+            chosen.append(v)
+            free += v.workers
+        for v in reversed(list(chosen)):  # minimal preemption: keep those not needed after all
+            if free - v.workers >= size:
+                chosen.remove(v)
+                free -= v.workers
+        for v in chosen:
+            _evict(res, v, t, cfg)
+            pending.append(v)
         pending.remove(r)
         _set(res, r, t, {"cluster": size})
+        res.counts["partial admission"] += size < r.spec.max_workers
         r.busy_until, r.started_at = t + cfg.restart_s, t
         r.granted_at = t if r.granted_at is None else r.granted_at
         admitted = True

@@ -8,8 +8,9 @@ from collections import defaultdict
 import pytest
 
 import benchmarks.shared_cluster_sim as sim
-from benchmarks.shared_cluster import main, summarize
-from benchmarks.shared_cluster_sim import URGENT, SimConfig, SimResult, run_baseline, run_elastron, workload
+from benchmarks.shared_cluster import main, summarize, targets
+from benchmarks.shared_cluster_sim import (
+    URGENT, JobSpec, SimConfig, SimResult, admission_size, run_baseline, run_elastron, workload)
 from service.sharing.scheduler import JobRequest, Phase, schedule
 
 CFG = SimConfig(seed=3, hours=2.0, jobs_per_hour=30.0)
@@ -18,7 +19,8 @@ CFG = SimConfig(seed=3, hours=2.0, jobs_per_hour=30.0)
 @pytest.fixture(scope="module")
 def runs() -> dict[str, SimResult]:
     specs = workload(CFG)
-    return {"elastron": run_elastron(CFG, specs), "baseline": run_baseline(CFG, specs)}
+    return {"elastron": run_elastron(CFG, specs), "baseline": run_baseline(CFG, specs),
+            "partial": run_baseline(CFG, specs, partial=True)}
 
 
 def replay(res: SimResult) -> float:
@@ -43,7 +45,7 @@ def replay(res: SimResult) -> float:
     return held
 
 
-@pytest.mark.parametrize("system", ["elastron", "baseline"])
+@pytest.mark.parametrize("system", ["elastron", "baseline", "partial"])
 def test_capacity_and_max_never_exceeded_and_every_job_finishes(runs, system):
     res = runs[system]
     held = replay(res)
@@ -58,10 +60,81 @@ def test_baseline_is_gang_scheduled(runs):
     assert all(sum(k for _, k in nodes) in (0, spec[job].max_workers) for _, job, nodes in runs["baseline"].trace)
 
 
-def test_the_day_is_crowded_enough_to_exercise_both_policies(runs):
-    el, base = runs["elastron"].counts, runs["baseline"].counts
+def test_partial_baseline_never_resizes_a_running_job(runs):
+    """Between its admission and its end or eviction a job holds one size, from min to max_workers."""
+    spec = {r.spec.job_id: r.spec for r in runs["partial"].runs}
+    held: dict[str, int] = {}
+    for _, job, nodes in runs["partial"].trace:
+        k = sum(n for _, n in nodes)
+        assert k == 0 or held.get(job, 0) == 0, f"{job} went from {held[job]} to {k} workers while running"
+        assert k == 0 or spec[job].min_workers <= k <= spec[job].max_workers, (job, k)
+        held[job] = k
+
+
+def test_the_day_is_crowded_enough_to_exercise_every_policy(runs):
+    el, base, part = runs["elastron"].counts, runs["baseline"].counts, runs["partial"].counts
     assert el["shrink"] and el["pause"] and el["resume"] and base["eviction"], (el, base)
-    assert runs["baseline"].lost > 0
+    assert part["partial admission"] and part["eviction"], part
+    assert runs["baseline"].lost > 0 and runs["partial"].lost > 0
+
+
+SMALL = SimConfig(nodes=8, workers_per_node=8)  # 64 workers: the smallest cluster the workload classes allow
+
+
+def job(name: str, arrival: float, priority: int, lo: int, hi: int, hours: float) -> JobSpec:
+    return JobSpec(job_id=name, kind="batch", arrival=arrival, priority=priority, min_workers=lo, max_workers=hi,
+                   work=hi * hours * 3600)
+
+
+def sizes(res: SimResult) -> dict[str, list[int]]:
+    """Every size each job was given, in order (0: released)."""
+    out: dict[str, list[int]] = defaultdict(list)
+    for _, j, nodes in res.trace:
+        out[j].append(sum(n for _, n in nodes))
+    return dict(out)
+
+
+def test_partial_admission_takes_what_fits_and_keeps_it():
+    """b (min 2, max 4) finds 3 free: admitted at 3, still 3 once `big` ends and frees 61. c's minimum
+    (4) does not fit anywhere and it may not preempt its equal, so it waits for `big`, then gets its max."""
+    specs = [job("big", 0, 0, 61, 61, 1.0), job("b", 10, 0, 2, 4, 2.0), job("c", 20, 0, 4, 8, 0.5)]
+    res = run_baseline(SMALL, specs, partial=True)
+    end_big = next(r for r in res.runs if r.spec.job_id == "big").finished_at
+    assert sizes(res) == {"big": [61, 0], "b": [3, 0], "c": [8, 0]}
+    granted = {r.spec.job_id: r.granted_at for r in res.runs}
+    assert granted["b"] == 10 and granted["c"] == end_big
+    assert res.counts == {"eviction": 0, "partial admission": 1}
+    gang = run_baseline(SMALL, specs)  # without partial admission b waits for big too
+    assert sizes(gang)["b"] == [4, 0] and next(r for r in gang.runs if r.spec.job_id == "b").granted_at == end_big
+
+
+def test_partial_admission_preempts_for_the_full_size_first_then_for_the_largest_that_fits():
+    """Kueue's order: the full count, freely or by evicting lower priorities; only then a smaller count,
+    which may also evict. u1 (max 16) evicts `low` for its full 16 rather than start at 4 in the free 4;
+    u2 (max 64) cannot reach 64 even by evicting `low2`, so it takes the 44 that evicting it leaves."""
+    res = run_baseline(SMALL, [job("low", 0, 0, 60, 60, 5.0), job("u1", 10, URGENT, 4, 16, 0.5)], partial=True)
+    assert sizes(res)["u1"] == [16, 0] and sizes(res)["low"][:2] == [60, 0]
+    res = run_baseline(SMALL, [job("low2", 0, 0, 40, 40, 5.0), job("mid", 1, URGENT, 20, 20, 5.0),
+                               job("u2", 10, URGENT, 8, 64, 0.5)], partial=True)
+    assert sizes(res)["u2"][0] == 44 and sizes(res)["low2"][:2] == [40, 0] and sizes(res)["mid"][0] == 20
+    assert res.counts["eviction"] >= 1
+
+
+def test_without_preemption_the_urgent_job_takes_the_free_workers_or_waits():
+    specs = [job("low", 0, 0, 60, 60, 5.0), job("u1", 10, URGENT, 4, 16, 0.5), job("u2", 20, URGENT, 8, 16, 0.5)]
+    res = run_baseline(SMALL, specs, partial=True, preempt=False)
+    low_end = next(r for r in res.runs if r.spec.job_id == "low").finished_at
+    assert sizes(res) == {"low": [60, 0], "u1": [4, 0], "u2": [16, 0]} and res.counts["eviction"] == 0
+    assert next(r for r in res.runs if r.spec.job_id == "u2").granted_at == low_end
+
+
+@pytest.mark.parametrize("lo,hi", [(1, 1), (2, 4), (8, 32), (16, 64), (3, 17)])
+def test_admission_size_is_the_largest_count_that_fits(lo, hi):
+    spec = job("x", 0, 0, lo, hi, 1.0)
+    for room in range(hi + 3):
+        fits = [k for k in range(lo, hi + 1) if k <= room]
+        assert admission_size(spec, room, partial=True) == (max(fits) if fits else None), room
+        assert admission_size(spec, room, partial=False) == (hi if room >= hi else None), room
 
 
 def test_elastron_loses_no_work_and_admits_urgent_jobs_within_one_resize(runs):
@@ -112,4 +185,15 @@ def test_cli_writes_json(tmp_path, capsys):
     assert set(doc["targets"]) == {"urgent_admitted_within_resize", "utilisation_ge_baseline",
                                    "work_lost_le_10pct_of_baseline"}
     assert doc["elastron"]["work_lost_worker_s"] == 0
-    assert "| utilisation" in capsys.readouterr().out
+    assert doc["baseline"]["counts"]["partial admission"] == 0 and "baseline_partial" in doc
+    out = capsys.readouterr().out
+    assert "| utilisation" in out and "partial admission" in out
+
+
+def test_targets_are_against_the_stronger_baseline():
+    el = {"urgent_shrinkable_within_resize": 1, "urgent_shrinkable": 1, "utilisation": 0.80,
+          "work_lost_worker_s": 5.0}
+    weak = {"utilisation": 0.70, "work_lost_worker_s": 100.0}
+    assert all(targets(el, {"gang": weak, "partial": weak}).values())
+    ok = targets(el, {"gang": weak, "partial": {"utilisation": 0.81, "work_lost_worker_s": 40.0}})
+    assert not ok["utilisation_ge_baseline"] and not ok["work_lost_le_10pct_of_baseline"]
