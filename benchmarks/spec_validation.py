@@ -7,7 +7,8 @@ Specs (each is also what `--profile` takes):
   typical      examples/tiny.yaml.
   at_limit     every size in LIMITS at its bound (model overrides, data, train, checkpoint, resources,
                max_workers, max_tp, max_pp, gpus_per_node, memory_budget_gb), 64 data suffixes, a 200-character
-               name; tp and pp left to the planner. Accepted.
+               name; tp and pp left to the planner, min_workers 1 (100,000 splits into no layout:
+               5**5 workers would need pp 3125 > 1024 layers). Accepted.
   forced_pp    at_limit with parallel.pp: 5 (a degree that divides few of the counts on offer). Accepted.
   no_fit       at_limit with memory_budget_gb: 1: nothing fits, so the planner judges its most counts
                before refusing (a 422).
