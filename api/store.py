@@ -16,10 +16,12 @@ Schema (version 2; a version-1 store is upgraded in place on open):
   meta(key PK, value)                          schema_version
 JSON is stored as text, so every dialect holds the same bytes (NaN and infinities become null).
 
-SQLite: one writer at a time, serialised by a lock, in WAL mode for files, so the API's request threads
-and its sync thread share it and a second server over the same file (a restart) can read while the
-first still writes. WAL needs shared memory between the processes that open the file, which a network
-filesystem does not give: a SQLite file on NFS, CIFS and the like is refused (`network_filesystem`);
+SQLite: one writer at a time, serialised by a lock. A file on a local filesystem is in WAL mode, so the
+API's request threads and its sync thread share it and a second server over the same file (a restart)
+can read while the first still writes. WAL needs shared memory between the processes that open the
+file, which a network filesystem does not give, so WAL is allowed only on the local types this module
+names (`journal_mode`); on any other (a FUSE mount, an unknown type) the file keeps a rollback journal,
+and a file on a known network filesystem (NFS, CIFS and the like) is refused (`network_filesystem`):
 use PostgreSQL there. PostgreSQL: the engine's connection pool; each call is one transaction.
 """
 
@@ -27,8 +29,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -45,6 +49,8 @@ from service.server.job_record import JobRecord
 from service.control.status import JobStatus
 
 SCHEMA_VERSION = 2
+
+logger = logging.getLogger(__name__)
 
 _md = MetaData()
 _jobs = Table(
@@ -107,8 +113,36 @@ def redact(url: str | Path | URL) -> str:
 
 NETWORK_FILESYSTEMS = frozenset({"nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "fuse.glusterfs",
                                   "fuse.cephfs", "lustre", "gpfs", "9p", "fuse.sshfs", "afs", "beegfs",
-                                  "fuse.s3fs", "fuse.gcsfuse", "fuse.juicefs", "efs", "fuse.efs"})
-"""Filesystem types (as /proc/mounts names them) where SQLite's WAL mode is unsafe."""
+                                  "fuse.s3fs", "fuse.gcsfuse", "fuse.juicefs", "efs", "fuse.efs",
+                                  "fuse.rclone", "fuse.blobfuse2", "fuse.blobfuse", "fuse.mountpoint-s3",
+                                  "fuse.goofys", "fuse.geesefs"})
+"""Filesystem types (as /proc/mounts names them) known to be shared over a network: a SQLite store there
+is refused. Not a complete list: what it misses still gets no WAL (`journal_mode`)."""
+
+LOCAL_FILESYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "bcachefs", "tmpfs",
+                                "overlay"})
+"""Filesystem types on which SQLite's WAL mode is allowed: block-device (or memory) filesystems of one
+kernel, whose shared memory (the -shm file SQLite maps) every process that opens the file sees. overlay
+is a container's root: its writable layer is a directory on the host's local disk, private to one
+container. Not here, so without WAL: any FUSE mount (fuse.*, fuseblk: a user-space process serves the
+file, often from the network), virtiofs (a VM's share of its host's files), and any type not named."""
+
+
+def network_filesystem(kind: str | None) -> bool:
+    """Whether `kind` (a /proc/mounts type) is a known network filesystem (nfs4 as nfs)."""
+    return kind is not None and (kind in NETWORK_FILESYSTEMS or kind.split(".")[0] in NETWORK_FILESYSTEMS)
+
+
+def journal_mode(kind: str | None) -> str:
+    """SQLite's journal mode for a store file on a filesystem of type `kind`: "wal" on a local type
+    (LOCAL_FILESYSTEMS), else "delete", the rollback journal, which needs only file locks. None (the type
+    cannot be told, e.g. not Linux) is not local."""
+    return "wal" if kind in LOCAL_FILESYSTEMS else "delete"
+
+
+def _unescape(field: str) -> str:
+    """A /proc/mounts field with its octal escapes (\\040 for a space, \\011, \\012, \\134) decoded."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
 
 
 def filesystem_type(path: str | Path, mounts: str = "/proc/mounts") -> str | None:
@@ -124,7 +158,7 @@ def filesystem_type(path: str | Path, mounts: str = "/proc/mounts") -> str | Non
         parts = line.split()
         if len(parts) < 3:
             continue
-        point = parts[1].replace("\\040", " ")
+        point = _unescape(parts[1])
         if (full == point or full.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
             best, kind = point, parts[2]
     return kind
@@ -134,23 +168,30 @@ def _engine(u: URL, fs_type: Callable[[Path], str | None]) -> Engine:
     if u.get_backend_name() != "sqlite":
         return create_engine(u, pool_pre_ping=True)
     memory = u.database in (None, "", ":memory:")
+    mode = None  # a file's journal mode; none in memory
     if memory:  # one shared connection: each new one would be a new, empty database
         eng = create_engine(u, poolclass=StaticPool, connect_args={"check_same_thread": False})
     else:
         Path(u.database).parent.mkdir(parents=True, exist_ok=True)
         kind = fs_type(Path(u.database).parent)
-        if kind is not None and (kind in NETWORK_FILESYSTEMS or kind.split(".")[0] in NETWORK_FILESYSTEMS):
-            raise ValueError(f"the job store {u.database} lies on a {kind} filesystem: SQLite's WAL mode is not "
-                             "safe on a network filesystem, and two servers could corrupt it. Use PostgreSQL "
+        if network_filesystem(kind):
+            raise ValueError(f"the job store {u.database} lies on a {kind} filesystem: SQLite is not "
+                             "safe on a network filesystem (WAL's shared memory and often its file locks do not "
+                             "reach across machines), and two servers could corrupt it. Use PostgreSQL "
                              "(ELASTRON_STORE=postgresql+psycopg://USER:PASSWORD@HOST/DB) or a local disk "
                              "(a ReadWriteOnce volume)")
+        mode = journal_mode(kind)
+        if mode != "wal":
+            logger.warning("job store %s: no WAL on a %s filesystem (WAL only on %s); a rollback journal "
+                           "instead, so readers wait while a write commits", u.database, kind or "unknown",
+                           ", ".join(sorted(LOCAL_FILESYSTEMS)))
         eng = create_engine(u, connect_args={"check_same_thread": False, "timeout": 30})
 
     @event.listens_for(eng, "connect")
     def _pragmas(dbapi_conn, _record):
         cur = dbapi_conn.cursor()
-        if not memory:
-            cur.execute("PRAGMA journal_mode=WAL")
+        if mode is not None:  # set either way: a file keeps the mode it was last given
+            cur.execute(f"PRAGMA journal_mode={mode.upper()}")
         cur.execute("PRAGMA busy_timeout=30000")
         cur.close()
 

@@ -28,6 +28,8 @@ Memory is judged with `parallel.memory.estimate_memory` (formula there).
 
 from __future__ import annotations
 
+import bisect
+import functools
 import heapq
 import itertools
 import math
@@ -51,17 +53,22 @@ _HINTS = {  # failure kind -> what the user can change
 }
 
 
-def _divisors(n: int) -> list[int]:
-    """Divisors of n in ascending order, in O(sqrt n)."""
+@functools.lru_cache(maxsize=4096)
+def _divisors(n: int) -> tuple[int, ...]:
+    """Divisors of n in ascending order, in O(sqrt n) the first time. Remembered: one plan asks for the
+    same few numbers (the batch's divisors, the counts on offer) thousands of times."""
     small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return small + [n // d for d in reversed(small) if d * d != n]
+    return (*small, *(n // d for d in reversed(small) if d * d != n))
 
 
 def _divisors_upto(n: int, limit: int) -> list[int]:
-    """Divisors of n that are <= limit, ascending, in O(min(limit, sqrt n)): a huge n costs nothing more."""
-    if limit < math.isqrt(n):
+    """Divisors of n that are <= limit, ascending: a slice of the remembered `_divisors(n)` where finding
+    them all is needed anyway (limit >= sqrt n) or cheap (n < 2**32); else by trial up to limit, so a
+    huge n costs nothing more."""
+    if limit < math.isqrt(n) and n >= 1 << 32:
         return [d for d in range(1, limit + 1) if n % d == 0]
-    return [d for d in _divisors(n) if d <= limit]
+    divs = _divisors(n)
+    return list(divs[:bisect.bisect_right(divs, limit)])
 
 
 def _micro_batch_sizes(per_rank: int, preferred: int, *, min_microbatches: int = 1) -> list[int]:
@@ -135,16 +142,24 @@ def _auto_dp(got: _Choice, model: ModelConfig, c: Constraints) -> _Choice:
     return got._replace(dp_note=f"dp_mode auto: shard, {why}")
 
 
+def _batch_problem(dp: int, c: Constraints, forced: bool = False) -> _Fail | None:
+    """Why dp cannot split the global batch, or None."""
+    gbs = c.global_batch_size
+    if not gbs % dp:
+        return None
+    if forced:
+        return _Fail("batch", f"dp={dp} does not divide train.global_batch_size={gbs}; "
+                              "use a dp that does, or another batch")
+    return _Fail("batch", f"global_batch_size={gbs} is not divisible by dp={dp}")
+
+
 def _evaluate(layout: Layout, model: ModelConfig, c: Constraints, forced: bool = False) -> _Choice | _Fail:
     """The best micro batch for one candidate whose tp and pp passed, or why there is none. A forced
     layout's messages name the fix, in the job config's words; it is never refused for memory: it gets
     the smallest micro batch, as the closest to fitting."""
     dp, pp, gbs = layout.dp, layout.pp, c.global_batch_size
-    if gbs % dp:
-        if forced:
-            return _Fail("batch", f"dp={dp} does not divide train.global_batch_size={gbs}; "
-                                  "use a dp that does, or another batch")
-        return _Fail("batch", f"global_batch_size={gbs} is not divisible by dp={dp}")
+    if why := _batch_problem(dp, c, forced):
+        return why
     per_rank = gbs // dp
     sizes = _micro_batch_sizes(per_rank, c.micro_batch_size)
     notes = [f"the largest divisor of {per_rank} samples per DP rank"] if sizes[0] < c.micro_batch_size else []
@@ -192,6 +207,9 @@ def _try_size(w: int, model: ModelConfig, c: Constraints) -> tuple[_Choice | Non
                 continue
             if why := _pp_problem(pp, model, c):
                 fails.append(_Fail("pp", why))
+                continue
+            if bad := _batch_problem(w // (tp * pp), c):  # before a Layout is built: most candidates end here
+                fails.append(bad)
                 continue
             got = _evaluate(Layout(tp=tp, pp=pp, **{dp_axis: w // (tp * pp)}), model, c)
             if isinstance(got, _Choice):

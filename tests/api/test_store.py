@@ -9,7 +9,7 @@ import threading
 import pytest
 import sqlalchemy as sa
 
-from api.store import SCHEMA_VERSION, JobStore, redact, store_url
+from api.store import SCHEMA_VERSION, JobStore, filesystem_type, journal_mode, network_filesystem, redact, store_url
 from service.server.job_record import JobRecord
 from service.control.status import JobStatus
 
@@ -124,6 +124,42 @@ def test_schema_tables_and_a_newer_version_is_refused(url):
 def test_a_sqlite_file_is_in_wal_mode(tmp_path):
     JobStore(tmp_path / "j.db").close()
     assert sqlite3.connect(tmp_path / "j.db").execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+@pytest.mark.parametrize("kind", ["ext4", "xfs", "tmpfs", "overlay", "btrfs", "zfs"])
+def test_wal_on_local_filesystem_types(kind):
+    assert journal_mode(kind) == "wal" and not network_filesystem(kind)
+
+
+@pytest.mark.parametrize("kind", ["fuse.rclone", "fuse.blobfuse2", "nfs4", "cifs", "fuse.some-new-fs", "fuse",
+                                  "fuseblk", "virtiofs", "somethingfs", None])
+def test_no_wal_on_any_other_type(kind):
+    assert journal_mode(kind) == "delete"
+
+
+def test_object_store_mounts_are_known_network_filesystems():
+    assert all(network_filesystem(k) for k in ("fuse.rclone", "fuse.blobfuse2", "nfs4", "smb3"))
+    assert not any(network_filesystem(k) for k in ("fuse.some-new-fs", "ext4", None))
+
+
+def test_the_type_comes_from_the_mount_table_with_escaped_names(tmp_path):
+    (tmp_path / "my disk" / "db").mkdir(parents=True)
+    mounts = tmp_path / "mounts"
+    mounts.write_text(f"/dev/sda1 / ext4 rw 0 0\nremote: {tmp_path}/my\\040disk fuse.rclone rw 0 0\n")
+    assert journal_mode(filesystem_type(tmp_path / "my disk" / "db", mounts=str(mounts))) == "delete"
+    assert journal_mode(filesystem_type(tmp_path, mounts=str(mounts))) == "wal"
+
+
+def test_a_store_on_a_fuse_mount_has_a_rollback_journal_and_says_why(tmp_path, caplog):
+    JobStore(tmp_path / "j.db", fs_type=lambda d: "ext4").close()  # once in WAL: the mode stays in the file
+    with caplog.at_level("WARNING", logger="api.store"):
+        s = JobStore(tmp_path / "j.db", fs_type=lambda d: "fuse.some-new-fs")
+    s.create(job("a", 1.0))
+    assert s.get("a").id == "a"
+    s.close()
+    assert sqlite3.connect(tmp_path / "j.db").execute("PRAGMA journal_mode").fetchone()[0] == "delete"
+    said = [r.getMessage() for r in caplog.records if r.name == "api.store"]
+    assert len(said) == 1 and "no WAL on a fuse.some-new-fs filesystem" in said[0] and "\n" not in said[0]
 
 
 OLD_SCHEMA = """

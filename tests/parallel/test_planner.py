@@ -408,3 +408,14 @@ def test_dp_mode_auto_keeps_tp_and_pp_and_leaves_dp1_alone() -> None:
 def test_device_type_is_checked() -> None:
     with pytest.raises(ValueError, match="device_type"):
         Constraints(global_batch_size=8, micro_batch_size=1, seq_len=8, device_type="tpu")
+
+
+@pytest.mark.parametrize("n", [1, 2, 12, 97, 1 << 24, 14414400, 2**32 + 15, 2**40])
+def test_the_remembered_divisors_are_every_divisor_up_to_the_limit(n):
+    from parallel.planner import _divisors_upto
+    for limit in (0, 1, 5, 64, 4096, 1 << 20):
+        want = [d for d in range(1, min(limit, n) + 1) if n % d == 0] if limit <= 4096 or n < 2**32 else None
+        got = _divisors_upto(n, limit)
+        assert got == sorted(got) and all(n % d == 0 and d <= limit for d in got)
+        if want is not None:
+            assert got == want
