@@ -127,5 +127,7 @@ def test_seq_len_defaults_from_config_json_once_it_is_read(hf_dir):
     assert resolved.data.seq_len == 64  # config.json's max_position_embeddings
     assert JobConfig.from_dict(resolved.to_dict()) == resolved
     assert resolve_init_from(resolved).data.seq_len == 64  # a rank resolving again finds the same
+    from service.server.specs import validate_spec
+    assert validate_spec(s).data.seq_len == 64  # the REST submit's edge resolves it the same way
     s["model"]["overrides"] = {"max_seq_len": 256}
     assert resolve_init_from(JobConfig.from_dict(s)).data.seq_len == 128
