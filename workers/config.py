@@ -25,6 +25,11 @@ from parallel.planner import Constraints, Plan, PlanError, plan
 from workers.strict import ConfigError, build
 
 
+DEFAULT_SEQ_LEN = 128
+"""data.seq_len when the config names none and the model's context is longer: small enough that a default
+run on a laptop stays cheap whatever context the model was made for."""
+
+
 def _positive(section: str, obj: Any, *names: str, allow_zero: bool = False) -> None:
     for n in names:
         v = getattr(obj, n)
@@ -87,8 +92,10 @@ class DataConfig:
     token file (nanoGPT-style memmap)."""
     path: str | None = None
     """Directory of text files (corpus; default: the Python standard library source) or token file."""
-    seq_len: int = 128
-    """Tokens per sample (the model sees seq_len inputs and predicts seq_len targets)."""
+    seq_len: int | None = None
+    """Tokens per sample (the model sees seq_len inputs and predicts seq_len targets); at most the model's
+    max_seq_len. None: the model's context capped at DEFAULT_SEQ_LEN (and at its sliding_window), filled
+    in by JobConfig once the model's shape is known, so a resolved JobConfig always holds a number."""
     max_bytes: int = 4_000_000
     """Corpus: read at most this many bytes of text (files in sorted order)."""
     suffixes: list[str] = field(default_factory=lambda: [".py"])
@@ -356,9 +363,13 @@ class JobConfig:
         if not self.model.is_resolved:
             return  # judged by resolve_init_from, which builds this config again with the model's shape
         mc = self.model.build()
+        if self.data.seq_len is None:  # the model's context, capped: every reader downstream sees a number
+            fits = min(DEFAULT_SEQ_LEN, mc.max_seq_len, mc.sliding_window or mc.max_seq_len)
+            object.__setattr__(self, "data", dataclasses.replace(self.data, seq_len=fits))
         if self.data.seq_len > mc.max_seq_len:
-            raise ConfigError(f"data.seq_len={self.data.seq_len} exceeds model max_seq_len={mc.max_seq_len}",
-                              loc=('data', 'seq_len'))
+            raise ConfigError(f"data.seq_len={self.data.seq_len} exceeds model max_seq_len={mc.max_seq_len}: "
+                              f"set data.seq_len <= {mc.max_seq_len}, or leave it out to take "
+                              f"min({DEFAULT_SEQ_LEN}, max_seq_len)", loc=('data', 'seq_len'))
         if mc.sliding_window is not None and self.data.seq_len > mc.sliding_window:
             raise ConfigError(f"data.seq_len={self.data.seq_len} is longer than the model's sliding_window="
                               f"{mc.sliding_window}; sliding-window attention is not implemented (within the "
@@ -401,6 +412,10 @@ def job_constraints(cfg: JobConfig, *, layout: str | Layout | None = None, devic
     `layout` (text or a Layout) replaces parallel.layout; a forced layout fixes tp and pp, so the
     config's tp/pp do not go with it. `device_type` is the device the ranks run on where the caller
     knows it (torchrun), else `job_device_type(cfg)`. `overrides` replace Constraints fields."""
+    if cfg.data.seq_len is None:  # a default seq_len waits for the model's shape
+        raise ConfigError(f"model.init_from {cfg.model.init_from!r} has not been read, so data.seq_len's default "
+                          "is unknown: the job's edge calls workers.disk_checks.resolve_init_from first",
+                          loc=('data', 'seq_len'))
     pc = cfg.parallel
     text = layout or pc.layout
     forced = Layout.parse(text, dp_mode=pc.dp_mode) if isinstance(text, str) else text

@@ -112,3 +112,36 @@ def test_float8_recipe_is_read_and_defaults_to_none():
 
     with pytest.raises(ConfigError, match="train.float8 must be one of none, tensorwise, rowwise, got 'int8'"):
         TrainConfig(float8="int8")
+
+
+def test_seq_len_defaults_to_the_models_context_capped_at_128():
+    short = JobConfig.from_dict({"model": {"overrides": {"max_seq_len": 64}}})
+    assert short.data.seq_len == 64
+    assert JobConfig.from_dict({}).model.build().max_seq_len > 128 and JobConfig.from_dict({}).data.seq_len == 128
+    windowed = JobConfig.from_dict({"model": {"overrides": {"sliding_window": 48}}})
+    assert windowed.data.seq_len == 48
+    assert JobConfig.from_dict({"model": {"overrides": {"max_seq_len": 64}}, "data": {"seq_len": 32}}).data.seq_len == 32
+    assert JobConfig.from_dict({"data": {"seq_len": None}}).data.seq_len == 128
+    assert job_constraints(short).seq_len == 64
+
+
+def test_a_seq_len_beyond_the_model_is_refused_in_one_line_naming_both():
+    with pytest.raises(ConfigError) as e:
+        JobConfig.from_dict({"model": {"overrides": {"max_seq_len": 64}}, "data": {"seq_len": 65}})
+    assert str(e.value).startswith("data.seq_len=65 exceeds model max_seq_len=64: set data.seq_len <= 64")
+    assert "\n" not in str(e.value) and e.value.loc == ("data", "seq_len")
+
+
+def test_a_defaulted_seq_len_survives_json_and_keeps_the_checkpoint_digest():
+    import dataclasses
+    import json
+
+    from workers.config import with_steps
+
+    short = JobConfig.from_dict({"model": {"overrides": {"max_seq_len": 64}}})
+    back = JobConfig.from_dict(json.loads(json.dumps(short.to_dict())))
+    assert back == short and back.data.seq_len == 64 and back.digest() == short.digest()
+    assert with_steps(short, 5).data.seq_len == 64
+    assert dataclasses.replace(short, name="other").data.seq_len == 64
+    # A checkpoint written when 128 was the fixed default resumes with the same config digest.
+    assert JobConfig.from_dict({}).digest() == JobConfig.from_dict({"data": {"seq_len": 128}}).digest()

@@ -1,7 +1,8 @@
 """Every file in examples/ runs as written on a CPU machine, for a few steps (`--steps`), through the
 rank entry point `elastron train` launches. The continue-pretraining example finds what its comments
 say to make at the relative paths it names: a Hugging Face Llama in models/my-llama (tiny, random, with
-a tokenizer trained here) and `elastron data prepare`'s output in data/my-text."""
+a tokenizer trained here, whose context is shorter than data.seq_len's default cap, so the example's
+default comes from the model) and `elastron data prepare`'s output in data/my-text."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def make_workspace(cwd: Path) -> None:
     llama = cwd / "models" / "my-llama"
     transformers.LlamaForCausalLM(transformers.LlamaConfig(
         hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-        intermediate_size=48, max_position_embeddings=512)).save_pretrained(llama)
+        intermediate_size=48, max_position_embeddings=64)).save_pretrained(llama)  # 64 < the default cap
     tok.save(str(llama / "tokenizer.json"))
     (llama / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
     (cwd / "my-text").mkdir()
@@ -49,3 +50,5 @@ def test_example_runs_as_written(example, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in rows] == [1, 2] and all(0 < m["loss"] < 20 for m in rows)
+    if example.name == "continue-pretraining.yaml":  # no data.seq_len: the model's 64 positions, not 128
+        assert rows[-1]["tokens"] == 2 * 64 * 64, rows[-1]  # steps x global_batch_size x seq_len

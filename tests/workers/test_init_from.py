@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from workers.config import ConfigError, JobConfig
+from workers.config import ConfigError, JobConfig, job_constraints
 from workers.disk_checks import resolve_init_from
 
 transformers = pytest.importorskip("transformers")
@@ -114,3 +114,20 @@ def test_the_server_refuses_an_init_from_outside_its_data_roots(tmp_path):
     with pytest.raises(SpecError) as e:
         check_paths(spec("/etc"), run_dir=None, runs_root=tmp_path, data_roots=[tmp_path / "data"])
     assert e.value.loc == ("spec", "model", "init_from") and "outside the server's data roots" in e.value.msg
+
+
+def test_seq_len_defaults_from_config_json_once_it_is_read(hf_dir):
+    s = spec(hf_dir)
+    del s["data"]["seq_len"]
+    cfg = JobConfig.from_dict(s)
+    assert cfg.data.seq_len is None  # the model's context is not known yet
+    with pytest.raises(ConfigError, match="has not been read, so data.seq_len's default is unknown"):
+        job_constraints(cfg)
+    resolved = resolve_init_from(cfg)
+    assert resolved.data.seq_len == 64  # config.json's max_position_embeddings
+    assert JobConfig.from_dict(resolved.to_dict()) == resolved
+    assert resolve_init_from(resolved).data.seq_len == 64  # a rank resolving again finds the same
+    from service.server.specs import validate_spec
+    assert validate_spec(s).data.seq_len == 64  # the REST submit's edge resolves it the same way
+    s["model"]["overrides"] = {"max_seq_len": 256}
+    assert resolve_init_from(JobConfig.from_dict(s)).data.seq_len == 128

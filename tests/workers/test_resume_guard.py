@@ -70,3 +70,37 @@ def test_a_named_foreign_directory_is_read_only_and_used_only_until_the_job_has_
     # directory, and a restart resumes at 4, not at a's 2.
     (again,) = run_ranks(1, body, spec("b", mine, resume_from=theirs), [spec("b", mine, resume_from=theirs)], 4)
     assert again == [["resumed", 4]] and sorted(os.listdir(theirs)) == before
+
+
+def defaulted_seq_len_runs(straight_dir: str, split_dir: str) -> dict:
+    import json
+
+    import torch
+
+    from parallel.layout import Layout
+    from workers.config import JobConfig
+    from workers.trainer import Trainer
+
+    def cfg(ckpt_dir: str) -> JobConfig:
+        s = spec("d", ckpt_dir)
+        del s["data"]["seq_len"]  # taken from the model: min(128, 32)
+        s["model"]["overrides"] = {"max_seq_len": 32}
+        return JobConfig.from_dict(s)
+
+    cpu = torch.device("cpu")
+    straight = [m.loss for m in Trainer(cfg(straight_dir), layout=Layout(), device=cpu).build().fit(4)]
+    first = cfg(split_dir)
+    split = [m.loss for m in Trainer(first, layout=Layout(), device=cpu).build().fit(2)]
+    again = JobConfig.from_dict(json.loads(json.dumps(first.to_dict())))  # as a restarted job reads it back
+    t = Trainer(again, layout=Layout(), device=cpu).build()
+    saved, resumed = t.resumed_from.state["job_config_digest"], t.step
+    split += [m.loss for m in t.fit(4)]
+    return {"seq_len": again.data.seq_len, "resumed": resumed, "digests": [saved, again.digest()],
+            "straight": straight, "split": split}
+
+
+def test_a_defaulted_seq_len_resumes_identically(tmp_path):
+    (got,) = run_ranks(1, defaulted_seq_len_runs, str(tmp_path / "straight"), str(tmp_path / "split"))
+    assert got["seq_len"] == 32 and got["resumed"] == 2
+    assert got["digests"][0] == got["digests"][1]  # the checkpoint's config is this job's, unchanged
+    assert got["split"] == pytest.approx(got["straight"], rel=1e-4) and len(got["split"]) == 4
