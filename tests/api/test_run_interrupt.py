@@ -21,7 +21,10 @@ def test_ctrl_c_stops_the_job_and_says_so_in_one_line(tmp_path):
     env.pop("RAY_ADDRESS", None)
     p = subprocess.Popen([sys.executable, "-m", "api.cli", "run", str(ROOT / "examples" / "tiny.yaml"), "--steps",
                           "100000", "--workers", "1", "--run-dir", str(tmp_path / "run")],
-                         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         # as a terminal's Ctrl-C finds it: a suite started in the background (`cmd &`) passes
+                         # SIGINT on ignored, and an ignored SIGINT never reaches Python's handler
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 240
         metrics = tmp_path / "run" / "metrics.jsonl"
