@@ -82,6 +82,8 @@ class Worker:
         self.received = None
         """The state a `reshard()` delivered for the new layout, until `join(adopt=True)` takes it."""
         self._rows: list[dict] = []
+        self.warmed: dict[str, float] | None = None
+        """Seconds each one-time cost took (`warm_up`), once paid; None: not warmed up."""
         self._reservation = None
         """The placement group holding this worker's slot when it runs outside one: a standby, once
         claimed as a member (`claim`)."""
@@ -96,7 +98,20 @@ class Worker:
         import ray
 
         return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
-                "pid": os.getpid(), "pg": self.placement()}
+                "pid": os.getpid(), "pg": self.placement(), "warmed": self.warmed}
+
+    def warm_up(self) -> dict[str, float] | None:
+        """A standby pays its process's one-time costs while it waits (`workers.warmup`), so that once
+        claimed it starts at the speed of a warm worker. A warm-up that fails is logged and leaves the
+        worker usable (cold). Returns the seconds each cost took."""
+        from workers.config import job_device_type
+        from workers.warmup import warm_up
+
+        try:
+            self.warmed = warm_up(job_device_type(self.cfg), job_name=self.cfg.name)
+        except Exception:
+            logger.warning("the warm-up of this standby worker failed; it stays usable, cold", exc_info=True)
+        return self.warmed
 
     def placement(self):
         """The placement group holding this worker's slot: the one it runs in, or the one it was claimed

@@ -10,7 +10,7 @@ tears down after), so a standby worker that is later given a rank starts at the 
 (`workers.compile_cache`), so a compiled job's workers reuse each other's graphs.
 
     from workers.warmup import warm_up
-    timings = warm_up("auto", job_name=spec.name)   # in the standby actor, after it imports torch
+    timings = warm_up("cpu", job_name=cfg.name)   # what `Worker.warm_up` runs in each new standby
 """
 
 from __future__ import annotations

@@ -440,7 +440,7 @@ class WorkerGroup:
         reserves nothing: it runs pinned to its node and holds a slot only once claimed as a member
         (`_take_standby`). Each call reads the standbys' last ping (`info`) and sends the next: those
         that died (or whose node did) are dropped, as are those on nodes that host no member any more.
-        Returns how many were started."""
+        A new standby first warms up (`Worker.warm_up`). Returns how many were started."""
         per_node = self.cfg.resources.standby_per_node if not self.gpus else 0
         hosts = {m.node_id for m in self.members}
         standby = self.standby
@@ -457,6 +457,7 @@ class WorkerGroup:
         for nid in need:
             actor = self._actor(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False),
                                 **self._named(STANDBY))
+            actor.warm_up.remote()  # paid while it waits; its ping (and a claim) answer after it
             self.workers.append(WorkerHandle(actor, nid, None, Role.STANDBY, ping=actor.info.remote()))
         return len(need)
 
