@@ -354,6 +354,10 @@ def table(s: dict) -> str:
         ("first step / second step", f"{s['first_step_s']:.2f} / {s['second_step_s']:.2f} s", ""),
         ("resume (build, cold cache)", f"{s['resume_build_s']:.2f} s",
          ", ".join(f"{k} {v:.2f}" for k, v in s["resume_phases"].items())),
+        ("  its load", f"{s['resume_load_phases'].get('read', 0.0):.2f} s read",
+         ", ".join(f"{k.removeprefix('read.').removesuffix(' (thread-s)')} {v:.2f}" for k, v in s["resume_load_phases"].items()
+                   if k.startswith("read."))
+         + " (thread-s)"),
         ("raw cold read of the same files", f"{s['cold_read_s']:.2f} s", f"{s['ckpt_gb']:.2f} GB"),
         ("resume - cold read", f"{s['resume_minus_cold_read_s']:+.2f} s", "target <= +0.5 s"),
         ("restart to first step", f"{s['restart_to_first_step_s']:.2f} s", ""),

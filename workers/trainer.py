@@ -205,7 +205,7 @@ class Trainer:
                                                   checksum=c.checksum, io_threads=c.io_threads)
             clock.lap("checkpointer")
             if resume:
-                self.resume()
+                self.resume(fresh=True)  # the shards were allocated unset just above
                 clock.lap("resume")
         if resume and self.resumed_from is None and cfg.model.init_from is not None:
             self.load_init_from()  # a fresh start; the run's own checkpoint, when there is one, wins
@@ -268,14 +268,16 @@ class Trainer:
         return {"init_from": self.cfg.model.init_from, "tokenizer": (meta or {}).get("tokenizer"),
                 "eos_id": (meta or {}).get("eos_id")}
 
-    def resume(self) -> Manifest | None:
-        """Load the newest loadable checkpoint (any layout) and restore step, data position and RNG."""
+    def resume(self, *, fresh: bool = False) -> Manifest | None:
+        """Load the newest loadable checkpoint (any layout) and restore step, data position and RNG.
+        `fresh`: the shards hold no values yet (during `build()`), so the load may read into them
+        directly; a load that fails then leaves them unusable, as unset shards are anyway."""
         src, named = self.checkpointer, self.cfg.checkpoint.resume_from
-        m = src.load_latest(self.model, self.optimizer, expected=self.expected_tensors())
+        m = src.load_latest(self.model, self.optimizer, expected=self.expected_tensors(), fresh=fresh)
         if m is None and named and named.rstrip("/") != str(src.root).rstrip("/"):
             c = self.cfg.checkpoint  # another job's checkpoints, named on purpose: read, never written
             src = CheckpointManager(named, keep_last=c.keep_last, io_threads=c.io_threads, read_only=True)
-            m = src.load_latest(self.model, self.optimizer, expected=self.expected_tensors())
+            m = src.load_latest(self.model, self.optimizer, expected=self.expected_tensors(), fresh=fresh)
         if m is None:
             return None
         where = f"checkpoint {src.root} step {m.step}"

@@ -2,7 +2,8 @@
 
 Each candidate, newest first: rank 0 reads the manifest and shares it; every rank checks it (structure,
 the model's shapes), checks the sizes of its share of the files (format 1: their whole-file sha256 too),
-then reads the blocks it needs, verifying each before it reaches a parameter (`tensor_io.read_into`).
+then reads the blocks it needs, verifying each before it reaches a parameter that holds data
+(`tensor_io.read_into`; a trainer being built reads into its unset shards directly).
 The ranks agree on the outcome after each stage.
 
 Two kinds of failure are told apart:
@@ -75,7 +76,7 @@ def _agree(mgr: "Checkpoints", out: _Outcome) -> _Outcome:
 
 
 def _attempt(mgr: "Checkpoints", path: str, model: nn.Module, optimizer: torch.optim.Optimizer,
-             expected: dict | None) -> _Outcome:
+             expected: dict | None, fresh: bool = False) -> _Outcome:
     comm, st, tm = mgr._comm, mgr.storage, mgr.load_timings
     transient: list[str] = []
     text, why, transient = comm.broadcast(
@@ -103,7 +104,8 @@ def _attempt(mgr: "Checkpoints", path: str, model: nn.Module, optimizer: torch.o
     def read(targets: dict[str, Any]) -> None:
         t_read = time.perf_counter()
         parts: dict[str, float] = {}
-        tm.bytes = read_into(st, path, manifest, targets, threads=mgr.io_threads, verify=blockwise, stats=parts)
+        tm.bytes = read_into(st, path, manifest, targets, threads=mgr.io_threads, verify=blockwise, stats=parts,
+                             in_place=fresh)
         tm.phases["read"] = time.perf_counter() - t_read
         tm.phases.update({f"read.{k} (thread-s)": v for k, v in parts.items()})
 
@@ -121,18 +123,22 @@ def _attempt(mgr: "Checkpoints", path: str, model: nn.Module, optimizer: torch.o
 
 
 def load_newest(mgr: "Checkpoints", model: nn.Module, optimizer: torch.optim.Optimizer,
-                expected: dict[str, tuple[tuple[int, ...], str]] | None) -> Manifest | None:
+                expected: dict[str, tuple[tuple[int, ...], str]] | None, fresh: bool = False) -> Manifest | None:
     """What `CheckpointManager.load_latest` does (collective): load the newest checkpoint that passes
     every check, and return its manifest; None if there is no checkpoint at all. If none loads,
     CheckpointError names each one and its first problem, and nothing is moved. `expected` (canonical
-    name -> (global shape, dtype)) lets the check reject another model's checkpoint before any read."""
+    name -> (global shape, dtype)) lets the check reject another model's checkpoint before any read.
+    `fresh`: the model and optimizer hold no values yet (a trainer being built), so blocks may be read
+    straight into them (`read_into(in_place=True)`); a candidate that fails its checksums then leaves
+    bad bytes there, which the next candidate's load overwrites, or which are discarded with the
+    trainer when none loads."""
     comm, st = mgr._comm, mgr.storage
     names = comm.broadcast(list_step_dirs(st) if mgr.rank == 0 else None)
     skipped: list[tuple[str, list[str], bool]] = []  # (path, problems, committed)
     for _, name in names:
         path = st.join(st.root, name)
         for attempt in range(READ_ATTEMPTS):
-            out = _attempt(mgr, path, model, optimizer, expected)
+            out = _attempt(mgr, path, model, optimizer, expected, fresh)
             if not out.transient or out.problems:
                 break
             if attempt + 1 < READ_ATTEMPTS:

@@ -403,9 +403,12 @@ class CheckpointManager:
 
     # -- load --------------------------------------------------------------------------------------
     def load_latest(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
-                    expected: dict[str, tuple[tuple[int, ...], str]] | None = None) -> Manifest | None:
+                    expected: dict[str, tuple[tuple[int, ...], str]] | None = None,
+                    fresh: bool = False) -> Manifest | None:
         """Load the newest checkpoint that passes every check into `model` and `optimizer` (any layout),
-        and return its manifest; None if there is no checkpoint at all (see `loader.load_newest`)."""
+        and return its manifest; None if there is no checkpoint at all (see `loader.load_newest`).
+        `fresh=True` only for a model and optimizer that hold no values yet (they may be read into
+        directly; a failed load leaves them unusable)."""
         self.flush()
         self.load_timings = Timings()
-        return load_newest(self, model, optimizer, expected)
+        return load_newest(self, model, optimizer, expected, fresh)

@@ -244,6 +244,17 @@ def test_bad_newest_checkpoint_falls_back_with_reason(run, caplog, kind, reason)
     assert STEP_DIR.format(4) in warning and reason in warning
 
 
+def test_a_fresh_load_past_a_bad_newest_checkpoint_overwrites_what_it_read(run):
+    """`fresh=True` reads blocks straight into the shards, so the newest checkpoint's good blocks land
+    there before its bit flip is found; the older checkpoint's load must then overwrite every one."""
+    root, _, _, snaps = run
+    _corrupt("bit flip", root, 4)
+    model, opt = tiny(seed=5)
+    loaded = CheckpointManager(root).load_latest(model, opt, expected=expected(model), fresh=True)
+    assert loaded.step == 2
+    assert_same(snapshot(model, opt), snaps[2])
+
+
 @pytest.mark.parametrize("kind,reason", CORRUPTIONS)
 def test_no_loadable_checkpoint_fails_with_reason(run, kind, reason):
     root, *_ = run

@@ -340,3 +340,34 @@ def test_a_persistent_read_error_fails_without_moving_or_rolling_back(tmp_path, 
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step-")) == [
         "step-00000001", "step-00000002"]
     assert torch.equal(snapshot(fresh, fresh_opt)["p.output.weight"], before["p.output.weight"])
+
+
+def test_in_place_reads_land_in_the_targets_without_the_read_buffer(tmp_path, monkeypatch):
+    """`in_place`: blocks that land in a host target unchanged (whole rows, same dtype, contiguous) are
+    read straight into it and verified there; any other target (a column slice, another dtype) still
+    goes through the read buffer, and every target gets its values either way."""
+    from parallel.checkpoint import tensor_io
+
+    a, b = torch.randn(12, 4), torch.randn(5, 3, 2)
+    st, d, m = _write(tmp_path, {"a": (a, (0, 0)), "b": (b, (0, 0, 0))}, block_bytes=2 * 4 * 4, files=2)
+    used = []
+    get = tensor_io._Scratch.get
+    monkeypatch.setattr(tensor_io._Scratch, "get", lambda self, n: used.append(n) or get(self, n))
+    out_a, out_b = torch.empty(12, 4), torch.empty(5, 3, 2)
+    read_into(st, d, m, {"a": Target(out_a, (0, 0)), "b": Target(out_b, (0, 0, 0))}, in_place=True)
+    assert torch.equal(out_a, a) and torch.equal(out_b, b) and used == []
+    cols, half = torch.empty(12, 2), torch.empty(5, 3, 2, dtype=torch.float64)
+    read_into(st, d, m, {"a": Target(cols, (0, 1)), "b": Target(half, (0, 0, 0))}, in_place=True)
+    assert torch.equal(cols, a[:, 1:3]) and torch.equal(half, b.double()) and used
+
+
+def test_in_place_reads_still_refuse_a_corrupt_block(tmp_path):
+    full = torch.randn(16, 8)
+    st, d, m = _write(tmp_path, {"w": (full, (0, 0))}, block_bytes=128)
+    (name,) = m.files
+    path = os.path.join(d, name)
+    data = bytearray(open(path, "rb").read())
+    data[-3] ^= 0x10
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(CheckpointError, match="fails its xxh3-128 checksum"):
+        read_into(st, d, m, {"w": Target(torch.empty_like(full), (0, 0))}, in_place=True)
