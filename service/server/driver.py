@@ -45,10 +45,19 @@ class JobRunner:
         self.on_tick = on_tick
         self.error: str | None = None
         self._abandoned = False
+        self._ended = threading.Event()
+        """Set once the loop has returned. Waited on instead of Thread.join: a join that Ctrl-C interrupts
+        (Python 3.11) marks the thread as ended while it still runs, and a later join returns at once."""
         self._thread = threading.Thread(target=self._run, name=f"elastron-job-{job.id}", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self._ended.set()
+
+    def _loop(self) -> None:
         try:
             self.coord.run(self.on_tick)
         except Exception as e:
@@ -65,7 +74,7 @@ class JobRunner:
 
     # -- reads -------------------------------------------------------------------------------------------
     def status(self) -> JobStatus:
-        return self.coord.status().with_runner(running=self._thread.is_alive(), error=self.error, pid=os.getpid())
+        return self.coord.status().with_runner(running=not self._ended.is_set(), error=self.error, pid=os.getpid())
 
     def events_since(self, index: int = 0) -> list[dict]:
         return self.coord.events_since(index)
@@ -83,7 +92,7 @@ class JobRunner:
         self._abandoned = True
         self.coord.watcher.stop()
         self.coord.halt()
-        self._thread.join(timeout_s)
+        self._ended.wait(timeout_s)
 
     # -- commands (queued; the loop applies them at its next step) ---------------------------------------
     def send(self, cmd: Command) -> None:
@@ -91,8 +100,7 @@ class JobRunner:
 
     def join(self, timeout: float | None = None) -> bool:
         """Wait for the loop to end; True if it has."""
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        return self._ended.wait(timeout)
 
     def ping(self) -> str:
         return self.job_id
