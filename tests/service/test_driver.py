@@ -31,12 +31,16 @@ class SlowToHalt:
 def test_abandon_after_an_interrupted_join_waits_for_the_loop_to_end(tmp_path):
     runner = JobRunner(Job.of(JobConfig(), job_id="j", run_dir=tmp_path), coordinator_factory=SlowToHalt)
     main = threading.main_thread().ident
-    threading.Timer(0.3, signal.pthread_kill, (main, signal.SIGINT)).start()  # Ctrl-C during the join
+    # Python's own Ctrl-C handler, whatever this suite inherited (started in the background, SIGINT is ignored)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
+        threading.Timer(0.3, signal.pthread_kill, (main, signal.SIGINT)).start()  # Ctrl-C during the join
         runner.join()
         raise AssertionError("the join was not interrupted")
     except KeyboardInterrupt:
         pass
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert not runner.join(timeout=0)  # an interrupted join does not count the loop as ended
     runner.abandon(timeout_s=10)
     assert runner.coord.released.is_set()  # abandon returned only once the loop had released its workers
