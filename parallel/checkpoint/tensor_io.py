@@ -340,8 +340,9 @@ def read_into(storage: Storage, ckpt: str, manifest: Manifest, targets: dict[str
     `verify=False` skips block digests (format 1, whose whole-file sha256 the caller checked first).
     `file_keys` maps a manifest key to the tensor's name inside the files when they differ. `stats`, if
     given, gets the seconds spent in reads (`io`), checksums (`verify`) and copies (`copy`), summed over
-    the reading threads, and in mapping host targets in beside them (`prefault`). `read_through=False`: never read a file's gaps, even where the rank needs
-    most of it (a Hugging Face import reads only the slices each rank owns). `in_place=True`: the targets
+    the reading threads, and in mapping host targets in beside them (`prefault`). `read_through=False`:
+    never read a file's gaps, even where the rank needs most of it (a Hugging Face import reads only the
+    slices each rank owns). `in_place=True`: the targets
     hold no data yet (memory allocated for this load, discarded if it fails), so blocks that land in a
     host target unchanged (whole rows, same dtype, contiguous) are read straight into it and verified
     there, one copy less; a checksum mismatch still fails the load, but leaves the bad bytes in that

@@ -150,8 +150,8 @@ def schedule(ledger: Ledger, jobs: Iterable[JobRequest], quotas: Mapping[str, Qu
             why_not[j.job_id] = (
                 f"needs {j.min_workers} workers but {who}'s quota allows {q.max_workers}: it cannot start "
                 "until the quota grows" if j.min_workers > q.max_workers else
-                f"needs {j.min_workers} workers but {who}'s jobs ahead of it keep {owner_workers.get(j.owner, 0)} of the "
-                f"{q.max_workers} its quota allows (they hold {held_now} now)")
+                f"needs {j.min_workers} workers but {who}'s jobs ahead of it keep {owner_workers.get(j.owner, 0)} "
+                f"of the {q.max_workers} its quota allows (they hold {held_now} now)")
             continue
         mine = held[j.job_id]
         # What jobs of higher priority hold above their minimum is not to be taken, not even by a
