@@ -6,4 +6,4 @@ bash scripts/install.sh
 # Debian chromium for the dashboard's browser test (playwright drives it; no browser download).
 bash scripts/browser-deps.sh || echo "test.sh: browser deps unavailable; the dashboard test will be skipped" >&2
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec .venv/bin/python -m pytest -q -ra "$@"
+exec .venv/bin/python -m pytest -q -ra --durations=40 "$@"
