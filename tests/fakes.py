@@ -73,7 +73,7 @@ class FakeGroup:
     def keep_standby(self):
         return 0
 
-    def stop_members(self):
+    def stop_members(self, *, dead=()):
         self.members = []
 
     def form(self, plan, *, adopt=False):

@@ -220,14 +220,15 @@ class Coordinator:
         if self.cfg.parallel.reshard != "live" or state.lost is None:
             return pending
         self.plan = state.lost  # what `_salvage` checks their shards against
-        survivors, kept = self._salvage(self.health.gone(snap, sorted(group.nodes())), abort=False)
+        gone = self.health.gone(snap, sorted(group.nodes()))
+        survivors, kept = self._salvage(gone, abort=False)
         self.plan = None  # no layout runs until the next group forms
         if survivors is not None and record is not None:
             # the workers may have finished a step the lost coordinator never recorded (their metrics
             # came back with the salvage): the heal moves from there, not from its last recorded step
             record.step_before = self.step_done
         if not kept:
-            self._drop_members()
+            self._drop_members(gone)
         return replace(pending, survivors=survivors)
 
     def _on_pending(self, state: Pending, snap: ClusterSnapshot) -> State:
@@ -604,9 +605,9 @@ class Coordinator:
 
             if salvage:
                 survivors, kept = self._salvage(gone, dead=found_dead, timeout_s=patience_s)
-            if not kept:
-                self._drop_members()
             dead = gone | probing.result()
+        if not kept:
+            self._drop_members(dead)
         # waited_s: since the failure was noticed, in the salvage and the probe
         self.sm.note("failure", reason=str(err), step=self.step_done, cause="failure",
                      details={"kind": err.kind, "unresponsive_nodes": sorted(dead),
@@ -673,8 +674,9 @@ class Coordinator:
             self.group.shutdown()
             self.group = None
 
-    def _drop_members(self) -> None:
-        """After a failure that kept no worker: stop every member, but keep the group's standbys for the
-        re-form to claim (a shutdown would stop them too, and every worker would start afresh)."""
+    def _drop_members(self, dead: set[str]) -> None:
+        """After a failure that kept no worker: stop every member, but keep the group's standbys, and
+        its spares off the `dead` nodes, for the re-form to claim (a shutdown would stop them too, and
+        every worker would start afresh)."""
         if self.group is not None:
-            self.group.stop_members()
+            self.group.stop_members(dead=dead)

@@ -103,8 +103,9 @@ class Group(Protocol):
         """One member per entry of `nodes`, survivors kept."""
     def prewarm(self, nodes: list[str]) -> int:
         """Start workers on `nodes` ahead of a growth, without making them members; returns how many."""
-    def stop_members(self) -> None:
-        """Stop every member (after a failure that kept none); standbys stay for the next start."""
+    def stop_members(self, *, dead: Collection[str] = ()) -> None:
+        """Stop every member (after a failure that kept none); standbys, and spares off the `dead`
+        nodes, stay for the next start."""
     def keep_standby(self) -> int:
         """Keep idle workers started beside the members (the job's `resources.standby_per_node`), to
         replace a member that crashes without a process start; returns how many it started now."""

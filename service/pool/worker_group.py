@@ -200,13 +200,14 @@ class WorkerGroup:
         return self._get(refs, what, timeout=0)
 
     def shutdown(self) -> None:
-        self.stop_members()
-        self._stop(self.standby)
-
-    def stop_members(self) -> None:
-        """Stop every member and spare; standbys stay (`shutdown` stops them too)."""
         self._settle()
-        self._stop(self.members + self.spares)
+        self._stop(list(self.workers))
+
+    def stop_members(self, *, dead: Collection[str] = ()) -> None:
+        """Stop every member, and the spares on `dead` nodes or whose start failed; the other spares and
+        the standbys stay for the next start (`shutdown` stops them too)."""
+        self._settle()
+        self._stop(self.members + [w for w in self.spares if w.node_id in dead or not _sound(w.ping)])
 
     # -- collective operations ---------------------------------------------------------------------------
     def form(self, plan: Plan, *, adopt: bool = False) -> Formed:
@@ -516,8 +517,15 @@ class WorkerGroup:
         answered; `watch`: the nodes of the members kept beside them, probed with those being started on."""
         try:
             infos = self._await_starts(launched, watch=watch)
-        except WorkerFailure:  # none of them is a member yet: release all, or their CPUs stay held
-            self._stop(launched)
+        except WorkerFailure as e:
+            # none of them is a member yet: those that came up on a live node stay as spares for the next
+            # start (a second fault during a recovery's start then costs no process start); the rest are
+            # stopped, or their slots stay held
+            up = [w for w in launched if _answered(w.ping) and ray.get(w.ping)["node_id"] not in e.nodes]
+            for w in up:
+                w.role, w.node_id = Role.SPARE, ray.get(w.ping)["node_id"]
+            self.workers += up
+            self._stop([w for w in launched if all(w is not u for u in up)])
             raise
         for w, i in zip(launched, infos):
             w.node_id, w.ip, w.role, w.rejoins, w.ping = i["node_id"], i["ip"], Role.MEMBER, False, None
@@ -611,6 +619,21 @@ class WorkerGroup:
             ray.kill(actor, no_restart=True)
         except Exception:  # already gone is fine
             logger.debug("kill of a worker failed", exc_info=True)
+
+
+def _answered(ping) -> bool:
+    """Whether the `info` (or `claim`) call `ping` has finished without an error."""
+    try:
+        ray.get(ping, timeout=0)
+        return True
+    except (RayError, TimeoutError):
+        return False
+
+
+def _sound(ping) -> bool:
+    """Whether the call `ping` has not failed (finished well, or still running)."""
+    done, _ = ray.wait([ping], timeout=0)
+    return not done or _answered(ping)
 
 
 def _idle(ping) -> bool:

@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from service.pool.worker_group import WorkerGroup
+from service.pool.group import WorkerFailure
+from service.pool.worker_group import Role, WorkerGroup, WorkerHandle
 from tests.ray_local import local_ray  # noqa: F401  (a fixture)
 from workers.config import JobConfig
 
@@ -104,6 +105,39 @@ def test_after_a_failure_that_kept_no_member_the_standbys_are_claimed(local_ray,
         assert g.size == 0 and len(g.standby) == 1
         start = g.scale_to([me])
         assert (start.started, start.stopped) == (1, 0) and start.from_standby == 1
+        assert ray.get(g.members[0].actor.info.remote(), timeout=30)["pid"] == standby["pid"]
+    finally:
+        g.shutdown()
+    _cpus_free(2.0)
+
+
+def test_a_start_that_fails_keeps_the_workers_that_came_up_as_spares_for_the_next(local_ray, tmp_path, monkeypatch):
+    """A recovery's start that fails (a second fault: another worker of it died) keeps the standby it
+    claimed, which came up, as a spare; the failure's `stop_members` keeps it too, and the next start takes
+    it instead of a process start (seen in chaos: a double fault's second recovery started one afresh)."""
+    me = ray.get_runtime_context().get_node_id()
+    g = WorkerGroup(JobConfig(), str(tmp_path), cpus_per_worker=1, gpus_per_worker=0, job_id="t5")
+
+    @ray.remote(num_cpus=0)
+    def dies_after(_claimed):  # Ray runs it once the claim it is given has answered: a fixed order
+        raise RuntimeError("this worker's start failed")
+
+    try:
+        g.scale_to([me])
+        g.keep_standby()
+        standby = _settled_standby(g)
+        g.stop_members()
+        (claimed,) = g.standby
+        monkeypatch.setattr(g, "_launch", lambda nodes: [
+            WorkerHandle(None, n, None, Role.SPARE, ping=dies_after.remote(claimed.ping)) for n in nodes])
+        with pytest.raises(WorkerFailure, match="this worker's start failed"):
+            g.scale_to([me, me])  # claims the standby, launches one more: that one fails
+        assert g.size == 0 and not g.standby and g.spares == [claimed]
+        g.stop_members()
+        assert g.spares == [claimed]  # sound, and its node is not dead
+        monkeypatch.undo()
+        start = g.scale_to([me])
+        assert (start.started, start.from_standby) == (1, 0)
         assert ray.get(g.members[0].actor.info.remote(), timeout=30)["pid"] == standby["pid"]
     finally:
         g.shutdown()
