@@ -519,13 +519,20 @@ class WorkerGroup:
             infos = self._await_starts(launched, watch=watch)
         except WorkerFailure as e:
             # none of them is a member yet: those that came up on a live node stay as spares for the next
-            # start (a second fault during a recovery's start then costs no process start); the rest are
-            # stopped, or their slots stay held
-            up = [w for w in launched if _answered(w.ping) and ray.get(w.ping)["node_id"] not in e.nodes]
-            for w in up:
-                w.role, w.node_id = Role.SPARE, ray.get(w.ping)["node_id"]
-            self.workers += up
-            self._stop([w for w in launched if all(w is not u for u in up)])
+            # start, and so do those still coming up when the failure is a node's death (a second fault
+            # during a recovery's start then costs no process start); the rest are stopped, or their
+            # slots stay held
+            keep = []
+            for w in launched:
+                if _answered(w.ping):
+                    w.node_id = ray.get(w.ping)["node_id"]
+                elif not (e.nodes and _sound(w.ping)):
+                    continue
+                if w.node_id not in e.nodes:
+                    w.role = Role.SPARE
+                    keep.append(w)
+            self.workers += keep
+            self._stop([w for w in launched if all(w is not k for k in keep)])
             raise
         for w, i in zip(launched, infos):
             w.node_id, w.ip, w.role, w.rejoins, w.ping = i["node_id"], i["ip"], Role.MEMBER, False, None
