@@ -524,8 +524,8 @@ class WorkerGroup:
             # slots stay held
             keep = []
             for w in launched:
-                if _answered(w.ping):
-                    w.node_id = ray.get(w.ping)["node_id"]
+                if (answer := _answer(w.ping)) is not None:
+                    w.node_id = answer["node_id"]
                 elif not (e.nodes and _sound(w.ping)):
                     continue
                 if w.node_id not in e.nodes:
@@ -628,25 +628,22 @@ class WorkerGroup:
             logger.debug("kill of a worker failed", exc_info=True)
 
 
-def _answered(ping) -> bool:
-    """Whether the `info` (or `claim`) call `ping` has finished without an error."""
+def _answer(ping) -> dict | None:
+    """What the `info` (or `claim`) call `ping` answered; None while it runs, or if it failed."""
     try:
-        ray.get(ping, timeout=0)
-        return True
-    except (RayError, TimeoutError):
-        return False
+        return ray.get(ping, timeout=0)
+    except RayError:  # GetTimeoutError too
+        return None
 
 
 def _sound(ping) -> bool:
     """Whether the call `ping` has not failed (finished well, or still running)."""
     done, _ = ray.wait([ping], timeout=0)
-    return not done or _answered(ping)
+    return not done or _answer(ping) is not None
 
 
 def _idle(ping) -> bool:
     """Whether the finished `info` call `ping` says its worker is a standby still: alive, holding no
     placement group."""
-    try:
-        return ray.get(ping, timeout=0)["pg"] is None
-    except RayError:
-        return False
+    answer = _answer(ping)
+    return answer is not None and answer["pg"] is None
