@@ -26,7 +26,7 @@ from parallel.checkpoint.manifest import CheckpointError, Manifest
 from parallel.checkpoint.state import capture_rng, restore_rng
 from parallel.float8 import float8_unavailable_reason, precompute_scales_after_step
 from parallel.layout import Layout, MeshAxis
-from parallel.loss import cross_entropy
+from parallel.loss import loss_function
 from parallel.optim import build_adamw, clip_grad_norm_
 from parallel.parallelize import (
     compile_unavailable_reason,
@@ -176,6 +176,7 @@ class Trainer:
         clock.lap("optimizer")
         self.micro_batch_size = self.plan.micro_batch_size  # the planner's: it may be smaller to fit memory
         self.n_microbatches = self.plan.grad_accum_steps
+        self.loss_fn = loss_function(compiled=t.compile)
         loader = dict(seed=t.seed, global_batch_size=t.global_batch_size, micro_batch_size=self.micro_batch_size,
                       dp_rank=self.dp_rank, dp_size=layout.dp)
         try:
@@ -194,7 +195,7 @@ class Trainer:
         if layout.pp_enabled:
             self.schedule = build_schedule(
                 model, stage=self.pp_rank, pp=layout.pp, group=self.mesh[MeshAxis.PP.value].get_group(),
-                device=self.device, n_microbatches=self.n_microbatches, loss_fn=cross_entropy,
+                device=self.device, n_microbatches=self.n_microbatches, loss_fn=self.loss_fn,
                 schedule=cfg.parallel.pp_schedule,
             )
         clock.lap("data")
@@ -380,7 +381,7 @@ class Trainer:
             if backward:
                 set_grad_sync(self.model, i == n - 1)
             with self._loss_ctx():
-                loss = cross_entropy(self.model(self._to_device(x)), self._to_device(y))
+                loss = self.loss_fn(self.model(self._to_device(x)), self._to_device(y))
                 if backward:
                     (loss / n).backward()
             total += _scalar(loss).detach().float()
