@@ -91,10 +91,12 @@ def fresh_body(cfg_dict: dict, run_dir: str, device: str, saves: int) -> dict:
     _sync(device)
     out = {"build_s": time.perf_counter() - t, "build": dict(tr.build_times), "init_elements": tr.init_elements}
     for name in ("first_step_s", "second_step_s"):
+        tr.phase_times = {}
         t = time.perf_counter()
         tr.train_step()
         _sync(device)
         out[name] = time.perf_counter() - t
+        out[name.removesuffix("_s") + "_phases"], tr.phase_times = tr.phase_times, None
     out["saves"], out["save_phases"] = [], []
     for _ in range(saves):
         tr.train_step()
@@ -149,10 +151,12 @@ def resume_body(cfg_dict: dict, run_dir: str, device: str, warm: bool = False) -
     tr.build()
     _sync(device)
     t1 = time.perf_counter()
+    tr.phase_times = {}  # where a first step's time goes (each phase ends with a device sync on CUDA)
     tr.train_step()
     _sync(device)
     t2 = time.perf_counter()
     out = {"build_s": t1 - t0, "first_step_s": t2 - t1, "to_first_step_s": t2 - t0, "build": dict(tr.build_times),
+           "first_step_phases": tr.phase_times,
            "load": dict(tr.checkpointer.load_timings.phases), "resumed_from": tr.resumed_from.step,
            "init_elements": tr.init_elements, "warm_up_s": warm_s}
     tr.close()
@@ -253,6 +257,7 @@ def summarize(res: dict) -> dict:
         "fresh_build_s": round(f["build_s"], 3), "fresh_build_phases": {k: round(v, 3) for k, v in f["build"].items()},
         "init_values": f["init_elements"],
         "first_step_s": round(f["first_step_s"], 3), "second_step_s": round(f["second_step_s"], 3),
+        "first_step_phases": _phase_medians([f.get("first_step_phases", {})]),
         "first_save_s": round(f["saves"][0], 3), "steady_save_s": round(steady_save, 3),
         "first_save_ratio": round(f["saves"][0] / steady_save, 3),
         "first_save_phases": {k: round(v, 3) for k, v in f["save_phases"][0].items()},
@@ -266,6 +271,7 @@ def summarize(res: dict) -> dict:
         "resume_load_phases": _phase_medians([r["load"] for r in resume]),
         "resume_init_values": max(r["init_elements"] for r in resume),
         "restart_to_first_step_s": round(median([r["to_first_step_s"] for r in resume]), 3),
+        "restart_first_step_phases": _phase_medians([r.get("first_step_phases", {}) for r in resume]),
         "warm_resume_build_s": round(median([r["build_s"] for r in res["resume_warm"]]), 3),
         "warm_resume_phases": _phase_medians([r["build"] for r in res["resume_warm"]]),
         "warm_restart_to_first_step_s": round(median([r["to_first_step_s"] for r in res["resume_warm"]]), 3),
@@ -348,10 +354,15 @@ def projection_table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def _phases(p: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.2f}" for k, v in p.items())
+
+
 def table(s: dict) -> str:
     rows = [
         ("fresh build", f"{s['fresh_build_s']:.2f} s", ", ".join(f"{k} {v:.2f}" for k, v in s["fresh_build_phases"].items())),
-        ("first step / second step", f"{s['first_step_s']:.2f} / {s['second_step_s']:.2f} s", ""),
+        ("first step / second step", f"{s['first_step_s']:.2f} / {s['second_step_s']:.2f} s",
+         _phases(s.get("first_step_phases", {}))),
         ("resume (build, cold cache)", f"{s['resume_build_s']:.2f} s",
          ", ".join(f"{k} {v:.2f}" for k, v in s["resume_phases"].items())),
         ("  its load", f"{s['resume_load_phases'].get('read', 0.0):.2f} s read",
@@ -360,7 +371,8 @@ def table(s: dict) -> str:
          + " (thread-s)"),
         ("raw cold read of the same files", f"{s['cold_read_s']:.2f} s", f"{s['ckpt_gb']:.2f} GB"),
         ("resume - cold read", f"{s['resume_minus_cold_read_s']:+.2f} s", "target <= +0.5 s"),
-        ("restart to first step", f"{s['restart_to_first_step_s']:.2f} s", ""),
+        ("restart to first step", f"{s['restart_to_first_step_s']:.2f} s",
+         "first step: " + _phases(s.get("restart_first_step_phases", {}))),
         ("resume after warm_up (standby)", f"{s['warm_resume_build_s']:.2f} s",
          ", ".join(f"{k} {v:.2f}" for k, v in s["warm_resume_phases"].items())),
         ("  - cold read", f"{s['warm_resume_minus_cold_read_s']:+.2f} s", f"warm-up itself {s['warm_up_s']:.2f} s"),
