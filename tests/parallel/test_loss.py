@@ -69,23 +69,30 @@ def _compile_reason():
 
 @pytest.mark.skipif(_compile_reason() is not None, reason=str(_compile_reason()))
 def test_compiled_chunks_give_the_eager_loss_and_gradient():
-    """`train.compile`'s loss (the chunks through torch.compile): the eager values to rounding, in bf16 with
-    ignored tokens and an uneven last chunk, scaled in backward, and without a gradient."""
+    """`train.compile`'s loss (the full chunks through torch.compile, the shorter last one eager): the eager
+    values to rounding, in bf16 with ignored tokens, scaled in backward, and without a gradient."""
     g = torch.Generator().manual_seed(3)
-    logits = (torch.randn(2, 45, 200, generator=g) * 3).bfloat16()
-    targets = torch.randint(0, 200, (2, 45), generator=g)
-    targets[0, [4, 30]] = -100
+    logits = (torch.randn(90, 200, generator=g) * 3).bfloat16()
+    targets = torch.randint(0, 200, (90,), generator=g)
+    targets[[4, 70]] = -100  # ignored: one in a compiled chunk, one in the eager last chunk
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
     out = {}
     for compiled in (False, True):
         x = logits.clone().requires_grad_()
-        loss = cross_entropy(x, targets, compiled=compiled)
+        loss = chunked_cross_entropy(x, targets, chunk_elements=32 * 200, compiled=compiled)  # 32 + 32 + 26
         (loss / 3).backward()
         with torch.no_grad():
-            out[compiled] = loss.detach(), x.grad, cross_entropy(logits, targets, compiled=compiled)
+            no_grad = chunked_cross_entropy(logits, targets, chunk_elements=32 * 200, compiled=compiled)
+        out[compiled] = loss.detach(), x.grad, no_grad
     (loss, grad, no_grad), (ref_loss, ref_grad, ref_no_grad) = out[True], out[False]
+    # Really compiled: the chunk with and without a gradient, and the backward's scaling.
+    assert counters["stats"]["unique_graphs"] == 3, dict(counters["stats"])
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
     torch.testing.assert_close(no_grad, ref_no_grad, rtol=1e-6, atol=0)
-    assert grad.dtype == torch.bfloat16 and grad[0, [4, 30]].abs().max() == 0
+    assert grad.dtype == torch.bfloat16 and grad[[4, 70]].abs().max() == 0
     # Same fp32 arithmetic, fused: at most one bf16 rounding step apart, nearly everywhere equal.
     torch.testing.assert_close(grad.float(), ref_grad.float(), rtol=2**-7, atol=1e-9)
     assert (grad != ref_grad).float().mean() < 0.01
