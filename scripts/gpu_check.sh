@@ -13,9 +13,11 @@
 # 0. tests/distributed over NCCL, one rank per GPU (ELASTRON_TEST_DEVICE=cuda: every layout the GPUs
 #    allow, wider ones skip; a live reshard between two layouts; a hung collective aborted), then
 #    benchmarks/live_reshard.py over NCCL (tp=2 -> dp=2 on two of the GPUs).
-# PARTS picks parts by name (default: all that apply): multi, tests, bench, profile, startup, and float8
+# PARTS picks parts by name (default: all that apply): multi, tests, bench, profile, startup, float8
 # (issue 32's 8b-cut-to-8-layers rows with float8, not in the default: it needs most of a session by
-# itself); SKIP_STARTUP=1 leaves startup out of the default.
+# itself; F8_RECIPES picks the recipes, default none,tensorwise,rowwise) and loss (issue 32's float8
+# against bf16 over 300 steps of the Python standard library's text, read byte by byte; LOSS_RECIPE,
+# default tensorwise; ~3-4 minutes on an H200); SKIP_STARTUP=1 leaves startup out of the default.
 # Without a GPU it runs the single-GPU parts on the CPU defaults (tiny model) in about a minute: a dry run.
 # Each part has its own time limit, so a slow one still leaves the others their results.
 set -u
@@ -99,7 +101,7 @@ fi
 if want float8; then
     if [ "$NGPU" -ge 1 ]; then
         F8=(--device cuda --preset 8b --layers 8 --seq-len 4096 --micro-batches 2 --compile yes
-            --float8 none,tensorwise,rowwise --no-interleave)
+            --float8 "${F8_RECIPES:-none,tensorwise,rowwise}" --no-interleave)
     else
         F8=(--device cpu --layers 2 --seq-len 16 --micro-batches 1 --float8 none,tensorwise)
     fi
@@ -107,6 +109,20 @@ if want float8; then
     timeout "${FLOAT8_TIMEOUT_S:-540}" "$PY" benchmarks/gpu.py "${F8[@]}" --json "$OUT/float8.json" \
         > "$OUT/float8.log" 2>&1
     rc=$?; tail -n 20 "$OUT/float8.log"; [ $rc -eq 0 ] || status=$rc
+fi
+
+if want loss; then
+    if [ "$NGPU" -ge 1 ]; then
+        LOSS=(--device cuda --preset 8b --layers 8 --seq-len 4096 --micro-batches 2 --compile yes
+              --loss-steps 300 --loss-window 50)
+    else
+        LOSS=(--device cpu --layers 2 --seq-len 16 --micro-batches 1 --loss-steps 3 --loss-window 2)
+    fi
+    STDLIB=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
+    echo "== float8 loss: ${LOSS[*]} --loss-compare ${LOSS_RECIPE:-tensorwise}"
+    timeout "${LOSS_TIMEOUT_S:-420}" "$PY" benchmarks/gpu.py "${LOSS[@]}" --loss-compare "${LOSS_RECIPE:-tensorwise}" \
+        --data "$STDLIB" --suffixes .py --json "$OUT/float8-loss.json" > "$OUT/float8-loss.log" 2>&1
+    rc=$?; tail -n 8 "$OUT/float8-loss.log"; [ $rc -eq 0 ] || status=$rc
 fi
 
 if want startup; then
