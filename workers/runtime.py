@@ -39,7 +39,17 @@ def init_process_group(device: torch.device, *, timeout_s: float = 300.0) -> Non
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     # gloo always, for CPU collectives (DCP, async save); nccl for CUDA tensors when on GPUs.
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    # With no group in this process, name the new one as a fresh process would: torch names the default
+    # group by a counter that destroying a group resets, but a failed init (a peer died during the
+    # rendezvous) leaves it raised, and the ranks' store keys would then differ until the timeout.
+    _reset_group_names()
     dist.init_process_group(backend=backend, init_method="env://", timeout=timedelta(seconds=timeout_s))
+
+
+def _reset_group_names() -> None:
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d._world.group_count = 0
 
 
 def destroy_process_group() -> None:
