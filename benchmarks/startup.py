@@ -360,11 +360,10 @@ def _phases(p: dict[str, float]) -> str:
 
 def table(s: dict) -> str:
     rows = [
-        ("fresh build", f"{s['fresh_build_s']:.2f} s", ", ".join(f"{k} {v:.2f}" for k, v in s["fresh_build_phases"].items())),
+        ("fresh build", f"{s['fresh_build_s']:.2f} s", _phases(s["fresh_build_phases"])),
         ("first step / second step", f"{s['first_step_s']:.2f} / {s['second_step_s']:.2f} s",
          _phases(s.get("first_step_phases", {}))),
-        ("resume (build, cold cache)", f"{s['resume_build_s']:.2f} s",
-         ", ".join(f"{k} {v:.2f}" for k, v in s["resume_phases"].items())),
+        ("resume (build, cold cache)", f"{s['resume_build_s']:.2f} s", _phases(s["resume_phases"])),
         ("  its load", f"{s['resume_load_phases'].get('read', 0.0):.2f} s read",
          ", ".join(f"{k.removeprefix('read.').removesuffix(' (thread-s)')} {v:.2f}" for k, v in s["resume_load_phases"].items()
                    if k.startswith("read."))
@@ -373,8 +372,7 @@ def table(s: dict) -> str:
         ("resume - cold read", f"{s['resume_minus_cold_read_s']:+.2f} s", "target <= +0.5 s"),
         ("restart to first step", f"{s['restart_to_first_step_s']:.2f} s",
          "first step: " + _phases(s.get("restart_first_step_phases", {}))),
-        ("resume after warm_up (standby)", f"{s['warm_resume_build_s']:.2f} s",
-         ", ".join(f"{k} {v:.2f}" for k, v in s["warm_resume_phases"].items())),
+        ("resume after warm_up (standby)", f"{s['warm_resume_build_s']:.2f} s", _phases(s["warm_resume_phases"])),
         ("  - cold read", f"{s['warm_resume_minus_cold_read_s']:+.2f} s", f"warm-up itself {s['warm_up_s']:.2f} s"),
         ("  restart to first step", f"{s['warm_restart_to_first_step_s']:.2f} s", ""),
         ("first blocking save / steady", f"{s['first_save_s']:.2f} / {s['steady_save_s']:.2f} s",
