@@ -190,9 +190,9 @@ class CheckpointManager:
         cuda = any(p.data.is_cuda for p in local)
         if not (self.async_save or cuda):
             return 0
-        nbytes = state_mod.Stager.pool_bytes(self._my_pieces(local))
-        self._stager.reserve(nbytes, pin=cuda)
-        return nbytes
+        mine = self._my_pieces(local)
+        self._stager.reserve([p.nbytes for p in mine], pin=cuda)
+        return state_mod.Stager.pool_bytes(mine)
 
     def _hook(self, optimizer: torch.optim.Optimizer) -> None:
         """Make `optimizer.step()` wait until a deferred staging copy is done (registered once)."""

@@ -26,6 +26,8 @@ from torch.optim.optimizer import _get_scalar_dtype
 
 from models.llama import canonical_name
 from parallel.checkpoint.manifest import MODEL_PREFIX, OPTIM_PREFIX, CheckpointError
+from parallel.checkpoint import host_pool
+from parallel.checkpoint.host_pool import HostPool
 from parallel.checkpoint.tensor_io import Target
 from parallel.checkpoint.writer import Piece
 from parallel.unset import mark_unset
@@ -145,15 +147,13 @@ def assign_writers(plans: list[list[tuple[str, tuple[int, ...], tuple[int, ...],
 
 
 class Stager:
-    """Copies the pieces a rank writes off the compute buffers into one host buffer, allocated once and
-    reused while the pieces keep their shapes: the only part of an async save that blocks training. On
-    CUDA the buffer is pinned and the copies run on a side stream, so they go at full PCIe bandwidth."""
-
-    _ALIGN = 64
+    """Copies the pieces a rank writes off the compute buffers into one host buffer (`HostPool`),
+    allocated once and reused while the pieces keep their shapes: the only part of an async save that
+    blocks training. On CUDA the buffer is pinned and the copies run on a side stream, so they go at full
+    PCIe bandwidth."""
 
     def __init__(self) -> None:
-        self._pool: torch.Tensor | None = None
-        self._pinned = False
+        self._pool: HostPool | None = None
         self._signature: tuple | None = None
         self._views: list[torch.Tensor] = []
         self._stream = None
@@ -161,28 +161,33 @@ class Stager:
         self.allocations = 0
         """Pools allocated so far (a reservation included)."""
 
-    @classmethod
-    def pool_bytes(cls, items: list[Piece]) -> int:
+    @staticmethod
+    def pool_bytes(items: list[Piece]) -> int:
         """Bytes of the pool that holds `items` (each aligned)."""
-        return sum(-(-p.nbytes // cls._ALIGN) * cls._ALIGN for p in items)
+        return host_pool.layout([p.nbytes for p in items])[1]
 
-    def reserve(self, nbytes: int, *, pin: bool) -> None:
-        """Allocate a pool of `nbytes` now, in a background thread (pinned when `pin`, else with its
-        pages faulted in), so the first `stage()` of at most that many bytes finds it ready instead of
-        paying for it; `stage()` waits for a reservation still under way."""
+    def reserve(self, sizes: list[int], *, pin: bool) -> None:
+        """Allocate a pool for pieces of `sizes` bytes now, in a background thread (pages faulted in, and
+        pinned when `pin`), so the first `stage()` of such pieces finds it ready instead of paying for
+        it; `stage()` waits for a reservation still under way."""
         self._wait_reserved()
-        if self._pool is not None and self._pool.numel() >= nbytes and self._pinned == pin:
+        if self._fits(sizes, pin):
             return
 
         def allocate() -> None:
-            pool = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pin)
-            if not pin:
-                pool.fill_(0)  # fault the pages in now rather than in the first save's copies
-            self._pool, self._pinned, self._signature = pool, pin, None
-            self.allocations += 1
+            self._replace(HostPool(sizes, pin=pin))
 
         self._reserving = threading.Thread(target=allocate, name="ckpt-stage-reserve", daemon=True)
         self._reserving.start()
+
+    def _fits(self, sizes: list[int], pin: bool) -> bool:
+        return self._pool is not None and self._pool.pinned == pin and self._pool.fits(sizes)
+
+    def _replace(self, pool: HostPool) -> None:
+        if self._pool is not None:
+            self._pool.release()
+        self._pool, self._signature = pool, None
+        self.allocations += 1
 
     def _wait_reserved(self) -> None:
         if self._reserving is not None:
@@ -219,19 +224,12 @@ class Stager:
         return [Piece(key=p.key, data=buf, offsets=p.offsets) for p, buf in zip(items, self._views)]
 
     def _allocate(self, items: list[Piece], *, pin: bool) -> None:
-        """Views of the pool for `items`; a new pool only if the one there (e.g. reserved) is too small."""
-        self._views = []
-        starts, pos = [], 0
-        for p in items:
-            starts.append(pos)
-            pos += -(-p.nbytes // self._ALIGN) * self._ALIGN
-        if self._pool is None or self._pool.numel() < pos or self._pinned != pin:
-            self._pool = None
-            self._pool = torch.empty(max(pos, 1), dtype=torch.uint8, pin_memory=pin)
-            self._pinned = pin
-            self.allocations += 1
-        for p, a in zip(items, starts):
-            self._views.append(self._pool[a:a + p.nbytes].view(p.data.dtype).view(p.data.shape))
+        """Views of the pool for `items`; a new pool only if the one there (e.g. reserved) cannot hold them."""
+        sizes = [p.nbytes for p in items]
+        if not self._fits(sizes, pin):
+            self._views = []
+            self._replace(HostPool(sizes, pin=pin))
+        self._views = self._pool.views([p.data for p in items])
 
 
 def ensure_optimizer_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], *,

@@ -196,10 +196,10 @@ def test_a_reserved_pool_too_small_is_replaced():
 
     items = [Piece(key="a", data=torch.arange(100.0), offsets=(0,))]
     st = Stager()
-    st.reserve(64, pin=False)
+    st.reserve([64], pin=False)
     staged = st.stage(items)
     assert st.allocations == 2 and torch.equal(staged[0].data, items[0].data)
-    st.reserve(Stager.pool_bytes(items), pin=False)  # large enough already: nothing new
+    st.reserve([p.nbytes for p in items], pin=False)  # large enough already: nothing new
     assert torch.equal(st.stage(items)[0].data, items[0].data) and st.allocations == 2
 
 
