@@ -260,7 +260,7 @@ def init_into(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int, ou
     """Write into `out` (any device) the box of parameter `name`'s global initial value (global `shape`)
     that starts at `offsets` (default: the origin); returns how many random values it drew. The one place
     that says how each parameter starts: every layout's shards come from here, so every layout starts
-    from the same global weights, and a rank draws only the tiles of its own box (`models.init`).
+    from the same global weights, and a rank draws only the values of its own box (`models.init`).
 
     Norm weights are 1; biases 0; embeddings N(0, 1) (N(0, 1/dim) when tied, the output projection's
     scale); linear weights N(0, init_std), with the residual output projections (wo, w2) scaled by

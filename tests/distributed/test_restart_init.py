@@ -180,7 +180,7 @@ def test_an_adopted_state_fills_every_weight_and_moment(layout):
 
 COUNT_MODEL = dict(dim=1024, n_layers=1, n_heads=8, n_kv_heads=8, vocab_size=256, ffn_hidden=1024,
                    max_seq_len=64)
-"""Every shard boundary of tp=2, dp_shard=2 and both falls on a tile boundary (`models.init.TILE`), so
+"""A model whose every shard under tp=2, dp_shard=2 and both is an equal part of each parameter, so
 the counts are exact; norms are ones (nothing drawn)."""
 
 
