@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from models.llama import build_model
 from parallel.checkpoint.manager import CheckpointManager
 from parallel.checkpoint.manifest import CheckpointError, Manifest
+from parallel.checkpoint.prefetch import Prefetch, start_prefetch
 from parallel.checkpoint.state import capture_rng, restore_rng
 from parallel.float8 import float8_unavailable_reason, precompute_scales_after_step
 from parallel.layout import Layout, MeshAxis
@@ -107,6 +108,8 @@ class Trainer:
         self.resumed_from: Manifest | None = None
         """Manifest of the checkpoint `build()` resumed from, if any."""
         self.init_elements = 0
+        self.prefetched_bytes = 0
+        """Bytes of the checkpoint read into the page cache beside the build, before the resume's load."""
         """Random initial values `build()` drew on this rank (0 when the state was loaded or adopted)."""
         self.build_times: dict[str, float] = {}
         """Seconds `build()` spent in each of `BUILD_PHASES` it went through (a seam for benchmarks)."""
@@ -143,6 +146,9 @@ class Trainer:
             apply_compile_cache(cfg.name)  # graphs compiled by an earlier rank of this job are reused
         clock = _Laps(self.build_times)
         self.model_cfg = cfg.model.build()
+        # The disk would idle while the model is built (in a fresh process: mostly imports): read the
+        # files the resume will need into the page cache meanwhile.
+        prefetch = self._prefetch() if resume else None
         self.mesh = layout.build_mesh(self.device.type)
         coords = layout.coords(self.rank)
         self.pp_rank = coords[MeshAxis.PP]
@@ -199,6 +205,8 @@ class Trainer:
                 schedule=cfg.parallel.pp_schedule,
             )
         clock.lap("data")
+        if prefetch is not None:  # the load reads from here on; two readers would share the disk
+            self.prefetched_bytes = prefetch.stop()
         ckpt_dir = self.checkpoint_dir()
         if ckpt_dir is not None:
             c = cfg.checkpoint
@@ -218,6 +226,15 @@ class Trainer:
             self.checkpointer.prepare(model, self.optimizer)  # the first save finds its staging pool ready
             clock.lap("staging")
         return self
+
+    def _prefetch(self) -> Prefetch | None:
+        """Start reading this rank's files of the newest checkpoint of the run (else of
+        checkpoint.resume_from) into the page cache, in a thread."""
+        mc, ckpt = self.model_cfg, self.cfg.checkpoint
+        for root in (self.checkpoint_dir(), ckpt.resume_from):
+            if root and (p := start_prefetch(root, self.layout, self.rank, mc.n_layers, tied=mc.tie_embeddings)):
+                return p
+        return None
 
     def load_init_from(self) -> int:
         """Copy model.init_from's Hugging Face weights into this rank's shards (any layout; each rank
