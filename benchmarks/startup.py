@@ -76,6 +76,19 @@ def _trainer(cfg_dict: dict, run_dir: str, device: str):
                    run_dir=run_dir)
 
 
+def _cuda_context(device: str) -> float:
+    """Create the process's CUDA context now (seconds it took): the build target counts from after it,
+    and a standby worker has created it while it waited."""
+    if device != "cuda":
+        return 0.0
+    import torch
+
+    t = time.perf_counter()
+    torch.empty(1, device="cuda")
+    torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
 def _sync(device: str) -> None:
     if device == "cuda":
         import torch
@@ -86,10 +99,12 @@ def _sync(device: str) -> None:
 def fresh_body(cfg_dict: dict, run_dir: str, device: str, saves: int) -> dict:
     """Build with nothing to resume, two steps, then `saves` blocking saves with a step before each."""
     tr = _trainer(cfg_dict, run_dir, device)
+    context_s = _cuda_context(device)
     t = time.perf_counter()
     tr.build()
     _sync(device)
-    out = {"build_s": time.perf_counter() - t, "build": dict(tr.build_times), "init_elements": tr.init_elements}
+    out = {"build_s": time.perf_counter() - t, "build": dict(tr.build_times), "init_elements": tr.init_elements,
+           "cuda_context_s": context_s}
     for name in ("first_step_s", "second_step_s"):
         tr.phase_times = {}
         t = time.perf_counter()
@@ -128,24 +143,41 @@ def async_body(cfg_dict: dict, run_dir: str, device: str, saves: int) -> dict:
     return {"blocked": blocked, "total": total, "phases": phases}
 
 
+def _warm(device: str) -> float:
+    """Run `workers.warmup.warm_up` as a standby worker does while it waits (before it has a rank), then
+    join the one-rank group again; returns the warm-up's seconds."""
+    import torch
+    import torch.distributed as dist
+
+    from workers.runtime import destroy_process_group, init_process_group
+    from workers.warmup import warm_up
+
+    destroy_process_group()
+    t = time.perf_counter()
+    warm_up(device)
+    warm_s = time.perf_counter() - t
+    init_process_group(torch.device("cpu"))  # run_ranks' rendezvous variables are still set
+    assert dist.get_world_size() == 1
+    return warm_s
+
+
+def standby_build_body(cfg_dict: dict, run_dir: str, device: str) -> dict:
+    """A fresh build (nothing to resume) in a process that ran `warm_up` first: a standby worker that
+    becomes a new job's rank."""
+    warm_s = _warm(device)
+    tr = _trainer(cfg_dict, run_dir, device)
+    t = time.perf_counter()
+    tr.build()
+    _sync(device)
+    out = {"build_s": time.perf_counter() - t, "build": dict(tr.build_times), "warm_up_s": warm_s}
+    tr.close()
+    return out
+
+
 def resume_body(cfg_dict: dict, run_dir: str, device: str, warm: bool = False) -> dict:
     """A restarted rank: build (resuming from the newest checkpoint), then the first step. `warm`: the
     process first runs `workers.warmup.warm_up` (untimed), as a standby worker does while it waits."""
-    warm_s = None
-    if warm:
-        import torch.distributed as dist
-
-        from workers.runtime import destroy_process_group, init_process_group
-        from workers.warmup import warm_up
-
-        destroy_process_group()  # warm_up runs before the worker has a rank
-        t = time.perf_counter()
-        warm_up(device)
-        warm_s = time.perf_counter() - t
-        import torch
-
-        init_process_group(torch.device("cpu"))  # run_ranks' rendezvous variables are still set
-        assert dist.get_world_size() == 1
+    warm_s = _warm(device) if warm else None
     tr = _trainer(cfg_dict, run_dir, device)
     t0 = time.perf_counter()
     tr.build()
@@ -158,6 +190,7 @@ def resume_body(cfg_dict: dict, run_dir: str, device: str, warm: bool = False) -
     out = {"build_s": t1 - t0, "first_step_s": t2 - t1, "to_first_step_s": t2 - t0, "build": dict(tr.build_times),
            "first_step_phases": tr.phase_times,
            "load": dict(tr.checkpointer.load_timings.phases), "resumed_from": tr.resumed_from.step,
+           "prefetched_bytes": tr.prefetched_bytes,
            "init_elements": tr.init_elements, "warm_up_s": warm_s}
     tr.close()
     return out
@@ -174,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", help="where to write (default: a temporary directory under /tmp, removed after)")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--project-only", action="store_true", help="print the 8B/70B projection table and stop")
+    ap.add_argument("--no-async", action="store_true", help="leave out the async-save rows (saves minutes at 1b)")
     args = ap.parse_args(argv)
     if args.project_only:
         print(projection_table(projection()))
@@ -191,12 +225,16 @@ def main(argv: list[str] | None = None) -> int:
         cfg = _cfg(args.preset, args.layers)
         # Async first, in a directory of its own removed after: one checkpoint (plus the one being
         # written) on the disk at a time, which a 1b state on a lent machine's disk needs.
-        (res["async"],) = run_ranks(1, async_body, _cfg(args.preset, args.layers, async_save=True),
-                                    str(work / "async"), args.device, 3, timeout=3600)
-        shutil.rmtree(work / "async", ignore_errors=True)
-        print(f"async: to commit {res['async']['total']}", file=sys.stderr)
+        if not args.no_async:
+            (res["async"],) = run_ranks(1, async_body, _cfg(args.preset, args.layers, async_save=True),
+                                        str(work / "async"), args.device, 3, timeout=3600)
+            shutil.rmtree(work / "async", ignore_errors=True)
+            print(f"async: to commit {res['async']['total']}", file=sys.stderr)
         (res["fresh"],) = run_ranks(1, fresh_body, cfg, run_dir, args.device, args.saves, timeout=3600)
         print(f"fresh: build {res['fresh']['build_s']:.2f} s, saves {res['fresh']['saves']}", file=sys.stderr)
+        (res["standby_build"],) = run_ranks(1, standby_build_body, cfg, str(work / "standby"), args.device,
+                                            timeout=3600)
+        shutil.rmtree(work / "standby", ignore_errors=True)
         ckpt = _newest(str(Path(run_dir) / "checkpoints"))
         ckpt_files = files(ckpt)
         res["ckpt_bytes"] = sum(os.path.getsize(f) for f in ckpt_files)
@@ -248,28 +286,28 @@ def _phase_medians(rows: list[dict]) -> dict[str, float]:
 
 
 def summarize(res: dict) -> dict:
-    f, a = res["fresh"], res["async"]
+    f, a = res["fresh"], res.get("async")
     steady_save = median(f["saves"][1:])
-    steady_async = median(a["total"][1:])
     resume = res["resume"]
     s = {
         "state_gb": round(f["bytes"] / 1e9, 3), "ckpt_gb": round(res["ckpt_bytes"] / 1e9, 3),
         "fresh_build_s": round(f["build_s"], 3), "fresh_build_phases": {k: round(v, 3) for k, v in f["build"].items()},
-        "init_values": f["init_elements"],
+        "init_values": f["init_elements"], "cuda_context_s": round(f.get("cuda_context_s", 0.0), 3),
+        "standby_build_s": round(res["standby_build"]["build_s"], 3),
+        "standby_build_phases": {k: round(v, 3) for k, v in res["standby_build"]["build"].items()},
         "first_step_s": round(f["first_step_s"], 3), "second_step_s": round(f["second_step_s"], 3),
         "first_step_phases": _phase_medians([f.get("first_step_phases", {})]),
         "first_save_s": round(f["saves"][0], 3), "steady_save_s": round(steady_save, 3),
         "first_save_ratio": round(f["saves"][0] / steady_save, 3),
         "first_save_phases": {k: round(v, 3) for k, v in f["save_phases"][0].items()},
         "steady_save_phases": _phase_medians(f["save_phases"][1:]),
-        "first_async_save_s": round(a["total"][0], 3), "steady_async_save_s": round(steady_async, 3),
-        "first_async_ratio": round(a["total"][0] / steady_async, 3),
-        "async_blocked_s": [round(x, 3) for x in a["blocked"]],
         "cold_read_s": round(median(res["raw_read"]), 3),
         "resume_build_s": round(median([r["build_s"] for r in resume]), 3),
         "resume_phases": _phase_medians([r["build"] for r in resume]),
         "resume_load_phases": _phase_medians([r["load"] for r in resume]),
         "resume_init_values": max(r["init_elements"] for r in resume),
+        "resume_prefetched_gb": round(median([r.get("prefetched_bytes", 0) for r in resume]) / 1e9, 3),
+        "warm_resume_prefetched_gb": round(median([r.get("prefetched_bytes", 0) for r in res["resume_warm"]]) / 1e9, 3),
         "restart_to_first_step_s": round(median([r["to_first_step_s"] for r in resume]), 3),
         "restart_first_step_phases": _phase_medians([r.get("first_step_phases", {}) for r in resume]),
         "warm_resume_build_s": round(median([r["build_s"] for r in res["resume_warm"]]), 3),
@@ -278,6 +316,11 @@ def summarize(res: dict) -> dict:
         "warm_up_s": round(median([r["warm_up_s"] for r in res["resume_warm"]]), 3),
         "load_avg": res["load_avg"],
     }
+    if a is not None:
+        steady_async = median(a["total"][1:])
+        s.update({"first_async_save_s": round(a["total"][0], 3), "steady_async_save_s": round(steady_async, 3),
+                  "first_async_ratio": round(a["total"][0] / steady_async, 3),
+                  "async_blocked_s": [round(x, 3) for x in a["blocked"]]})
     s["resume_minus_cold_read_s"] = round(s["resume_build_s"] - s["cold_read_s"], 3)
     s["warm_resume_minus_cold_read_s"] = round(s["warm_resume_build_s"] - s["cold_read_s"], 3)
     for kind, r in res.get("compile", {}).items():
@@ -312,7 +355,6 @@ def projection(s: dict | None = None, ranks_per_node: int = 8) -> list[dict]:
     a projection (nothing here ran at that size). Rank 0's shard; 12 bytes of state per parameter (fp32
     weights and two AdamW moments); a node's ranks share its disk."""
     from models.config import ModelConfig
-    from models.init import drawn_for_box
     from models.llama import build_model
     from parallel.layout import Layout
     from parallel.sharding import param_box
@@ -328,7 +370,7 @@ def projection(s: dict | None = None, ranks_per_node: int = 8) -> list[dict]:
                 continue
             if not name.endswith("norm.weight"):  # norms are ones: nothing drawn, then or now
                 before += math.prod(shape)  # the old init: the whole tensor of every parameter it holds
-                now += drawn_for_box(shape, box.offsets, box.sizes)
+                now += box.numel  # exactly its own box (models.init)
             shard += box.numel
         state = 12 * shard
         node_ranks = min(ranks_per_node, lay.world_size)
@@ -360,14 +402,16 @@ def _phases(p: dict[str, float]) -> str:
 
 def table(s: dict) -> str:
     rows = [
-        ("fresh build", f"{s['fresh_build_s']:.2f} s", _phases(s["fresh_build_phases"])),
+        ("fresh build", f"{s['fresh_build_s']:.2f} s", _phases(s["fresh_build_phases"])
+         + (f" (after a CUDA context made in {s['cuda_context_s']:.2f} s)" if s["cuda_context_s"] else "")),
+        ("fresh build after warm_up (standby)", f"{s['standby_build_s']:.2f} s", _phases(s["standby_build_phases"])),
         ("first step / second step", f"{s['first_step_s']:.2f} / {s['second_step_s']:.2f} s",
          _phases(s.get("first_step_phases", {}))),
         ("resume (build, cold cache)", f"{s['resume_build_s']:.2f} s", _phases(s["resume_phases"])),
         ("  its load", f"{s['resume_load_phases'].get('read', 0.0):.2f} s read",
          ", ".join(f"{k.removeprefix('read.').removesuffix(' (thread-s)')} {v:.2f}" for k, v in s["resume_load_phases"].items()
                    if k.startswith("read."))
-         + " (thread-s)"),
+         + f" (thread-s); {s['resume_prefetched_gb']:.2f} GB read ahead beside the build"),
         ("raw cold read of the same files", f"{s['cold_read_s']:.2f} s", f"{s['ckpt_gb']:.2f} GB"),
         ("resume - cold read", f"{s['resume_minus_cold_read_s']:+.2f} s", "target <= +0.5 s"),
         ("restart to first step", f"{s['restart_to_first_step_s']:.2f} s",
@@ -377,9 +421,10 @@ def table(s: dict) -> str:
         ("  restart to first step", f"{s['warm_restart_to_first_step_s']:.2f} s", ""),
         ("first blocking save / steady", f"{s['first_save_s']:.2f} / {s['steady_save_s']:.2f} s",
          f"{s['first_save_ratio']:.2f}x (target <= 1.25x)"),
-        ("first async save / steady (to commit)", f"{s['first_async_save_s']:.2f} / {s['steady_async_save_s']:.2f} s",
-         f"{s['first_async_ratio']:.2f}x"),
     ]
+    if "first_async_save_s" in s:
+        rows.append(("first async save / steady (to commit)",
+                     f"{s['first_async_save_s']:.2f} / {s['steady_async_save_s']:.2f} s", f"{s['first_async_ratio']:.2f}x"))
     for k in ("cold", "warm"):
         if f"compile_{k}_to_first_step_s" in s:
             rows.append((f"restart to first step, compile, {k} cache", f"{s[f'compile_{k}_to_first_step_s']:.2f} s",
