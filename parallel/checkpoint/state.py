@@ -25,9 +25,9 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.optim.optimizer import _get_scalar_dtype
 
 from models.llama import canonical_name
-from parallel.checkpoint.manifest import MODEL_PREFIX, OPTIM_PREFIX, CheckpointError
-from parallel.checkpoint import host_pool
 from parallel.checkpoint.host_pool import HostPool
+from parallel.checkpoint.host_pool import layout as pool_layout
+from parallel.checkpoint.manifest import MODEL_PREFIX, OPTIM_PREFIX, CheckpointError
 from parallel.checkpoint.tensor_io import Target
 from parallel.checkpoint.writer import Piece
 from parallel.unset import mark_unset
@@ -164,7 +164,7 @@ class Stager:
     @staticmethod
     def pool_bytes(items: list[Piece]) -> int:
         """Bytes of the pool that holds `items` (each aligned)."""
-        return host_pool.layout([p.nbytes for p in items])[1]
+        return pool_layout([p.nbytes for p in items])[1]
 
     def reserve(self, sizes: list[int], *, pin: bool) -> None:
         """Allocate a pool for pieces of `sizes` bytes now, in a background thread (pages faulted in, and
