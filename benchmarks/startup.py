@@ -174,11 +174,14 @@ def standby_build_body(cfg_dict: dict, run_dir: str, device: str) -> dict:
     return out
 
 
-def resume_body(cfg_dict: dict, run_dir: str, device: str, warm: bool = False) -> dict:
+def resume_body(cfg_dict: dict, run_dir: str, device: str, warm: bool = False, no_read_ahead: bool = False) -> dict:
     """A restarted rank: build (resuming from the newest checkpoint), then the first step. `warm`: the
-    process first runs `workers.warmup.warm_up` (untimed), as a standby worker does while it waits."""
+    process first runs `workers.warmup.warm_up` (untimed), as a standby worker does while it waits.
+    `no_read_ahead`: without reading the checkpoint ahead beside the build (the comparison row)."""
     warm_s = _warm(device) if warm else None
     tr = _trainer(cfg_dict, run_dir, device)
+    if no_read_ahead:
+        tr._prefetch = lambda: None
     t0 = time.perf_counter()
     tr.build()
     _sync(device)
@@ -208,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--project-only", action="store_true", help="print the 8B/70B projection table and stop")
     ap.add_argument("--no-async", action="store_true", help="leave out the async-save rows (saves minutes at 1b)")
+    ap.add_argument("--ab-read-ahead", action="store_true",
+                    help="also resume without the read-ahead beside the build, in the same rotation")
     args = ap.parse_args(argv)
     if args.project_only:
         print(projection_table(projection()))
@@ -238,10 +243,11 @@ def main(argv: list[str] | None = None) -> int:
         ckpt = _newest(str(Path(run_dir) / "checkpoints"))
         ckpt_files = files(ckpt)
         res["ckpt_bytes"] = sum(os.path.getsize(f) for f in ckpt_files)
-        res["resume"], res["resume_warm"], res["raw_read"] = [], [], []
+        res["resume"], res["resume_warm"], res["raw_read"], res["resume_no_read_ahead"] = [], [], [], []
         for rep in range(args.reps):
-            order = ("raw", "resume", "resume_warm")
-            for what in order[rep % 3:] + order[:rep % 3]:
+            order = ("raw", "resume", "resume_warm") + (("resume_no_read_ahead",) if args.ab_read_ahead else ())
+            k = rep % len(order)
+            for what in order[k:] + order[:k]:
                 os.sync()
                 drop_cache(ckpt_files)
                 if what == "raw":
@@ -250,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
                     res["raw_read"].append(time.perf_counter() - t)
                 else:
                     (r,) = run_ranks(1, resume_body, cfg, run_dir, args.device, what == "resume_warm",
-                                     timeout=3600)
+                                     what == "resume_no_read_ahead", timeout=3600)
                     res[what].append(r)
             print(f"rep {rep}: raw {res['raw_read'][-1]:.2f} s, resume build {res['resume'][-1]['build_s']:.2f} s, "
                   f"after a warm-up {res['resume_warm'][-1]['build_s']:.2f} s", file=sys.stderr)
@@ -321,6 +327,9 @@ def summarize(res: dict) -> dict:
         s.update({"first_async_save_s": round(a["total"][0], 3), "steady_async_save_s": round(steady_async, 3),
                   "first_async_ratio": round(a["total"][0] / steady_async, 3),
                   "async_blocked_s": [round(x, 3) for x in a["blocked"]]})
+    if res.get("resume_no_read_ahead"):
+        s["resume_no_read_ahead_build_s"] = round(median([r["build_s"] for r in res["resume_no_read_ahead"]]), 3)
+        s["resume_no_read_ahead_phases"] = _phase_medians([r["build"] for r in res["resume_no_read_ahead"]])
     s["resume_minus_cold_read_s"] = round(s["resume_build_s"] - s["cold_read_s"], 3)
     s["warm_resume_minus_cold_read_s"] = round(s["warm_resume_build_s"] - s["cold_read_s"], 3)
     for kind, r in res.get("compile", {}).items():
@@ -412,6 +421,8 @@ def table(s: dict) -> str:
          ", ".join(f"{k.removeprefix('read.').removesuffix(' (thread-s)')} {v:.2f}" for k, v in s["resume_load_phases"].items()
                    if k.startswith("read."))
          + f" (thread-s); {s['resume_prefetched_gb']:.2f} GB read ahead beside the build"),
+        *([("resume without the read-ahead", f"{s['resume_no_read_ahead_build_s']:.2f} s",
+            _phases(s["resume_no_read_ahead_phases"]))] if "resume_no_read_ahead_build_s" in s else []),
         ("raw cold read of the same files", f"{s['cold_read_s']:.2f} s", f"{s['ckpt_gb']:.2f} GB"),
         ("resume - cold read", f"{s['resume_minus_cold_read_s']:+.2f} s", "target <= +0.5 s"),
         ("restart to first step", f"{s['restart_to_first_step_s']:.2f} s",
