@@ -1,4 +1,4 @@
-"""Run a function on N spawned ranks joined by one process group (test tier 2): gloo on CPU by default, or
+"""Run a function on N ranks joined by one process group (test tier 2): gloo on CPU by default, or
 NCCL with one GPU per rank when ELASTRON_TEST_DEVICE=cuda (scripts/gpu_check.sh on a multi-GPU machine).
 
     results = run_ranks(4, tests.bodies.train_body, cfg, "dp=2,tp=2")
@@ -7,7 +7,11 @@ Bodies take their device from `rank_device()` and the test's backend from `ranks
 same test file runs on gloo/CPU in CI and on NCCL/CUDA; a layout needing more ranks than there are GPUs
 is skipped there.
 
-`fn` must be importable by its module name (spawn re-imports it in each child), so rank bodies live in
+Ranks are forked from a forkserver that imported torch and the trainer once (`PRELOAD`): a spawned
+process re-imported them for every rank of every test, 2-5 s each on a 2-core box. The forkserver is a
+clean process (it has run nothing, holds one thread and no CUDA context), so each rank still starts from
+pristine module state, and gets the caller's environment at the call (not the server's).
+`fn` must be importable by its module name (each child imports it), so rank bodies live in
 ordinary modules such as tests/bodies.py rather than in test files. Each child gets RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR/PORT and OMP_NUM_THREADS=1, and the default process group is initialised before
 `fn` runs and destroyed after. A failure in any rank raises with that rank's traceback; a hang is killed
@@ -86,8 +90,21 @@ def _from_wire(x: Any) -> Any:
     return x
 
 
+PRELOAD = ["torch", "torch._dynamo", "torch.distributed.fsdp", "torch.distributed.tensor", "workers.trainer"]
+"""Imported once by the forkserver the ranks are forked from (all of them leave it single-threaded)."""
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # read when the server first starts
+    return ctx
+
+
 def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kwargs: dict, q,
-           stacks_after: float | None = None) -> None:
+           stacks_after: float | None = None, env: dict[str, str] | None = None) -> None:
+    if env is not None:  # the caller's environment now, not the forkserver's from when it started
+        os.environ.clear()
+        os.environ.update(env)
     if stacks_after is not None:  # a hang shows where each rank is, in the test's captured stderr
         import faulthandler
 
@@ -137,11 +154,12 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 240.0,
 
 
 def _run_once(world_size: int, fn: Callable, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     q = ctx.Queue()
     port = free_port()
+    env = dict(os.environ)
     procs = [
-        ctx.Process(target=_child, args=(r, world_size, port, fn, args, kwargs, q, max(1.0, timeout - 5)),
+        ctx.Process(target=_child, args=(r, world_size, port, fn, args, kwargs, q, max(1.0, timeout - 5), env),
                     daemon=True)
         for r in range(world_size)
     ]
