@@ -387,12 +387,12 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         n = Layout.parse(args.save_layout).world_size
         saves = run_ranks(n, save_body, _cfg(args.preset, args.layers, root), args.save_layout, str(work),
-                          args.reps, args.device, timeout=3600)
+                          args.reps, args.device, timeout=3600, spawn=True)
         print(f"save phase: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
         t0 = time.perf_counter()
         n = Layout.parse(args.load_layout).world_size
         loads = run_ranks(n, load_body, _cfg(args.preset, args.layers, None), args.load_layout, root,
-                          saves[0]["ckpt"], saves[0]["dcp_dir"], args.reps, args.device, timeout=3600)
+                          saves[0]["ckpt"], saves[0]["dcp_dir"], args.reps, args.device, timeout=3600, spawn=True)
         print(f"load phase: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
         shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree(saves[0]["dcp_dir"], ignore_errors=True)
@@ -401,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_async:
             t0 = time.perf_counter()
             (asy,) = run_ranks(1, async_body, _cfg(args.preset, args.layers, None), str(work / "async"),
-                               args.reps, args.device, timeout=3600)
+                               args.reps, args.device, timeout=3600, spawn=True)
             print(f"async phase: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     finally:
         if not args.dir:

@@ -125,11 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     res: dict = {}
     parts = args.parts.split(",")
     if "stalls" in parts:
-        (res["stalls"],) = run_ranks(1, stall_body, int(args.pool_gb * 1e9), timeout=900)
+        (res["stalls"],) = run_ranks(1, stall_body, int(args.pool_gb * 1e9), timeout=900, spawn=True)
     if "steps" in parts:
         for wait in (False, True):
             with tempfile.TemporaryDirectory() as d:
-                (r,) = run_ranks(1, step_body, _cfg(args.preset, args.layers), d, "cuda", wait, timeout=900)
+                (r,) = run_ranks(1, step_body, _cfg(args.preset, args.layers), d, "cuda", wait, timeout=900, spawn=True)
             res["wait pool" if wait else "pool beside"] = r
             print(("wait" if wait else "beside"), json.dumps(r), file=sys.stderr, flush=True)
     print(json.dumps(res, indent=1))

@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg["checkpoint"]["async_save"] = False
         ports = [free_port() for _ in range(1 + 2 * args.reps * len(args.variants))]
         res = run_ranks(old_world, shrink_body, cfg, args.old, args.new, ports, args.reps, args.variants,
-                        timeout=3600)
+                        timeout=3600, spawn=True)
         r = {"date": time.strftime("%Y-%m-%d"), "old": args.old, "new": args.new, "reps": args.reps,
              "variants": shrink_report(res, args.variants), "runs": res, "load_avg": os.getloadavg()[0]}
         if args.json:
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     work = tempfile.mkdtemp(prefix="elastron-live-bench-")
     try:
         res = run_ranks(Layout.parse(args.old).world_size, body, _cfg("small", args.layers, None), args.old,
-                        args.new, work, args.reps, timeout=3600)
+                        args.new, work, args.reps, timeout=3600, spawn=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in res[0]["runs"].items()}

@@ -232,13 +232,13 @@ def main(argv: list[str] | None = None) -> int:
         # written) on the disk at a time, which a 1b state on a lent machine's disk needs.
         if not args.no_async:
             (res["async"],) = run_ranks(1, async_body, _cfg(args.preset, args.layers, async_save=True),
-                                        str(work / "async"), args.device, 3, timeout=3600)
+                                        str(work / "async"), args.device, 3, timeout=3600, spawn=True)
             shutil.rmtree(work / "async", ignore_errors=True)
             print(f"async: to commit {res['async']['total']}", file=sys.stderr)
-        (res["fresh"],) = run_ranks(1, fresh_body, cfg, run_dir, args.device, args.saves, timeout=3600)
+        (res["fresh"],) = run_ranks(1, fresh_body, cfg, run_dir, args.device, args.saves, timeout=3600, spawn=True)
         print(f"fresh: build {res['fresh']['build_s']:.2f} s, saves {res['fresh']['saves']}", file=sys.stderr)
         (res["standby_build"],) = run_ranks(1, standby_build_body, cfg, str(work / "standby"), args.device,
-                                            timeout=3600)
+                                            timeout=3600, spawn=True)
         shutil.rmtree(work / "standby", ignore_errors=True)
         ckpt = _newest(str(Path(run_dir) / "checkpoints"))
         ckpt_files = files(ckpt)
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
                     res["raw_read"].append(time.perf_counter() - t)
                 else:
                     (r,) = run_ranks(1, resume_body, cfg, run_dir, args.device, what == "resume_warm",
-                                     what == "resume_no_read_ahead", timeout=3600)
+                                     what == "resume_no_read_ahead", timeout=3600, spawn=True)
                     res[what].append(r)
             print(f"rep {rep}: raw {res['raw_read'][-1]:.2f} s, resume build {res['resume'][-1]['build_s']:.2f} s, "
                   f"after a warm-up {res['resume_warm'][-1]['build_s']:.2f} s", file=sys.stderr)
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
             for kind in ("cold cache", "warm cache"):
                 drop_cache(ckpt_files)
                 (rows[kind],) = run_ranks(1, resume_body, _cfg(args.preset, args.layers, compile=True), run_dir,
-                                          args.device, timeout=3600)
+                                          args.device, timeout=3600, spawn=True)
                 print(f"compile, {kind}: to first step {rows[kind]['to_first_step_s']:.1f} s", file=sys.stderr)
             res["compile"] = rows
     finally:

@@ -391,7 +391,7 @@ def main(argv: list[str] | None = None) -> dict:
             if len(variants) == 1:
                 continue
         print(f"world size {ws}: {', '.join(variants)} ...", file=sys.stderr, flush=True)
-        res = run_ranks(ws, _body, vars(a), variants, timeout=timeout)[0]
+        res = run_ranks(ws, _body, vars(a), variants, timeout=timeout, spawn=True)[0]
         summary.update(_summarise(res, variants, tokens_per_step, a.steps))
         phases.update(res["phases"])
         loads += res["load"]

@@ -10,7 +10,8 @@ is skipped there.
 Ranks are forked from a forkserver that imported torch and the trainer once (`PRELOAD`): a spawned
 process re-imported them for every rank of every test, 2-5 s each on a 2-core box. The forkserver is a
 clean process (it has run nothing, holds one thread and no CUDA context), so each rank still starts from
-pristine module state, and gets the caller's environment at the call (not the server's).
+pristine module state, and gets the caller's environment at the call (not the server's). `spawn=True`
+starts each rank as a new interpreter instead, for benchmarks that time what a fresh process pays.
 `fn` must be importable by its module name (each child imports it), so rank bodies live in
 ordinary modules such as tests/bodies.py rather than in test files. Each child gets RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR/PORT and OMP_NUM_THREADS=1, and the default process group is initialised before
@@ -132,7 +133,8 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kwa
         q.put((rank, False, traceback.format_exc()))
 
 
-def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 240.0, **kwargs: Any) -> list[Any]:
+def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 240.0, spawn: bool = False,
+              **kwargs: Any) -> list[Any]:
     """Run `fn(*args, **kwargs)` on `world_size` ranks; return the results ordered by rank. On CUDA, a
     world larger than the GPUs here skips the calling test.
 
@@ -146,15 +148,15 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 240.0,
             pytest.skip(f"{world_size} ranks need {world_size} GPUs, {torch.cuda.device_count()} here")
     for attempt in range(3):
         try:
-            return _run_once(world_size, fn, args, kwargs, timeout)
+            return _run_once(world_size, fn, args, kwargs, timeout, spawn)
         except RuntimeError as e:
             if "EADDRINUSE" not in str(e) or attempt == 2:
                 raise
     raise AssertionError("unreachable")
 
 
-def _run_once(world_size: int, fn: Callable, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
-    ctx = _context()
+def _run_once(world_size: int, fn: Callable, args: tuple, kwargs: dict, timeout: float, spawn: bool) -> list[Any]:
+    ctx = mp.get_context("spawn") if spawn else _context()
     q = ctx.Queue()
     port = free_port()
     env = dict(os.environ)
