@@ -108,9 +108,9 @@ class Trainer:
         self.resumed_from: Manifest | None = None
         """Manifest of the checkpoint `build()` resumed from, if any."""
         self.init_elements = 0
+        """Random initial values `build()` drew on this rank (0 when the state was loaded or adopted)."""
         self.prefetched_bytes = 0
         """Bytes of the checkpoint read into the page cache beside the build, before the resume's load."""
-        """Random initial values `build()` drew on this rank (0 when the state was loaded or adopted)."""
         self.build_times: dict[str, float] = {}
         """Seconds `build()` spent in each of `BUILD_PHASES` it went through (a seam for benchmarks)."""
         self._before_update: dict | None = None
