@@ -117,7 +117,11 @@ def start_prefetch(root: str | None, layout: Layout, rank: int, n_layers: int, *
         return None
     step_dir, manifest = found
     t = time.perf_counter()
-    names = files_for_rank(manifest, layout, rank, n_layers, tied=tied)
+    try:
+        names = files_for_rank(manifest, layout, rank, n_layers, tied=tied)
+    except Exception as e:  # a manifest this code cannot read: the load will say what is wrong with it
+        log.debug("no checkpoint prefetch for %s: %s", step_dir, e)
+        return None
     log.debug("prefetching %d of %d files of %s (planned in %.3f s)", len(names), len(manifest.files), step_dir,
               time.perf_counter() - t)
     return Prefetch([step_dir / n for n in names]) if names else None
