@@ -5,8 +5,9 @@ Why ranges: pinning many GB in one call (`torch.empty(..., pin_memory=True)`) ho
 the whole call, and every device allocation of a training step running beside it waits (7 s for
 13.2 GB on an H200: the first step after a build took 7.1 s instead of 1.0 s). Registered in ranges of
 about `RANGE_BYTES`, the step's allocations get in between (longest wait 0.17 s, as with nothing beside
-them; benchmarks/first_step.py), and several threads fault the ranges in at once. A copy must not cross from one registered range into the next (the
-driver rejects it), so ranges hold whole pieces, and a layout whose pieces would cross one gets a new pool.
+them; benchmarks/first_step.py), and several threads fault the ranges in at once. A copy must not cross
+from one registered range into the next (the driver rejects it), so ranges hold whole pieces, and a
+layout whose pieces would cross one gets a new pool.
 """
 
 from __future__ import annotations
@@ -51,10 +52,10 @@ def ranges(sizes: list[int]) -> list[tuple[int, int]]:
 
 
 def _unregister(buf: torch.Tensor, ptrs: list[int]) -> None:
+    """Unregister `ptrs`; `buf` is passed only so that the finaliser keeps the memory alive until then."""
     cudart = torch.cuda.cudart()
     for p in ptrs:
         cudart.cudaHostUnregister(p)
-    del buf
 
 
 class HostPool:

@@ -14,15 +14,15 @@ know) and the thread reads nothing or every file: it is a hint, never a correctn
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from pathlib import Path
 
 from parallel.checkpoint.manifest import MODEL_PREFIX, OPTIM_PREFIX, Manifest
-from parallel.checkpoint.validate import parse_step
+from parallel.checkpoint.storage import LocalStorage
+from parallel.checkpoint.validate import list_step_dirs, read_manifest_text
 from parallel.layout import Layout
-from parallel.sharding import param_box
+from parallel.sharding import Box, param_box
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +34,6 @@ def _param_name(key: str) -> str:
     if key.startswith(OPTIM_PREFIX):
         return key[len(OPTIM_PREFIX):].split(".", 1)[1]
     return key.removeprefix(MODEL_PREFIX)
-
-
-def _overlaps(offsets: tuple[int, ...], sizes: tuple[int, ...], box_offsets: tuple[int, ...],
-              box_sizes: tuple[int, ...]) -> bool:
-    return all(a < bo + bs and bo < a + s for a, s, bo, bs in zip(offsets, sizes, box_offsets, box_sizes))
 
 
 def files_for_rank(manifest: Manifest, layout: Layout, rank: int, n_layers: int, *, tied: bool) -> list[str]:
@@ -53,23 +48,25 @@ def files_for_rank(manifest: Manifest, layout: Layout, rank: int, n_layers: int,
         if box is None:
             continue
         for c in entry.chunks:
-            if c.file not in needed and _overlaps(tuple(c.offsets), tuple(c.sizes), tuple(box.offsets),
-                                                  tuple(box.sizes)):
+            if c.file not in needed and box.intersect(Box(tuple(c.offsets), tuple(c.sizes))) is not None:
                 needed.add(c.file)
     return [f for f in sorted(manifest.files) if f in needed]
 
 
-def newest_manifest(root: str) -> tuple[Path, Manifest] | None:
-    """The newest step directory under the local checkpoint root `root` that has a manifest, parsed."""
+def newest_manifest(storage: LocalStorage) -> tuple[Path, Manifest] | None:
+    """The newest step directory under `storage`'s root that has a manifest, parsed."""
     try:
-        steps = sorted(((s, n) for n in os.listdir(root) if (s := parse_step(n)) is not None), reverse=True)
+        steps = list_step_dirs(storage)
     except OSError:
         return None
     for _, name in steps:
-        d = Path(root) / name
+        path = storage.join(storage.root, name)
+        text, _ = read_manifest_text(storage, path)
+        if text is None:  # not committed (or unreadable): the load will judge it; try an older one
+            continue
         try:
-            return d, Manifest.from_json((d / "manifest.json").read_bytes())
-        except Exception:  # missing, partial or unreadable: the load will judge it; try an older one
+            return Path(path), Manifest.from_json(text)
+        except Exception:  # a manifest that does not parse: likewise
             continue
     return None
 
@@ -81,14 +78,14 @@ class Prefetch:
         self.bytes = 0
         self._paths = list(paths)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(paths,), name="ckpt-prefetch", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="ckpt-prefetch", daemon=True)
         self._thread.start()
 
-    def _run(self, paths: list[Path]) -> None:
+    def _run(self) -> None:
         buf = bytearray(BLOCK)
         view = memoryview(buf)
         try:
-            for p in paths:
+            for p in self._paths:
                 with open(p, "rb", buffering=0) as f:
                     while not self._stop.is_set():
                         n = f.readinto(view)
@@ -112,7 +109,7 @@ def start_prefetch(root: str | None, layout: Layout, rank: int, n_layers: int, *
     when there is nothing to read."""
     if not root or "://" in str(root):
         return None
-    found = newest_manifest(str(root))
+    found = newest_manifest(LocalStorage(str(root)))
     if found is None:
         return None
     step_dir, manifest = found
