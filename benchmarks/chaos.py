@@ -270,12 +270,13 @@ def check(run: ChaosRun, result: dict, reference: list[float]) -> list[str]:
         problems.append(f"final loss {served[steps]} vs fault-free {reference[-1]}")
     events = result["events"]
     # Only a group formed through storage loaded a checkpoint; a live move or a heal from peers resumed
-    # from the state its workers sent one another (its step equals the one before: no step redone).
+    # from the state its workers sent one another, and a group taken over in place from its own (its
+    # step equals the one before: no step redone).
     resumes = [(e["details"]["resumed_step"], e["time"]) for e in events
                if e["kind"] == "resize" and e["details"].get("resumed_step") is not None
                and (e["details"].get("transfer") or {}).get("path", "storage") == "storage"]
     live = [e["details"] for e in events if e["kind"] == "resize"
-            and (e["details"].get("transfer") or {}).get("path") in ("live", "peers")]
+            and (e["details"].get("transfer") or {}).get("path") in ("live", "peers", "in place")]
     problems += [f"a live move from step {d['step_before']} resumed at step {d['resumed_step']}" for d in live
                  if d.get("resumed_step") != d.get("step_before")]
     run.audit.check_resumes(resumes)

@@ -14,7 +14,7 @@ from collections import Counter
 from service.pool.cluster import ClusterWatcher
 from service.control.coordinator import Coordinator, CoordinatorOptions
 from service.control.job import Job
-from service.pool.group import Formed, Moved, Salvage, Started, WorkerFailure
+from service.pool.group import CarriedOn, Formed, Moved, Salvage, Started, WorkerFailure
 from workers.config import JobConfig
 from workers.report import Salvaged
 
@@ -47,6 +47,9 @@ class FakeGroup:
     fail_next: list[str] = []
     heals = False
     """Whether survivors of a failure keep their state (a salvage), as real workers do."""
+    intact = True
+    """Whether members taken over after a coordinator restart still train as its plan's group, as real
+    workers do unless a call to them failed or stuck (`carry_on`)."""
 
     def __init__(self, cfg, run_dir, **kw):
         self.members: list[str] = []
@@ -84,6 +87,12 @@ class FakeGroup:
 
     def adopt(self):
         return 0
+
+    def carry_on(self, plan):
+        """The members train on as they are when `intact`, running `plan`, none on a dead node."""
+        if not self.intact or self.plan != plan or any(m in self.cluster.dead for m in self.members):
+            return CarriedOn(why="they are not the plan's group")
+        return CarriedOn(step=self.step, committed_step=self.disk.committed)
 
     def salvage(self, *, gone=(), dead=tuple, timeout_s=15.0, abort=True):
         """Survivors (members off dead nodes) vouch for their state at the current step when `heals`.

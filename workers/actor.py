@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from workers.config import JobConfig
-    from workers.report import Salvaged
+    from workers.report import Salvaged, Standing
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +82,10 @@ class Worker:
         self.received = None
         """The state a `reshard()` delivered for the new layout, until `join(adopt=True)` takes it."""
         self._rows: list[dict] = []
+        self._plan: dict | None = None
+        """The plan of the training group it is in (`join`), while it is."""
+        self._broken = False
+        """A `run` raised since the last `join`: its state cannot be trusted as it stands."""
         self.warmed: dict[str, float] | None = None
         """Seconds each one-time cost took (`warm_up`), once paid; None: not warmed up."""
         self._reservation = None
@@ -165,7 +169,7 @@ class Worker:
         if adopt:
             got, self.received = self.received, None
             self.trainer.adopt(got.pieces, got.optimizer_steps, got.state)
-        self.rank = rank
+        self.rank, self._plan, self._broken = rank, plan, False
         return {"step": self.trainer.step, "pg_s": t1 - t0, "build_s": time.perf_counter() - t1}
 
     def _init_group(self, rank: int, world_size: int, master_addr: str, master_port: int, timeout_s: float):
@@ -221,15 +225,20 @@ class Worker:
                 return Salvaged(held=False, why="a checkpoint save was still running")
             if state is None:
                 return Salvaged(held=False, why="the failure struck after a weight update", reusable=True)
-            rows = list(self._rows)
-            last = t.last_metrics
-            if last is not None and (not rows or rows[-1]["step"] < last.step):
-                rows.append(last.to_dict())
             self.handover = hand_over_salvaged(t, state)
-            return Salvaged(held=True, step=t.step, old_rank=t.rank, rows=tuple(rows))
+            return Salvaged(held=True, step=t.step, old_rank=t.rank, rows=self._finished_rows(t))
         finally:
             destroy_process_group()
-            self.rank = None
+            self.rank = self._plan = None
+
+    def _finished_rows(self, t) -> tuple[dict, ...]:
+        """The metrics rows of the steps `t` finished in the last `run` call (and its last step's, if
+        that call raised after it), oldest first: what a coordinator that lost the call's answer lacks."""
+        rows = list(self._rows)
+        last = t.last_metrics
+        if last is not None and (not rows or rows[-1]["step"] < last.step):
+            rows.append(last.to_dict())
+        return tuple(rows)
 
     def reshard(self, *, rank: int, world_size: int, master_addr: str, master_port: int, old_plan: dict,
                 new_plan: dict, old_rank: int | None, new_rank: int | None, old_to_group: dict[int, int],
@@ -266,7 +275,7 @@ class Worker:
             finally:
                 self.trainer = None
         destroy_process_group()
-        self.rank = None
+        self.rank = self._plan = None
 
     # -- training --------------------------------------------------------------------------------------
     def run(self, *, until_step: int, steps: int) -> list[dict]:
@@ -276,15 +285,40 @@ class Worker:
         if self.trainer is None:
             raise RuntimeError("worker has not joined a group")
         out = self._rows = []  # kept if a step raises: a salvage reports the steps this call did finish
-        for _ in range(steps):
-            if self.trainer.step >= until_step:
-                break
-            out.append(self.trainer.train_step().to_dict())
-        ck = getattr(self.trainer, "checkpointer", None)
-        committed = (ck.last_committed_step if ck is not None else None) or 0
+        try:
+            for _ in range(steps):
+                if self.trainer.step >= until_step:
+                    break
+                out.append(self.trainer.train_step().to_dict())
+        except BaseException:
+            self._broken = True
+            raise
+        committed = self._committed_step()
         for row in out:
             row["committed_step"] = committed
         return out
+
+    def _committed_step(self) -> int:
+        ck = getattr(self.trainer, "checkpointer", None)
+        return (ck.last_committed_step if ck is not None else None) or 0
+
+    def standing(self) -> Standing:
+        """Whether this worker still trains as a sound rank of its group, for a coordinator taking it over
+        after the one that formed the group died (`WorkerGroup.carry_on`). On the default lane, so it
+        answers once the call the lost coordinator sent has ended."""
+        import torch.distributed as dist
+
+        from workers.report import Standing
+
+        t = self.trainer
+        if t is None or self._plan is None:
+            return Standing(sound=False, why="it is in no training group")
+        if self._broken:
+            return Standing(sound=False, why="a step of its last call failed")
+        if not dist.is_initialized():
+            return Standing(sound=False, why="its process group is gone")
+        return Standing(sound=True, rank=self.rank, plan=self._plan, step=t.step,
+                        committed_step=self._committed_step(), rows=self._finished_rows(t))
 
     def checkpoint(self, *, blocking: bool = True) -> int:
         """Save at the current step; `blocking` waits until it is committed (a resize through storage),

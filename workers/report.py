@@ -62,6 +62,22 @@ class Salvaged:
     """StepMetrics rows of the steps the interrupted call finished, oldest first (when held)."""
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Standing:
+    """What a worker answers a coordinator that takes it over (`Worker.standing`): whether it is still a
+    sound rank of its training group, and if so its rank, the plan it runs, its step, the last committed
+    checkpoint's step and the metrics rows of its last `run` call; if not, why."""
+
+    sound: bool
+    why: str | None = None
+    rank: int | None = None
+    plan: dict | None = None
+    """The Plan.to_dict() it joined with."""
+    step: int | None = None
+    committed_step: int = 0
+    rows: tuple[dict, ...] = ()
+
+
 class Reporter:
     """Rank 0's writer of step metrics; does nothing on other ranks or without a run directory."""
 

@@ -40,7 +40,7 @@ from service.control.states import (Adopting, Ended, Paused, Pending, Recovering
                                     Waiting)
 from service.control.status import JobStatus
 from service.pool.cluster import ClusterSnapshot, ClusterWatcher
-from service.pool.group import Group, WorkerFailure
+from service.pool.group import CarriedOn, Group, WorkerFailure
 from service.pool.node_health import NodeHealth
 from service.pool.placement import assign_nodes, cap_slots, probe_nodes, raylets_refusing
 from service.pool.worker_group import WorkerGroup
@@ -200,12 +200,13 @@ class Coordinator:
             self.state = nxt
 
     # -- one handler per state -----------------------------------------------------------------------------
-    def _on_adopting(self, state: Adopting, snap: ClusterSnapshot) -> Pending:
+    def _on_adopting(self, state: Adopting, snap: ClusterSnapshot) -> Pending | Running:
         """After a restart: the workers the lost coordinator left running (`Group.adopt`) become this
-        one's group. If between them they hold every shard of its last plan at one step, the next group
-        heals from them (no step redone, no process started); else they stay as warm processes for the
-        resume from storage (so do those of a job that reshards through storage, and those started
-        before the lost coordinator formed any group)."""
+        one's group. If they still are the training group of its last plan, every rank sound and at one
+        step, that group trains on as it is (`Group.carry_on`: nothing re-formed, no state moved). Else,
+        if between them they hold every shard of that plan at one step, the next group heals from them;
+        else they stay as warm processes for the resume from storage (so do those of a job that
+        reshards through storage, and those started before the lost coordinator formed any group)."""
         self.health.sweep(snap)  # nodes that died with (or before) the lost coordinator: not planned onto
         pending = Pending(reason=state.reason, cause=state.cause, record=state.record)
         group = self._new_group()
@@ -217,10 +218,18 @@ class Coordinator:
         self.step_done = max(self.step_done, record.step_before if record is not None else 0)
         self.sm.note("info", reason=f"took over {found} worker(s) the previous coordinator left running",
                      step=self.step_done, details={"adopted": found, "nodes": dict(group.nodes())})
-        if self.cfg.parallel.reshard != "live" or state.lost is None:
+        if state.lost is None:
+            return pending
+        gone = self.health.gone(snap, sorted(group.nodes()))
+        if not gone:
+            kept = group.carry_on(state.lost)
+            if kept.step is not None:
+                return self._carried_on(state.lost, kept, record)
+            self.sm.note("info", reason=f"the workers taken over cannot train on as they are: {kept.why}",
+                         step=self.step_done)
+        if self.cfg.parallel.reshard != "live":
             return pending
         self.plan = state.lost  # what `_salvage` checks their shards against
-        gone = self.health.gone(snap, sorted(group.nodes()))
         survivors, kept = self._salvage(gone, abort=False)
         self.plan = None  # no layout runs until the next group forms
         if survivors is not None and record is not None:
@@ -230,6 +239,19 @@ class Coordinator:
         if not kept:
             self._drop_members(gone)
         return replace(pending, survivors=survivors)
+
+    def _carried_on(self, p: Plan, kept: CarriedOn, record: Reconfig | None) -> Running:
+        """The group the lost coordinator formed for `p` trains on from the step its workers are at (the
+        metrics of steps they finished after that coordinator died came back with `kept`)."""
+        with self._lock:
+            for r in kept.rows:
+                self.metrics.setdefault(r["step"], r)
+            self.committed_step = max(self.committed_step, kept.committed_step)
+        if record is not None:
+            record.step_before = kept.step
+        return self._formed(p, p.layout.to_dict(), kept.step, 0, 0, cause="failure", detected=time.time(),
+                            reason="the workers the previous coordinator left training train on as they are",
+                            record=record, transfer={"path": "in place"})
 
     def _on_pending(self, state: Pending, snap: ClusterSnapshot) -> State:
         if self.grant is not None and not self._usable(snap):  # launched by the scheduler, nothing granted yet

@@ -31,6 +31,7 @@ class CoordinatorOptions:
     owner: str | None = None
     """The named Ray actor this coordinator runs in (service.server.job_actor sets it), in `namespace`. When set,
     workers are detached actors that outlive a restart of it: the restarted coordinator takes them over
-    and heals from their state instead of restarting every rank, and they end themselves once the
-    actor is gone for good. None (`elastron run`, the demo): workers end with the coordinator's process."""
+    (their group trains on, or heals from their state) instead of restarting every rank, and they end
+    themselves once the actor is gone for good. None (`elastron run`, the demo): workers end with the
+    coordinator's process."""
     namespace: str = "elastron"

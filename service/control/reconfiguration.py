@@ -25,7 +25,8 @@ class Reconfig:
     """How the state moved: {"path": "live", bytes_moved, handover_s, transfer_s, form_s} or
     {"path": "storage", start_s, standby, form_s} (through the last committed checkpoint: `start_s` to
     stop the leavers and start the missing workers, `standby` of which were standbys claimed instead of
-    new processes, `form_s` for every rank to join, build and load)."""
+    new processes, `form_s` for every rank to join, build and load), or {"path": "in place"} (a restarted
+    coordinator's predecessor's group trains on: nothing moved)."""
     first_step_time: float | None = None
     """Unix time the first step at the new layout finished."""
     loss_before: float | None = None

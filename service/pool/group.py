@@ -62,6 +62,19 @@ class Salvage:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class CarriedOn:
+    """Whether the workers a lost coordinator left training still form its group, sound, at one step
+    (`Group.carry_on`): then the group goes on as it is, nothing re-formed or moved."""
+
+    step: int | None = None
+    """The step they are at; None if they do not (`why` says why)."""
+    why: str | None = None
+    committed_step: int = 0
+    rows: tuple[dict, ...] = ()
+    """Rank 0's metrics rows of the last call the lost coordinator sent (it never read them)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Moved:
     """A live reshard done (`Group.reshard`): the group formed on the new layout, and how it got there."""
 
@@ -127,6 +140,9 @@ class Group(Protocol):
     def adopt(self) -> int:
         """Make the workers a lost coordinator of this job left running (detached ones) members, as
         they are; returns how many."""
+    def carry_on(self, plan: Plan) -> CarriedOn:
+        """After `adopt`: whether the members are still `plan`'s training group, every rank sound and at
+        one step, so it trains on as it is (members put in rank order); else why not, changing nothing."""
     def run(self, *, until_step: int, steps: int, should_abort: Callable[[], bool] = ...) -> list[dict]:
         """Train `steps` steps on every rank; rank 0's metrics rows."""
     def checkpoint(self, *, blocking: bool = True) -> int:

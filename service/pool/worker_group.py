@@ -33,7 +33,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from parallel.planner import Plan
 from service.pool.detached import STANDBY, find_workers, release_workers, worker_prefix
-from service.pool.group import Formed, Moved, Salvage, Started, WorkerFailure
+from service.pool.group import CarriedOn, Formed, Moved, Salvage, Started, WorkerFailure
 from service.pool.placement import on_node, probe_nodes
 from workers.config import JobConfig
 from workers.report import Salvaged
@@ -511,6 +511,36 @@ class WorkerGroup:
         release_workers(self.job_id, keep={m.pg.id.hex() for m in self.members})
         self._set_members(self.members)  # members first
         return len(self.members)
+
+    def carry_on(self, plan: Plan, *, timeout_s: float = 15.0, grace_s: float = 1.0) -> CarriedOn:
+        """After `adopt`: ask every member where it stands (`Worker.standing`, answered once the call the
+        lost coordinator sent has ended); if they are `plan`'s ranks, each sound, at one step, they
+        are the group, in rank order. A member stuck in a collective (that coordinator died between
+        sending a call to one member and to the next) does not answer: `grace_s` after the first
+        answer, the group does not carry on, and the salvage that follows deals with it."""
+        members = list(self.members)
+        refs = [m.actor.standing.remote() for m in members]
+        ready = self._replies(refs, timeout_s=timeout_s, grace_s=grace_s)
+        self._unread += [r for r in refs if r not in ready]
+        if len(ready) < len(refs):
+            return CarriedOn(why=f"{len(refs) - len(ready)} of {len(refs)} workers did not answer")
+        try:
+            said = [ray.get(r) for r in refs]
+        except RayError as e:
+            return CarriedOn(why=f"a worker failed to answer: {type(e).__name__}")
+        if unsound := [s.why for s in said if not s.sound]:
+            return CarriedOn(why=f"{len(unsound)} worker(s) cannot carry on ({unsound[0]})")
+        if sorted(s.rank for s in said) != list(range(plan.world_size)):
+            return CarriedOn(why=f"ranks {sorted(s.rank for s in said)} are not the {plan.world_size} of {plan.layout}")
+        theirs = {(p.layout, p.micro_batch_size, p.grad_accum_steps) for p in (Plan.from_dict(s.plan) for s in said)}
+        if theirs != {(plan.layout, plan.micro_batch_size, plan.grad_accum_steps)}:
+            return CarriedOn(why=f"they train another plan than {plan.layout}")
+        if len(steps := {s.step for s in said}) != 1:
+            return CarriedOn(why=f"they are at different steps {sorted(steps)}")
+        by_rank = sorted(zip(said, members), key=lambda p: p[0].rank)
+        self._set_members([m for _, m in by_rank])
+        head = by_rank[0][0]
+        return CarriedOn(step=head.step, committed_step=head.committed_step, rows=head.rows)
 
     def _start(self, launched: list[WorkerHandle], *, watch: list[str] = ()) -> list[WorkerHandle]:
         """`launched` (new actors, and spares and standbys taken for this start) as members once all have

@@ -69,7 +69,8 @@ _actor_cls = None
 MAX_RESTARTS = 3
 """How often Ray restarts a job's coordinator actor whose process died. A restarted coordinator finds
 the job's events in the run directory, takes over the workers the old one left running (detached
-actors) and heals from their state; what it cannot take over resumes from the last committed checkpoint."""
+actors), whose group trains on or heals from their state; what it cannot take over resumes from the
+last committed checkpoint."""
 
 
 def job_actor_class():

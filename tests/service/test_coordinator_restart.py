@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
+import pytest
+
 from service.control.coordinator import Coordinator, CoordinatorOptions
 from service.control.state import JobState as S
 from tests.fakes import advance, make_coordinator
@@ -68,9 +70,30 @@ def left_running(group_cls, lost):
     return type("LeftRunning", (group_cls,), {"adopt": adopt})
 
 
-def test_a_restarted_coordinator_takes_over_the_workers_left_running_and_heals_from_them(tmp_path):
+def test_a_restarted_coordinator_trains_on_with_the_group_it_takes_over_as_it_is(tmp_path):
+    """The workers the lost coordinator left training are still its plan's group: they train on from
+    their step, nothing re-formed, no state moved (live or storage resharding alike)."""
+    for reshard in ("live", "storage"):
+        first, cluster, group_cls = make_coordinator(tmp_path / reshard, {"a": 2, "b": 2},
+                                                     parallel={"reshard": reshard})
+        advance(first, lambda c: c.step_done >= 7)
+        (tmp_path / reshard / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 8)))
+
+        second = again(first, left_running(group_cls, first.group), cluster, owner="elastron-job-job1")
+        advance(second, lambda c: c.sm.state.is_terminal)
+
+        assert str(second.sm.state) == "SUCCEEDED" and second.step_done == 20
+        rc = second.reconfigs[0]
+        assert rc.cause == "failure" and rc.step_before == 7 and rc.resumed_step == 7 and rc.steps_lost == 0
+        assert rc.started == rc.stopped == 0 and rc.transfer["path"] == "in place"
+        moves = [(e["from_state"], e["to_state"]) for e in second.events_since(len(first.events_since(0)))
+                 if e["kind"] == "transition"]
+        assert moves == [("PENDING", "RUNNING"), ("RUNNING", "SUCCEEDED")], moves
+
+
+def test_a_restarted_coordinator_heals_from_the_workers_left_running_when_they_cannot_train_on(tmp_path):
     first, cluster, group_cls = make_coordinator(tmp_path, {"a": 2, "b": 2})
-    group_cls.heals = True
+    group_cls.heals, group_cls.intact = True, False
     advance(first, lambda c: c.step_done >= 7)
     assert group_cls.disk.committed == 5
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 8)))
@@ -84,12 +107,14 @@ def test_a_restarted_coordinator_takes_over_the_workers_left_running_and_heals_f
     assert rc.started == 0 and rc.transfer["path"] == "peers"  # healed from the same workers, none started
     kinds = [(e["kind"], e["reason"]) for e in second.events_since(0)]
     assert ("info", "took over 4 worker(s) the previous coordinator left running") in kinds
+    assert ("info", "the workers taken over cannot train on as they are: they are not the plan's group") in kinds
     restart = next(r for k, r in kinds if k == "failure")
     assert "taking over the workers it left running" in restart
 
 
 def test_workers_taken_over_from_a_storage_job_stay_warm_for_its_resume(tmp_path):
     first, cluster, group_cls = make_coordinator(tmp_path, {"a": 2, "b": 2}, parallel={"reshard": "storage"})
+    group_cls.intact = False
     advance(first, lambda c: c.step_done >= 7)
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 8)))
 
@@ -129,23 +154,33 @@ def test_workers_started_before_any_group_formed_are_taken_over_not_left_holding
     assert rc.started == 0 and rc.stopped == 0 and rc.resumed_step == 0  # the same four, from the start
 
 
-def test_a_heal_from_workers_a_step_ahead_of_the_lost_coordinator_moves_from_their_step(tmp_path):
-    """The coordinator died while its workers finished a step it never recorded; their salvage brings
-    that step's metrics back, so the heal moves from that step (seen in CI's chaos test as "a live move
-    from step 116 resumed at step 117")."""
+@pytest.mark.parametrize("intact", [False, True], ids=["heal", "in-place"])
+def test_a_heal_from_workers_a_step_ahead_of_the_lost_coordinator_moves_from_their_step(tmp_path, intact):
+    """The coordinator died while its workers finished a step it never recorded; their salvage (or, where
+    they train on as they are, their answer to `carry_on`) brings that step's metrics back, so the job
+    moves on from that step (seen in CI's chaos test as "a live move from step 116 resumed at step 117")."""
     first, cluster, group_cls = make_coordinator(tmp_path, {"a": 2, "b": 2})
-    group_cls.heals = True
+    group_cls.heals, group_cls.intact = True, intact
     advance(first, lambda c: c.step_done >= 7)
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 8)))
     first.group.step += 1  # step 8 finished after the coordinator died
     base = left_running(group_cls, first.group)
 
-    def salvage(self, **kw):
-        row = {"step": self.step, "loss": 10.0 / self.step, "time": float(self.step)}
-        got = base.salvage(self, **kw)
-        return replace(got, kept={r: replace(s, rows=(row,)) for r, s in got.kept.items()})
+    def row(self):
+        return {"step": self.step, "loss": 10.0 / self.step, "time": float(self.step)}
 
-    second = again(first, type("Ahead", (base,), {"salvage": salvage}), cluster, owner="elastron-job-job1")
+    def salvage(self, **kw):
+        got = base.salvage(self, **kw)
+        return replace(got, kept={r: replace(s, rows=(row(self),)) for r, s in got.kept.items()})
+
+    def carry_on(self, plan):
+        got = base.carry_on(self, plan)
+        return replace(got, rows=(row(self),)) if got.step is not None else got
+
+    ahead = type("Ahead", (base,), {"salvage": salvage, "carry_on": carry_on})
+    second = again(first, ahead, cluster, owner="elastron-job-job1")
     advance(second, lambda c: c.sm.state.is_terminal)
     rc = second.reconfigs[0]
-    assert rc.step_before == 8 and rc.resumed_step == 8 and rc.steps_lost == 0 and rc.transfer["path"] == "peers"
+    assert rc.step_before == 8 and rc.resumed_step == 8 and rc.steps_lost == 0
+    assert rc.transfer["path"] == ("in place" if intact else "peers")
+    assert second.metrics_since(7)[0] == row(first.group)  # step 8, as the workers reported it

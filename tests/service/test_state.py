@@ -59,7 +59,7 @@ def test_issue_sketch_transitions_are_all_allowed():
     queued = {(S.PENDING, S.QUEUED), (S.STARTING, S.QUEUED), (S.RECOVERING, S.QUEUED), (S.WAITING_FOR_CAPACITY, S.QUEUED)} | {
         (S.QUEUED, d) for d in (S.STARTING, S.RECOVERING, S.WAITING_FOR_CAPACITY, S.PAUSED, S.STOPPED, S.FAILED)}
     assert added == {(S.PENDING, S.STOPPED), (S.PENDING, S.FAILED), (S.WAITING_FOR_CAPACITY, S.PAUSED),
-                     (S.PENDING, S.PAUSED)} | queued
+                     (S.PENDING, S.PAUSED), (S.PENDING, S.RUNNING)} | queued
 
 
 def _reachable(start: JobState) -> set[JobState]:
