@@ -25,8 +25,22 @@ def worker_prefix(job_id: str) -> str:
 
 
 STANDBY = "standby-"
-"""After `worker_prefix`, the name of an actor started as a standby (service.pool.worker_group.keep_standby);
-claimed as a member it keeps its name."""
+"""After `worker_prefix`, the name of an actor started as a standby (service.pool.worker_group.keep_standby),
+followed by its node's id (`standby_kind`); claimed as a member it keeps its name."""
+
+
+def standby_kind(node_id: str) -> str:
+    """The part of a standby's name after `worker_prefix`, before its unique suffix: it names the node the
+    standby is pinned to, so a coordinator taking the job over knows it before the standby answers."""
+    return f"{STANDBY}{node_id}-"
+
+
+def standby_node(job_id: str, name: str) -> str | None:
+    """The node a standby of `job_id` named `name` is pinned to (`standby_kind`); None for another name."""
+    head = worker_prefix(job_id) + STANDBY
+    if not name.startswith(head) or "-" not in name[len(head):]:
+        return None
+    return name[len(head):].rsplit("-", 1)[0] or None
 
 
 def find_workers(job_id: str, namespace: str) -> list[tuple[str, object]]:

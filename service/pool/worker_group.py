@@ -32,7 +32,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from parallel.planner import Plan
-from service.pool.detached import STANDBY, find_workers, release_workers, worker_prefix
+from service.pool.detached import find_workers, release_workers, standby_kind, standby_node, worker_prefix
 from service.pool.group import CarriedOn, Formed, Moved, Salvage, Started, WorkerFailure
 from service.pool.placement import on_node, probe_nodes
 from workers.config import JobConfig
@@ -419,7 +419,7 @@ class WorkerGroup:
     def _named(self, kind: str = "") -> dict[str, str]:
         """Name and lifetime of a new actor or placement group: detached and named after the job when the
         group has an owner, so that they outlive its coordinator (`service.pool.detached`). `kind`: a name
-        part after the job's prefix (`STANDBY`)."""
+        part after the job's prefix (`standby_kind`)."""
         if self.owner is None:
             return {}
         return {"name": f"{worker_prefix(self.job_id)}{kind}{uuid.uuid4().hex[:12]}", "lifetime": "detached"}
@@ -457,7 +457,7 @@ class WorkerGroup:
         need = [nid for nid in sorted(hosts) for _ in range(per_node - have[nid])]
         for nid in need:
             actor = self._actor(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False),
-                                **self._named(STANDBY))
+                                **self._named(standby_kind(nid)))
             actor.warm_up.remote()  # paid while it waits; its ping (and a claim) answer after it
             self.workers.append(WorkerHandle(actor, nid, None, Role.STANDBY, ping=actor.info.remote()))
         return len(need)
@@ -483,15 +483,17 @@ class WorkerGroup:
         """Take over the detached workers a previous coordinator of this job left running (its process
         died; they did not): each that answers within `timeout_s` becomes a member, the others are
         stopped. Standbys stay standbys; one still starting is not waited for (its `info` waits for its
-        start, ~2 s) but stopped (a claimed one answers as soon as the members do). Their process groups
-        and trainers are as that coordinator left them: `salvage` next.
+        start, ~2 s) but kept on the node its name gives, its answer read later as its ping
+        (`keep_standby` replaces it then if it turns out claimed or dead; a claimed one answers as soon
+        as the members do). Their process groups and trainers are as that coordinator left them.
         The placement groups of workers that died meanwhile are removed. Returns how many were taken
         over (0 for a group without an owner)."""
         if self.owner is None:
             return 0
         found = find_workers(self.job_id, self.namespace)
         refs = [a.info.options(concurrency_group=CONTROL).remote() for _, a in found]
-        standby = {r for (name, _), r in zip(found, refs) if name.startswith(worker_prefix(self.job_id) + STANDBY)}
+        pinned = {r: standby_node(self.job_id, name) for (name, _), r in zip(found, refs)}
+        standby = {r for r, node in pinned.items() if node is not None}
         ready = self._replies([r for r in refs if r not in standby], timeout_s=timeout_s, grace_s=timeout_s)
         ready |= set(ray.wait(list(standby), num_returns=len(standby), timeout=0.1)[0])
         for (_, actor), ref in zip(found, refs):
@@ -501,13 +503,15 @@ class WorkerGroup:
                     info = ray.get(ref)
                 except RayError:
                     pass
-            if info is None:
+            if ref in standby and ref not in ready:  # still starting: kept, its answer read as its ping
+                self.workers.append(WorkerHandle(actor, pinned[ref], None, Role.STANDBY, ping=ref))
+            elif info is None:
                 self._kill(actor)
             elif info["pg"] is None:  # a standby, never claimed: it stays one
                 self.workers.append(WorkerHandle(actor, info["node_id"], None, Role.STANDBY, ping=ref))
             else:
                 self.workers.append(WorkerHandle(actor, info["node_id"], info["pg"], Role.MEMBER, ip=info["ip"]))
-        self._unread += [r for r in refs if r not in ready]
+        self._unread += [r for r in refs if r not in ready and r not in standby]
         release_workers(self.job_id, keep={m.pg.id.hex() for m in self.members})
         self._set_members(self.members)  # members first
         return len(self.members)

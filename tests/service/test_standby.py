@@ -142,3 +142,42 @@ def test_a_start_that_fails_keeps_the_workers_that_came_up_as_spares_for_the_nex
     finally:
         g.shutdown()
     _cpus_free(2.0)
+
+
+def test_a_standby_still_starting_when_its_group_is_taken_over_is_kept_not_started_again(local_ray, tmp_path):
+    """A coordinator that takes a job's workers over (`adopt`) does not wait for a standby still starting
+    (its `info` answers once its process has imported torch), but keeps it on the node its name gives
+    instead of stopping it: each coordinator kill used to replace every standby, and the new processes'
+    start slowed the next steps (seen in chaos, kill_coordinator only: all 3 killed and started again
+    at every takeover)."""
+    from service.pool.detached import standby_node
+
+    @ray.remote(num_cpus=0)
+    class Owner:  # stands for the job's coordinator actor, which detached workers watch by name
+        def ping(self) -> bool:
+            return True
+
+    me = ray.get_runtime_context().get_node_id()
+    owner = Owner.options(name="owner-t6", namespace="elastron").remote()
+    ray.get(owner.ping.remote(), timeout=30)
+    args = dict(cpus_per_worker=1, gpus_per_worker=0, job_id="t6", owner="owner-t6")
+    g = WorkerGroup(JobConfig(), str(tmp_path), **args)
+    h = None
+    try:
+        g.scale_to([me])
+        assert g.keep_standby() == 1
+        (starting,) = g.standby
+        h = WorkerGroup(JobConfig(), str(tmp_path), **args)  # the next coordinator's group
+        assert h.adopt() == 1
+        (kept,) = h.standby
+        assert kept.ping not in ray.wait([kept.ping], timeout=0)[0]  # taken over before it answered
+        assert kept.node_id == me and kept.actor._actor_id == starting.actor._actor_id
+        assert ray.get(kept.ping, timeout=60)["pg"] is None  # it came up as a standby
+        assert h.keep_standby() == 0 and len(h.standby) == 1  # nothing started in its place
+        names = [e["name"] for e in ray.util.list_named_actors(all_namespaces=True)
+                 if e["name"].startswith("elastron-worker-t6-")]
+        assert sorted(standby_node("t6", n) or "member" for n in names) == sorted([me, "member"])
+    finally:
+        (h or g).shutdown()
+        ray.kill(owner)
+    _cpus_free(2.0)
