@@ -289,7 +289,8 @@ class Coordinator:
                 self.sm.note("preemption", reason=d.reason, step=self.step_done, cause=cause,
                              details={"draining": snap.draining()})
             return Resizing(reason=d.reason, cause=cause, decision=d, detected=time.time(), record=state.record)
-        self._prewarm(snap)
+        if state.record is None:  # a re-formed group's first step goes first: a process start would slow it
+            self._prewarm(snap)
         return self._train_chunk(replace(state, resize_requested=False))
 
     def _on_resizing(self, state: Resizing, snap: ClusterSnapshot) -> State:
