@@ -222,10 +222,10 @@ class Coordinator:
             return pending
         gone = self.health.gone(snap, sorted(group.nodes()))
         if not gone:
-            kept = group.carry_on(state.lost)
-            if kept.step is not None:
-                return self._carried_on(state.lost, kept, record)
-            self.sm.note("info", reason=f"the workers taken over cannot train on as they are: {kept.why}",
+            standing = group.carry_on(state.lost)
+            if standing.step is not None:
+                return self._carried_on(state.lost, standing, record)
+            self.sm.note("info", reason=f"the workers taken over cannot train on as they are: {standing.why}",
                          step=self.step_done)
         if self.cfg.parallel.reshard != "live":
             return pending
