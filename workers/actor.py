@@ -91,6 +91,8 @@ class Worker:
         self._reservation = None
         """The placement group holding this worker's slot when it runs outside one: a standby, once
         claimed as a member (`claim`)."""
+        self._called_off = threading.Event()
+        """Set by `abort`: a rendezvous in progress (`join`, `reshard`) stops waiting for its peers."""
         if owner is not None:
             threading.Thread(target=watch_owner, args=(*owner, self.placement), name="watch-owner",
                              daemon=True).start()
@@ -178,7 +180,8 @@ class Worker:
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0",
                           MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         device = pick_device(self.cfg.resources.device)
-        init_process_group(device, timeout_s=timeout_s)
+        self._called_off.clear()  # an abort sent before this call was meant for an earlier one
+        init_process_group(device, timeout_s=timeout_s, cancelled=self._called_off.is_set)
         return device
 
     # -- live resharding (workers.reshard) ---------------------------------------------------------------
@@ -199,9 +202,11 @@ class Worker:
         another call may be stuck in a collective with a dead peer, so that call raises instead of
         waiting out the collective timeout (NCCL). Gloo needs no abort: its collectives raise at once
         when a peer's sockets close; one stuck on a silently vanished host is left to the salvage
-        deadline. Returns whether there was a group to abort."""
+        deadline. A rendezvous still gathering its ranks (a peer died before joining) is called off.
+        Returns whether there was a group to abort."""
         import torch.distributed as dist
 
+        self._called_off.set()
         if not dist.is_initialized():
             return False
         if dist.get_backend() != "gloo":

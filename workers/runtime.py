@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import socket
+import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -31,8 +33,18 @@ def env_world() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_process_group(device: torch.device, *, timeout_s: float = 300.0) -> None:
-    """Initialise the default group from env://. A lone process gets a loopback rendezvous of its own."""
+class RendezvousCancelled(RuntimeError):
+    """A rendezvous called off (`cancelled()`) before every rank had joined it."""
+
+
+_SLICE_S = 0.5
+"""The longest a rendezvous waits between two looks at `cancelled()`."""
+
+
+def init_process_group(device: torch.device, *, timeout_s: float = 300.0,
+                       cancelled: Callable[[], bool] | None = None) -> None:
+    """Initialise the default group from env://. A lone process gets a loopback rendezvous of its own.
+    `cancelled`: asked while the ranks gather (`rendezvous`); once it says so, RendezvousCancelled."""
     if dist.is_initialized():
         return
     if "MASTER_ADDR" not in os.environ:
@@ -43,7 +55,46 @@ def init_process_group(device: torch.device, *, timeout_s: float = 300.0) -> Non
     # group by a counter that destroying a group resets, but a failed init (a peer died during the
     # rendezvous) leaves it raised, and the ranks' store keys would then differ until the timeout.
     _reset_group_names()
-    dist.init_process_group(backend=backend, init_method="env://", timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    if cancelled is None:
+        dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
+        return
+    rank, world_size = env_world()
+    store = rendezvous(rank, world_size, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                       timeout_s=timeout_s, cancelled=cancelled)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
+def rendezvous(rank: int, world_size: int, addr: str, port: int, *, timeout_s: float,
+               cancelled: Callable[[], bool]) -> dist.TCPStore:
+    """Rank 0's TCP store at `addr:port` once every rank has joined it, waited for in slices of at most
+    `_SLICE_S` with `cancelled()` asked between them. A peer that died before joining would otherwise hold
+    every other rank in `init_process_group` until `timeout_s`, where no abort reaches it; this way the
+    caller can call the wait off (RendezvousCancelled) and the process stays usable. TimeoutError after
+    `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+
+    def go_on(what: str) -> None:
+        if cancelled():
+            raise RendezvousCancelled(f"rendezvous called off while {what}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rendezvous: still {what} after {timeout_s:.0f}s")
+
+    while True:
+        try:
+            store = dist.TCPStore(addr, port, world_size, rank == 0, timeout=timedelta(seconds=_SLICE_S),
+                                  wait_for_workers=False)
+            break
+        except RuntimeError:  # rank 0's store not up yet, or its host gone (DistNetworkError)
+            if rank == 0:
+                raise  # it could not listen: waiting will not change that
+            go_on("connecting to rank 0's store")
+    store.set_timeout(timedelta(seconds=timeout_s))  # the group's own waits on the store, from here on
+    store.add("elastron/joined", 1)
+    while int(store.add("elastron/joined", 0)) < world_size:
+        go_on(f"waiting for the {world_size} ranks to join")
+        time.sleep(0.005)
+    return store
 
 
 def _reset_group_names() -> None:
