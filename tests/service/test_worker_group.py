@@ -192,3 +192,33 @@ def test_members_with_no_state_to_salvage_are_kept_as_spares_and_the_next_start_
         assert [r["step"] for r in g.run(until_step=1, steps=1)] == [1]
     finally:
         g.shutdown()
+
+
+def test_a_member_waiting_in_a_rendezvous_for_a_dead_peer_is_called_off_and_kept_as_a_spare(local_ray, tmp_path):
+    """A second fault during a re-form (the chaos run's doubles): a member waits in the new group's
+    rendezvous for a peer that died before joining. The salvage's abort calls that wait off, so the
+    member answers with no state and is kept as a spare for the next start; it used to wait there until
+    the salvage gave up on it and stopped it, and the next start began a new process in its place."""
+    from workers.config import JobConfig
+
+    cfg = JobConfig()
+    me = ray.get_runtime_context().get_node_id()
+    g = WorkerGroup(cfg, str(tmp_path), cpus_per_worker=1, gpus_per_worker=0, job_id="t", start_timeout_s=60)
+    try:
+        g.scale_to([me, me])
+        head = g.members[0]
+        port = ray.get(head.actor.free_port.remote(), timeout=30)
+        waiting = head.actor.join.remote(rank=0, world_size=2, master_addr=head.ip, master_port=port,
+                                         plan=_plan_for_two(cfg).to_dict())  # rank 1 never comes
+        time.sleep(1.0)  # in its rendezvous by now
+        t0 = time.monotonic()
+        salvage = g.salvage(timeout_s=30)
+        assert salvage.stopped_why == () and salvage.idle == 2 and salvage.kept == {}
+        assert time.monotonic() - t0 < 5  # called off within a slice, not waited out
+        with pytest.raises(ray.exceptions.RayTaskError, match="called off"):
+            ray.get(waiting, timeout=30)
+        start = g.scale_to([me, me])
+        assert (start.started, start.rejoined) == (0, 2)  # both back, no process started
+        assert g.form(_plan_for_two(cfg)).step == 0 and [r["step"] for r in g.run(until_step=1, steps=1)] == [1]
+    finally:
+        g.shutdown()
