@@ -627,7 +627,7 @@ class WorkerGroup:
         """Start actors on `nodes` in the background while the group keeps training (a growth is
         settling), so the resize itself only re-forms the process group. Returns how many were started;
         nodes that already have a spare are skipped."""
-        have = Counter(w.node_id for w in self.spares)
+        have = Counter(w.node_id for w in self._placed_spares())
         need = [nid for nid, k in (Counter(nodes) - have).items() for _ in range(k)]
         self.workers += self._launch(need)
         return len(need)
@@ -636,12 +636,28 @@ class WorkerGroup:
         """Spares on `nodes`, taken out of the group to be awaited with this start (a spare that failed,
         or whose node died, fails the start like a fresh worker would)."""
         want, taken = Counter(nodes), []
-        for w in self.spares:
+        for w in self._placed_spares():
             if want[w.node_id] > 0:
                 want[w.node_id] -= 1
                 taken.append(w)
         self.workers = [w for w in self.workers if all(w is not t for t in taken)]
         return taken
+
+    def _placed_spares(self) -> list[WorkerHandle]:
+        """The spares, each with the node it really runs on: a spare's placement group targets its node
+        softly, so where that node could not take it (full, or dead but still listed) it lands on another
+        and holds that node's slot; counted on its target, it would be taken for neither node, and a start
+        on the other would wait for good for the slot it holds. From its `info` answer, else from where
+        its placement group landed."""
+        from ray.util import placement_group_table
+
+        for w in self.spares:
+            if (answer := _answer(w.ping)) is not None:
+                w.node_id = answer["node_id"]
+            elif w.pg is not None and (landed := [n for n in (placement_group_table(w.pg).get("bundles_to_node_id")
+                                                                 or {}).values() if n]):
+                w.node_id = landed[0]
+        return self.spares
 
     def _stop(self, handles: list[WorkerHandle]) -> None:
         """Kill these workers, release their placement groups and drop them from the group."""
