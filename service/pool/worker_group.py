@@ -187,16 +187,19 @@ class WorkerGroup:
         """`_get(refs)`, probing the members' nodes (`probe_gaps`) while some have not answered."""
         deadline = time.monotonic() + timeout_s
         pending, gaps = list(refs), probe_gaps(self.start_probe_s)
+        next_probe = time.monotonic() + next(gaps)
         while pending:
-            left = deadline - time.monotonic()
-            if left <= 0:
+            now = time.monotonic()
+            if now >= deadline:
                 self._unread += refs
                 raise WorkerFailure("timeout", f"workers did not finish {what} within {timeout_s:.0f}s")
-            done, pending = ray.wait(pending, num_returns=len(pending), timeout=min(left, next(gaps)))
+            # woken by each answer, not only by the last: a rank that failed fails the wait at once
+            done, pending = ray.wait(pending, num_returns=1, timeout=min(deadline, next_probe) - now)
             for ref in done:
-                self._get([ref], what, timeout=0, also=refs)  # a failed rank raises at once
-            if pending:
+                self._get([ref], what, timeout=0, also=refs)
+            if pending and time.monotonic() >= next_probe:
                 self._probe_or_fail(sorted({m.node_id for m in self.members}), f"during {what}")
+                next_probe = time.monotonic() + next(gaps)
         return self._get(refs, what, timeout=0)
 
     def shutdown(self) -> None:
@@ -273,7 +276,7 @@ class WorkerGroup:
         refs = [m.actor.run.remote(until_step=until_step, steps=steps) for m in self.members]
         pending = list(refs)
         while pending:
-            done, pending = ray.wait(pending, num_returns=len(pending), timeout=0.2)
+            done, pending = ray.wait(pending, num_returns=1, timeout=0.2)  # woken by each rank's answer
             for ref in done:
                 self._get([ref], "run", also=refs)  # raises WorkerFailure if that rank failed
             if pending and should_abort():
