@@ -108,6 +108,11 @@ class WorkerGroup:
         self.owner, self.namespace = owner, namespace
         self.workers: list[WorkerHandle] = []
         """Every worker the group holds: the members first, in rank order, then spares and standbys."""
+        self._vacant: dict[str, list[PlacementGroup]] = defaultdict(list)
+        """Per node, the placement groups of members a salvage stopped there while the node lived: still
+        placed, their resources free once the process is gone. The next start puts its workers there
+        (a standby claims one at once, where a new placement group would wait for the old one's removal
+        to free the node's slot); those it does not take are removed after it."""
         self._unread: list[Any] = []
         """Refs of calls the group stopped waiting for (the other ranks' `run` once one rank failed, say):
         read when they have ended (`_settle`), so that their errors, expected after a failure, go to this
@@ -167,16 +172,19 @@ class WorkerGroup:
         if stop_leavers_first:
             self._stop(leavers)
         missing = [nid for nid in want for _ in range(want[nid] - len(pool[nid]))]
-        warm = self._take_spares(missing)
-        for w in warm:
-            missing.remove(w.node_id)
-        # salvaged members kept idle rejoin: not started here, as warm survivors kept as members are not
-        rejoined = sum(w.rejoins for w in warm)
-        warm += (claimed := self._take_standby(missing))
-        for w in claimed:
-            missing.remove(w.node_id)
-        kept = sorted({m.node_id for ms in pool.values() for m in ms})  # a kept member's node can die meanwhile
-        started = self._start(warm + self._launch(missing), watch=kept) if warm or missing else []
+        try:
+            warm = self._take_spares(missing)
+            for w in warm:
+                missing.remove(w.node_id)
+            # salvaged members kept idle rejoin: not started here, as warm survivors kept as members are not
+            rejoined = sum(w.rejoins for w in warm)
+            warm += (claimed := self._take_standby(missing))
+            for w in claimed:
+                missing.remove(w.node_id)
+            kept = sorted({m.node_id for ms in pool.values() for m in ms})  # a kept member's node can die meanwhile
+            started = self._start(warm + self._launch(missing), watch=kept) if warm or missing else []
+        finally:
+            self._release_vacant()
         for m in started:  # placement targets a node softly: group by where the actor really runs
             pool[m.node_id].append(m)
         order = list(dict.fromkeys(nodes)) + [nid for nid in pool if nid not in want]
@@ -205,12 +213,14 @@ class WorkerGroup:
     def shutdown(self) -> None:
         self._settle()
         self._stop(list(self.workers))
+        self._release_vacant()
 
     def stop_members(self, *, dead: Collection[str] = ()) -> None:
         """Stop every member, and the spares on `dead` nodes or whose start failed; the other spares and
         the standbys stay for the next start (`shutdown` stops them too)."""
         self._settle()
         self._stop(self.members + [w for w in self.spares if w.node_id in dead or not _sound(w.ping)])
+        self._release_vacant()
 
     # -- collective operations ---------------------------------------------------------------------------
     def form(self, plan: Plan, *, adopt: bool = False) -> Formed:
@@ -332,6 +342,11 @@ class WorkerGroup:
             else:
                 lost.append(m)
                 stopped_why.append(why or "no reason given")
+        dead_nodes = set(gone) | set(dead())
+        for m in lost:
+            if m.pg is not None and m.node_id not in dead_nodes:  # its slot, for the next start there
+                self._vacant[m.node_id].append(m.pg)
+                m.pg = None
         self._stop(lost)
         for m in idle:
             m.role, m.rejoins, m.ping = Role.SPARE, True, m.actor.info.options(concurrency_group=CONTROL).remote()
@@ -407,7 +422,7 @@ class WorkerGroup:
         out = []
         for nid in nodes:
             named = self._named()
-            pg = self._slot(nid, **named)
+            pg = self._take_vacant(nid) or self._slot(nid, **named)
             actor = self._actor(num_cpus=self.cpus, num_gpus=self.gpus or None,
                                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0), **named)
             out.append(WorkerHandle(actor, nid, pg, Role.SPARE, ping=actor.info.remote()))
@@ -418,6 +433,17 @@ class WorkerGroup:
         `ray.nodes()` row, pinned there by a sliver of its `node:IP` resource: `on_node`)."""
         bundle = {"CPU": self.cpus, **({"GPU": self.gpus} if self.gpus else {}), **on_node(node)}
         return placement_group([bundle], strategy="STRICT_PACK", _soft_target_node_id=nid, **named)
+
+    def _take_vacant(self, nid: str) -> PlacementGroup | None:
+        """A slot a stopped member left on node `nid` (`_vacant`), if there is one."""
+        return self._vacant[nid].pop() if self._vacant.get(nid) else None
+
+    def _release_vacant(self) -> None:
+        """Remove the slots no start took: they hold resources the job is not using."""
+        for pgs in self._vacant.values():
+            for pg in pgs:
+                _remove(pg)
+        self._vacant.clear()
 
     def _named(self, kind: str = "") -> dict[str, str]:
         """Name and lifetime of a new actor or placement group: detached and named after the job when the
@@ -466,17 +492,20 @@ class WorkerGroup:
         return len(need)
 
     def _take_standby(self, nodes: list[str]) -> list[WorkerHandle]:
-        """Standbys on `nodes` (one per entry at most), each claimed with a new placement group for its
-        slot on its node (`Worker.claim`), to be awaited with this start like a fresh worker. The bundle
-        asks for a sliver of the node's `node:IP` resource too: where IPs are unique, a slot that is not
-        free yet (the group of the worker it replaces still being removed) is waited for there, not
-        taken on another node."""
+        """Standbys on `nodes` (one per entry at most), each claimed (`Worker.claim`) with the slot a
+        stopped member left on its node (`_vacant`) or else a new placement group, to be awaited with this
+        start like a fresh worker. A new group's bundle asks for a sliver of the node's `node:IP` resource
+        too: where IPs are unique, a slot that is not free yet (the group of the worker it replaces still
+        being removed) is waited for there, not taken on another node."""
         want, taken = Counter(nodes), []
-        info = {n["NodeID"]: n for n in ray.nodes()} if any(want[w.node_id] for w in self.standby) else {}
+        info: dict[str, dict] | None = None
         for w in self.standby:
             if want[w.node_id] > 0:
                 want[w.node_id] -= 1
-                w.pg = self._slot(w.node_id, node=info.get(w.node_id), **self._named())
+                if (pg := self._take_vacant(w.node_id)) is None:
+                    info = info if info is not None else {n["NodeID"]: n for n in ray.nodes()}
+                    pg = self._slot(w.node_id, node=info.get(w.node_id), **self._named())
+                w.pg = pg
                 w.ping = w.actor.claim.remote(w.pg)
                 taken.append(w)
         self.workers = [w for w in self.workers if all(w is not t for t in taken)]
@@ -666,11 +695,8 @@ class WorkerGroup:
         """Kill these workers, release their placement groups and drop them from the group."""
         for w in handles:
             self._kill(w.actor)
-            try:
-                if w.pg is not None:
-                    remove_placement_group(w.pg)
-            except Exception:
-                logger.debug("placement group removal failed", exc_info=True)
+            if w.pg is not None:
+                _remove(w.pg)
         self.workers = [w for w in self.workers if all(w is not h for h in handles)]
 
     @staticmethod
@@ -679,6 +705,13 @@ class WorkerGroup:
             ray.kill(actor, no_restart=True)
         except Exception:  # already gone is fine
             logger.debug("kill of a worker failed", exc_info=True)
+
+
+def _remove(pg: PlacementGroup) -> None:
+    try:
+        remove_placement_group(pg)
+    except Exception:
+        logger.debug("placement group removal failed", exc_info=True)
 
 
 def _answer(ping) -> dict | None:

@@ -15,6 +15,7 @@ from tests.ray_local import local_ray  # noqa: F401  (a fixture)
 from workers.config import JobConfig
 
 ray = pytest.importorskip("ray")
+from ray.util import placement_group_table  # noqa: E402
 pytestmark = pytest.mark.e2e
 
 
@@ -41,13 +42,15 @@ def test_a_crashed_member_is_replaced_by_the_standby_which_then_holds_the_slot(l
         assert set(standby["warmed"]) == {"import", "cuda_context", "first_step"}  # paid while it waited
         _cpus_free(1.0)  # the member holds one CPU, the standby none
         crashed = g.members[0]
+        slot = crashed.pg.id
         ray.kill(crashed.actor, no_restart=True)
-        assert g.salvage().kept == {}  # the dead member is lost (and its slot released)
+        assert g.salvage().kept == {}  # the dead member is lost; its slot is kept for the next start
         start = g.scale_to([me])
         assert (start.started, start.stopped) == (1, 0)
         (m,) = g.members
         assert ray.get(m.actor.info.remote(), timeout=30)["pid"] == standby["pid"]  # no new process
         assert m.pg is not None and ray.get(m.actor.info.remote(), timeout=30)["pg"].id == m.pg.id
+        assert m.pg.id == slot  # claimed with the slot the dead member left: no new placement group
         _cpus_free(1.0)  # the claimed standby's placement group holds the slot
         assert g.standby == [] and g.keep_standby() == 1  # replenished
         _settled_standby(g)
@@ -82,6 +85,27 @@ def test_a_dead_standby_is_replaced_standbys_leave_nodes_without_members_none_fo
     gpu = WorkerGroup(JobConfig(), str(tmp_path), cpus_per_worker=1, gpus_per_worker=1, job_id="t3")
     gpu.workers = g.workers  # no member: keep_standby must not need a GPU to decide
     assert gpu.keep_standby() == 0
+
+
+def test_a_slot_a_dead_member_left_is_held_until_the_next_start_only_and_not_on_a_dead_node(local_ray, tmp_path):
+    me = ray.get_runtime_context().get_node_id()
+    g = WorkerGroup(JobConfig(), str(tmp_path), cpus_per_worker=1, gpus_per_worker=0, job_id="t6")
+    try:
+        g.scale_to([me])
+        slot = g.members[0].pg
+        ray.kill(g.members[0].actor, no_restart=True)
+        g.salvage()
+        assert placement_group_table(slot)["state"] == "CREATED"  # held for a start on this node
+        g.scale_to([])  # the start that followed did not take it: given back
+        assert placement_group_table(slot)["state"] == "REMOVED"
+        g.scale_to([me])
+        slot = g.members[0].pg
+        ray.kill(g.members[0].actor, no_restart=True)
+        g.salvage(gone={me})  # a member on a node the watcher lists as dead: no slot kept there
+        assert placement_group_table(slot)["state"] == "REMOVED"
+    finally:
+        g.shutdown()
+    _cpus_free(2.0)
 
 
 def _alive(pid: int) -> bool:
