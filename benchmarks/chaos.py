@@ -79,6 +79,10 @@ class FaultRecord:
     events: list[str] = field(default_factory=list)
     """Kinds of the job's events between this injection and the next."""
     recovery_s: float | None = None
+    struck: float | None = None
+    """When the fault's first act happened (`Ctx.struck`): `injected` is before the victim was chosen."""
+    from_strike_s: float | None = None
+    """The recovery counted from `struck`: without the benchmark's own choice of a victim."""
     steps_lost: int | None = None
     resumed_step: int | None = None
     survived: bool = False
@@ -169,6 +173,7 @@ class ChaosRun:
         self.records.append(rec)
         try:
             rec.what = fn(ctx)
+            rec.struck = ctx.struck
         except Exception as e:  # the fault could not be injected: say so, do not count it survived
             rec.note = f"injection failed: {type(e).__name__}: {e}"
             self.log(f"fault {i} {kind}: {rec.note}")
@@ -176,6 +181,8 @@ class ChaosRun:
         self.log(f"fault {i} {kind} at step {rec.step}: {rec.what}")
         try:
             self._recovered(rec)
+            if rec.struck is not None:
+                rec.from_strike_s = round(max(0.0, rec.recovery_s - (rec.struck - rec.injected)), 2)
             self._regrow()
             rec.survived = True
         except TimeoutError as e:
@@ -300,11 +307,13 @@ def summary(run: ChaosRun, result: dict, problems: list[str]) -> dict:
     recs = result["records"]
     rec_s = [r.recovery_s for r in recs if r.survived and r.expect]
     q = statistics.quantiles(rec_s, n=4) if len(rec_s) >= 2 else rec_s * 3
+    struck = [r.from_strike_s for r in recs if r.survived and r.expect and r.from_strike_s is not None]
     return {
         "seed": run.seed, "steps": run.steps, "faults_injected": len(recs), "faults_planned": run.n,
         "faults_survived": sum(r.survived for r in recs), "passed": not problems, "problems": problems,
         "recovery_s": {"min": min(rec_s, default=None), "p25": q[0] if q else None, "median": q[1] if q else None,
                        "p75": q[2] if q else None, "max": max(rec_s, default=None)},
+        "from_strike_s": {"median": statistics.median(struck) if struck else None, "max": max(struck, default=None)},
         "steps_lost_total": sum(r.steps_lost or 0 for r in recs),
         "final": {k: result["job"].get(k) for k in ("state", "step", "loss", "reconfigurations", "steps_lost")},
         "records": [asdict(r) for r in recs],
@@ -349,7 +358,8 @@ def render(out: dict) -> str:
                      f"{str(r['steps_lost']):>5} {str(r['resumed_step']):>7}  {','.join(sorted(set(r['events'])))}")
     rs = out["recovery_s"]
     lines.append(f"faults survived / injected: {out['faults_survived']}/{out['faults_injected']} "
-                 f"(planned {out['faults_planned']}); recovery s min {rs['min']} median {rs['median']} max {rs['max']}; "
+                 f"(planned {out['faults_planned']}); recovery s min {rs['min']} median {rs['median']} max {rs['max']} "
+                 f"(from the strike: median {out['from_strike_s']['median']} max {out['from_strike_s']['max']}); "
                  f"steps lost {out['steps_lost_total']}; {'PASSED' if out['passed'] else 'FAILED'}")
     lines += [f"  problem: {p}" for p in out["problems"]]
     return "\n".join(lines)

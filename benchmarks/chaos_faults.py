@@ -30,11 +30,19 @@ class Ctx:
     job: Callable[[], dict]
     """The job as the API shows it now."""
     ckpt_dir: Path
+    struck: float | None = None
+    """When the fault's first act (a kill, a drain notice) happened; the injection's time also counts
+    choosing a victim (asking the job's workers where they run: up to 0.5 s)."""
+
+    def strike(self) -> None:
+        if self.struck is None:
+            self.struck = time.time()
 
 
 def kill_worker(ctx: Ctx) -> str:
     pids = wait(ctx.env.worker_pids, 60, "a training worker process")
     pid = ctx.rng.choice(sorted(pids))
+    ctx.strike()
     os.kill(pid, signal.SIGKILL)
     return f"SIGKILL worker pid {pid}"
 
@@ -46,6 +54,7 @@ def _victim(ctx: Ctx):
 
 def remove_node(ctx: Ctx) -> str:
     node = _victim(ctx)
+    ctx.strike()
     ctx.env.remove_node(node)
     return f"removed node {node.node_id[:8]} without notice"
 
@@ -55,6 +64,7 @@ def _drain(ctx: Ctx, deadline_s: float, *, leave_first: bool) -> str:
 
     node = _victim(ctx)
     t0 = time.monotonic()
+    ctx.strike()
     drain_node(node.node_id, message="chaos: spot reclaim", deadline_remaining_s=deadline_s)
     left = False
     if leave_first:  # a long notice: the job should move off the node before the deadline
@@ -86,6 +96,7 @@ def kill_during_checkpoint(ctx: Ctx) -> str:
             return []
     staging = wait(writing, 120, "a checkpoint save in progress", interval=0.002)[0]
     pid = ctx.rng.choice(sorted(ctx.env.worker_pids()))
+    ctx.strike()
     os.kill(pid, signal.SIGKILL)
     final = staging[1:-len(".tmp")]
     committed = (ctx.ckpt_dir / final).exists()
@@ -95,6 +106,7 @@ def kill_during_checkpoint(ctx: Ctx) -> str:
 
 def kill_coordinator(ctx: Ctx) -> str:
     pid = ctx.job()["pid"]
+    ctx.strike()
     os.kill(pid, signal.SIGKILL)
     return f"SIGKILL coordinator actor pid {pid}"
 
