@@ -281,10 +281,17 @@ class WorkerGroup:
 
     def run(self, *, until_step: int, steps: int, should_abort=lambda: False) -> list[dict]:
         """`steps` training steps on every rank (the same count everywhere); rank 0's metrics. Polls
-        `should_abort` while waiting so a dead node is acted on at once, not after a collective timeout."""
+        `should_abort` while waiting so a dead node is acted on at once, not after a collective timeout.
+        Once some ranks have answered, the nodes of those that have not are probed (`probe_gaps`): the
+        ranks end a call together (their steps share collectives), so one missing may have died with its
+        node after its last collective, which fails no peer, and Ray reports its call only once its
+        health checks declare the node dead (seconds)."""
         self._settle()
-        refs = [m.actor.run.remote(until_step=until_step, steps=steps) for m in self.members]
-        pending = list(refs)
+        node = {}
+        for m in self.members:
+            node[m.actor.run.remote(until_step=until_step, steps=steps)] = m.node_id
+        refs = list(node)
+        pending, next_probe, gaps = list(refs), None, probe_gaps(self.start_probe_s)
         while pending:
             done, pending = ray.wait(pending, num_returns=1, timeout=0.2)  # woken by each rank's answer
             for ref in done:
@@ -292,6 +299,16 @@ class WorkerGroup:
             if pending and should_abort():
                 self._unread += refs
                 raise WorkerFailure("node", "a node hosting workers died during a step")
+            if pending and len(pending) < len(refs):
+                now = time.monotonic()
+                next_probe = next_probe or now + next(gaps)
+                if now >= next_probe:
+                    try:
+                        self._probe_or_fail(sorted({node[r] for r in pending}), "during a step")
+                    except WorkerFailure:
+                        self._unread += refs
+                        raise
+                    next_probe = time.monotonic() + next(gaps)
         return self._get([refs[0]], "run")[0]
 
     def salvage(self, *, gone: Collection[str] = (), dead: Callable[[], Collection[str]] = tuple,
