@@ -79,10 +79,11 @@ class FaultRecord:
     events: list[str] = field(default_factory=list)
     """Kinds of the job's events between this injection and the next."""
     recovery_s: float | None = None
-    struck: float | None = None
-    """When the fault's first act happened (`Ctx.struck`): `injected` is before the victim was chosen."""
+    strikes: list[float] = field(default_factory=list)
+    """When each of the fault's acts happened (`Ctx.strikes`; a double has two): `injected` is before
+    the first victim was chosen."""
     from_strike_s: float | None = None
-    """The recovery counted from `struck`: without the benchmark's own choice of a victim."""
+    """The recovery counted from the first strike: without the benchmark's own choice of a victim."""
     steps_lost: int | None = None
     resumed_step: int | None = None
     survived: bool = False
@@ -173,7 +174,7 @@ class ChaosRun:
         self.records.append(rec)
         try:
             rec.what = fn(ctx)
-            rec.struck = ctx.struck
+            rec.strikes = list(ctx.strikes)
         except Exception as e:  # the fault could not be injected: say so, do not count it survived
             rec.note = f"injection failed: {type(e).__name__}: {e}"
             self.log(f"fault {i} {kind}: {rec.note}")
@@ -181,8 +182,8 @@ class ChaosRun:
         self.log(f"fault {i} {kind} at step {rec.step}: {rec.what}")
         try:
             self._recovered(rec)
-            if rec.struck is not None:
-                rec.from_strike_s = round(max(0.0, rec.recovery_s - (rec.struck - rec.injected)), 2)
+            if rec.strikes:
+                rec.from_strike_s = round(max(0.0, rec.recovery_s - (rec.strikes[0] - rec.injected)), 2)
             self._regrow()
             rec.survived = True
         except TimeoutError as e:

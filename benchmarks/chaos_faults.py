@@ -13,7 +13,7 @@ import os
 import random
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -30,13 +30,12 @@ class Ctx:
     job: Callable[[], dict]
     """The job as the API shows it now."""
     ckpt_dir: Path
-    struck: float | None = None
-    """When the fault's first act (a kill, a drain notice) happened; the injection's time also counts
+    strikes: list[float] = field(default_factory=list)
+    """When each of the fault's acts (a kill, a drain notice) happened; the injection's time also counts
     choosing a victim (asking the job's workers where they run: up to 0.5 s)."""
 
     def strike(self) -> None:
-        if self.struck is None:
-            self.struck = time.time()
+        self.strikes.append(time.time())
 
 
 def kill_worker(ctx: Ctx) -> str:
