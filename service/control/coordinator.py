@@ -316,19 +316,16 @@ class Coordinator:
                                   short_because=why)
 
     def _prewarm(self, snap: ClusterSnapshot) -> None:
-        """Keep standby workers beside the members; while a growth settles, start the workers it will
-        need on the new nodes."""
+        """While a growth settles, start the workers it will need on the new nodes; then keep standby
+        workers beside the members and those spares (`Group.keep_standby`)."""
+        if (pending := self.policy.pending_growth) is not None:
+            try:
+                nodes = self._assign(self._plan(pending[0]), snap)
+            except (PlanError, ValueError):
+                nodes = []
+            if extra := list((Counter(nodes) - self.group.nodes()).elements()):
+                self.group.prewarm(extra)
         self.group.keep_standby()
-        pending = self.policy.pending_growth
-        if pending is None:
-            return
-        try:
-            nodes = self._assign(self._plan(pending[0]), snap)
-        except (PlanError, ValueError):
-            return
-        extra = list((Counter(nodes) - self.group.nodes()).elements())
-        if extra:
-            self.group.prewarm(extra)
 
     def _train_chunk(self, state: Running) -> State:
         try:

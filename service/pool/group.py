@@ -120,8 +120,9 @@ class Group(Protocol):
         """Stop every member (after a failure that kept none); standbys, and spares off the `dead`
         nodes, stay for the next start."""
     def keep_standby(self) -> int:
-        """Keep idle workers started beside the members (the job's `resources.standby_per_node`), to
-        replace a member that crashes without a process start; returns how many it started now."""
+        """Keep idle workers started beside the members and spares (the job's
+        `resources.standby_per_node`), to replace a member that crashes without a process start;
+        returns how many it started now."""
     def form(self, plan: Plan, *, adopt: bool = False) -> Formed:
         """(Re-)form the process group for `plan`. `adopt`: take the state a `reshard` transfer
         delivered instead of loading the last checkpoint."""

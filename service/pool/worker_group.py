@@ -482,14 +482,15 @@ class WorkerGroup:
 
     # -- standbys ------------------------------------------------------------------------------------
     def keep_standby(self) -> int:
-        """Keep `resources.standby_per_node` idle workers started on each node that hosts members (CPU
-        workers only: a GPU is given to a process when it starts), without waiting for them. A standby
-        reserves nothing: it runs pinned to its node and holds a slot only once claimed as a member
-        (`_take_standby`). Each call reads the standbys' last ping (`info`) and sends the next: those
-        that died (or whose node did) are dropped, as are those on nodes that host no member any more.
-        A new standby first warms up (`Worker.warm_up`). Returns how many were started."""
+        """Keep `resources.standby_per_node` idle workers started on each node that hosts members or
+        spares (a spare's node is one a growth is about to use: its standby starts with the spare, not
+        after the growth), CPU workers only (a GPU is given to a process when it starts), without
+        waiting for them. A standby reserves nothing: it runs pinned to its node and holds a slot only
+        once claimed as a member (`_take_standby`). Each call reads the standbys' last ping (`info`) and
+        sends the next: those that died (or whose node did) are dropped, as are those on nodes that host
+        neither any more. A new standby first warms up (`Worker.warm_up`). Returns how many were started."""
         per_node = self.cfg.resources.standby_per_node if not self.gpus else 0
-        hosts = {m.node_id for m in self.members}
+        hosts = {w.node_id for w in self.members + self.spares}
         standby = self.standby
         done, _ = ray.wait([w.ping for w in standby], num_returns=len(standby), timeout=0)
         gone = [w for w in standby if w.node_id not in hosts or (w.ping in done and not _idle(w.ping))]
