@@ -202,7 +202,7 @@ class WorkerGroup:
                 self._unread += refs
                 raise WorkerFailure("timeout", f"workers did not finish {what} within {timeout_s:.0f}s")
             # woken by each answer, not only by the last: a rank that failed fails the wait at once
-            done, pending = ray.wait(pending, num_returns=1, timeout=min(deadline, next_probe) - now)
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, min(deadline, next_probe) - now))
             for ref in done:
                 self._get([ref], what, timeout=0, also=refs)
             if pending and time.monotonic() >= next_probe:
@@ -287,9 +287,7 @@ class WorkerGroup:
         node after its last collective, which fails no peer, and Ray reports its call only once its
         health checks declare the node dead (seconds)."""
         self._settle()
-        node = {}
-        for m in self.members:
-            node[m.actor.run.remote(until_step=until_step, steps=steps)] = m.node_id
+        node = {m.actor.run.remote(until_step=until_step, steps=steps): m.node_id for m in self.members}
         refs = list(node)
         pending, next_probe, gaps = list(refs), None, probe_gaps(self.start_probe_s)
         while pending:
