@@ -258,8 +258,8 @@ def test_a_spare_counts_on_the_node_it_runs_on_not_the_one_it_was_aimed_at(local
 def test_a_rank_still_running_after_the_others_answered_is_probed(local_ray, monkeypatch, node_dead):
     """A rank whose node died after the chunk's last collective fails no peer, and Ray reports its call
     only once its health checks declare the node dead (a chaos drain_short waited 2 s for it). Once
-    some ranks answered, the others' nodes are probed: dead, the step fails with their nodes; alive, the
-    wait goes on."""
+    some ranks answered, the others' nodes are probed: dead, the step fails with their nodes, long
+    before that rank's call would end; alive, the wait goes on until it does."""
     from types import SimpleNamespace
 
     import service.pool.worker_group as wg
@@ -270,21 +270,32 @@ def test_a_rank_still_running_after_the_others_answered_is_probed(local_ray, mon
         time.sleep(after_s)
         return [{"step": 1}]
 
-    def rank(after_s: float):
-        return SimpleNamespace(run=SimpleNamespace(remote=lambda **_: answer.remote(after_s)))
+    calls = []
 
+    def call(after_s: float):
+        calls.append(answer.remote(after_s))
+        return calls[-1]
+
+    def rank(after_s: float):
+        return SimpleNamespace(run=SimpleNamespace(remote=lambda **_: call(after_s)))
+
+    slow_s = 30.0 if node_dead else 3.0
     g = WorkerGroup(JobConfig(), "/tmp", cpus_per_worker=1, gpus_per_worker=0, job_id="t", start_probe_s=1.0)
-    g.workers = [WorkerHandle(rank(0.0), "a", None, Role.MEMBER), WorkerHandle(rank(3.0), "b", None, Role.MEMBER)]
+    g.workers = [WorkerHandle(rank(0.0), "a", None, Role.MEMBER), WorkerHandle(rank(slow_s), "b", None, Role.MEMBER)]
     asked = []
     monkeypatch.setattr(wg, "probe_nodes", lambda nodes, timeout_s: asked.append(nodes) or
                         {n for n in nodes if not (node_dead and n == "b")})
     t0 = time.monotonic()
-    if node_dead:
-        with pytest.raises(WorkerFailure) as e:
-            g.run(until_step=10, steps=1)
-        assert e.value.kind == "node" and e.value.nodes == {"b"}
-        assert time.monotonic() - t0 < 2.5  # the first probe, not the rank's 3 s
-    else:
-        assert g.run(until_step=10, steps=1) == [{"step": 1}]
-        assert time.monotonic() - t0 >= 3.0
-    assert asked and all(nodes == ["b"] for nodes in asked)  # only the rank that had not answered
+    try:
+        if node_dead:
+            with pytest.raises(WorkerFailure) as e:
+                g.run(until_step=10, steps=1)
+            assert e.value.kind == "node" and e.value.nodes == {"b"}
+            assert time.monotonic() - t0 < slow_s / 2  # at a probe, not when the rank's call ends
+        else:
+            assert g.run(until_step=10, steps=1) == [{"step": 1}]
+            assert time.monotonic() - t0 >= slow_s
+        assert asked and all(nodes == ["b"] for nodes in asked)  # only the rank that had not answered
+    finally:
+        for ref in calls:
+            ray.cancel(ref, force=True)
