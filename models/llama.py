@@ -40,6 +40,13 @@ class Embedding(nn.Embedding):
 
     compute_dtype: torch.dtype | None = None
 
+    def reset_parameters(self) -> None:
+        # A table on the meta device has no values to draw (`init_into` gives it its value once it is
+        # materialized), and `normal_` on a meta tensor runs torch's Python reference, whose first call
+        # imports torch._dynamo: over a second of a fresh process's build, for nothing.
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight if self.compute_dtype is None else self.weight.to(self.compute_dtype)
         return F.embedding(x, w, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq,
@@ -190,9 +197,13 @@ class Transformer(nn.Module):
         self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output: Linear | None = Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.tie_weights()
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device="meta", scaling=cfg.rope_scaling)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        # Placeholders of the tables' shape: `init_buffers` computes them where they live. (Computing them
+        # on the meta device would run torch's Python references, whose first call imports torch._dynamo.)
+        shape = (cfg.max_seq_len, cfg.head_dim // 2)
+        self.register_buffer("rope_cos", torch.empty(shape, dtype=torch.float32, device="meta"),
+                             persistent=False)
+        self.register_buffer("rope_sin", torch.empty(shape, dtype=torch.float32, device="meta"),
+                             persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x

@@ -92,3 +92,20 @@ def test_gqa_attention_equals_repeated_kv_heads(dtype):
         torch.testing.assert_close(causal_attention(q, k, v), ref, rtol=0, atol=0)
     with pytest.raises(ValueError, match="not a multiple"):
         causal_attention(torch.zeros(1, 3, 4, 8), torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8))
+
+
+def test_building_the_meta_model_computes_nothing():
+    """The meta model draws no default init and computes no RoPE table: on the meta device those run
+    torch's Python references, whose first call imports torch._dynamo (over a second of a fresh process's
+    build). Checked in a fresh interpreter, where nothing has imported it yet."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; from models.config import model_config; from models.llama import build_model; "
+            "m = build_model(model_config('tiny')); "
+            "assert m.rope_cos.is_meta and m.rope_cos.shape == (m.cfg.max_seq_len, m.cfg.head_dim // 2); "
+            "print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=__file__.rsplit("/tests/", 1)[0])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
