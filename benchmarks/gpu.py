@@ -34,9 +34,10 @@ With a float8 recipe among `--float8`, each float8 row's Elastron tokens/s is al
 row without float8 at the same setting (target: >= 1.25x, and >= 0.97x the plain loop with the same
 conversion). On CPU float8 is emulated (slower, not faster): there the rows test the wiring only.
 
-`--loss-compare RECIPE` trains instead, on `--data` (a token file or a directory of text), Elastron with
-`train.float8: RECIPE` and without, `--loss-steps` each, and reports the mean loss of each over the last
-`--loss-window` steps and their relative difference (target: within 1%).
+`--loss-compare RECIPES` (e.g. `tensorwise,rowwise`) trains instead, on `--data` (a token file or a directory
+of text), Elastron without float8 and then with each recipe, `--loss-steps` each, and reports the mean loss
+of each over the last `--loss-window` steps and each recipe's relative difference from bf16 (target: within
+1%).
 
 `--profile` adds a torch.profiler table (3 steps, top ops by self device time) per loop and setting, and
 the ops whose time per step differs most between the two loops (what is left between them, op by op).
@@ -331,8 +332,9 @@ def float8_speedups(results: list[dict]) -> list[str]:
 
 
 def loss_compare(a, device) -> dict:
-    """Elastron with `train.float8: a.loss_compare` and without, `a.loss_steps` steps each on `a.data`:
-    the mean loss over the last `a.loss_window` steps of each and their relative difference."""
+    """Elastron without float8, then with each recipe of `a.loss_compare` (a list), `a.loss_steps` steps
+    each on `a.data`: the mean loss over the last `a.loss_window` steps of each run, and each recipe's
+    relative difference from the run without."""
     from workers.config import JobConfig
     from workers.trainer import Trainer
     from parallel.layout import Layout
@@ -342,7 +344,7 @@ def loss_compare(a, device) -> dict:
             else {"source": "corpus", "path": str(path), "suffixes": a.suffixes.split(",")})
     mb = int((a.micro_batches or "2").split(",")[0])
     means = {}
-    for recipe in ("none", a.loss_compare):
+    for recipe in ("none", *a.loss_compare):
         d = _job_cfg(a, mb, _flags(a.compile or "no")[0], a.ac.split(",")[0], recipe)
         d["data"] = {**data, "seq_len": a.seq_len}
         d["train"].update(steps=a.loss_steps, lr=a.loss_lr, warmup_steps=min(a.loss_steps // 10, 100),
@@ -354,9 +356,9 @@ def loss_compare(a, device) -> dict:
         means[recipe] = statistics.fmean(losses[-a.loss_window:])
         del trainer
         _free(device)
-    rel = abs(means[a.loss_compare] - means["none"]) / abs(means["none"])
-    return {"recipe": a.loss_compare, "steps": a.loss_steps, "window": a.loss_window,
-            "mean_loss_none": means["none"], "mean_loss_float8": means[a.loss_compare], "rel_diff": rel}
+    rows = [{"recipe": r, "mean_loss": means[r], "rel_diff": abs(means[r] - means["none"]) / abs(means["none"])}
+            for r in a.loss_compare]
+    return {"steps": a.loss_steps, "window": a.loss_window, "mean_loss_none": means["none"], "rows": rows}
 
 
 def _flags(text: str) -> list[bool]:
@@ -377,8 +379,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--layers", type=int, default=None, help="n_layers of the preset (e.g. 8 of the 8b)")
     p.add_argument("--override", action="append", default=[], metavar="FIELD=VALUE",
                    help="change a preset field, e.g. vocab_size=128256 (repeatable)")
-    p.add_argument("--loss-compare", choices=("tensorwise", "rowwise"), default=None,
-                   help="train float8 RECIPE and without float8 on --data and compare their losses")
+    p.add_argument("--loss-compare", default=None, metavar="RECIPES",
+                   help="train without float8, then with each float8 recipe (tensorwise,rowwise) on --data, "
+                        "and compare their losses")
     p.add_argument("--data", default=None, help="--loss-compare: a token file or a directory of text")
     p.add_argument("--token-dtype", choices=("uint16", "uint32"), default="uint32",
                    help="--loss-compare with a token file: its element type")
@@ -407,6 +410,10 @@ def main(argv: list[str] | None = None) -> dict:
     recipes = [x.strip() for x in a.float8.split(",")]
     if bad := [r for r in recipes if r not in ("none", "tensorwise", "rowwise")]:
         p.error(f"--float8 {','.join(bad)}: expected none, tensorwise or rowwise")
+    if a.loss_compare is not None:
+        a.loss_compare = [x.strip() for x in a.loss_compare.split(",") if x.strip()]
+        if not a.loss_compare or (bad := [r for r in a.loss_compare if r not in ("tensorwise", "rowwise")]):
+            p.error(f"--loss-compare {','.join(bad if a.loss_compare else [])}: expected tensorwise and/or rowwise")
     if a.loss_compare and not a.data:
         p.error("--loss-compare needs --data (a token file or a directory of text)")
     if a.loss_compare and not 0 < a.loss_window <= a.loss_steps:
@@ -426,10 +433,11 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         if a.loss_compare:
             lc = loss_compare(a, device)
-            print(f"{a.preset} {model_overrides(a)}, seq {a.seq_len}, {a.dtype}, {device.type}, data {a.data}: "
-                  f"mean loss over the last {lc['window']} of {lc['steps']} steps: none {lc['mean_loss_none']:.4f}, "
-                  f"{lc['recipe']} {lc['mean_loss_float8']:.4f}, relative difference {lc['rel_diff']:.2%} "
-                  f"(target <= {LOSS_TARGET:.0%})")
+            for row in lc["rows"]:
+                print(f"{a.preset} {model_overrides(a)}, seq {a.seq_len}, {a.dtype}, {device.type}, data {a.data}: "
+                      f"mean loss over the last {lc['window']} of {lc['steps']} steps: none {lc['mean_loss_none']:.4f}, "
+                      f"{row['recipe']} {row['mean_loss']:.4f}, relative difference {row['rel_diff']:.2%} "
+                      f"(target <= {LOSS_TARGET:.0%})")
             if a.json:
                 Path(a.json).write_text(json.dumps({"args": vars(a), "loss_compare": lc}, indent=2))
             return {"loss_compare": lc}

@@ -120,9 +120,24 @@ def fresh_body(cfg_dict: dict, run_dir: str, device: str, saves: int) -> dict:
         tr.save_checkpoint(blocking=True)
         out["saves"].append(time.perf_counter() - t)
         out["save_phases"].append(dict(tr.checkpointer.save_timings.phases))
-    out["bytes"] = tr.checkpointer.save_timings.bytes
+    out["bytes"] = tr.checkpointer.save_timings.bytes if saves else None
     tr.close()
     return out
+
+
+def imports_body(device: str) -> dict:
+    """What a fresh process's first build imports that it cannot defer: the seconds of `import
+    torch._dynamo` (torch.optim's constructor imports it through `torch._disable_dynamo`) after the CUDA
+    context exists, in a process that has imported only what a worker imports before its build."""
+    import workers.trainer  # noqa: F401  (what a worker has imported before it builds)
+
+    context_s = _cuda_context(device)
+    already = "torch._dynamo" in sys.modules
+    t = time.perf_counter()
+    import torch._dynamo  # noqa: F401
+
+    return {"dynamo_import_s": time.perf_counter() - t, "dynamo_already_imported": already,
+            "cuda_context_s": context_s}
 
 
 def async_body(cfg_dict: dict, run_dir: str, device: str, saves: int) -> dict:
@@ -211,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--project-only", action="store_true", help="print the 8B/70B projection table and stop")
     ap.add_argument("--no-async", action="store_true", help="leave out the async-save rows (saves minutes at 1b)")
+    ap.add_argument("--build-only", action="store_true",
+                    help="only the fresh builds: a fresh process's, a standby worker's, and the imports a fresh "
+                         "process pays in its build (no checkpoint written)")
     ap.add_argument("--ab-read-ahead", action="store_true",
                     help="also resume without the read-ahead beside the build, in the same rotation")
     args = ap.parse_args(argv)
@@ -228,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     res: dict = {"args": vars(args)}
     try:
         cfg = _cfg(args.preset, args.layers)
+        if args.build_only:
+            return _build_only(args, cfg, run_dir, work)
         # Async first, in a directory of its own removed after: one checkpoint (plus the one being
         # written) on the disk at a time, which a 1b state on a lent machine's disk needs.
         if not args.no_async:
@@ -283,6 +303,42 @@ def main(argv: list[str] | None = None) -> int:
     print(projection_table(s["projection"]))
     if args.json:
         Path(args.json).write_text(json.dumps({"summary": s, "raw": res}, indent=1, default=str) + "\n")
+    return 0
+
+
+def _build_only(args, cfg: dict, run_dir: str, work: Path) -> int:
+    """`--build-only`: a fresh process's build (and its first two steps), a standby worker's build, and
+    `import torch._dynamo` timed alone in a fresh process: one table and the JSON."""
+    from tests.multiproc import run_ranks
+
+    builds = []
+    for _ in range(args.reps):
+        (r,) = run_ranks(1, fresh_body, cfg, run_dir, args.device, 0, timeout=3600, spawn=True)
+        builds.append(r)
+        shutil.rmtree(run_dir, ignore_errors=True)
+    (standby,) = run_ranks(1, standby_build_body, cfg, str(work / "standby"), args.device, timeout=3600, spawn=True)
+    imports = [run_ranks(1, imports_body, args.device, timeout=600, spawn=True)[0] for _ in range(args.reps)]
+    fresh_s = median([b["build_s"] for b in builds])
+    s = {"fresh_build_s": round(fresh_s, 3), "fresh_build_phases": _phase_medians([b["build"] for b in builds]),
+         "fresh_builds_s": [round(b["build_s"], 3) for b in builds],
+         "first_step_s": round(median([b["first_step_s"] for b in builds]), 3),
+         "standby_build_s": round(standby["build_s"], 3),
+         "standby_build_phases": {k: round(v, 3) for k, v in standby["build"].items()},
+         "dynamo_import_s": round(median([i["dynamo_import_s"] for i in imports]), 3),
+         "dynamo_imported_before_build": any(i["dynamo_already_imported"] for i in imports),
+         "cuda_context_s": round(median([b["cuda_context_s"] for b in builds]), 3)}
+    s["fresh_build_without_dynamo_import_s"] = round(fresh_s - s["dynamo_import_s"], 3)
+    print("| measurement | seconds |\n|---|---|")
+    print(f"| fresh build, fresh process (median of {args.reps}: {s['fresh_builds_s']}) | {s['fresh_build_s']} "
+          f"({', '.join(f'{k} {v}' for k, v in s['fresh_build_phases'].items() if v >= 0.01)}) |")
+    print(f"| of which the process's first `import torch._dynamo` (timed alone in a fresh process) | "
+          f"{s['dynamo_import_s']} |")
+    print(f"| fresh build less that import | {s['fresh_build_without_dynamo_import_s']} |")
+    print(f"| fresh build in a standby worker (after `warm_up`) | {s['standby_build_s']} |")
+    print(f"| first step after a fresh build | {s['first_step_s']} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"summary": s, "raw": {"builds": builds, "standby": standby,
+                                                                     "imports": imports}}, indent=1, default=str) + "\n")
     return 0
 
 

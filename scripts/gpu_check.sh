@@ -15,9 +15,12 @@
 #    benchmarks/live_reshard.py over NCCL (tp=2 -> dp=2 on two of the GPUs).
 # PARTS picks parts by name (default: all that apply): multi, tests, bench, profile, startup, float8
 # (issue 32's 8b-cut-to-8-layers rows with float8, not in the default: it needs most of a session by
-# itself; F8_RECIPES picks the recipes, default none,tensorwise,rowwise) and loss (issue 32's float8
-# against bf16 over 300 steps of the Python standard library's text, read byte by byte; LOSS_RECIPE,
-# default tensorwise; ~3-4 minutes on an H200); SKIP_STARTUP=1 leaves startup out of the default.
+# itself; F8_RECIPES picks the recipes, default none,tensorwise,rowwise), loss (float8 against bf16 over
+# 300 steps of the Python standard library's text, read byte by byte, bf16 once and then each recipe of
+# LOSS_RECIPES, default tensorwise,rowwise; at 1b, seq 2048, micro batch 4, compile: ~3 minutes on an H200)
+# parity (the `1b` bf16 row alone: micro batch 8, compile, against the plain loop; ~1.5 minutes)
+# and build (a fresh process's build at 1b against a standby's, and its first `import torch._dynamo`
+# alone; ~1 minute); SKIP_STARTUP=1 leaves startup out of the default.
 # Without a GPU it runs the single-GPU parts on the CPU defaults (tiny model) in about a minute: a dry run.
 # Each part has its own time limit, so a slow one still leaves the others their results.
 set -u
@@ -30,11 +33,15 @@ if [ "$NGPU" -ge 1 ]; then
     BENCH=(--device cuda --preset 1b --seq-len 2048 --micro-batches 4,8 --compile no,yes --ac none)
     PROFILE=(--device cuda --preset 1b --seq-len 2048 --micro-batches 4 --compile yes --ac none --profile)
     STARTUP=(--device cuda --preset 1b --layers 0 --reps 2 --saves 3 --compile yes)
+    BUILD=(--device cuda --preset 1b --layers 0 --reps 2)
+    PARITY=(--device cuda --preset 1b --seq-len 2048 --micro-batches 8 --compile yes --no-interleave --warmup 3 --steps 6)
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
 else
     BENCH=(--device cpu)
     PROFILE=(--device cpu --profile)
     STARTUP=(--preset tiny --layers 0 --reps 1 --saves 2)
+    BUILD=(--preset tiny --layers 0 --reps 1)
+    PARITY=(--device cpu)
     echo "no CUDA device: a dry run on the CPU defaults" | tee "$OUT/gpu.txt"
 fi
 echo "GPUs: $NGPU" | tee -a "$OUT/gpu.txt"
@@ -91,6 +98,12 @@ if want bench; then
     rc=$?; tail -n 40 "$OUT/gpu.log"; [ $rc -eq 0 ] || status=$rc
 fi
 
+if want parity; then
+    echo "== parity: ${PARITY[*]}"
+    timeout "${PARITY_TIMEOUT_S:-240}" "$PY" benchmarks/gpu.py "${PARITY[@]}" --json "$OUT/parity.json" > "$OUT/parity.log" 2>&1
+    rc=$?; tail -n 12 "$OUT/parity.log"; [ $rc -eq 0 ] || status=$rc
+fi
+
 if want profile; then
     echo "== profile: ${PROFILE[*]}"
     timeout "${PROFILE_TIMEOUT_S:-150}" "$PY" benchmarks/gpu.py "${PROFILE[@]}" --json "$OUT/profile.json" \
@@ -101,7 +114,7 @@ fi
 if want float8; then
     if [ "$NGPU" -ge 1 ]; then
         F8=(--device cuda --preset 8b --layers 8 --seq-len 4096 --micro-batches 2 --compile yes
-            --float8 "${F8_RECIPES:-none,tensorwise,rowwise}" --no-interleave)
+            --float8 "${F8_RECIPES:-none,tensorwise,rowwise}" --no-interleave --warmup 3 --steps 6)
     else
         F8=(--device cpu --layers 2 --seq-len 16 --micro-batches 1 --float8 none,tensorwise)
     fi
@@ -113,16 +126,23 @@ fi
 
 if want loss; then
     if [ "$NGPU" -ge 1 ]; then
-        LOSS=(--device cuda --preset 8b --layers 8 --seq-len 4096 --micro-batches 2 --compile yes
+        LOSS=(--device cuda --preset 1b --seq-len 2048 --micro-batches 4 --compile yes
               --loss-steps 300 --loss-window 50)
     else
         LOSS=(--device cpu --layers 2 --seq-len 16 --micro-batches 1 --loss-steps 3 --loss-window 2)
     fi
     STDLIB=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
-    echo "== float8 loss: ${LOSS[*]} --loss-compare ${LOSS_RECIPE:-tensorwise}"
-    timeout "${LOSS_TIMEOUT_S:-420}" "$PY" benchmarks/gpu.py "${LOSS[@]}" --loss-compare "${LOSS_RECIPE:-tensorwise}" \
+    echo "== float8 loss: ${LOSS[*]} --loss-compare ${LOSS_RECIPES:-tensorwise,rowwise}"
+    timeout "${LOSS_TIMEOUT_S:-420}" "$PY" benchmarks/gpu.py "${LOSS[@]}" --loss-compare "${LOSS_RECIPES:-tensorwise,rowwise}" \
         --data "$STDLIB" --suffixes .py --json "$OUT/float8-loss.json" > "$OUT/float8-loss.log" 2>&1
     rc=$?; tail -n 8 "$OUT/float8-loss.log"; [ $rc -eq 0 ] || status=$rc
+fi
+
+if want build; then
+    echo "== build: ${BUILD[*]}"
+    timeout "${BUILD_TIMEOUT_S:-240}" "$PY" benchmarks/startup.py "${BUILD[@]}" --build-only --json "$OUT/build.json" \
+        > "$OUT/build.log" 2>&1
+    rc=$?; tail -n 8 "$OUT/build.log"; [ $rc -eq 0 ] || status=$rc
 fi
 
 if want startup; then

@@ -87,6 +87,7 @@ def test_model_overrides_are_read_as_preset_fields():
     (["--override", "n_layer=2"], "unknown model field(s) ['n_layer']"),
     (["--float8", "fp8"], "--float8 fp8: expected none, tensorwise or rowwise"),
     (["--loss-compare", "tensorwise"], "--loss-compare needs --data"),
+    (["--loss-compare", "tensorwise,colwise"], "--loss-compare colwise: expected tensorwise and/or rowwise"),
 ])
 def test_bad_arguments_fail_in_one_line(args, needle):
     out = _run(*args)
@@ -111,13 +112,17 @@ def test_float8_rows_with_a_cut_model():
 
 
 def test_loss_compare_on_text(tmp_path):
-    """The float8-against-bf16 loss comparison, 3 emulated steps each on a directory of text."""
+    """The float8-against-bf16 loss comparison, 3 emulated steps each on a directory of text, bf16 once for
+    both recipes."""
     pytest.importorskip("torchao.float8")
     data = tiny_cfg()["data"]["val_path"]  # a directory of Python source
-    out = _run("--layers", "2", "--seq-len", "16", "--loss-compare", "tensorwise", "--data", data,
+    out = _run("--layers", "2", "--seq-len", "16", "--loss-compare", "tensorwise,rowwise", "--data", data,
                "--loss-steps", "3", "--loss-window", "2", "--json", str(tmp_path / "lc.json"))
     assert out.returncode == 0, out.stderr[-3000:]
     lc = json.loads((tmp_path / "lc.json").read_text())["loss_compare"]
-    assert lc["steps"] == 3 and lc["window"] == 2 and lc["recipe"] == "tensorwise"
-    assert 0 < lc["rel_diff"] < 0.01 and lc["mean_loss_none"] != lc["mean_loss_float8"]
-    assert f"relative difference {lc['rel_diff']:.2%}" in out.stdout
+    assert lc["steps"] == 3 and lc["window"] == 2
+    assert [r["recipe"] for r in lc["rows"]] == ["tensorwise", "rowwise"]
+    assert out.stderr.count("none: first loss") == 1  # bf16 trained once, for both
+    for row in lc["rows"]:
+        assert 0 < row["rel_diff"] < 0.01 and lc["mean_loss_none"] != row["mean_loss"]
+        assert f"{row['recipe']} {row['mean_loss']:.4f}, relative difference {row['rel_diff']:.2%}" in out.stdout
