@@ -1,6 +1,6 @@
 """Chaos run: a seeded schedule of faults injected while a job trains, end to end through the job API.
 
-    .venv/bin/python benchmarks/chaos.py --faults 20 --seed 1 [--json docs/chaos.json]
+    .venv/bin/python benchmarks/chaos.py --faults 20 --seed 1 [--json benchmarks/results/chaos.json]
 
 A `ray.cluster_utils.Cluster` (head without worker slots, 3 one-CPU worker nodes) runs the job API as
 its own process (benchmarks/chaos_server.py: the real app with a 1 s growth settle); the job (tiny

@@ -14,7 +14,7 @@ admits the urgent job once their workers are free. Measured from the jobs' event
 Target: admission within one planned-resize time of arrival: arrival → admitted <= arrival → both shrunk
 (the grant waits for the shrunk jobs to release their workers, not for their first step).
 
-    .venv/bin/python benchmarks/shared_cluster_ray.py --preset tiny --reps 3 --out docs/shared-cluster-ray.json
+    .venv/bin/python benchmarks/shared_cluster_ray.py --preset tiny --reps 3 --out benchmarks/results/shared-cluster-ray.json
 """
 
 from __future__ import annotations
