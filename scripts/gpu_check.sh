@@ -5,11 +5,11 @@
 # One GPU (issue 17's checks, ~15 minutes of device time):
 # 1. the CUDA paths' tests (fused AdamW on DTensor, precision, the GPU options), ~4-5 min on an H200;
 # 2. benchmarks/gpu.py side by side with the plain loop: 1b, seq 2048, micro batch 4 and 8, compile
-#    no and yes (the table in docs/benchmarks.md, "Training throughput (GPU)");
+#    no and yes (the table in docs/benchmarks.md, "gpu.py: training throughput (GPU)");
 # 3. with the time left, a profile of micro batch 4 with compile (what is left between the two loops);
 # 4. benchmarks/startup.py at 1b (fresh build, resume vs a cold read, first vs steady save, restart to
-#    the first step with and without compile; the table in docs/benchmarks.md, "Starting at size").
-# Two or more GPUs, first (issue 32; "Multi-GPU" in docs/benchmarks.md):
+#    the first step with and without compile; the table in docs/benchmarks.md, "startup.py: starting at size").
+# Two or more GPUs, first (issue 32; "Several GPUs" under gpu.py in docs/benchmarks.md):
 # 0. tests/distributed over NCCL, one rank per GPU (ELASTRON_TEST_DEVICE=cuda: every layout the GPUs
 #    allow, wider ones skip; a live reshard between two layouts; a hung collective aborted), then
 #    benchmarks/live_reshard.py over NCCL (tp=2 -> dp=2 on two of the GPUs).
