@@ -230,6 +230,11 @@ class Deleted(BaseModel):
     run_dir: str
 
 
+class Freed(BaseModel):
+    id: str
+    freed: int = Field(description="How many places (run_dir, checkpoint.dir) were freed.")
+
+
 class CheckpointEntry(BaseModel):
     name: str
     step: int | None
@@ -259,9 +264,15 @@ class Node(BaseModel):
 
 
 class Cluster(BaseModel):
+    """The admin and the read-only token see every node; a user sees counts only (nodes is empty)."""
+
     time: float
     nodes: list[Node]
     usable_workers: int
+    node_count: int | None = Field(None, description="Alive nodes (a user's view).")
+    draining_nodes: int | None = Field(None, description="Nodes draining (a user's view).")
+    cpus: float | None = Field(None, description="CPUs on alive nodes (a user's view).")
+    gpus: float | None = Field(None, description="GPUs on alive nodes (a user's view).")
 
 
 class QuotaUsage(BaseModel):
