@@ -30,7 +30,7 @@ import enum
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 from service.server.specs import SpecError
@@ -131,7 +131,7 @@ def canonical(where: Any, loc: Sequence[str | int] = ("location",), *, azure_acc
     if any(c in rest for c in "?#\\") or any(c.isspace() for c in rest):
         raise SpecError(loc, f"{name} {where!r}: a URL here must not hold '?', '#', '\\' or white space")
     host, _, key = rest.partition("/")
-    parts = [p for p in PurePosixPath("/" + key).parts if p not in ("/", ".")]
+    parts = [p for p in key.split("/") if p not in ("", ".")]
     if ".." in parts:
         raise SpecError(loc, f"{name} {where!r} must not contain '..'")
     scheme = SCHEME_ALIASES.get(scheme, scheme)
@@ -271,12 +271,12 @@ class Admission:
         a resume prefix. Whose it is: `check_claims`."""
         p = self.canonical(where, loc)
         name = field_name(loc)
-        self._inside_allowed(p, where, loc, also=())
-        if any(p.overlaps(r) for r in self.reserved):
-            raise SpecError(loc, f"{name} {where!r} is reserved for the server's own files; choose another {name}")
         if any(p.overlaps(r) for r in self.resume_prefixes):
             raise SpecError(loc, f"{name} {where!r} overlaps a shared resume prefix (ELASTRON_RESUME_PREFIXES), "
                                  f"which is read-only to every job; choose another {name}")
+        self._inside_allowed(p, where, loc, also=())
+        if any(p.overlaps(r) for r in self.reserved):
+            raise SpecError(loc, f"{name} {where!r} is reserved for the server's own files; choose another {name}")
         return p
 
     def resume(self, where: Any, loc: Sequence[str | int], *, owner: str | None, claims: Iterable[Claim]) -> Place:

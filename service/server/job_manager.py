@@ -50,8 +50,9 @@ logger = logging.getLogger(__name__)
 SYNC_THREADS = 8
 """Coordinators synced at the same time."""
 SYNC_THREADS_PER_OWNER = 2
-"""Of those, at most this many may be held by one owner's slow syncs (running longer than a sync interval):
-one user's stuck coordinators cannot hold every sync thread and leave other users' statuses stale."""
+"""Of those, at most this many may be held by one owner's slow jobs (whose last sync, or the one running,
+took longer than a sync interval): one user's stuck coordinators cannot hold every sync thread and leave
+other users' statuses stale."""
 MAX_LIVE_JOBS_PER_USER = 32
 """Default for a user's unfinished jobs at once (`max_live_jobs`)."""
 LOCK_TIMEOUT_S = 30.0
@@ -352,6 +353,8 @@ class JobManager:
         self._pool: ThreadPoolExecutor | None = None
         self._inflight: dict[str, Future] = {}
         self._sync_started: dict[str, float] = {}
+        self._slow: set[str] = set()
+        """Jobs whose last sync took longer than a sync interval (`_sync_round`)."""
         """When each job's sync in flight was handed to the pool (time.monotonic)."""
         self._last_traceback: dict[str, float] = {}
 
@@ -416,28 +419,37 @@ class JobManager:
 
     def _sync_round(self) -> None:
         """Sync every unsettled job, each on a pool thread; a job whose last sync is still running is
-        skipped this round, and so are the jobs of an owner whose slow syncs (running for longer than a
-        sync interval) already hold SYNC_THREADS_PER_OWNER pool threads: a thread left waiting on a stuck
-        coordinator is one fewer for everyone, so one owner's stuck jobs may hold only a few."""
+        skipped this round, and so is a slow job (its last sync took longer than a sync interval) of an
+        owner whose slow jobs already hold SYNC_THREADS_PER_OWNER pool threads: a thread left waiting on a
+        stuck coordinator is one fewer for everyone, so one owner's stuck jobs may hold only a few."""
         rows = self.store.unsettled()
         owner_of = {r.id: r.owner for r in rows}
         slow: dict[str | None, int] = {}
         now = time.monotonic()
         for job_id, f in self._inflight.items():
-            if not f.done() and job_id in owner_of and now - self._sync_started.get(job_id, now) > self.sync_interval_s:
+            if not f.done() and job_id in owner_of and (
+                    job_id in self._slow or now - self._sync_started.get(job_id, now) > self.sync_interval_s):
                 slow[owner_of[job_id]] = slow.get(owner_of[job_id], 0) + 1
         for row in rows:
             if self._stop.is_set():
                 return
             busy = self._inflight.get(row.id)
-            if (busy is None or busy.done()) and slow.get(row.owner, 0) < SYNC_THREADS_PER_OWNER:
-                self._sync_started[row.id] = now
-                self._inflight[row.id] = self._pool.submit(self._sync_quietly, row.id)
+            if busy is not None and not busy.done():
+                continue
+            if row.id in self._slow:
+                if slow.get(row.owner, 0) >= SYNC_THREADS_PER_OWNER:
+                    continue
+                slow[row.owner] = slow.get(row.owner, 0) + 1
+            self._sync_started[row.id] = now
+            self._inflight[row.id] = self._pool.submit(self._sync_quietly, row.id)
         for job_id in [j for j, f in self._inflight.items() if f.done()]:
             del self._inflight[job_id]  # settled or deleted jobs leave no trace
             self._sync_started.pop(job_id, None)
+            if self.store.get(job_id) is None or job_id not in owner_of:
+                self._slow.discard(job_id)
 
     def _sync_quietly(self, job_id: str) -> None:
+        t0 = time.monotonic()
         try:
             self.sync(job_id)
         except JobNotFound:
@@ -454,6 +466,11 @@ class JobManager:
                            exc_info=loud)
         else:
             self._last_traceback.pop(job_id, None)
+        finally:
+            if time.monotonic() - t0 > self.sync_interval_s:
+                self._slow.add(job_id)
+            else:
+                self._slow.discard(job_id)
 
     # -- the job lock ----------------------------------------------------------------------------------------
     def _lock_of(self, job_id: str) -> threading.RLock:
