@@ -329,3 +329,20 @@ def test_no_user_reads_another_users_job(srv):
     r = srv.submit(BOB, run_dir=Path(rd).name)  # the reply echoes what bob sent, and names no job
     assert r.status_code == 409 and f"job {a}" not in r.text and "another user's job" in r.text
     srv.forget(ALICE, a)
+
+
+def test_an_unexpected_error_is_a_500_that_says_nothing_internal(tmp_path, caplog):
+    from fastapi.testclient import TestClient
+
+    class Broken(JobManager):
+        def list(self, **kw):
+            raise RuntimeError(f"disk I/O error at {tmp_path}/runs/elastron.db for job of alice")
+
+    s = Settings(runs_root=tmp_path / "runs", store_url=":memory:", user_tokens={"bob": BOB}, schedule=False)
+    mgr = Broken(JobStore(":memory:"), Launcher(threading.Event()), runs_root=s.runs_root)
+    with TestClient(create_app(jobs=mgr, settings=s), raise_server_exceptions=False) as c:
+        r = c.get(J, headers=h(BOB))
+    assert r.status_code == 500 and r.headers["content-type"] == "application/json"
+    assert "disk" not in r.text and "alice" not in r.text and str(tmp_path) not in r.text
+    ref = r.json()["detail"].split("reference ")[1].split(" ")[0]
+    assert any(ref in rec.getMessage() and rec.exc_info for rec in caplog.records)  # the trace is logged

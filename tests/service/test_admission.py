@@ -372,3 +372,32 @@ def test_one_owners_stuck_jobs_leave_sync_threads_for_everyone_else(tmp_path, st
     finally:
         stuck.set()
         m.close()
+
+
+def test_a_users_view_names_no_other_users_job(tmp_path, stuck):
+    m = manager(tmp_path, stuck)
+    a, b = m.submit(SPEC, owner="alice"), m.submit(SPEC, owner="bob")
+    a2 = m.submit(SPEC, owner="alice")
+    why = f"shrunk 4→2 to admit job {b} (priority 5); job {a2} (priority 1) waits"
+    m.store.add_events(a, 0, [{"time": 1.0, "kind": "transition", "job_id": a, "reason": why,
+                               "details": {"by": f"job {b}"}}])
+    m.store.set_status(a, JobStatus(state="RUNNING", reason=why, step=1, total_steps=10, world_size=2))
+    ev = m.events(a, owner="alice")[0]
+    assert ev["reason"] == f"shrunk 4→2 to admit another job; job {a2} (priority 1) waits"
+    assert ev["details"] == {"by": "another job"}
+    assert b not in m.get(a, owner="alice").status.reason and b not in m.list(owner="alice")[0].status.reason
+    assert b in m.events(a)[0]["reason"] and b in m.get(a).status.reason  # the admin sees it
+
+
+def test_a_user_gets_counts_of_the_cluster_and_the_admin_its_nodes(tmp_path, stuck):
+    from types import SimpleNamespace as NS
+
+    node = NS(node_id="node-secret-1", alive=True, cpus=8.0, gpus=1.0, draining=False, drain_deadline=None,
+              is_head=True, death_reason=None)
+    snap = NS(time=1.0, nodes=[node, NS(**{**vars(node), "node_id": "n2", "draining": True, "is_head": False})],
+              usable_workers=lambda: 3)
+    m = manager(tmp_path, stuck)
+    m.launcher.cluster = lambda: snap
+    mine = m.cluster(owner="bob")
+    assert mine["nodes"] == [] and mine["node_count"] == 2 and mine["draining_nodes"] == 1 and mine["cpus"] == 16
+    assert "node-secret-1" not in str(mine) and m.cluster()["nodes"][0]["node_id"] == "node-secret-1"
