@@ -133,7 +133,7 @@ def test_with_a_user_token_no_request_gets_a_server_error(user_schema, label, mo
     seen = []
 
     @given(case=op.as_strategy(generation_mode=mode))
-    @settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
+    @settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
               database=None)
     def run(case):
         response = case.call(headers={"Authorization": f"Bearer {USER}"})
