@@ -31,7 +31,8 @@ NOT_PLACES = {
     ("spec", "model", "preset"): "a key of models.config.PRESETS",
     ("spec", "model", "resolved", "family"): "read from init_from's config.json, never from a request",
     ("spec", "model", "resolved", "rope_scaling"): "read from init_from's config.json, never from a request",
-    ("spec", "model", "overrides"): "typed field by field: service.server.limits.MODEL_OVERRIDES",
+    ("spec", "model", "overrides", "family"): "a literal (service.server.limits.MODEL_OVERRIDES)",
+    ("spec", "model", "overrides", "rope_scaling"): "RoPE scaling numbers and a rope_type name",
     ("spec", "data", "source"): "a literal",
     ("spec", "data", "suffixes"): "file name endings matched inside data.path",
     ("spec", "data", "token_dtype"): "a literal",
@@ -401,3 +402,21 @@ def test_a_user_gets_counts_of_the_cluster_and_the_admin_its_nodes(tmp_path, stu
     mine = m.cluster(owner="bob")
     assert mine["nodes"] == [] and mine["node_count"] == 2 and mine["draining_nodes"] == 1 and mine["cpus"] == 16
     assert "node-secret-1" not in str(mine) and m.cluster()["nodes"][0]["node_id"] == "node-secret-1"
+
+
+def test_the_operators_lists_come_from_the_environment(monkeypatch, tmp_path):
+    from api.deps import Settings
+
+    monkeypatch.setenv("ELASTRON_OBJECT_STORES", "s3://ckpts, hdfs://nn:8020/jobs")
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_NAME", "acct")
+    monkeypatch.setenv("ELASTRON_MAX_LIVE_JOBS", "")
+    s = Settings.from_env()
+    assert s.object_stores == ("s3://ckpts", "hdfs://nn:8020/jobs") and s.azure_account == "acct"
+    assert s.max_live_jobs is None
+    monkeypatch.setenv("ELASTRON_MAX_LIVE_JOBS", "many")
+    with pytest.raises(ValueError, match="ELASTRON_MAX_LIVE_JOBS must be a whole number"):
+        Settings.from_env()
+    with pytest.raises(ValueError, match="ELASTRON_OBJECT_STORES: .* is a local path"):
+        Admission(runs_root=tmp_path, object_stores=("/srv/ckpts",))
+    with pytest.raises(ValueError, match="ELASTRON_RESUME_PREFIXES: .*name the storage account"):
+        Admission(runs_root=tmp_path, resume_prefixes=("abfs://c/base",))
