@@ -346,3 +346,18 @@ def test_an_unexpected_error_is_a_500_that_says_nothing_internal(tmp_path, caplo
     assert "disk" not in r.text and "alice" not in r.text and str(tmp_path) not in r.text
     ref = r.json()["detail"].split("reference ")[1].split(" ")[0]
     assert any(ref in rec.getMessage() and rec.exc_info for rec in caplog.records)  # the trace is logged
+
+
+def test_the_client_retries_a_delete_the_guard_answered_503():
+    from api.client import Client
+
+    seen = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(request.method)
+        if len(seen) < 3:
+            return httpx.Response(503, json={"detail": "busy"}, headers={"Retry-After": "0"})
+        return httpx.Response(200, json={"id": "j", "state": "STOPPED", "deleted": True, "run_dir": "/r"})
+
+    with Client("http://x", transport=httpx.MockTransport(answer)) as c:
+        assert c.delete("j")["deleted"] and seen == ["DELETE"] * 3
