@@ -191,6 +191,11 @@ def test_a_deleted_jobs_checkpoints_stay_out_of_another_users_reach(srv):
     assert again.status_code == 201, again.text
     srv.forget(ALICE, again.json()["id"])
     assert srv.c.delete(f"{J}/{a.json()['id']}/places", headers=h(BOB)).status_code == 403  # admin only
+    freed = srv.c.delete(f"{J}/{a.json()['id']}/places", headers=h(ADMIN))
+    assert freed.status_code == 200 and freed.json()["freed"] == 2, freed.text  # run_dir and checkpoint.dir
+    r = srv.submit(BOB, spec_with(checkpoint={"dir": ck}))
+    assert r.status_code == 201, r.text
+    srv.forget(BOB, r.json()["id"])
 
 
 def test_shared_resume_prefixes_are_read_only_and_a_local_one_can_be_resumed_from(srv):
