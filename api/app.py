@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import uuid
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -57,7 +58,9 @@ def default_manager(settings: Settings) -> JobManager:
     return JobManager(store, launcher, runs_root=settings.runs_root,
                       data_roots=settings.data_roots, sync_interval_s=settings.sync_interval_s,
                       stop_timeout_s=settings.stop_timeout_s, quotas=settings.quotas,
-                      shared=settings.schedule, resume_prefixes=settings.resume_prefixes)
+                      shared=settings.schedule, resume_prefixes=settings.resume_prefixes,
+                      object_stores=settings.object_stores, azure_account=settings.azure_account,
+                      max_live_jobs=settings.max_live_jobs, lock_timeout_s=settings.lock_timeout_s)
 
 
 class BodyLimit:
@@ -167,6 +170,14 @@ def create_app(*, jobs: JobManager | None = None, settings: Settings | None = No
     @app.exception_handler(JobUnavailable)
     async def _unavailable(request: Request, e: JobUnavailable):
         return JSONResponse({"detail": str(e)}, 503, headers={"Retry-After": "1"})
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception):
+        # whatever else went wrong stays in the server's log: a message, a path or a SQL error could tell
+        # a caller about the server or another user's jobs
+        ref = uuid.uuid4().hex[:8]
+        logger.error("error %s on %s %s", ref, request.method, request.url.path, exc_info=e)
+        return JSONResponse({"detail": f"internal error (reference {ref} in the server's log)"}, 500)
 
     return app
 

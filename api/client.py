@@ -120,7 +120,8 @@ class Client:
         return self._request("POST", f"/api/v1/jobs/{job_id}/{cmd.kind}", json=body, retries=5)
 
     def delete(self, job_id: str) -> dict:
-        return self._request("DELETE", f"/api/v1/jobs/{job_id}")
+        """Stop and forget the job; a 503 (another command for it still being delivered) is retried."""
+        return self._request("DELETE", f"/api/v1/jobs/{job_id}", retries=5)
 
     def cluster(self) -> dict:
         return self._request("GET", "/api/v1/cluster")

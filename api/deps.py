@@ -57,7 +57,17 @@ class Settings:
     """User name -> the workers and running jobs that user's jobs may hold on the shared cluster."""
     resume_prefixes: tuple[str, ...] = ()
     """Paths or object-store URLs under which any user's job may name its checkpoint.resume_from (e.g.
-    shared base checkpoints); besides them, a user may name only their own jobs' directories."""
+    shared base checkpoints), and no job may write; besides them, a user may name only their own jobs'
+    directories."""
+    object_stores: tuple[str, ...] = ()
+    """Object-store and HDFS URLs (e.g. s3://ckpts, abfs://c@acct.dfs.core.windows.net, hdfs://nn:8020/jobs)
+    a job's checkpoint.dir may lie in; none: local paths only. The workers connect only to these."""
+    azure_account: str | None = None
+    """The storage account of an abfs:// URL that names none (AZURE_STORAGE_ACCOUNT_NAME, as adlfs reads it)."""
+    max_live_jobs: int | None = 32
+    """A user's unfinished jobs at once; None: no limit."""
+    lock_timeout_s: float = 30.0
+    """How long a request waits for a job's lock (held while its coordinator is asked) before a 503."""
 
     def __post_init__(self) -> None:
         self.runs_root = Path(self.runs_root)
@@ -81,8 +91,9 @@ class Settings:
     @classmethod
     def from_env(cls, **overrides) -> "Settings":
         """ELASTRON_RUNS_ROOT, ELASTRON_STORE, ELASTRON_API_TOKEN, ELASTRON_MAX_BODY_BYTES,
-        ELASTRON_DATA_ROOTS (os.pathsep-separated), ELASTRON_SCHEDULE, ELASTRON_QUOTAS (`parse_quotas`), then
-        `overrides`."""
+        ELASTRON_DATA_ROOTS (os.pathsep-separated), ELASTRON_SCHEDULE, ELASTRON_QUOTAS (`parse_quotas`),
+        ELASTRON_RESUME_PREFIXES and ELASTRON_OBJECT_STORES (comma-separated), AZURE_STORAGE_ACCOUNT_NAME,
+        ELASTRON_MAX_LIVE_JOBS, then `overrides`."""
         env = os.environ
         root = env.get("ELASTRON_RUNS_ROOT", "runs")
         kw: dict = {"runs_root": Path(root), "store_url": env.get("ELASTRON_STORE", str(Path(root) / "elastron.db")),
@@ -110,9 +121,20 @@ class Settings:
             kw["max_body_bytes"] = int(v)
         if env.get("ELASTRON_DATA_ROOTS"):
             kw["data_roots"] = tuple(Path(r) for r in env["ELASTRON_DATA_ROOTS"].split(os.pathsep) if r)
+        if env.get("ELASTRON_OBJECT_STORES"):
+            kw["object_stores"] = tuple(p.strip() for p in env["ELASTRON_OBJECT_STORES"].split(",") if p.strip())
+        if env.get("AZURE_STORAGE_ACCOUNT_NAME"):
+            kw["azure_account"] = env["AZURE_STORAGE_ACCOUNT_NAME"].strip()
+        if "ELASTRON_MAX_LIVE_JOBS" in env:
+            v = env["ELASTRON_MAX_LIVE_JOBS"].strip()
+            if v and not v.isdigit():
+                raise ValueError(f"ELASTRON_MAX_LIVE_JOBS must be a whole number (empty: no limit), got {v!r}")
+            kw["max_live_jobs"] = int(v) if v else None
         if env.get("ELASTRON_RESUME_PREFIXES"):
             kw["resume_prefixes"] = tuple(p.strip() for p in env["ELASTRON_RESUME_PREFIXES"].split(",") if p.strip())
         kw.update({k: v for k, v in overrides.items() if v is not None})
+        if "max_live_jobs" in overrides and overrides["max_live_jobs"] is None:
+            kw["max_live_jobs"] = None
         return cls(**kw)
 
 
@@ -201,7 +223,15 @@ def overseer(who: Annotated[Principal, Depends(authenticate)]) -> Principal:
     return who
 
 
+def admin(who: Annotated[Principal, Depends(authenticate)]) -> Principal:
+    """The admin token (or an open server): acts on what belongs to no one job, e.g. freeing places."""
+    if not (who.sees_all and who.can_write):
+        raise HTTPException(status.HTTP_403_FORBIDDEN, "only the admin token may do this")
+    return who
+
+
 ReaderDep = Annotated[Principal, Depends(reader)]
+AdminDep = Annotated[Principal, Depends(admin)]
 WriterDep = Annotated[Principal, Depends(writer)]
 OverseerDep = Annotated[Principal, Depends(overseer)]
 AuthDep = Depends(writer)

@@ -15,12 +15,13 @@ import dataclasses
 import inspect
 import textwrap
 import typing
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
 from service.control.commands import SetWorkers
-from service.server.limits import LIMITS, MAX_STEPS, MAX_WORKERS
+from models.config import ModelConfig
+from service.server.limits import LIMITS, MAX_STEPS, MAX_WORKERS, MODEL_OVERRIDES
 from service.server.specs import JobConfig
 from service.server.job_record import JobRecord
 from service.control.status import JobStatus
@@ -45,12 +46,33 @@ def _class_doc(cls: type) -> str | None:
     return None if not doc or doc.startswith(cls.__name__ + "(") else doc  # not the dataclass's signature
 
 
+_JSON_TYPES = {"integer": int, "number": float, "boolean": bool, "string": str, "object": dict[str, Any]}
+
+
+def _overrides_model() -> type[BaseModel]:
+    """model.overrides as a model: each ModelConfig field with its type, and the bounds the server accepts
+    documented (service.server.limits.MODEL_OVERRIDES judges them, for every spec, with its own message)."""
+    docs = _field_docs(ModelConfig)
+    fields: dict[str, Any] = {}
+    for name, o in MODEL_OVERRIDES.items():
+        tp: Any = Literal[o.choices] if o.choices else _JSON_TYPES[o.kind]
+        bounds = None if o.lo is None else {"minimum": o.lo, "maximum": o.hi}  # judged by the table, documented here
+        fields[name] = (tp | None if o.nullable else tp, Field(None, description=docs.get(name), json_schema_extra=bounds))
+    cfg = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, title="ModelOverrides")
+    return create_model("ModelOverrides", __config__=cfg, __doc__="ModelConfig fields to change from the preset.",
+                        **fields)
+
+
 def _spec_model(cls: type, name: str, section: str = "") -> type[BaseModel]:
     hints = typing.get_type_hints(cls)
     docs = _field_docs(cls)
     fields: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
         tp, doc = hints[f.name], docs.get(f.name)
+        if section == "model" and f.name == "overrides":  # typed field by field, not a free dict
+            sub = _overrides_model()
+            fields[f.name] = (sub, Field(default_factory=sub, description=doc))
+            continue
         # The server's limit is documented here and judged by service.server.limits (one judge, one table).
         extra = {"maximum": LIMITS[section, f.name]} if (section, f.name) in LIMITS else None
         if dataclasses.is_dataclass(tp):
@@ -230,6 +252,11 @@ class Deleted(BaseModel):
     run_dir: str
 
 
+class Freed(BaseModel):
+    id: str
+    freed: int = Field(description="How many places (run_dir, checkpoint.dir) were freed.")
+
+
 class CheckpointEntry(BaseModel):
     name: str
     step: int | None
@@ -259,9 +286,15 @@ class Node(BaseModel):
 
 
 class Cluster(BaseModel):
+    """The admin and the read-only token see every node; a user sees counts only (nodes is empty)."""
+
     time: float
     nodes: list[Node]
     usable_workers: int
+    node_count: int | None = Field(None, description="Alive nodes (a user's view).")
+    draining_nodes: int | None = Field(None, description="Nodes draining (a user's view).")
+    cpus: float | None = Field(None, description="CPUs on alive nodes (a user's view).")
+    gpus: float | None = Field(None, description="GPUs on alive nodes (a user's view).")
 
 
 class QuotaUsage(BaseModel):

@@ -13,6 +13,9 @@ Schema (version 2; a version-1 store is upgraded in place on open):
   events(job_id, idx, time, kind, data JSON)  PK (job_id, idx): idx is the coordinator's event index
   metrics(job_id, step, time, data JSON)      PK (job_id, step): a redone step (after a failure) replaces
                                               the row; the chart shows the run as it stands
+  areas(job_id, field, place JSON, owner, deleted)  PK (job_id, field): the places a job holds
+                                              (service.server.admission.Claim); `deleted` = 1 once the job
+                                              was deleted (a tombstone, until an admin frees it)
   meta(key PK, value)                          schema_version
 JSON is stored as text, so every dialect holds the same bytes (NaN and infinities become null).
 
@@ -35,7 +38,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from sqlalchemy import (BigInteger, Column, Double, Integer, MetaData, Table, Text, create_engine,
@@ -45,6 +48,7 @@ from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError
 from sqlalchemy.pool import StaticPool
 
+from service.server.admission import Claim, Place
 from service.server.job_record import JobRecord
 from service.control.status import JobStatus
 
@@ -73,6 +77,12 @@ _metrics = Table(
     "metrics", _md,
     Column("job_id", Text, primary_key=True), Column("step", BigInteger, primary_key=True),
     Column("time", Double), Column("data", Text, nullable=False),
+)
+_areas = Table(
+    "areas", _md,
+    Column("job_id", Text, primary_key=True), Column("field", Text, primary_key=True),
+    Column("place", Text, nullable=False), Column("owner", Text),
+    Column("deleted", Integer, nullable=False, server_default="0"),
 )
 _meta = Table("meta", _md, Column("key", Text, primary_key=True), Column("value", Text, nullable=False))
 
@@ -254,9 +264,12 @@ class JobStore:
             c.execute(stmt, rows)
 
     # -- jobs --------------------------------------------------------------------------------------------
-    def create(self, job: JobRecord) -> None:
+    def create(self, job: JobRecord, claims: Sequence[Claim] = ()) -> None:
+        """Record the job and the places it holds, in one transaction."""
         st = job.status
         with self._tx() as c:
+            if claims:
+                c.execute(_areas.insert(), [_claim_row(a) for a in claims])
             c.execute(_jobs.insert().values(
                 id=_text(job.id), name=_text(job.name), spec=_dumps(job.spec), steps=job.steps,
                 workers=job.workers, run_dir=_text(job.run_dir), created=job.created, updated=job.updated,
@@ -307,9 +320,40 @@ class JobStore:
             c.execute(update(_jobs).where(_jobs.c.id == _text(job_id)).values(released=1))
 
     def delete(self, job_id: str) -> None:
+        """Forget the job; the places it held stay recorded as its owner's (tombstones)."""
         with self._tx() as c:
             for table, col in ((_events, _events.c.job_id), (_metrics, _metrics.c.job_id), (_jobs, _jobs.c.id)):
                 c.execute(table.delete().where(col == _text(job_id)))
+            c.execute(update(_areas).where(_areas.c.job_id == _text(job_id)).values(deleted=1))
+
+    # -- who holds which place -----------------------------------------------------------------------------
+    def claims(self) -> list[Claim]:
+        """Every place a job holds or held (tombstones of deleted jobs included)."""
+        with self._tx() as c:
+            rows = c.execute(select(_areas).order_by(_areas.c.job_id, _areas.c.field)).mappings().all()
+        return [Claim(job_id=r["job_id"], owner=r["owner"], field=r["field"], place=Place(tuple(json.loads(r["place"]))),
+                      deleted=bool(r["deleted"])) for r in rows]
+
+    def add_claims(self, claims: Sequence[Claim]) -> None:
+        """Record places of jobs admitted before the store kept them (a job's existing rows stay)."""
+        if claims:
+            ins = self._insert(_areas).on_conflict_do_nothing(index_elements=["job_id", "field"])
+            with self._tx() as c:
+                c.execute(ins, [_claim_row(a) for a in claims])
+
+    def free_claims(self, job_id: str) -> int:
+        """Forget the tombstones of deleted job `job_id` (an admin's act); how many were freed."""
+        with self._tx() as c:
+            return c.execute(_areas.delete().where(_areas.c.job_id == _text(job_id), _areas.c.deleted == 1)).rowcount
+
+    def files(self) -> list[Path]:
+        """The store's own files on the local disk (a SQLite file and its journal, WAL and shared-memory
+        files), which no job may name; none for PostgreSQL or memory."""
+        db = self._engine.url.database if self.dialect == "sqlite" else None
+        if not db or db == ":memory:":
+            return []
+        base = Path(db).resolve()
+        return [base, *(base.with_name(base.name + s) for s in ("-journal", "-wal", "-shm"))]
 
     # -- events and metrics ------------------------------------------------------------------------------
     def add_events(self, job_id: str, start: int, events: list[dict]) -> None:
@@ -347,6 +391,11 @@ class JobStore:
         with self._tx() as c:
             v = c.execute(select(func.max(_metrics.c.step)).where(_metrics.c.job_id == _text(job_id))).scalar()
         return v or 0
+
+
+def _claim_row(a: Claim) -> dict:
+    return {"job_id": _text(a.job_id), "field": a.field, "place": json.dumps(list(a.place.parts)),
+            "owner": a.owner, "deleted": int(a.deleted)}
 
 
 def _text(s: str) -> str:

@@ -30,7 +30,11 @@ def estimate_memory(model: ModelConfig, layout: Layout, *, micro_batch_size: int
         raise ValueError(f"pp={layout.pp} exceeds n_layers={model.n_layers}")
     table = model.vocab_size * model.dim
     output = 0 if model.tie_embeddings else table  # a tied output projection is the embedding table
-    layer_params = (model.num_params(embedding=False) - output - model.dim) / model.n_layers
+    try:  # integers past a float's range (a huge head_size) cannot be estimated: too large for any device
+        layer_params = (model.num_params(embedding=False) - output - model.dim) / model.n_layers
+    except OverflowError:
+        raise ValueError(f"the model has about 10^{len(str(model.num_params()))} parameters, too many to estimate "
+                         "its memory") from None
     layers = -(-model.n_layers // layout.pp)
     # One stage holds both ends; under PP the first holds the embedding, the last the output (a tied
     # table's copy there too).

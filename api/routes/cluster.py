@@ -16,8 +16,9 @@ router = APIRouter(tags=["cluster"])
                        401: {"model": ErrorBody, "description": "No bearer token."},
                        403: {"model": ErrorBody, "description": "Wrong bearer token."}})
 def get_cluster(jobs: JobsDep, who: ReaderDep) -> dict:
-    """Every node with its CPUs/GPUs, alive or dead (with Ray's reason), and draining ones with their deadline."""
-    return jobs.cluster()
+    """Every node with its CPUs/GPUs, alive or dead (with Ray's reason), and draining ones with their
+    deadline; a user's token gets counts only."""
+    return jobs.cluster(owner=who.owner)
 
 
 @router.get("/quotas", response_model=list[QuotaUsage],

@@ -6,10 +6,10 @@ from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Response, status
 
-from api.deps import JobsDep, ReaderDep, WriterDep
+from api.deps import AdminDep, JobsDep, ReaderDep, WriterDep
 from service.control.commands import Pause, Resume, Stop
-from api.schemas import (MAX_STEPS, ActionResult, Checkpoints, Deleted, ErrorBody, EventOut, JobCreated, JobDetail,
-                         JobSubmit, JobSummary, MetricRow, ResizeRequest, ValidationErrorBody, job_view)
+from api.schemas import (MAX_STEPS, ActionResult, Checkpoints, Deleted, ErrorBody, EventOut, Freed, JobCreated,
+                         JobDetail, JobSubmit, JobSummary, MetricRow, ResizeRequest, ValidationErrorBody, job_view)
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 
@@ -106,3 +106,10 @@ def delete_job(job_id: str, jobs: JobsDep, who: WriterDep, force: bool = False) 
     A job still saving its final checkpoint after the server's stop timeout is left running (409: retry);
     `force=true` releases it anyway."""
     return jobs.delete(job_id, force=force, owner=who.owner)
+
+
+@router.delete("/{job_id}/places", response_model=Freed, responses={**NOT_FOUND, **AUTH, **CONFLICT})
+def free_places(job_id: str, jobs: JobsDep, who: AdminDep) -> dict:
+    """Admin only: forget the places (run and checkpoint directories) a deleted job still holds, so that
+    any user's job may use them. Until then they stay its owner's: the files are still there."""
+    return jobs.free_places(job_id)

@@ -18,6 +18,7 @@ JobUnavailable) that the API turns into status codes.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 import uuid
@@ -35,10 +36,10 @@ from service.control.commands import CommandError, Grant, Pause, Resume, SetWork
 from service.control.job import Job, worker_range
 from service.control.state import TERMINAL
 from service.control.status import JobStatus
-from service.server.areas import area_of, areas_of, overlap, within
+from service.server.admission import Admission, Claim, Place, place_of
 from service.server.job_types import (JobConflict, JobGone, JobHandle, JobNotFound, JobRecord, JobUnavailable, Launcher,
                                       Store)
-from service.server.specs import SpecError, check_paths, check_text, resolve_run_dir, safe_name, validate_spec
+from service.server.specs import SpecError, check_text, safe_name, validate_spec
 from service.sharing.ledger import WorkerShape
 from service.sharing.rounds import JobView, Round, Tell, plan_round
 from service.sharing.scheduler import Quota
@@ -48,6 +49,14 @@ logger = logging.getLogger(__name__)
 
 SYNC_THREADS = 8
 """Coordinators synced at the same time."""
+SYNC_THREADS_PER_OWNER = 2
+"""Of those, at most this many may be held by one owner's slow jobs (whose last sync, or the one running,
+took longer than a sync interval): one user's stuck coordinators cannot hold every sync thread and leave
+other users' statuses stale."""
+MAX_LIVE_JOBS_PER_USER = 32
+"""Default for a user's unfinished jobs at once (`max_live_jobs`)."""
+LOCK_TIMEOUT_S = 30.0
+"""Default for how long a request waits for a job's lock (`lock_timeout_s`) before a 503."""
 TRACEBACK_EVERY_S = 60.0
 """A job whose sync keeps failing logs its traceback at most this often (one line otherwise)."""
 UNKNOWN = "UNKNOWN"
@@ -61,24 +70,28 @@ class JobManager:
     def __init__(self, store: Store, launcher: Launcher, *, runs_root: str | Path, sync_interval_s: float = 0.5,
                  stop_timeout_s: float = 10.0, clock: Callable[[], float] = time.time,
                  data_roots: Sequence[str | Path] | None = None, quotas: Mapping[str, Quota] | None = None,
-                 shared: bool = False, resume_prefixes: Sequence[str] = ()):
-        """`data_roots`: directories a spec's data.path may lie under (None or empty: none, so data.path
-        is refused; never the runs root, where other jobs' files and the store live). `quotas`: per
-        owner (user name), the workers and jobs its jobs may hold. `shared`: schedule the jobs on one
-        shared cluster. `resume_prefixes`: paths or object-store URLs under which any user's job may
-        name its checkpoint.resume_from (shared base checkpoints); besides them, a user may name only
-        the directories of their own jobs."""
+                 shared: bool = False, resume_prefixes: Sequence[str] = (), object_stores: Sequence[str] = (),
+                 azure_account: str | None = None, max_live_jobs: int | None = MAX_LIVE_JOBS_PER_USER,
+                 lock_timeout_s: float = LOCK_TIMEOUT_S):
+        """`data_roots`: directories a spec's data.path, data.val_path and model.init_from may lie under
+        (None or empty: none; never around or inside the runs root, where other jobs' files and the store
+        live). `quotas`: per owner (user name), the workers and jobs its jobs may hold. `shared`: schedule
+        the jobs on one shared cluster. `resume_prefixes`: paths or object-store URLs under which any
+        user's job may name its checkpoint.resume_from (shared base checkpoints), and no job may write;
+        besides them, a user may name only places their own jobs hold. `object_stores`: object-store and
+        HDFS URLs a job's checkpoint.dir may lie in (none: local paths only). `azure_account`: the account
+        of an abfs:// URL that names none. `max_live_jobs`: a user's unfinished jobs at once (None: no
+        limit). `lock_timeout_s`: how long a request waits for a job's lock. Every place a request names
+        is judged by service.server.admission."""
         self.store, self.launcher = store, launcher
-        self.resume_prefixes = [area_of(p) for p in resume_prefixes]
         self.runs_root = Path(runs_root)
-        self.data_roots = [Path(r) for r in data_roots or ()]
-        root = self.runs_root.resolve()
-        for r in self.data_roots:
-            if r.resolve() == root or r.resolve() in root.parents:
-                raise ValueError(f"data root {r} holds the runs root {root}: a job could read other jobs' files "
-                                 "and the job store; give data roots beside it")
+        self.admission = Admission(runs_root=self.runs_root, data_roots=data_roots or (), object_stores=object_stores,
+                                   resume_prefixes=resume_prefixes, reserved=store.files(),
+                                   azure_account=azure_account)
         self.sync_interval_s, self.stop_timeout_s, self.clock = sync_interval_s, stop_timeout_s, clock
+        self.max_live_jobs, self.lock_timeout_s = max_live_jobs, lock_timeout_s
         self._submit_lock = threading.Lock()  # area checks + insert, atomically
+        self._record_old_claims()
         self._init_sync()
         self._init_scheduling(quotas, shared)
 
@@ -91,10 +104,12 @@ class JobManager:
         # Paths first, on the raw request: validate_spec looks at data.path on disk. The spec is parsed
         # here, once: the JobConfig it gives is what the coordinator and the workers get.
         check_text({"spec": spec, "run_dir": run_dir})
-        check_paths(spec, run_dir=run_dir, runs_root=self.runs_root, data_roots=self.data_roots)
+        self.admission.check(spec, run_dir=run_dir, default_name="job", owner=owner, claims=self.store.claims())
         cfg = validate_spec(spec, steps=steps, workers=workers)
         job_id = uuid.uuid4().hex[:12]
-        rd = resolve_run_dir(run_dir, runs_root=self.runs_root, default_name=f"{safe_name(cfg.name)}-{job_id}")
+        places = self.admission.check(spec, run_dir=run_dir, default_name=f"{safe_name(cfg.name)}-{job_id}",
+                                      owner=None, claims=())  # the places, judged above with the owner
+        rd = places["run_dir"].path
         job = Job.of(cfg, job_id=job_id, run_dir=rd, steps=steps, workers=workers)
         now = self.clock()
         grant = self.first_grant()
@@ -113,13 +128,13 @@ class JobManager:
                                               f"(job {first.id}); use a new key for a new job")
                         self._forget_lock(job_id, lock)
                         return first.id
-                    self._check_areas(str(rd), cfg.checkpoint.dir, owner)
-                    self._check_resume_from(cfg.checkpoint.resume_from, owner)
+                    self._check_live_jobs(owner)
+                    self._check_claims(places, owner)
                     self._check_quota(job, owner)
                     self.store.create(JobRecord(
                         id=job_id, name=cfg.name, spec=spec, steps=steps, workers=workers, run_dir=str(rd),
                         created=now, updated=now, owner=owner, idempotency_key=idempotency_key, request=request,
-                        status=status))
+                        status=status), [Claim(job_id=job_id, owner=owner, field=f, place=p) for f, p in places.items()])
                     if self.shared:
                         self._cfgs[job_id] = cfg
             except BaseException:  # no job was recorded: its lock goes too
@@ -136,21 +151,51 @@ class JobManager:
         self._schedule_soon()  # admitted at once if its workers are free, after the answer
         return job_id
 
-    def _check_areas(self, run_dir: str, checkpoint_dir: str | None, owner: str | None) -> None:
-        """JobConflict when the new job's run or checkpoint directory is, contains or lies in one of a
-        job the server keeps (a deleted job's directories are free again). Another user's job is not
-        named."""
-        mine = areas_of(run_dir, checkpoint_dir)
-        rows = {r.id: r for r in self.store.list()}
-        if hit := overlap(mine, ((i, areas_of(r.run_dir, r.checkpoint_dir)) for i, r in rows.items())):
-            field, other, their_field, how = hit
-            where = run_dir if field == "run_dir" else checkpoint_dir
-            if owner is not None and rows[other].owner != owner:
-                raise JobConflict(f"{field} {where} is in use by another user's job: each job's run and checkpoint "
-                                  f"directories must be its own (choose another {field})")
-            raise JobConflict(f"{field} {where} {how} the {their_field} of job {other}, which is in use by job "
-                              f"{other} until it is deleted: each job's run and checkpoint directories must be "
-                              f"its own (delete job {other} first, or choose another {field})")
+    def _check_claims(self, places: dict[str, Place], owner: str | None) -> None:
+        """JobConflict when one of the new job's places (run_dir, checkpoint.dir) is, contains or lies in
+        a place another job holds: any job of another owner, deleted or not (its files stay its owner's
+        until an admin frees them), or a kept job of the same owner. Another user's job is not named."""
+        for c in self.store.claims():
+            for field, p in places.items():
+                if not p.overlaps(c.place) or (c.owner == owner and c.deleted):
+                    continue
+                if c.owner != owner:
+                    raise JobConflict(f"{field} {p} is held by another user's job: each job's run and checkpoint "
+                                      f"directories must be its own (choose another {field})")
+                how = "is" if p == c.place else "lies inside" if p.within(c.place) else "contains"
+                raise JobConflict(f"{field} {p} {how} the {c.field} of job {c.job_id}, which is in use by job "
+                                  f"{c.job_id} until it is deleted: each job's run and checkpoint directories must "
+                                  f"be its own (delete job {c.job_id} first, or choose another {field})")
+
+    def _check_live_jobs(self, owner: str | None) -> None:
+        """JobConflict when a user already has max_live_jobs unfinished jobs."""
+        if owner is None or self.max_live_jobs is None:
+            return
+        live = sum(1 for r in self.store.list(owner=owner) if r.state not in TERMINAL)
+        if live >= self.max_live_jobs:
+            raise JobConflict(f"you have {live} unfinished jobs, this server's limit per user "
+                              f"(ELASTRON_MAX_LIVE_JOBS={self.max_live_jobs}): stop or delete one first")
+
+    def _record_old_claims(self) -> None:
+        """Places of jobs the store kept from before it recorded them, recorded now (as they were stored)."""
+        held = {c.job_id for c in self.store.claims()}
+        old = []
+        for r in self.store.list():
+            if r.id in held:
+                continue
+            for field, where in (("run_dir", r.run_dir), ("checkpoint.dir", r.checkpoint_dir)):
+                if where and (p := place_of(where, azure_account=self.admission.azure_account)) is not None:
+                    old.append(Claim(job_id=r.id, owner=r.owner, field=field, place=p))
+        self.store.add_claims(old)
+
+    def free_places(self, job_id: str) -> dict:
+        """Forget the tombstones a deleted job left (an admin's act): its places may be claimed again by
+        anyone. JobNotFound when it left none."""
+        if self.store.get(job_id) is not None:
+            raise JobConflict(f"job {job_id} is not deleted: delete it first; its places are freed after")
+        if not (n := self.store.free_claims(job_id)):
+            raise JobNotFound(job_id)
+        return {"id": job_id, "freed": n}
 
     def _check_quota(self, job: Job, owner: str | None) -> None:
         """On a shared cluster, a job its owner's quota could never run is refused now instead of queued
@@ -167,37 +212,33 @@ class JobManager:
             raise SpecError(loc, f"{what}, but owner {owner}'s quota allows {q.max_workers} workers, so the job "
                                  f"could never start: ask for at most {q.max_workers} workers, or a larger quota")
 
-    def _check_resume_from(self, src: str | None, owner: str | None) -> None:
-        """checkpoint.resume_from names checkpoints to start from: an admin (owner None) may name any
-        that passed the path rules; a user only the directories of their own jobs or those under the
-        server's resume prefixes, never another user's."""
-        if src is None or owner is None:
-            return
-        area = area_of(src)
-        if any(within(area, p) for p in self.resume_prefixes):
-            return
-        for r in self.store.list(owner=owner):
-            if any(within(area, a) for _, a in areas_of(r.run_dir, r.checkpoint_dir)):
-                return
-        raise SpecError(("spec", "checkpoint", "resume_from"),
-                        f"checkpoint.resume_from {src!r} is not a directory of one of your jobs"
-                        + (" nor under the server's resume prefixes (ELASTRON_RESUME_PREFIXES)"
-                           if self.resume_prefixes else "") + ": name your own job's run or checkpoint directory")
-
     def list(self, *, owner: str | None = None, limit: int | None = None, offset: int = 0) -> list[JobRecord]:
-        return self.store.list(owner=owner, limit=limit, offset=offset)
+        rows = self.store.list(owner=owner, limit=limit, offset=offset)
+        return rows if owner is None else [self._as_seen_by(r, owner) for r in rows]
 
     def count(self) -> int:
         return self.store.count()
 
     def get(self, job_id: str, *, owner: str | None = None) -> JobRecord:
         """The job as last stored (the background sync keeps it fresh; no coordinator is asked);
-        JobNotFound if `owner` may not see it."""
-        return self._mine(job_id, owner)
+        JobNotFound if `owner` may not see it. A user's view names no other user's job."""
+        row = self._mine(job_id, owner)
+        return row if owner is None else self._as_seen_by(row, owner)
 
     def events(self, job_id: str, since: int = 0, limit: int | None = None, *, owner: str | None = None) -> list[dict]:
+        """The job's stored events; a user's view names no other user's job (the scheduler's reasons
+        name the job a capacity went to: "another job" instead)."""
         self._mine(job_id, owner)
-        return self.store.events(job_id, since, limit)
+        events = self.store.events(job_id, since, limit)
+        return events if owner is None else _redacted(events, self._ids_of(owner))
+
+    def _ids_of(self, owner: str) -> set[str]:
+        return {r.id for r in self.store.list(owner=owner)}
+
+    def _as_seen_by(self, row: JobRecord, owner: str) -> JobRecord:
+        if not _OTHER_JOB.search(row.status.reason or ""):
+            return row
+        return replace(row, status=replace(row.status, reason=_redacted(row.status.reason, self._ids_of(owner))))
 
     def metrics(self, job_id: str, since: int = 0, limit: int | None = 10_000, stride: int = 1, *,
                 owner: str | None = None) -> list[dict]:
@@ -212,7 +253,18 @@ class JobManager:
     def where(self) -> str:
         return self.launcher.where()
 
-    def cluster(self) -> dict:
+    def cluster(self, *, owner: str | None = None) -> dict:
+        """The cluster's nodes; for a user (`owner` given) only counts: which machines run the service is
+        the operator's to see."""
+        out = self._cluster()
+        if owner is None:
+            return out
+        nodes = out["nodes"]
+        return {"time": out["time"], "nodes": [], "usable_workers": out["usable_workers"],
+                "node_count": sum(n["alive"] for n in nodes), "draining_nodes": sum(n["draining"] for n in nodes),
+                "cpus": sum(n["cpus"] for n in nodes if n["alive"]), "gpus": sum(n["gpus"] for n in nodes if n["alive"])}
+
+    def _cluster(self) -> dict:
         try:
             snap = self.launcher.cluster()
         except Exception as e:
@@ -255,7 +307,7 @@ class JobManager:
         forget it. The run directory and its checkpoints stay. A coordinator still saving when the time
         is up is left alone (JobConflict: retry, or `force` to release it whatever it is doing)."""
         self._mine(job_id, owner)
-        with self._locked_row(job_id) as lock_row:
+        with self._one_command(job_id, "delete"), self._locked_row(job_id) as lock_row:
             row = self.sync(job_id) if lock_row.state != UNKNOWN else lock_row
             if row.state not in TERMINAL and (h := self._handles.get(job_id)) is not None:
                 try:
@@ -300,6 +352,10 @@ class JobManager:
         self._thread: threading.Thread | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._inflight: dict[str, Future] = {}
+        self._sync_started: dict[str, float] = {}
+        self._slow: set[str] = set()
+        """Jobs whose last sync took longer than a sync interval (`_sync_round`)."""
+        """When each job's sync in flight was handed to the pool (time.monotonic)."""
         self._last_traceback: dict[str, float] = {}
 
     # -- lifecycle -----------------------------------------------------------------------------------------
@@ -363,17 +419,37 @@ class JobManager:
 
     def _sync_round(self) -> None:
         """Sync every unsettled job, each on a pool thread; a job whose last sync is still running is
-        skipped this round."""
-        for row in self.store.unsettled():
+        skipped this round, and so is a slow job (its last sync took longer than a sync interval) of an
+        owner whose slow jobs already hold SYNC_THREADS_PER_OWNER pool threads: a thread left waiting on a
+        stuck coordinator is one fewer for everyone, so one owner's stuck jobs may hold only a few."""
+        rows = self.store.unsettled()
+        owner_of = {r.id: r.owner for r in rows}
+        slow: dict[str | None, int] = {}
+        now = time.monotonic()
+        for job_id, f in self._inflight.items():
+            if not f.done() and job_id in owner_of and (
+                    job_id in self._slow or now - self._sync_started.get(job_id, now) > self.sync_interval_s):
+                slow[owner_of[job_id]] = slow.get(owner_of[job_id], 0) + 1
+        for row in rows:
             if self._stop.is_set():
                 return
             busy = self._inflight.get(row.id)
-            if busy is None or busy.done():
-                self._inflight[row.id] = self._pool.submit(self._sync_quietly, row.id)
+            if busy is not None and not busy.done():
+                continue
+            if row.id in self._slow:
+                if slow.get(row.owner, 0) >= SYNC_THREADS_PER_OWNER:
+                    continue
+                slow[row.owner] = slow.get(row.owner, 0) + 1
+            self._sync_started[row.id] = now
+            self._inflight[row.id] = self._pool.submit(self._sync_quietly, row.id)
         for job_id in [j for j, f in self._inflight.items() if f.done()]:
             del self._inflight[job_id]  # settled or deleted jobs leave no trace
+            self._sync_started.pop(job_id, None)
+            if self.store.get(job_id) is None or job_id not in owner_of:
+                self._slow.discard(job_id)
 
     def _sync_quietly(self, job_id: str) -> None:
+        t0 = time.monotonic()
         try:
             self.sync(job_id)
         except JobNotFound:
@@ -390,6 +466,11 @@ class JobManager:
                            exc_info=loud)
         else:
             self._last_traceback.pop(job_id, None)
+        finally:
+            if time.monotonic() - t0 > self.sync_interval_s:
+                self._slow.add(job_id)
+            else:
+                self._slow.discard(job_id)
 
     # -- the job lock ----------------------------------------------------------------------------------------
     def _lock_of(self, job_id: str) -> threading.RLock:
@@ -631,6 +712,20 @@ class JobManager:
                  "jobs_running": running.get(o, 0)} for o in names]
 
 
+_OTHER_JOB = re.compile(r"\bjob ([0-9a-f]{12})\b(?: \(priority -?\d+\))?")
+
+
+def _redacted(v: Any, mine: set[str]) -> Any:
+    """`v` (an event, a reason) with each "job ID (priority N)" of a job not in `mine` as "another job"."""
+    if isinstance(v, str):
+        return _OTHER_JOB.sub(lambda m: m.group(0) if m.group(1) in mine else "another job", v)
+    if isinstance(v, dict):
+        return {k: _redacted(x, mine) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_redacted(x, mine) for x in v]
+    return v
+
+
 def _chunks(it, n: int = 10_000):
     """`it` in lists of at most n (a long metrics.jsonl is stored without holding it all)."""
     buf = []
@@ -652,7 +747,9 @@ class _Locked:
         o = self.owner
         o._row(self.job_id)  # JobNotFound before a lock exists for an unknown id
         self.lock = o._lock_of(self.job_id)
-        self.lock.acquire()
+        if not self.lock.acquire(timeout=o.lock_timeout_s):
+            raise JobUnavailable(f"job {self.job_id} is busy (its coordinator is slow to answer): nothing was done; "
+                                 "retry in a moment")
         row = o.store.get(self.job_id)
         if row is None:  # deleted while this waited for the lock
             self.lock.release()

@@ -1,6 +1,6 @@
-"""Job requests checked before anything runs: the spec (JobConfig rules plus a layout that can fit), and
-every path the server would resolve (run_dir, checkpoint.dir, data.path) kept inside the roots it was
-given. Errors are SpecError with the request field they concern, so the API can name it.
+"""Job requests checked before anything runs: the spec (JobConfig rules, typed model overrides, and a
+layout that can fit) and its strings. Where a request may read and write is service.server.admission's
+to judge. Errors are SpecError with the request field they concern, so the API can name it.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterable, Sequence
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 from parallel.layout import Layout
@@ -17,14 +17,8 @@ from service.server.limits import MAX_GLOBAL_BATCH, MAX_WORKERS, check_limits
 from workers.config import JobConfig, job_constraints, with_steps
 from workers.preflight import preflight
 
-__all__ = ["JobConfig", "MAX_GLOBAL_BATCH", "MAX_WORKERS", "REMOTE_SCHEMES", "SpecError", "check_paths",
-           "check_plannable", "check_text", "resolve_run_dir", "safe_name", "validate_spec"]
-
-REMOTE_SCHEMES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "hdfs"})
-"""fsspec URL schemes a checkpoint.dir may use: object stores the server does not resolve on its disk.
-file:// is a local path (checked like one); others (zip::, simplecache::, sftp://, ...) are refused, and
-memory:// with its own reason: it lives in one process, so no checkpoint there survives the coordinator
-or reaches the workers."""
+__all__ = ["JobConfig", "MAX_GLOBAL_BATCH", "MAX_WORKERS", "SpecError", "check_plannable", "check_text",
+           "safe_name", "validate_spec"]
 
 
 class SpecError(ValueError):
@@ -118,83 +112,10 @@ def _most_workers(cfg: JobConfig, workers: int | None) -> int:
     return Layout.parse(pc.layout, dp_mode=pc.dp_mode).world_size if pc.layout else workers or pc.max_workers
 
 
-# -- paths ---------------------------------------------------------------------------------------------------
+# -- text ----------------------------------------------------------------------------------------------------
 
 def _field(loc: Sequence[str | int]) -> str:
     return ".".join(str(x) for x in loc if x != "spec")
-
-
-def _plain(path: str, loc: Sequence[str]) -> Path:
-    """`path` as a Path, refused when blank, with a NUL byte, or with a '..' part."""
-    if not path.strip() or "\x00" in path:
-        raise SpecError(loc, f"{_field(loc)} {path!r} must be a non-blank path without NUL bytes")
-    p = Path(path)
-    if ".." in p.parts:
-        raise SpecError(loc, f"{_field(loc)} {path!r} must not contain '..'")
-    return p
-
-
-def _resolve(p: Path, loc: Sequence[str]) -> Path:
-    try:
-        return p.resolve()
-    except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop
-        raise SpecError(loc, f"{_field(loc)} {str(p)!r} cannot be resolved: {e}") from None
-
-
-def _inside(full: Path, roots: Sequence[Path], *, or_root: bool = False) -> bool:
-    return any(r in full.parents or (or_root and full == r) for r in roots)
-
-
-def resolve_run_dir(run_dir: str | None, *, runs_root: Path, default_name: str, loc=("run_dir",)) -> Path:
-    """`run_dir` (relative to runs_root, or absolute inside it) as an absolute path inside runs_root.
-    '..', NUL bytes and symlinks that lead out are rejected: the API must not write outside the root it
-    was given."""
-    root = Path(runs_root).resolve()
-    if run_dir is None:
-        return root / default_name
-    p = _plain(str(run_dir), loc)
-    full = _resolve(p if p.is_absolute() else root / p, loc)
-    if not _inside(full, [root]):
-        raise SpecError(loc, f"{_field(loc)} {run_dir!r} must be a directory inside the runs root {root}")
-    return full
-
-
-def check_checkpoint_dir(ck: str, *, runs_root: Path, loc=("spec", "checkpoint", "dir")) -> None:
-    """checkpoint.dir (or checkpoint.resume_from, by `loc`): an absolute path (or file:// URL) inside the
-    runs root, or an object store's URL without '..' parts."""
-    name = _field(loc)
-    if "\x00" in ck:
-        raise SpecError(loc, f"{name} {ck!r} must not contain NUL bytes")
-    if "://" in ck:
-        scheme = ck.split("://", 1)[0].lower()
-        if scheme == "memory":
-            raise SpecError(loc, f"{name} {ck!r}: memory:// lives in one process only, so its checkpoints "
-                                 "cannot survive a restart or reach other workers; use a path or an object store")
-        if scheme != "file":
-            if scheme not in REMOTE_SCHEMES:  # zip::, simplecache::file://, local://, sftp://, http:// ...
-                raise SpecError(loc, f"{name} {ck!r}: a URL's scheme must be one of "
-                                     f"{', '.join(sorted(REMOTE_SCHEMES))} (or give a path inside the runs root)")
-            if ".." in PurePosixPath(ck.split("://", 1)[1]).parts:
-                raise SpecError(loc, f"{name} {ck!r} must not contain '..'")
-            return
-        ck = ck[len("file://"):]
-    if not Path(ck).is_absolute():
-        raise SpecError(loc, f"{name} {ck!r} must be a URL or an absolute path inside the runs root "
-                             f"{Path(runs_root).resolve()}")
-    resolve_run_dir(ck, runs_root=runs_root, default_name="", loc=loc)
-
-
-def check_data_path(path: str, *, data_roots: Sequence[Path], loc=("spec", "data", "path")) -> None:
-    """data.path (or model.init_from, by `loc`): an absolute path inside (or equal to) one of `data_roots`.
-    Checked before the path is looked at, so a request cannot probe what exists elsewhere on the server."""
-    p = _plain(path, loc)
-    roots = [Path(r).resolve() for r in data_roots]
-    where = " or ".join(str(r) for r in roots) or "(none configured)"
-    if not p.is_absolute():
-        raise SpecError(loc, f"{_field(loc)} {path!r} must be an absolute path inside a data root: {where}")
-    if not _inside(_resolve(p, loc), roots, or_root=True):
-        raise SpecError(loc, f"{_field(loc)} {path!r} is outside the server's data roots: {where} "
-                             "(the server's ELASTRON_DATA_ROOTS)")
 
 
 def check_text(request: Any, loc: tuple[str | int, ...] = ()) -> None:
@@ -213,26 +134,6 @@ def check_text(request: Any, loc: tuple[str | int, ...] = ()) -> None:
     elif isinstance(request, list):
         for i, v in enumerate(request):
             check_text(v, (*loc, i))
-
-
-def check_paths(spec: Any, *, run_dir: str | None, runs_root: Path, data_roots: Sequence[Path]) -> None:
-    """Every path of a request that the server would resolve, checked on the raw request (before
-    JobConfig looks at the disk): run_dir, checkpoint.dir and resume_from, data.path, model.init_from."""
-    if run_dir is not None:
-        resolve_run_dir(run_dir, runs_root=runs_root, default_name="")
-    if not isinstance(spec, dict):
-        return  # validate_spec reports the shape
-    ckpt = spec.get("checkpoint") if isinstance(spec.get("checkpoint"), dict) else {}
-    if isinstance(ckpt.get("dir"), str):
-        check_checkpoint_dir(ckpt["dir"], runs_root=runs_root)
-    if isinstance(ckpt.get("resume_from"), str):  # whose it is: JobManager, which knows the owners
-        check_checkpoint_dir(ckpt["resume_from"], runs_root=runs_root, loc=("spec", "checkpoint", "resume_from"))
-    data = spec.get("data") if isinstance(spec.get("data"), dict) else {}
-    if isinstance(data.get("path"), str) and data.get("source", "corpus") != "synthetic":
-        check_data_path(data["path"], data_roots=data_roots)
-    model = spec.get("model") if isinstance(spec.get("model"), dict) else {}
-    if isinstance(model.get("init_from"), str):
-        check_data_path(model["init_from"], data_roots=data_roots, loc=("spec", "model", "init_from"))
 
 
 def safe_name(name: str) -> str:

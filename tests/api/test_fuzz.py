@@ -14,7 +14,7 @@ from schemathesis.specs.openapi.checks import response_schema_conformance  # noq
 
 from api.app import create_app  # noqa: E402
 from api.deps import Settings  # noqa: E402
-from tests.api.helpers import make_app, make_launcher, stop_all  # noqa: E402
+from tests.api.helpers import SPEC, make_app, make_launcher, stop_all  # noqa: E402
 
 # The operations, read from an app that is never started (create_app has no side effects). Invalid
 # requests can only be made where some input has a shape to break (a body, a numeric query parameter;
@@ -106,3 +106,40 @@ def test_without_the_token_no_request_succeeds(guarded_schema, label):
         assert set(seen) == {200}
     else:
         assert seen and set(seen) <= {401, 403}, (label, sorted(set(seen)))
+
+
+# -- with a user's token (issue 42): a user meets no 5xx either, and never another user's job --------------
+
+USER, OTHER = "us3r-t0ken", "0ther-t0ken"
+
+
+@pytest.fixture(scope="module")
+def user_schema(tmp_path_factory):
+    launcher, _ = make_launcher(nodes={})
+    root = tmp_path_factory.mktemp("fuzz-user")
+    app = make_app(root, launcher, token=TOKEN, user_tokens={"ann": USER, "ben": OTHER}, db=root / "runs" / "elastron.db",
+                   data_roots=(root / "data",), object_stores=("s3://bucket",), max_live_jobs=None)
+    app.state.jobs.submit(SPEC, owner="ben", run_dir="bens-run")  # what ann must never see
+    yield schemathesis.openapi.from_asgi("/openapi.json", app), app
+    stop_all(launcher)
+
+
+@pytest.mark.parametrize("label,mode", CASES, ids=[f"{lb} {m.value}" for lb, m in CASES])
+def test_with_a_user_token_no_request_gets_a_server_error(user_schema, label, mode):
+    schema, app = user_schema
+    op = schema.find_operation_by_label(label)
+    others = {x for r in app.state.jobs.store.list() if r.owner == "ben" for x in (r.id, "bens-run")}
+    assert others
+    seen = []
+
+    @given(case=op.as_strategy(generation_mode=mode))
+    @settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
+              database=None)
+    def run(case):
+        response = case.call(headers={"Authorization": f"Bearer {USER}"})
+        seen.append(response.status_code)
+        case.validate_response(response, checks=[not_a_server_error])
+        assert not any(o in response.text for o in others)  # nothing of the other user's job
+
+    run()
+    assert seen and max(seen) < 500 and (mode is GenerationMode.NEGATIVE or min(seen) != 401)

@@ -23,7 +23,8 @@ def env(tmp_path):
     (tmp_path / "data" / "corpus" / "a.py").write_text("print('hello')\n" * 50)
     (tmp_path / "outside").mkdir()
     (tmp_path / "outside" / "secret.bin").write_bytes(b"\x00\x01" * 64)
-    app = make_app(tmp_path, launcher, max_body_bytes=4096, data_roots=(tmp_path / "data",))
+    app = make_app(tmp_path, launcher, max_body_bytes=4096, data_roots=(tmp_path / "data",),
+                   object_stores=("s3://elastron",))
     with TestClient(app) as c:
         c.tmp = tmp_path
         yield c
@@ -89,9 +90,9 @@ def bad_paths(tmp) -> list[tuple[dict, list, str]]:
         ({"spec": with_spec(checkpoint={"dir": str(out / "ck")})}, ["spec", "checkpoint", "dir"], "inside the runs root"),
         ({"spec": with_spec(checkpoint={"dir": f"{runs}/../outside/ck"})}, ["spec", "checkpoint", "dir"], "'..'"),
         ({"spec": with_spec(checkpoint={"dir": f"file://{out}/ck"})}, ["spec", "checkpoint", "dir"], "inside the runs root"),
-        ({"spec": with_spec(checkpoint={"dir": f"FILE://{out}/ck"})}, ["spec", "checkpoint", "dir"], "inside the runs root"),
+        ({"spec": with_spec(checkpoint={"dir": f"FILE://{out}/ck"})}, ["spec", "checkpoint", "dir"], "lower case"),
         ({"spec": with_spec(checkpoint={"dir": f"simplecache::file://{out}/ck"})}, ["spec", "checkpoint", "dir"],
-         "scheme must be one of"),
+         "chained URLs"),
         ({"spec": with_spec(checkpoint={"dir": f"local://{out}/ck"})}, ["spec", "checkpoint", "dir"], "scheme must be one of"),
         ({"spec": with_spec(checkpoint={"dir": f"{runs}/ck\x00"})}, ["spec", "checkpoint", "dir"], "NUL"),
         ({"spec": with_spec(checkpoint={"dir": "relative/ck"})}, ["spec", "checkpoint", "dir"], "absolute path"),

@@ -26,7 +26,8 @@ def spec(**checkpoint) -> dict:
 def c(tmp_path):
     launcher, _ = make_launcher(nodes={})  # jobs wait for capacity: cheap
     app = make_app(tmp_path, launcher, token=ADMIN, user_tokens={"alice": ALICE, "bob": BOB},
-                   resume_prefixes=("s3://shared/base",))
+                   resume_prefixes=("s3://shared/base",),
+                   object_stores=("s3://bucket", "gs://b2", "abfs://c@acct.dfs.core.windows.net"), azure_account="acct")
     with TestClient(app) as client:
         yield client
     stop_all(launcher)

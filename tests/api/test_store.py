@@ -110,7 +110,7 @@ def test_schema_tables_and_a_newer_version_is_refused(url):
     JobStore(url).close()
     eng = sa.create_engine(store_url(url))
     try:
-        assert set(sa.inspect(eng).get_table_names()) == {"jobs", "events", "metrics", "meta"}
+        assert set(sa.inspect(eng).get_table_names()) == {"jobs", "events", "metrics", "meta", "areas"}
         with eng.begin() as c:
             assert c.execute(sa.text("SELECT value FROM meta WHERE key='schema_version'")).scalar_one() == str(
                 SCHEMA_VERSION)

@@ -80,7 +80,7 @@ class Launcher:
 @pytest.fixture
 def mgr(tmp_path):
     m = JobManager(JobStore(tmp_path / "jobs.db"), Launcher(), runs_root=tmp_path / "runs", sync_interval_s=0.02,
-                   stop_timeout_s=0.3)
+                   stop_timeout_s=0.3, object_stores=("s3://bucket", "gs://bucket"))
     yield m
     m.close()
 

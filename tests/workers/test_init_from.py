@@ -109,10 +109,11 @@ def test_a_bad_directory_is_one_line_at_every_edge(hf_dir, tmp_path, how, needle
 
 
 def test_the_server_refuses_an_init_from_outside_its_data_roots(tmp_path):
-    from service.server.specs import SpecError, check_paths
+    from service.server.admission import check_paths
+    from service.server.specs import SpecError
 
     with pytest.raises(SpecError) as e:
-        check_paths(spec("/etc"), run_dir=None, runs_root=tmp_path, data_roots=[tmp_path / "data"])
+        check_paths(spec("/etc"), run_dir=None, runs_root=tmp_path / "runs", data_roots=[tmp_path / "data"])
     assert e.value.loc == ("spec", "model", "init_from") and "outside the server's data roots" in e.value.msg
 
 

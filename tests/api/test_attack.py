@@ -1,0 +1,368 @@
+"""Issue 42, shown by attack: every input of the third security review, and the earlier reviews' inputs,
+replayed over HTTP against one live server (uvicorn) with two user tokens. The store lies where
+`elastron serve` puts it by default (RUNS_ROOT/elastron.db). After each input: no 5xx, no reply that shows
+the other user's job, and the store still answers."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from api.app import create_app
+from api.deps import Settings
+from api.store import JobStore
+from service.control.commands import Stop
+from service.control.status import JobStatus
+from service.server.job_manager import JobManager, JobUnavailable
+from tests.api.helpers import SPEC, live_server
+from tests.api.test_request_limits import bad_paths
+from tests.api.test_submit_fuzz import bodies
+
+J = "/api/v1/jobs"
+ADMIN, ALICE, BOB = "adm1n-t0ken", "al1ce-t0ken", "b0b-t0ken"
+
+
+def h(tok: str) -> dict:
+    return {"Authorization": f"Bearer {tok}"}
+
+
+class Handle:
+    """A coordinator that runs until stopped; a stuck one answers no command: each gives up after 1 s,
+    as a Ray call's timeout does (JobUnavailable)."""
+
+    def __init__(self, stuck: threading.Event | None):
+        self.stuck, self.state = stuck, "RUNNING"
+
+    def status(self):
+        return JobStatus(state=self.state, reason="", step=1, total_steps=10, world_size=1)
+
+    def events_since(self, index=0):
+        return []
+
+    def metrics_since(self, step=0):
+        return []
+
+    def send(self, cmd):
+        if self.stuck is not None and not self.stuck.wait(1.0):
+            raise JobUnavailable("no answer within 1 s")
+        if isinstance(cmd, Stop):
+            self.state = "STOPPED"
+
+
+class Launcher:
+    def __init__(self, stuck: threading.Event):
+        self.stuck, self.live = stuck, {}
+
+    def launch(self, job):
+        self.live[job.id] = Handle(self.stuck if job.cfg.name == "stuck" else None)
+        return self.live[job.id]
+
+    def attach(self, job_id):
+        return self.live.get(job_id)
+
+    def gone(self, job_id):
+        return False
+
+    def where(self):
+        return "here"
+
+    def release(self, job_id, timeout_s=10.0):
+        pass
+
+    def cluster(self):
+        return None
+
+
+class Server:
+    def __init__(self, url: str, root: Path, stuck: threading.Event):
+        self.c = httpx.Client(base_url=url, timeout=20)
+        self.root, self.runs, self.stuck = root, root / "runs", stuck
+        self.db = self.runs / "elastron.db"
+
+    def submit(self, tok: str, spec: dict | None = None, **kw) -> httpx.Response:
+        r = self.c.post(J, json={"spec": SPEC if spec is None else spec, **kw}, headers=h(tok))
+        self.check(r)
+        return r
+
+    def check(self, r: httpx.Response) -> None:
+        """No 5xx (but the 503 with Retry-After that a bounded wait answers); the store intact (a file, not
+        a directory made by a job; it answers)."""
+        assert r.status_code < 500 or (r.status_code == 503 and "retry-after" in r.headers), (
+            r.request.method, r.request.url, r.status_code, r.text)
+        for suffix in ("", "-journal", "-wal", "-shm"):
+            p = self.db.with_name(self.db.name + suffix)
+            assert not p.is_dir(), f"a job made {p} a directory"
+        assert self.c.get(J, headers=h(ADMIN), params={"limit": 1}).status_code == 200
+
+    def forget(self, tok: str, job_id: str) -> None:
+        r = self.c.delete(f"{J}/{job_id}", headers=h(tok), params={"force": "true"})
+        assert r.status_code == 200, r.text
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    root = tmp_path_factory.mktemp("attack")
+    (root / "data" / "corpus").mkdir(parents=True)
+    (root / "data" / "corpus" / "a.py").write_text("x = 1\n" * 100)
+    (root / "data" / "val").mkdir()
+    (root / "data" / "val" / "b.py").write_text("y = 2\n" * 100)
+    (root / "base" / "llama").mkdir(parents=True)
+    (root / "outside").mkdir()
+    runs = root / "runs"
+    runs.mkdir()
+    (runs / "link").symlink_to(root / "outside")  # what bad_paths expects to find
+    (root / "data" / "link").symlink_to(root / "outside")
+    (runs / "loop").symlink_to(runs / "loop")
+    s = Settings(runs_root=runs, store_url=str(runs / "elastron.db"), token=ADMIN,
+                 user_tokens={"alice": ALICE, "bob": BOB}, data_roots=(root / "data",),
+                 object_stores=("s3://ckpts", "abfs://ckpts@acct.dfs.core.windows.net", "hdfs://nn:8020"),
+                 azure_account="acct", resume_prefixes=(str(root / "base"), "s3://shared/base"),
+                 max_live_jobs=4, lock_timeout_s=1.0, stop_timeout_s=0.5, sync_interval_s=0.05, schedule=False)
+    stuck = threading.Event()
+    mgr = JobManager(JobStore(s.store_url), Launcher(stuck), runs_root=s.runs_root, data_roots=s.data_roots,
+                     sync_interval_s=s.sync_interval_s, stop_timeout_s=s.stop_timeout_s,
+                     resume_prefixes=s.resume_prefixes, object_stores=s.object_stores, azure_account=s.azure_account,
+                     max_live_jobs=s.max_live_jobs, lock_timeout_s=s.lock_timeout_s)
+    with live_server(create_app(jobs=mgr, settings=s)) as url:
+        server = Server(url, root, stuck)
+        yield server
+        stuck.set()
+        server.c.close()
+
+
+def spec_with(**sections) -> dict:
+    out = json.loads(json.dumps(SPEC))
+    for k, v in sections.items():
+        out[k] = {**out.get(k, {}), **v} if isinstance(v, dict) else v
+    return out
+
+
+def loc_of(r: httpx.Response) -> list:
+    return r.json()["detail"][0]["loc"]
+
+
+# -- high 1: data.val_path ----------------------------------------------------------------------------------
+
+def test_val_path_outside_the_data_roots_is_refused_before_the_disk_is_looked_at(srv):
+    msgs = []
+    for where in ("/etc", "/", "/no/such/dir", str(srv.root / "outside"), str(srv.root / "data" / "link")):
+        t0 = time.monotonic()
+        r = srv.submit(BOB, spec_with(data={"source": "corpus", "path": str(srv.root / "data" / "corpus"),
+                                            "val_path": where, "suffixes": [""]}, train={"eval_interval": 10}))
+        assert r.status_code == 422 and loc_of(r) == ["body", "spec", "data", "val_path"], r.text
+        assert time.monotonic() - t0 < 2.0  # "/" is not walked
+        msgs.append(r.json()["detail"][0]["msg"].replace(repr(where), "PATH"))
+    assert len(set(msgs)) == 1, msgs  # the same words whether it exists or not: no oracle
+    ok = srv.submit(BOB, spec_with(data={"source": "corpus", "path": str(srv.root / "data" / "corpus"),
+                                         "val_path": str(srv.root / "data" / "val")}, train={"eval_interval": 10}))
+    assert ok.status_code == 201, ok.text
+    srv.forget(BOB, ok.json()["id"])
+
+
+# -- high 2: the store's own files --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["elastron.db", "elastron.db-journal", "elastron.db-wal", "elastron.db-shm",
+                                  "elastron.db-wal/x"])
+def test_no_run_or_checkpoint_dir_may_name_the_stores_files(srv, name):
+    r = srv.submit(ALICE, run_dir=name)
+    assert r.status_code == 422 and loc_of(r) == ["body", "run_dir"] and "reserved" in r.text, r.text
+    r = srv.submit(ALICE, spec_with(checkpoint={"dir": str(srv.runs / name)}))
+    assert r.status_code == 422 and loc_of(r) == ["body", "spec", "checkpoint", "dir"], r.text
+
+
+# -- medium 3: places held after DELETE; resume prefixes read-only -------------------------------------------
+
+def test_a_deleted_jobs_checkpoints_stay_out_of_another_users_reach(srv):
+    ck = str(srv.runs / "alice-ck")
+    a = srv.submit(ALICE, spec_with(checkpoint={"dir": ck}))
+    assert a.status_code == 201, a.text
+    srv.forget(ALICE, a.json()["id"])
+    r = srv.submit(BOB, spec_with(checkpoint={"dir": ck}))
+    assert r.status_code == 409 and "another user's job" in r.text and a.json()["id"] not in r.text
+    r = srv.submit(BOB, spec_with(checkpoint={"dir": str(srv.runs / "bob-ck"), "resume_from": ck}))
+    assert r.status_code == 422 and loc_of(r) == ["body", "spec", "checkpoint", "resume_from"]
+    again = srv.submit(ALICE, spec_with(checkpoint={"resume_from": ck}))  # still hers
+    assert again.status_code == 201, again.text
+    srv.forget(ALICE, again.json()["id"])
+    assert srv.c.delete(f"{J}/{a.json()['id']}/places", headers=h(BOB)).status_code == 403  # admin only
+    freed = srv.c.delete(f"{J}/{a.json()['id']}/places", headers=h(ADMIN))
+    assert freed.status_code == 200 and freed.json()["freed"] == 2, freed.text  # run_dir and checkpoint.dir
+    r = srv.submit(BOB, spec_with(checkpoint={"dir": ck}))
+    assert r.status_code == 201, r.text
+    srv.forget(BOB, r.json()["id"])
+
+
+def test_shared_resume_prefixes_are_read_only_and_a_local_one_can_be_resumed_from(srv):
+    base = str(srv.root / "base" / "llama")
+    for where in (base, "s3://shared/base/x", "s3://shared"):
+        r = srv.submit(BOB, spec_with(checkpoint={"dir": where}))
+        assert r.status_code == 422 and "read-only" in r.text or "not inside an object store" in r.text, r.text
+    r = srv.submit(BOB, spec_with(checkpoint={"resume_from": base}))
+    assert r.status_code == 201, r.text
+    srv.forget(BOB, r.json()["id"])
+
+
+# -- medium 4: other spellings of one store -----------------------------------------------------------------
+
+@pytest.mark.parametrize("held,other", [
+    ("abfs://ckpts/bob", "abfs://ckpts@acct.dfs.core.windows.net/bob"),
+    ("abfs://ckpts/bob", "az://ckpts@acct.blob.core.windows.net/bob/x"),
+    ("hdfs://nn:8020/bob", "hdfs://nn/bob/x"),
+    ("hdfs://nn:8020/bob", "hdfs://NN:8020/bob"),
+    ("s3://ckpts/bob", "s3a://ckpts/bob/x"),
+])
+def test_another_spelling_of_a_held_place_is_the_same_place(srv, held, other):
+    a = srv.submit(BOB, spec_with(checkpoint={"dir": held}))
+    assert a.status_code == 201, a.text
+    try:
+        r = srv.submit(ALICE, spec_with(checkpoint={"dir": other}))
+        assert r.status_code == 409 and a.json()["id"] not in r.text, r.text
+    finally:
+        srv.forget(BOB, a.json()["id"])
+
+
+@pytest.mark.parametrize("where", ["FILE:///etc", "S3://ckpts/x", "hdfs:///bob", "s3://arn:aws:s3:eu-west-1:1:accesspoint/a",
+                                   "hdfs://attacker.example:8020/x", "abfs://ckpts@evil.dfs.core.windows.net/x",
+                                   "s3://someone-else/x", "gs://anything/x"])
+def test_unlisted_hosts_and_spellings_that_cannot_be_compared_are_refused(srv, where):
+    for field in ("dir", "resume_from"):
+        r = srv.submit(ALICE, spec_with(checkpoint={field: where}))
+        assert r.status_code == 422 and loc_of(r) == ["body", "spec", "checkpoint", field], r.text
+
+
+# -- medium 5: no waiting without a bound ------------------------------------------------------------------
+
+def test_deletes_of_a_stuck_job_do_not_pile_up_and_others_reads_answer(srv):
+    j = srv.submit(ALICE, spec_with(name="stuck")).json()["id"]
+    b = srv.submit(BOB).json()["id"]
+    with ThreadPoolExecutor(20) as pool:
+        futs = [pool.submit(srv.c.delete, f"{J}/{j}", headers=h(ALICE)) for _ in range(20)]
+        # each answer is checked below; 503s carry Retry-After
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        assert srv.c.get(f"{J}/{b}", headers=h(BOB)).status_code == 200
+        assert time.monotonic() - t0 < 1.0
+        answers = [f.result() for f in futs]
+        codes = sorted(r.status_code for r in answers)
+        for r in answers:
+            srv.check(r)
+    # one waited for the coordinator (which did not take the stop, so it was released); the rest at once
+    assert codes.count(503) >= 19 and set(codes) <= {200, 503}, codes
+    assert srv.c.get(f"{J}/{j}", headers=h(ALICE)).status_code == 404
+    srv.forget(BOB, b)
+
+
+def test_a_user_has_a_bounded_number_of_live_jobs(srv):
+    ids = [srv.submit(BOB).json()["id"] for _ in range(4)]
+    r = srv.submit(BOB)
+    assert r.status_code == 409 and "ELASTRON_MAX_LIVE_JOBS" in r.text
+    assert srv.submit(ALICE).status_code == 201  # another user is not held back
+    for i in ids:
+        srv.forget(BOB, i)
+
+
+# -- medium 6: typed model overrides ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,value", [("rope_theta", "x"), ("norm_eps", [1]), ("tie_embeddings", "yes"),
+                                        ("head_size", 2**62), ("head_size", 10**400), ("dim", 2**56),
+                                        ("preset", "small")])
+def test_model_overrides_are_typed(srv, name, value):
+    body = json.dumps({"spec": spec_with(model={"overrides": {name: value}})})
+    r = srv.c.post(J, content=body, headers={**h(ALICE), "content-type": "application/json"})
+    srv.check(r)
+    assert r.status_code == 422 and loc_of(r)[-1] == name, r.text
+
+
+def test_init_std_nan_is_refused(srv):
+    body = json.dumps({"spec": spec_with(model={"overrides": {"init_std": float("nan")}})})  # NaN, as JSON5 allows
+    r = srv.c.post(J, content=body, headers={**h(ALICE), "content-type": "application/json"})
+    srv.check(r)
+    assert r.status_code == 422, r.text
+
+
+# -- low 7 ------------------------------------------------------------------------------------------------
+
+def test_a_user_sees_counts_of_the_cluster_not_its_nodes(srv):
+    r = srv.c.get("/api/v1/cluster", headers=h(BOB))
+    srv.check(r)
+    assert r.status_code == 200 and r.json()["nodes"] == []
+
+
+# -- the earlier reviews' inputs ---------------------------------------------------------------------------
+
+def test_the_earlier_reviews_path_inputs_are_still_refused(srv):
+    for body, loc, why in bad_paths(srv.root):
+        r = srv.c.post(J, json={"spec": SPEC, **body}, headers=h(BOB))
+        srv.check(r)
+        assert r.status_code == 422 and loc_of(r) == ["body", *loc], (body, r.text)
+
+
+def test_the_earlier_reviews_unusable_values_get_a_4xx(srv):
+    for label, raw in bodies():
+        r = srv.c.post(J, content=raw, headers={**h(ALICE), "content-type": "application/json"})
+        srv.check(r)
+        assert 400 <= r.status_code < 500, (label, r.status_code, r.text)
+
+
+@pytest.mark.parametrize("src", ["/etc", "../../..", "http://169.254.169.254/latest/meta-data", "sftp://host/ck",
+                                 "memory://x", "https://example.com/ck", "s3://shared/base/../other",
+                                 "file:///etc/passwd", "relative/dir", "s3://someone-elses-bucket/ck"])
+def test_the_earlier_reviews_resume_from_inputs_are_refused(srv, src):
+    r = srv.submit(BOB, spec_with(checkpoint={"resume_from": src}))
+    assert r.status_code == 422 and loc_of(r) == ["body", "spec", "checkpoint", "resume_from"], r.text
+
+
+def test_no_user_reads_another_users_job(srv):
+    a = srv.submit(ALICE, spec_with(name="x1")).json()["id"]
+    rd = srv.c.get(f"{J}/{a}", headers=h(ALICE)).json()["run_dir"]
+    for path in (f"{J}/{a}", f"{J}/{a}/events", f"{J}/{a}/metrics", f"{J}/{a}/checkpoints"):
+        r = srv.c.get(path, headers=h(BOB))
+        srv.check(r)
+        assert r.status_code == 404, (path, r.text)
+    for path in (f"{J}/{a}/pause", f"{J}/{a}/stop"):
+        assert srv.c.post(path, headers=h(BOB)).status_code == 404
+    assert srv.c.delete(f"{J}/{a}", headers=h(BOB)).status_code == 404
+    assert a not in srv.c.get(J, headers=h(BOB)).text
+    r = srv.submit(BOB, spec_with(checkpoint={"resume_from": f"{rd}/checkpoints"}))
+    assert r.status_code == 422 and "alice" not in r.text
+    r = srv.submit(BOB, run_dir=Path(rd).name)  # the reply echoes what bob sent, and names no job
+    assert r.status_code == 409 and f"job {a}" not in r.text and "another user's job" in r.text
+    srv.forget(ALICE, a)
+
+
+def test_an_unexpected_error_is_a_500_that_says_nothing_internal(tmp_path, caplog):
+    from fastapi.testclient import TestClient
+
+    class Broken(JobManager):
+        def list(self, **kw):
+            raise RuntimeError(f"disk I/O error at {tmp_path}/runs/elastron.db for job of alice")
+
+    s = Settings(runs_root=tmp_path / "runs", store_url=":memory:", user_tokens={"bob": BOB}, schedule=False)
+    mgr = Broken(JobStore(":memory:"), Launcher(threading.Event()), runs_root=s.runs_root)
+    with TestClient(create_app(jobs=mgr, settings=s), raise_server_exceptions=False) as c:
+        r = c.get(J, headers=h(BOB))
+    assert r.status_code == 500 and r.headers["content-type"] == "application/json"
+    assert "disk" not in r.text and "alice" not in r.text and str(tmp_path) not in r.text
+    ref = r.json()["detail"].split("reference ")[1].split(" ")[0]
+    assert any(ref in rec.getMessage() and rec.exc_info for rec in caplog.records)  # the trace is logged
+
+
+def test_the_client_retries_a_delete_the_guard_answered_503():
+    from api.client import Client
+
+    seen = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(request.method)
+        if len(seen) < 3:
+            return httpx.Response(503, json={"detail": "busy"}, headers={"Retry-After": "0"})
+        return httpx.Response(200, json={"id": "j", "state": "STOPPED", "deleted": True, "run_dir": "/r"})
+
+    with Client("http://x", transport=httpx.MockTransport(answer)) as c:
+        assert c.delete("j")["deleted"] and seen == ["DELETE"] * 3
