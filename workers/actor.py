@@ -110,11 +110,12 @@ class Worker:
         """A standby pays its process's one-time costs while it waits (`workers.warmup`), so that once
         claimed it starts at the speed of a warm worker. A warm-up that fails is logged and leaves the
         worker usable (cold). Returns the seconds each cost took."""
+        from workers.compile_cache import job_cache_key
         from workers.config import job_device_type
         from workers.warmup import warm_up
 
         try:
-            self.warmed = warm_up(job_device_type(self.cfg), job_name=self.cfg.name)
+            self.warmed = warm_up(job_device_type(self.cfg), cache_key=job_cache_key(self.cfg.name, self.run_dir))
         except Exception:
             logger.warning("the warm-up of this standby worker failed; it stays usable, cold", exc_info=True)
         return self.warmed

@@ -3,15 +3,18 @@
 torch.compile's inductor caches (the FX graph cache, the AOT autograd cache, generated kernels; Triton's
 on GPUs) are keyed by the graph and the software, not by the process: every worker of a job on one node
 shares one node-local directory, and a rank that starts again finds the graphs its predecessor (or a
-peer of the same layout) compiled. The directory is per job (keyed by the job name) so jobs do not evict
-each other's entries, and node-local because the caches are many small files.
+peer of the same layout) compiled. The directory is per job, so jobs do not evict or read each other's
+entries: keyed by the job's name and its run directory (`job_cache_key`), which the service gives one owner,
+so two users' jobs of the same name never share a cache; node-local because the caches are many small files.
 
-    env = compile_cache_env(job_name)      # for a worker's environment, before it compiles anything
-    apply_compile_cache(job_name)          # or in the worker's own process
+    key = job_cache_key(cfg.name, run_dir)
+    env = compile_cache_env(key)           # for a worker's environment, before it compiles anything
+    apply_compile_cache(key)               # or in the worker's own process
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import sys
@@ -20,6 +23,16 @@ from pathlib import Path
 
 ROOT_ENV = "ELASTRON_COMPILE_CACHE"
 """Overrides the node-local root (default: <tmp>/elastron-compile-cache)."""
+
+
+def job_cache_key(job_name: str, run_dir: str | os.PathLike[str] | None) -> str:
+    """The cache key of a job: its name, and a digest of its run directory's absolute path where it has one
+    (the same job restarted in its run directory finds its graphs again; another job of the same name, in
+    another run directory, gets a directory of its own)."""
+    if run_dir is None:
+        return job_name
+    where = os.path.abspath(os.fspath(run_dir))
+    return f"{job_name}-{hashlib.sha256(where.encode()).hexdigest()[:16]}"
 
 
 def cache_dir(job_name: str, root: str | os.PathLike[str] | None = None) -> Path:

@@ -40,7 +40,7 @@ from parallel.parallelize import (
 from parallel.pipeline import build_schedule, sync_tied_grads, tied_group
 from parallel.planner import Plan
 from parallel.precision import select_precision
-from workers.compile_cache import apply_compile_cache
+from workers.compile_cache import apply_compile_cache, job_cache_key
 from workers.config import ConfigError, JobConfig, job_plan
 from workers.data import Batch, DataLoader, build_source, build_val_source
 from workers.lr import lr_at
@@ -143,7 +143,7 @@ class Trainer:
         if why := float8_unavailable_reason(t.float8, self.device.type, dtype=t.dtype):
             raise ConfigError(f"train.float8: {why}")
         if t.compile:
-            apply_compile_cache(cfg.name)  # graphs compiled by an earlier rank of this job are reused
+            apply_compile_cache(job_cache_key(cfg.name, self.run_dir))  # an earlier rank's graphs are reused
         clock = _Laps(self.build_times)
         self.model_cfg = cfg.model.build()
         # The disk would idle while the model is built (in a fresh process: mostly imports): read the

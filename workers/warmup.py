@@ -6,11 +6,11 @@ DTensor, FSDP2 and pipelining ops, the CUDA context, and on GPUs the lazy loadin
 first launch. `warm_up` pays all of them in the current process by running one real training step of a
 tiny model through the production path (the `Trainer`, on a private single-rank process group that it
 tears down after), so a standby worker that is later given a rank starts at the speed of a warm one. With
-`job_name` it also points torch.compile's caches at the job's node-local directory
+`cache_key` (`workers.compile_cache.job_cache_key`) it also points torch.compile's caches at the job's node-local directory
 (`workers.compile_cache`), so a compiled job's workers reuse each other's graphs.
 
     from workers.warmup import warm_up
-    timings = warm_up("cpu", job_name=cfg.name)   # what `Worker.warm_up` runs in each new standby
+    timings = warm_up("cpu", cache_key=job_cache_key(cfg.name, run_dir))   # what `Worker.warm_up` runs
 """
 
 from __future__ import annotations
@@ -25,15 +25,15 @@ from workers.compile_cache import apply_compile_cache
 PHASES = ("import", "cuda_context", "first_step")
 
 
-def warm_up(device: str | torch.device = "auto", *, job_name: str | None = None) -> dict[str, float]:
+def warm_up(device: str | torch.device = "auto", *, cache_key: str | None = None) -> dict[str, float]:
     """Pay the process's one-time costs now; returns the seconds each of `PHASES` took. Refuses to run
     inside a process group (a worker that already has a rank is warm by definition)."""
     if dist.is_initialized():
         raise RuntimeError("warm_up runs before the worker joins a process group, not after")
     out: dict[str, float] = {}
     t = time.perf_counter()
-    if job_name is not None:
-        apply_compile_cache(job_name)
+    if cache_key is not None:
+        apply_compile_cache(cache_key)
     import torch._dynamo  # noqa: F401
     import torch.distributed.fsdp  # noqa: F401
     import torch.distributed.pipelining  # noqa: F401

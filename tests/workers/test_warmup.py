@@ -6,7 +6,7 @@ import os
 
 import torch.distributed as dist
 
-from workers.compile_cache import apply_compile_cache, cache_dir, compile_cache_env
+from workers.compile_cache import apply_compile_cache, cache_dir, compile_cache_env, job_cache_key
 from workers.warmup import PHASES, warm_up
 
 
@@ -14,7 +14,7 @@ def test_warm_up_runs_a_step_and_leaves_no_process_group(tmp_path, monkeypatch):
     for k in compile_cache_env("j"):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("ELASTRON_COMPILE_CACHE", str(tmp_path))
-    timings = warm_up("cpu", job_name="job one")
+    timings = warm_up("cpu", cache_key="job one")
     assert set(timings) == set(PHASES) and timings["first_step"] > 0
     assert not dist.is_initialized()  # the worker can join its real group next
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "job_one" / "inductor")
@@ -33,3 +33,13 @@ def test_the_cache_is_per_job_and_node_local_and_an_operators_choice_wins(tmp_pa
     got = apply_compile_cache("run-1", root=tmp_path)
     assert got["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
     assert got["TRITON_CACHE_DIR"] == str(tmp_path / "run-1" / "triton")
+
+
+def test_two_jobs_of_one_name_in_other_run_directories_get_caches_of_their_own(tmp_path, monkeypatch):
+    """Two users may name their jobs alike; their run directories differ (the service gives each one owner),
+    and so do their caches. The same run directory, however spelt, is the same cache."""
+    monkeypatch.chdir(tmp_path)
+    alice, bob = job_cache_key("train", tmp_path / "alice" / "run"), job_cache_key("train", tmp_path / "bob" / "run")
+    assert alice != bob and cache_dir(alice) != cache_dir(bob)
+    assert alice.startswith("train-") and job_cache_key("train", "alice/run") == alice
+    assert job_cache_key("train", None) == "train"
