@@ -109,32 +109,40 @@ def plan_rank(old: BoxMap, new: BoxMap, *, old_rank: int | None, new_rank: int |
     live = (lambda hs: hs) if alive is None else (lambda hs: [h for h in hs if h in alive])
     out: list[Transfer] = []
     if new_rank is not None:
+        done: dict[str, list[tuple[int, Box]]] = {}  # parameter -> (source, piece): its moments get the same
         for key, need in new.held(new_rank).items():
-            covered = 0
-            for tile in old.tiles(key, need):
-                ranks = live(old.holders(key, tile))
-                piece = need.intersect(tile.box)
-                if piece is None or not ranks:
-                    continue
-                covered += piece.numel
-                src = choose(ranks, new_rank, tile.box, same_worker, old_node, new_node)
-                out.append(Transfer(key=key, src=src, dst=new_rank, box=piece))
-            if covered != need.numel:
-                raise ValueError(f"{key}: new rank {new_rank} needs {need.numel} elements of {need}, the live "
-                                 f"old ranks hold {covered} of them")
+            got = done.get(new.param(key))
+            if got is None:
+                got = done[new.param(key)] = []
+                covered = 0
+                for tile in old.tiles(key, need):
+                    ranks = live(old.holders(key, tile))
+                    piece = need.intersect(tile.box)
+                    if piece is None or not ranks:
+                        continue
+                    covered += piece.numel
+                    got.append((choose(ranks, new_rank, tile.box, same_worker, old_node, new_node), piece))
+                if covered != need.numel:
+                    raise ValueError(f"{key}: new rank {new_rank} needs {need.numel} elements of {need}, the "
+                                     f"live old ranks hold {covered} of them")
+            out += [Transfer(key=key, src=src, dst=new_rank, box=piece) for src, piece in got]
     if old_rank is not None and (alive is None or old_rank in alive):
+        sent: dict[str, list[tuple[int, Box]]] = {}  # parameter -> (receiver, piece)
         for key in old.held(old_rank):
             if key not in new:
                 continue
-            mine = old.tile_of(old_rank, key)
-            ranks = live(old.holders(key, mine))
-            for tile in new.tiles(key, mine.box):
-                piece = mine.box.intersect(tile.box)
-                if piece is None:
-                    continue
-                for dst in new.holders(key, tile):
-                    if dst != new_rank and choose(ranks, dst, mine.box, same_worker, old_node, new_node) == old_rank:
-                        out.append(Transfer(key=key, src=old_rank, dst=dst, box=piece))
+            give = sent.get(old.param(key))
+            if give is None:
+                give = sent[old.param(key)] = []
+                mine = old.tile_of(old_rank, key)
+                ranks = live(old.holders(key, mine))
+                for tile in new.tiles(key, mine.box):
+                    piece = mine.box.intersect(tile.box)
+                    if piece is None:
+                        continue
+                    give += [(dst, piece) for dst in new.holders(key, tile) if dst != new_rank and
+                             choose(ranks, dst, mine.box, same_worker, old_node, new_node) == old_rank]
+            out += [Transfer(key=key, src=old_rank, dst=dst, box=piece) for dst, piece in give]
     out.sort(key=plan_order)
     return out
 

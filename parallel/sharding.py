@@ -136,6 +136,7 @@ class Tile:
 
 @dataclass(frozen=True, slots=True)
 class _Param:
+    name: str
     shape: tuple[int, ...]
     stages: tuple[int, ...]
     tp_dim: int | None
@@ -168,7 +169,7 @@ class BoxMap:
             if tied and name == "tok_embeddings.weight":
                 stages.add(layout.pp - 1)
             d = tp_shard_dim(name)
-            par = _Param(tuple(shape), tuple(sorted(stages)), d if layout.tp > 1 else None)
+            par = _Param(name, tuple(shape), tuple(sorted(stages)), d if layout.tp > 1 else None)
             for key in (f"model.{name}", *(f"optim.{st}.{name}" for st in optimizer_states)):
                 self._params[key] = par
                 for s in par.stages:
@@ -177,13 +178,23 @@ class BoxMap:
     def __contains__(self, key: str) -> bool:
         return key in self._params
 
+    def param(self, key: str) -> str:
+        """The parameter `key` belongs to: keys of one parameter (its moments) have the same boxes."""
+        return self._params[key].name
+
+    def _coords(self, rank: int) -> tuple[int, int, int]:
+        """(pp, dp_shard, tp) coordinates of `rank` (as `Layout.coords`, without the dict)."""
+        lay = self.layout
+        if not 0 <= rank < lay.world_size:
+            raise ValueError(f"rank {rank} is outside world_size {lay.world_size} of layout {lay}")
+        return rank // (lay.tp * lay.dp_shard * lay.dp_replicate), rank // lay.tp % lay.dp_shard, rank % lay.tp
+
     def held(self, rank: int) -> dict[str, Box]:
         """Checkpoint key -> the box `rank` holds (keys it holds nothing of are left out)."""
-        c = self.layout.coords(rank)
-        t, s = c[MeshAxis.TP], c[MeshAxis.DP_SHARD]
+        p, s, t = self._coords(rank)
         out: dict[str, Box] = {}
         cache: dict[int, Box | None] = {}
-        for key, par in self._keys[c[MeshAxis.PP]]:
+        for key, par in self._keys[p]:
             b = cache.get(id(par), ...)
             if b is ...:
                 b = cache[id(par)] = self._box(par, t, s)
@@ -193,11 +204,10 @@ class BoxMap:
 
     def tile_of(self, rank: int, key: str) -> Tile | None:
         """The tile `rank` holds of `key`, None if it holds none of it."""
-        c = self.layout.coords(rank)
+        p, s, t = self._coords(rank)
         par = self._params[key]
-        if c[MeshAxis.PP] not in par.stages:
+        if p not in par.stages:
             return None
-        t, s = c[MeshAxis.TP], c[MeshAxis.DP_SHARD]
         b = self._box(par, t, s)
         return None if b is None else Tile(b, t if par.tp_dim is not None else None, s)
 
@@ -209,7 +219,7 @@ class BoxMap:
         if lay.dp_shard > 1 and shape:
             start, sizes[0] = chunk(sizes[0], lay.dp_shard, s)
             offsets[0] += start
-        if any(n == 0 for n in sizes):
+        if 0 in sizes:
             return None
         return Box(tuple(offsets), tuple(sizes))
 
