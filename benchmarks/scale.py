@@ -166,7 +166,7 @@ def cmd_manifest(a) -> dict:
     digest = "0" * 32  # xxh3-128 hex, the default algorithm's length
     block_bytes = 1 << 20
     tensors: dict[str, list] = defaultdict(list)
-    files: dict[str, FileEntry] = {}
+    file_bytes: Counter = Counter()
     writers: dict = {}
     per_rank_chunks: Counter = Counter()
     for r in range(lay.world_size):  # each distinct box written once, by its first holder
@@ -177,17 +177,29 @@ def cmd_manifest(a) -> dict:
             row = math.prod(b.sizes[1:]) * ITEMSIZE
             rows = max(1, min(block_bytes, max(64 << 10, row * b.sizes[0] // 16)) // max(row, 1))
             name = f"shard-r{r:05d}-00.safetensors"
-            files.setdefault(name, FileEntry(size=1, digest=digest, algorithm="xxh3", blockwise=True))
+            file_bytes[name] += b.numel * ITEMSIZE
             tensors[key].append(Chunk(file=name, offsets=b.offsets, sizes=b.sizes, block_rows=rows,
                                       digests=(digest,) * -(-b.sizes[0] // rows)))
             per_rank_chunks[r] += 1
+    files = {n: FileEntry(size=size, digest=digest, algorithm="xxh3-128", blockwise=True)
+             for n, size in file_bytes.items()}
     m = Manifest(step=1, files=files, state={"layout": lay.to_dict()}, tensors={
         k: TensorEntry(shape=shapes[k.split(".", 1)[1] if k.startswith("model.") else k.split(".", 2)[2]],
                        dtype="float32", chunks=tuple(cs)) for k, cs in tensors.items()})
-    total = len(m.to_json().encode())
+    text = m.to_json().encode()
+    total = len(text)
     own = {k: b for k, b in bm.held(0).items()}
     chunks_total = sum(len(c) for c in tensors.values())
-    return {"model": a.model, "layout": str(lay), "ranks": lay.world_size, "chunks": chunks_total,
+    load = {}
+    if a.load:  # what every rank does with it on load: parse, then check its structure
+        t = time.perf_counter()
+        parsed = Manifest.from_json(text)
+        load["parse_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        problems = parsed.structure_problems()
+        load["structure_check_s"] = time.perf_counter() - t
+        load["problems"] = len(problems)
+    return {**load, "model": a.model, "layout": str(lay), "ranks": lay.world_size, "chunks": chunks_total,
             "manifest_bytes": total, "bytes_per_chunk": total / chunks_total,
             "rank0_boxes": len(own), "rank0_share_bytes": round(total * len(own) / chunks_total)}
 
@@ -283,6 +295,7 @@ def main() -> None:
     m = sub.add_parser("manifest")
     m.add_argument("--model", default="8b", choices=["8b", "70b", "1b", "small", "tiny"])
     m.add_argument("--layout", required=True)
+    m.add_argument("--load", action="store_true", help="also time parsing and checking it, as a load does")
     c = sub.add_parser("coordinator")
     c.add_argument("--workers", type=int, default=1024)
     c.add_argument("--dp-mode", default="shard", choices=["shard", "replicate", "auto"])
