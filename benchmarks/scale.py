@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 from models.config import ModelConfig, model_config  # noqa: E402
 from parallel.exchange import plan_rank  # noqa: E402
 from parallel.layout import Layout  # noqa: E402
-from parallel.sharding import BoxMap, boxes  # noqa: E402
+from parallel.sharding import BoxMap  # noqa: E402
 
 STATES = ("exp_avg", "exp_avg_sq")
 ITEMSIZE = 4
