@@ -39,16 +39,13 @@ class Transfer:
 
 
 def plan_exchange(old: dict[int, dict[str, Box]], new: dict[int, dict[str, Box]], *,
-                  itemsize: dict[str, int] | None = None,
                   same_worker: dict[int, int] | None = None,
                   old_node: dict[int, str] | None = None,
                   new_node: dict[int, str] | None = None) -> list[Transfer]:
     """Transfers that build every new rank's boxes from the old ranks' boxes, in `plan_order`.
 
     `same_worker`: new rank -> old rank of the same process (survivors). `old_node`/`new_node`: rank ->
-    node id. `itemsize` is accepted for callers of the byte-balanced rule this replaced and not used.
-    Raises ValueError if some needed element is held by no old rank."""
-    del itemsize
+    node id. Raises ValueError if some needed element is held by no old rank."""
     same_worker = same_worker or {}
     old_node, new_node = old_node or {}, new_node or {}
     holders: dict[str, dict[Box, list[int]]] = defaultdict(lambda: defaultdict(list))
