@@ -16,7 +16,9 @@ plan: the live reshard's planning as one worker does it (`workers.reshard.exchan
   (its `sharding.boxes` of both layouts and `exchange.plan_exchange`, which every worker used to run).
 manifest: the bytes of the checkpoint manifest (format 2, one chunk per distinct box with its block
   digests, as `CheckpointManager` writes it) that every rank reads on load, against the metadata of one
-  rank's own boxes; built in memory, nothing written.
+  rank's own boxes; built in memory, nothing written. `--load` also times what every rank does with
+  metadata: on save, `state.assign_writers` over every rank's boxes (all-gathered to every rank); on
+  load, parsing the manifest and checking its structure.
 coordinator: the fake pool of tests/fakes.py with `--workers` workers (8 per node) running an `8b` job;
   a preemption notice on one node; the coordinator's time from the `step()` that sees the notice to
   the start of the live transfer (`Group.reshard`), and its whole step.
@@ -191,6 +193,16 @@ def cmd_manifest(a) -> dict:
     own = {k: b for k, b in bm.held(0).items()}
     chunks_total = sum(len(c) for c in tensors.values())
     load = {}
+    if a.load:  # what every rank does on save today: choose writers from every rank's gathered boxes
+        from parallel.checkpoint.state import assign_writers
+
+        plans = [[(k, b.offsets, b.sizes, b.numel * ITEMSIZE) for k, b in bm.held(r).items()]
+                 for r in range(lay.world_size)]
+        t = time.perf_counter()
+        assign_writers(plans)
+        load["save_assign_writers_s"] = time.perf_counter() - t
+        load["save_gathered_records"] = sum(len(p) for p in plans)
+        del plans
     if a.load:  # what every rank does with it on load: parse, then check its structure
         t = time.perf_counter()
         parsed = Manifest.from_json(text)
