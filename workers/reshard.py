@@ -7,8 +7,9 @@ exchange it takes part in (see `parallel/live.py` for the protocol).
     ... the transfer group is destroyed; the new training group is formed, the new trainer built ...
     new_trainer.adopt(received.pieces, received.optimizer_steps, received.state)
 
-Every worker computes the same exchange plan from the two layouts and the model's shapes, so nothing
-but tensors and one JSON state document travels.
+Every worker computes its own part of the exchange plan (`parallel.exchange.plan_rank`: what it sends
+and receives) from the two layouts and the model's shapes, so nothing but tensors and one JSON state
+document travels, and the planning a worker does grows with its share of the state, not with the world.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ import torch.distributed as dist
 
 from models.config import ModelConfig
 from models.llama import build_model
-from parallel.exchange import plan_exchange
+from parallel.exchange import plan_rank
 from parallel.layout import Layout
 from parallel.live import Held, hold, transfer
-from parallel.sharding import boxes
+from parallel.sharding import BoxMap
 
 
 @dataclass(slots=True)
@@ -106,14 +107,14 @@ def exchange(handover: Handover | None, *, model: ModelConfig, old: Layout, new:
     clock.lap("agree")
     states = ("exp_avg", "exp_avg_sq") if steps else ()  # no AdamW state before the first step
     tied = model.tie_embeddings
-    old_b = {r: b for r, b in boxes(old, shapes, model.n_layers, states, tied=tied).items() if r in old_to_group}  # survivors
-    new_b = boxes(new, shapes, model.n_layers, states, tied=tied)
     group_to_old = {g: r for r, g in old_to_group.items()}
     same_worker = {n: group_to_old[g] for n, g in new_to_group.items() if g in group_to_old}
     nodes = nodes or {}
-    plan = plan_exchange(old_b, new_b, same_worker=same_worker,
-                         old_node={r: nodes[g] for r, g in old_to_group.items() if g in nodes},
-                         new_node={r: nodes[g] for r, g in new_to_group.items() if g in nodes})
+    plan = plan_rank(BoxMap(old, shapes, model.n_layers, states, tied=tied),
+                     BoxMap(new, shapes, model.n_layers, states, tied=tied),
+                     old_rank=old_rank, new_rank=new_rank, alive=set(old_to_group), same_worker=same_worker,
+                     old_node={r: nodes[g] for r, g in old_to_group.items() if g in nodes},
+                     new_node={r: nodes[g] for r, g in new_to_group.items() if g in nodes})
     clock.lap("plan")
     box = [handover.state if handover and handover.state is not None else None]
     dist.broadcast_object_list(box, src=old_to_group[min(old_to_group)])  # the lowest old rank still here

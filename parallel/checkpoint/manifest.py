@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+from bisect import bisect_left
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,6 +87,22 @@ class TensorEntry:
     dtype: str
     """torch dtype name without the prefix, e.g. "float32"."""
     chunks: tuple[Chunk, ...]
+    _by_row: Any = field(default=None, compare=False, repr=False)
+    """(chunks sorted by first row, their first rows, the most rows of one), built on first use."""
+
+    def meeting(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> list[Chunk]:
+        """The chunks that meet the box [offsets, offsets + sizes), found by bisection on their first rows:
+        a rank's read plan costs its own boxes' overlaps, not a scan of every rank's chunks."""
+        if not self.shape:
+            return list(self.chunks)
+        if self._by_row is None:
+            ordered = sorted(self.chunks, key=lambda c: c.offsets)
+            object.__setattr__(self, "_by_row", (ordered, [c.offsets[0] for c in ordered],
+                                                 max((c.sizes[0] for c in ordered), default=0)))
+        ordered, starts, most = self._by_row
+        lo, hi = offsets[0], offsets[0] + sizes[0]
+        return [c for c in ordered[bisect_left(starts, lo - most + 1):bisect_left(starts, hi)]
+                if all(a < b + m and b < a + n for a, n, b, m in zip(offsets, sizes, c.offsets, c.sizes))]
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,14 +245,12 @@ class Manifest:
                     problems.append(f"tensor {key}: chunk offsets {list(c.offsets)} sizes {list(c.sizes)} "
                                     f"do not fit shape {list(t.shape)}")
                     continue
-                for o2, s2 in boxes:
-                    if all(a < b + m and b < a + n for a, n, b, m in zip(c.offsets, c.sizes, o2, s2)):
-                        problems.append(f"tensor {key}: chunks at {list(c.offsets)} and {list(o2)} overlap")
                 boxes.append((c.offsets, c.sizes))
                 covered += math.prod(c.sizes)
                 if c.file in in_file:
                     in_file[c.file] += math.prod(c.sizes) * ITEMSIZE[t.dtype]
                 problems += _block_problems(key, c, self.files.get(c.file))
+            problems += [f"tensor {key}: chunks at {list(a)} and {list(b)} overlap" for a, b in _overlapping(boxes)]
             if covered != math.prod(t.shape):
                 problems.append(f"tensor {key}: chunks cover {covered} of {math.prod(t.shape)} elements")
         for name, nbytes in sorted(in_file.items()):
@@ -263,6 +278,23 @@ class Manifest:
             others.append(f"checkpoint has {len(extra)} parameter(s) the model does not, e.g. {extra[0]} "
                           "(different model shape)")
         return shapes + others
+
+
+def _overlapping(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The offsets of every pair of boxes (offsets, sizes) that overlap. A sweep along dim 0 compares a
+    box only with those whose rows it shares, so a tensor's chunks (a grid: rows of FSDP shards, columns
+    of TP shards) cost about (chunks x columns), not chunks squared."""
+    out: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    if boxes and not boxes[0][0]:  # 0-d: any second chunk overlaps the first
+        return [(o, boxes[0][0]) for o, _ in boxes[1:]]
+    active: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []  # (row end, offsets, sizes)
+    for o, n in sorted(boxes):
+        active = [x for x in active if x[0] > o[0]]
+        for _, o2, n2 in active:
+            if all(a < b + m and b < a + k for a, k, b, m in zip(o, n, o2, n2)):
+                out.append((o, o2))
+        active.append((o[0] + n[0], o, n))
+    return out
 
 
 def _chunk_dict(c: Chunk) -> dict[str, Any]:

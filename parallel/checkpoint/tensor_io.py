@@ -355,7 +355,7 @@ def read_into(storage: Storage, ckpt: str, manifest: Manifest, targets: dict[str
         if tuple(entry.shape) and len(entry.shape) != target.local.dim():
             raise CheckpointError(f"{ckpt}: tensor {key} has {len(entry.shape)} dims, the target {target.local.dim()}")
         dtype = torch_dtype(entry.dtype)
-        for c in entry.chunks:
+        for c in entry.meeting(tuple(target.offsets), tuple(target.local.shape)):
             copies = _overlaps(c, target)
             if copies:
                 by_file[c.file].append(_ChunkRead(key, c, dtype, copies, (file_keys or {}).get(key, "")))

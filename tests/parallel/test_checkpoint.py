@@ -131,6 +131,36 @@ def test_structure_problems_find_holes_overlaps_and_unlisted_files():
     assert "file a: its chunks need 28 bytes but the file has 1" in text  # (2 + 3 + 2) float32 elements
 
 
+def _random_chunks(rng, n):
+    """n random 2-d boxes inside a 12 x 9 tensor, some overlapping, some not."""
+    out = []
+    for _ in range(n):
+        r0, c0 = rng.randrange(12), rng.randrange(9)
+        out.append(Chunk("a", (r0, c0), (rng.randint(1, 12 - r0), rng.randint(1, 9 - c0))))
+    return out
+
+
+def _meet(a, b) -> bool:
+    return all(x < y + m and y < x + n for x, n, y, m in zip(a.offsets, a.sizes, b.offsets, b.sizes))
+
+
+def test_overlaps_and_chunks_meeting_a_box_agree_with_a_full_scan():
+    """The sweep of `structure_problems` finds exactly the overlapping pairs a check of every pair finds,
+    and `TensorEntry.meeting` exactly the chunks a scan of every chunk finds."""
+    import random
+
+    rng = random.Random(41)
+    for _ in range(300):
+        chunks = _random_chunks(rng, rng.randint(1, 8))
+        pairs = sum(_meet(a, b) for i, a in enumerate(chunks) for b in chunks[i + 1:])
+        m = Manifest(step=1, files={"a": FileEntry(10**6, "x")},
+                     tensors={"t": TensorEntry(shape=(12, 9), dtype="float32", chunks=tuple(chunks))})
+        assert sum("overlap" in p for p in m.structure_problems()) == pairs
+        box = _random_chunks(rng, 1)[0]
+        want = sorted((c.offsets, c.sizes) for c in chunks if _meet(c, box))
+        assert sorted((c.offsets, c.sizes) for c in m.tensors["t"].meeting(box.offsets, box.sizes)) == want
+
+
 # -- save / load ---------------------------------------------------------------------------------------
 
 def test_round_trip_is_exact_and_self_describing(run):

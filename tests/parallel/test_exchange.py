@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import itertools
+import random
 import time
+from collections import Counter
 
 import pytest
 
-from parallel.exchange import Transfer, check_plan, plan_exchange, survivors_hold_everything
+from parallel.exchange import Transfer, check_plan, plan_exchange, plan_order, plan_rank, survivors_hold_everything
 from parallel.layout import Layout
-from parallel.sharding import Box, boxes, chunk, param_box, stage_of, tp_shard_dim
+from parallel.sharding import Box, BoxMap, boxes, chunk, overlapping, param_box, stage_of, tp_shard_dim
 
 N_LAYERS = 8
 # Odd sizes, so TP and FSDP splits are uneven (and some ranks get nothing of the small ones). One
@@ -120,3 +122,96 @@ def test_survivors_hold_everything_exactly_when_a_plan_from_them_exists():
             assert survivors_hold_everything(lay, alive) == planned, (lay, alive)
     assert survivors_hold_everything(Layout(dp_replicate=2), [1])
     assert not survivors_hold_everything(Layout(dp_shard=2), [1])
+
+
+def test_box_map_matches_param_box_rank_by_rank():
+    """`boxes` (now spelled out from `BoxMap`) gives what `param_box` gives, tied or not, every layout."""
+    for lay in layouts():
+        for tied in (False, True):
+            got = boxes(lay, SHAPES, N_LAYERS, ("exp_avg",), tied=tied)
+            for r in range(lay.world_size):
+                want = {}
+                for n, shape in SHAPES.items():
+                    b = param_box(n, shape, lay, r, N_LAYERS, tied=tied)
+                    if b is not None:
+                        want[f"model.{n}"] = want[f"optim.exp_avg.{n}"] = b
+                assert got[r] == want, (lay, r)
+
+
+def test_overlapping_finds_the_chunks_that_meet_a_range():
+    # 11 in 4 parts: [0,3) [3,6) [6,9) [9,11)
+    assert list(overlapping(11, 4, 0, 11)) == [0, 1, 2, 3]
+    assert list(overlapping(11, 4, 2, 4)) == [0, 1] and list(overlapping(11, 4, 3, 6)) == [1]
+    assert list(overlapping(11, 4, 9, 11)) == [3] and list(overlapping(11, 4, 5, 5)) == []
+    assert list(overlapping(2, 4, 0, 2)) == [0, 1]  # chunks of 1; parts 2 and 3 are empty and never listed
+
+
+def _per_rank(old_l: Layout, new_l: Layout, shapes, *, alive=None, same_worker=None, old_node=None, new_node=None):
+    """Every worker's `plan_rank` (worker w is old rank w and new rank w where those exist), as the
+    transfers the receivers list and the transfers the senders list."""
+    om, nm = BoxMap(old_l, shapes, N_LAYERS, ("exp_avg",)), BoxMap(new_l, shapes, N_LAYERS, ("exp_avg",))
+    recv: list[Transfer] = []
+    send: list[Transfer] = []
+    for w in range(max(old_l.world_size, new_l.world_size)):
+        o = w if w < old_l.world_size else None
+        n = w if w < new_l.world_size else None
+        if o is not None and alive is not None and o not in alive:
+            o = None  # a dead worker plans nothing
+        mine = plan_rank(om, nm, old_rank=o, new_rank=n, alive=alive, same_worker=same_worker,
+                         old_node=old_node, new_node=new_node)
+        assert mine == sorted(mine, key=plan_order)
+        assert all(t.src == o or t.dst == n for t in mine)
+        recv += [t for t in mine if t.dst == n]
+        send += [t for t in mine if t.src == o]
+    return recv, send
+
+
+def test_per_rank_plans_are_the_whole_plan_for_layout_pairs_up_to_8_ranks():
+    """The union of the per-rank plans is exactly `plan_exchange`'s plan (same sources), seen from the
+    receivers and from the senders: every pair of layouts of up to 3 ranks, and a sample up to 8."""
+    small = [lay for lay in layouts() if lay.world_size <= 3]
+    pairs = list(itertools.product(small, repeat=2))
+    pairs += random.Random(43).sample(list(itertools.product(layouts(), repeat=2)), 150)
+    for old_l, new_l in pairs:
+        old, new = boxes(old_l, SHAPES, N_LAYERS, ("exp_avg",)), boxes(new_l, SHAPES, N_LAYERS, ("exp_avg",))
+        survivors = {r: r for r in range(min(old_l.world_size, new_l.world_size))}
+        whole = plan_exchange(old, new, same_worker=survivors)
+        recv, send = _per_rank(old_l, new_l, SHAPES, same_worker=survivors)
+        assert sorted(recv, key=plan_order) == whole == sorted(send, key=plan_order), (old_l, new_l)
+
+
+def test_per_rank_plans_of_up_to_64_ranks_are_consistent():
+    """Random layout pairs of up to 64 ranks, with nodes of 8 ranks, survivors keeping their rank and
+    some old ranks gone (where the rest still hold everything): every send is some receiver's receive
+    and the reverse, and the union covers every new box exactly once from live holders."""
+    rng = random.Random(4343)
+    shapes = {k: tuple(d * 3 for d in v) for k, v in SHAPES.items()}
+    big = [Layout(dp_replicate=r, dp_shard=s, tp=t, pp=p) for r in (1, 2, 3) for s in (1, 2, 3, 5, 7, 8)
+           for t in (1, 2, 4, 8) for p in (1, 2, 4) if 16 <= r * s * t * p <= 64]
+    checked = 0
+    while checked < 16:
+        old_l, new_l = rng.choice(big), rng.choice(big)
+        alive = set(range(old_l.world_size))
+        for r in rng.sample(sorted(alive), k=rng.randint(0, 3)):
+            if survivors_hold_everything(old_l, alive - {r}):
+                alive.discard(r)
+        node = {r: f"n{r // 8}" for r in range(max(old_l.world_size, new_l.world_size))}
+        survivors = {r: r for r in range(new_l.world_size) if r in alive}
+        recv, send = _per_rank(old_l, new_l, shapes, alive=alive, same_worker=survivors, old_node=node,
+                               new_node=node)
+        assert Counter(recv) == Counter(send), (old_l, new_l)
+        old = {r: b for r, b in boxes(old_l, shapes, N_LAYERS, ("exp_avg",)).items() if r in alive}
+        new = boxes(new_l, shapes, N_LAYERS, ("exp_avg",))
+        problems = check_plan(recv, old, new)
+        assert not problems, (old_l, new_l, sorted(set(range(old_l.world_size)) - alive), problems[:3])
+        for t in recv:  # a survivor copies locally what it holds; else a holder on its node if one has it
+            if t.dst in survivors and t.key in old[t.dst] and old[t.dst][t.key].contains(t.box):
+                assert t.src == t.dst
+        checked += 1
+
+
+def test_per_rank_plan_says_when_no_live_rank_holds_a_piece():
+    lay = Layout(dp_shard=2)
+    m = BoxMap(lay, {"w": (8, 4)}, 1, ())
+    with pytest.raises(ValueError, match="live old ranks hold 16"):
+        plan_rank(m, BoxMap(Layout(), {"w": (8, 4)}, 1, ()), old_rank=None, new_rank=0, alive={0})
