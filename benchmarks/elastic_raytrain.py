@@ -233,8 +233,12 @@ def kill_controllers() -> None:
     import ray
     from ray.util.state import list_actors
 
-    job_id = ray.get_runtime_context().get_job_id()
-    for a in list_actors(filters=[("class_name", "=", "TrainController"), ("state", "=", "ALIVE")]):
+    ctx = ray.get_runtime_context()
+    job_id = ctx.get_job_id()
+    # This driver's cluster by its GCS address: with no address the state API picks the newest cluster
+    # on the machine, which on a shared box may be someone else's.
+    for a in list_actors(address=ctx.gcs_address,
+                         filters=[("class_name", "=", "TrainController"), ("state", "=", "ALIVE")]):
         if a.job_id == job_id:
             log.warning("killing hung TrainController %s", a.actor_id)
             ray._private.worker.global_worker.core_worker.kill_actor(ray.ActorID.from_hex(a.actor_id), True)

@@ -46,7 +46,7 @@ Figures per system, over the replay window:
   less one interval, charged to the last replay event before the gap ended (join, removal with notice,
   removal without notice);
 - Elastron's per-step losses against an uninterrupted single-process run of the same job (`elastron
-  train --nproc 1`), fp32, 1e-4 relative.
+  train --nproc 1`), fp32, 1e-4 relative (`--check-losses RUN_DIR` redoes this for a kept run).
 A PNG beside the JSON plots the available nodes, each system's workers in use and cumulative samples.
 Timings on the shared 2-core box include whatever else ran on it (the JSON keeps the 1-minute load).
 """
@@ -548,10 +548,20 @@ def reference_losses(cfg: dict, workdir: Path, steps: int) -> list[float]:
     path = workdir / "reference.yaml"
     path.write_text(yaml.safe_dump(ref))
     out = workdir / "reference"
+    # one thread, as each Ray worker has: torch's default (every core) spins against the box's other load
     subprocess.run([sys.executable, "-m", "api.cli", "train", str(path), "--nproc", "1", "--steps", str(steps),
-                    "--run-dir", str(out)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+                    "--run-dir", str(out)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"})
     rows = {r["step"]: r["loss"] for r in _metric_rows(out)}
     return [rows[s] for s in range(1, steps + 1)]
+
+
+def check_losses(run_dir: Path, cfg: dict) -> dict:
+    """Elastron's replay losses (RUN_DIR/metrics.jsonl) against the uninterrupted single-process run."""
+    rows = _metric_rows(run_dir)
+    steps = max(r["step"] for r in rows)
+    ref = reference_losses(cfg, Path(tempfile.mkdtemp(prefix="spot-trace-ref-")), steps)
+    return {**loss_agreement(rows, ref), "reference": "uninterrupted single-process run (elastron train --nproc 1)"}
 
 
 # -- output --------------------------------------------------------------------------------------------
@@ -628,12 +638,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ckpt-every", type=int, default=20, help="checkpoint interval (steps), every system")
     ap.add_argument("--settle", type=float, default=None, help="Elastron's settle_seconds (default: its own)")
     ap.add_argument("--monitor-interval", type=float, default=5.0, help="Ray Train's elastic monitor interval")
-    ap.add_argument("--calibrate-steps", type=int, default=15)
+    ap.add_argument("--calibrate-steps", type=int, default=40)
     ap.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     ap.add_argument("--no-reference", action="store_true", help="skip the uninterrupted run for the loss check")
     ap.add_argument("--json", type=Path, help="write the results here (and the plot beside it, .png)")
     ap.add_argument("--dry-run", action="store_true", help="print the schedule and exit")
+    ap.add_argument("--check-losses", type=Path, metavar="RUN_DIR",
+                    help="only compare an earlier replay's Elastron losses (its run dir, kept in the JSON's "
+                         "extra.run_dir) with an uninterrupted run; stored into --json")
+    ap.add_argument("--replot", action="store_true", help="only redraw --json's PNG from the JSON")
     args = ap.parse_args(argv)
+    if args.replot:
+        res = json.loads(args.json.read_text())
+        done = {n: r for n, r in res["systems"].items() if "series" in r}
+        sched = Schedule(k=res["k"], k0=res["k0"], actions=(), availability=tuple(map(tuple, res["availability"])),
+                         duration_s=res["replay_s"], notice_s=res["notice_s"], dropped=res["dropped"],
+                         trace_events=res["trace_events"])
+        plot(args.json.with_suffix(".png"), sched, done)
+        print(table({"systems": done}))
+        return 0
+    if args.check_losses:
+        res = json.loads(args.json.read_text())
+        out = check_losses(args.check_losses, job_config(k=res["k"], ckpt_every=res["ckpt_every"]))
+        res["systems"]["elastron"]["losses"] = out
+        args.json.write_text(json.dumps(res, indent=1, default=str) + "\n")
+        print(json.dumps(out))
+        return 0
 
     events = load_trace(args.trace)
     window_s = args.window_min * 60
@@ -697,8 +727,7 @@ def main(argv: list[str] | None = None) -> int:
         cluster.shutdown()
     el = runs.get("elastron")
     if el is not None and not args.no_reference:
-        step_end = max(r["step"] for r in el.rows)
-        results["systems"]["elastron"]["losses"] = loss_agreement(el.rows, reference_losses(cfg, work, step_end))
+        results["systems"]["elastron"]["losses"] = check_losses(Path(el.extra["run_dir"]), cfg)
         print(json.dumps({"elastron_losses": results["systems"]["elastron"]["losses"]}), flush=True)
     done = {n: r for n, r in results["systems"].items() if "analysis" in r}
     el_g = done.get("elastron", {}).get("analysis", {}).get("goodput_samples_per_s")
