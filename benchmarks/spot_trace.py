@@ -565,6 +565,23 @@ def check_losses(run_dir: Path, cfg: dict) -> dict:
 
 
 # -- output --------------------------------------------------------------------------------------------
+def _in_use(pts: list, duration_s: float) -> tuple[list[float], list[int]]:
+    """The world size training at each moment from (t, world size, samples) points: 0 through any gap
+    between steps longer than 2 s and 3x the median one (also after the last step, if it came that long
+    before the end): the stalls a reader should see, not every slow step."""
+    gaps = [b[0] - a[0] for a, b in zip(pts[1:], pts[2:])]
+    typical = statistics.median(gaps) if gaps else 0.0
+    limit = max(2.0, 3 * typical)
+    xs, ys = [], []
+    for p, nxt in zip(pts, [*pts[1:], (duration_s, None, None)]):
+        xs.append(p[0])
+        ys.append(p[1])
+        if nxt[0] - p[0] > limit:
+            xs.append(p[0] + typical)
+            ys.append(0)
+    return xs, ys
+
+
 def plot(path: Path, sched: Schedule, runs: dict[str, dict]) -> None:
     import matplotlib
 
@@ -575,11 +592,13 @@ def plot(path: Path, sched: Schedule, runs: dict[str, dict]) -> None:
     xs = [t for t, _ in sched.availability] + [sched.duration_s]
     ys = [k for _, k in sched.availability] + [sched.availability[-1][1]]
     ax1.step(xs, ys, where="post", color="black", lw=2.5, alpha=0.35, label="nodes available")
-    for name, r in runs.items():
+    for i, (name, r) in enumerate(runs.items()):
         pts = r["series"]
-        ax1.step([p[0] for p in pts], [p[1] for p in pts], where="post", label=f"{name}: workers in use")
+        lift = 0.04 * (i + 1)  # so that systems at the same size stay visible side by side
+        xs_, ys_ = _in_use(pts, sched.duration_s)
+        ax1.step(xs_, [y + lift for y in ys_], where="post", label=f"{name}: workers in use (0: stalled)")
         ax2.plot([p[0] for p in pts], [p[2] for p in pts], label=name)
-    ax1.set_ylabel("nodes / workers")
+    ax1.set_ylabel("nodes / workers training")
     ax1.legend(loc="lower left", fontsize=8)
     ax2.set_ylabel("samples that count (cumulative)")
     ax2.set_xlabel("wall seconds since the replay started")
