@@ -707,6 +707,8 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray.cluster_utils import Cluster
 
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
     cfg = job_config(k=args.k, ckpt_every=args.ckpt_every)
     gbs = cfg["train"]["global_batch_size"]
     work = Path(tempfile.mkdtemp(prefix="spot-trace-"))
@@ -757,7 +759,6 @@ def main(argv: list[str] | None = None) -> int:
     print(table({"systems": done}))
     print(json.dumps({"elastron_over": results["elastron_over"]}))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=1, default=str) + "\n")
         plot(args.json.with_suffix(".png"), sched, done)
         print(f"wrote {args.json} and {args.json.with_suffix('.png')}")
