@@ -45,8 +45,8 @@ Figures per system, over the replay window:
 - stall per event kind: every gap between two steps longer than 3x the run's median step interval,
   less one interval, charged to the last replay event before the gap ended (join, removal with notice,
   removal without notice);
-- Elastron's per-step losses against an uninterrupted single-process run of the same job (`elastron
-  train --nproc 1`), fp32, 1e-4 relative (`--check-losses RUN_DIR` redoes this for a kept run).
+- Elastron's per-step losses against an uninterrupted single-process run of the same job (the rank
+  `elastron train --nproc 1` runs, with one thread), fp32, 1e-4 relative (`--check-losses RUN_DIR` redoes this for a kept run).
 A PNG beside the JSON plots the available nodes, each system's workers in use and cumulative samples.
 Timings on the shared 2-core box include whatever else ran on it (the JSON keeps the 1-minute load).
 """
@@ -548,10 +548,18 @@ def reference_losses(cfg: dict, workdir: Path, steps: int) -> list[float]:
     path = workdir / "reference.yaml"
     path.write_text(yaml.safe_dump(ref))
     out = workdir / "reference"
-    # one thread, as each Ray worker has: torch's default (every core) spins against the box's other load
-    subprocess.run([sys.executable, "-m", "api.cli", "train", str(path), "--nproc", "1", "--steps", str(steps),
-                    "--run-dir", str(out)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL,
-                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    # The one rank `elastron train --nproc 1` starts, but with one thread as each Ray worker has: the
+    # launcher gives a lone rank every core, and two OpenMP threads spinning against the shared box's
+    # other load made steps of 1-7 s where one thread takes ~0.05 s.
+    import socket
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-m", "workers.train", str(path), "--run-dir", str(out), "--steps", str(steps)],
+                   check=True, cwd=ROOT, stdout=subprocess.DEVNULL, env=env)
     rows = {r["step"]: r["loss"] for r in _metric_rows(out)}
     return [rows[s] for s in range(1, steps + 1)]
 
@@ -561,7 +569,7 @@ def check_losses(run_dir: Path, cfg: dict) -> dict:
     rows = _metric_rows(run_dir)
     steps = max(r["step"] for r in rows)
     ref = reference_losses(cfg, Path(tempfile.mkdtemp(prefix="spot-trace-ref-")), steps)
-    return {**loss_agreement(rows, ref), "reference": "uninterrupted single-process run (elastron train --nproc 1)"}
+    return {**loss_agreement(rows, ref), "reference": "uninterrupted single-process run (workers.train, 1 rank)"}
 
 
 # -- output --------------------------------------------------------------------------------------------
