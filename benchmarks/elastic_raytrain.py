@@ -76,7 +76,7 @@ def _append_jsonl(path: str, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-def _train_loop(config: dict) -> None:
+def train_loop(config: dict) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -184,7 +184,7 @@ def _train_loop(config: dict) -> None:
 # --------------------------------------------------------------------------------------------------
 # Driver side.
 # --------------------------------------------------------------------------------------------------
-class _StepLog:
+class StepLog:
     """Incremental reader of the JSON-lines file the workers append to."""
 
     def __init__(self, path: Path) -> None:
@@ -227,14 +227,18 @@ def _wait_for(pred, *, timeout_s: float, what: str, fit_state: dict):
     return None
 
 
-def _kill_controllers() -> None:
+def kill_controllers() -> None:
     """Last resort when fit() hangs (e.g. a worker group that can never be placed): kill this job's
     TrainController actors; their workers and placement groups go with them."""
     import ray
     from ray.util.state import list_actors
 
-    job_id = ray.get_runtime_context().get_job_id()
-    for a in list_actors(filters=[("class_name", "=", "TrainController"), ("state", "=", "ALIVE")]):
+    ctx = ray.get_runtime_context()
+    job_id = ctx.get_job_id()
+    # This driver's cluster by its GCS address: with no address the state API picks the newest cluster
+    # on the machine, which on a shared box may be someone else's.
+    for a in list_actors(address=ctx.gcs_address,
+                         filters=[("class_name", "=", "TrainController"), ("state", "=", "ALIVE")]):
         if a.job_id == job_id:
             log.warning("killing hung TrainController %s", a.actor_id)
             ray._private.worker.global_worker.core_worker.kill_actor(ray.ActorID.from_hex(a.actor_id), True)
@@ -244,7 +248,7 @@ def _node_of(cluster, node_id: str):
     return next((n for n in cluster.worker_nodes if n.node_id == node_id), None)
 
 
-def _remove_nodes(cluster, nodes: list) -> None:
+def remove_nodes(cluster, nodes: list) -> None:
     import ray
 
     from service.pool.cluster import kill_node
@@ -293,7 +297,7 @@ def measure_raytrain(*, cluster, model_steps: int, ckpt_every: int, scenario: st
     than Ray's 60 s, so the baseline is the fastest reasonable Ray configuration.
     `model`: a JobConfig `model` section ({"preset", "overrides"}), tiny by default.
     `report_every_step` also calls `ray.train.report(metrics)` on steps without a checkpoint (slow:
-    see `_train_loop`). `health_check_interval_s` sets RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (the
+    see `train_loop`). `health_check_interval_s` sets RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (the
     controller's poll period, Ray default 2 s) for this run only.
     """
     import ray
@@ -317,7 +321,7 @@ def measure_raytrain(*, cluster, model_steps: int, ckpt_every: int, scenario: st
     run_dir = Path(workdir) / f"raytrain-{scenario}-{uuid.uuid4().hex[:8]}"
     run_dir.mkdir(parents=True)
     log_path, stop_path = run_dir / "steps.jsonl", run_dir / "STOP"
-    steplog = _StepLog(log_path)
+    steplog = StepLog(log_path)
     n_before = _INITIAL_NODES[scenario]
     result: dict[str, Any] = {"system": "ray-train-v2", "scenario": scenario, "event_to_first_step_s": None,
                               "steps_redone_or_lost": None, "world_size_before": None,
@@ -335,7 +339,7 @@ def measure_raytrain(*, cluster, model_steps: int, ckpt_every: int, scenario: st
         cluster.wait_for_nodes()
 
         trainer = TorchTrainer(
-            _train_loop,
+            train_loop,
             train_loop_config={"log_path": str(log_path), "stop_path": str(stop_path), "seed": seed,
                                "global_batch_size": global_batch_size, "seq_len": seq_len, "lr": lr,
                                "model": model or {"preset": "tiny"},
@@ -435,7 +439,7 @@ def measure_raytrain(*, cluster, model_steps: int, ckpt_every: int, scenario: st
         thread.join(timeout=120)
         if thread.is_alive():
             notes.append("fit() did not return within 120 s of the stop request; controller killed")
-            _kill_controllers()
+            kill_controllers()
             thread.join(timeout=30)
 
         # 5. Metrics from the step log.
@@ -492,7 +496,7 @@ def measure_raytrain(*, cluster, model_steps: int, ckpt_every: int, scenario: st
         if thread is not None and thread.is_alive():
             thread.join(timeout=60)
             if thread.is_alive():
-                _kill_controllers()
+                kill_controllers()
                 thread.join(timeout=30)
     finally:
         stop_path.touch()
@@ -501,7 +505,7 @@ def measure_raytrain(*, cluster, model_steps: int, ckpt_every: int, scenario: st
                 os.environ.pop(_HEALTH_ENV, None)
             else:
                 os.environ[_HEALTH_ENV] = env_before
-        _remove_nodes(cluster, added)
+        remove_nodes(cluster, added)
         result["notes"] = "; ".join(notes)
     return result
 

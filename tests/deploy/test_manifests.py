@@ -347,3 +347,25 @@ def test_docs_name_only_files_that_exist():
     assert paths, "docs/deploy.md names no deploy files"
     for p in sorted(paths):
         assert (ROOT / p).exists(), f"docs/deploy.md names {p}, which does not exist"
+
+
+def test_every_spot_worker_runs_the_spot_watcher_beside_ray():
+    """The sidecar that turns the cloud's own notice into a drain: its command parses, it names a cloud
+    the watcher knows, it shares /tmp/ray with the Ray container (the GCS address file `ray start`
+    writes) and it joins the token-auth cluster with the token."""
+    from tools.spot_watcher import CLOUDS, build_parser
+
+    spot = [(w, pod) for w, pod in pod_specs() if w.endswith("/gpu-spot")]
+    assert {w for w, _ in spot} == {"raycluster/gpu-spot", "rayjob/gpu-spot"}
+    for where, pod in spot:
+        ray, watcher = pod["containers"][0], next(c for c in pod["containers"] if c["name"] == "spot-watcher")
+        [argv] = [a for a in shell_commands(" ".join(watcher["command"])) if a[-1:] != ["done"]
+                  and any(w.endswith("spot_watcher.py") for w in a)]
+        args = build_parser().parse_args(argv[argv.index(next(w for w in argv if w.endswith("spot_watcher.py"))) + 1:])
+        assert args.interval_s > 0, where
+        env = {e["name"]: e for e in watcher["env"]}
+        assert env["SPOT_WATCHER_CLOUD"]["value"] in CLOUDS, where
+        assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "elastron-ray-auth", where
+        tmp = lambda c: {m["name"] for m in c["volumeMounts"] if m["mountPath"] == "/tmp/ray"}  # noqa: E731
+        assert tmp(ray) and tmp(ray) == tmp(watcher), where
+        assert "/tmp/ray/ray_current_cluster" in " ".join(watcher["command"]), where
