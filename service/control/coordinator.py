@@ -454,7 +454,7 @@ class Coordinator:
             return False
         by = cmd.by if isinstance(cmd, Pause) else "user"
         lost = None
-        if self.group is not None:
+        if self.group is not None and self.group.size:  # a group without members has nothing to save
             try:
                 self.committed_step = self.group.checkpoint()
             except WorkerFailure as e:

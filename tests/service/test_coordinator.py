@@ -424,3 +424,20 @@ def test_a_job_asking_for_gpus_on_a_cluster_with_none_says_so(tmp_path):
     c, _, _ = make_coordinator(tmp_path, {"a": 2}, resources={"gpus_per_worker": 1})
     advance(c, lambda c: str(c.sm.state) == "WAITING_FOR_CAPACITY")
     assert "needs 1 GPU (resources.gpus_per_worker) and the cluster has none" in c.sm.reason
+
+
+def test_a_stop_while_the_group_has_no_members_ends_stopped_without_a_save(tmp_path):
+    """A group whose members are all gone (e.g. waiting for capacity after every node left) has nothing to
+    checkpoint: a Stop ends the job STOPPED at the last commit instead of asking no workers for a save."""
+    c, _, _ = make_coordinator(tmp_path, {"a": 2}, settle=1e9, interval=5)
+    advance(c, lambda c: c.step_done >= 7)
+    committed = c.committed_step
+    c.group.members = []
+
+    def no_save(**_):
+        raise AssertionError("a group without members was asked for a checkpoint")
+
+    c.group.checkpoint = no_save
+    c.send(Stop())
+    advance(c, lambda c: c.sm.state.is_terminal)
+    assert str(c.sm.state) == "STOPPED" and c.committed_step == committed
