@@ -9,6 +9,7 @@ coordinator: `watch_owner`); knows nothing of HTTP.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import socket
@@ -57,6 +58,16 @@ def watch_owner(name: str, namespace: str, placement: Callable[[], Any], *, ever
             remove_placement_group(pg)
     finally:
         os._exit(0)
+
+
+def release_dropped() -> None:
+    """Free what a dropped trainer held, now. An FSDP-wrapped model is a reference cycle (torch's FSDP
+    state and hooks point back at their modules), so its parameters and gradients are freed only by a
+    full run of the cyclic garbage collector, which Python starts by counting Python objects, not bytes:
+    in a worker it may not run for many layouts, each one's model and gradients held meanwhile. A worker
+    drops a trainer once per reconfiguration, so one collection there costs little and keeps every
+    layout's memory from outliving it."""
+    gc.collect()
 
 
 class Worker:
@@ -235,6 +246,8 @@ class Worker:
         finally:
             destroy_process_group()
             self.rank = self._plan = None
+            t = None
+            release_dropped()
 
     def _finished_rows(self, t) -> tuple[dict, ...]:
         """The metrics rows of the steps `t` finished in the last `run` call (and its last step's, if
@@ -274,6 +287,7 @@ class Worker:
         """Drop the trainer and the process group; the process stays warm for the next layout."""
         from workers.runtime import destroy_process_group
 
+        dropped = self.trainer is not None
         if self.trainer is not None:
             try:
                 self.trainer.close()
@@ -281,6 +295,8 @@ class Worker:
                 self.trainer = None
         destroy_process_group()
         self.rank = self._plan = None
+        if dropped:
+            release_dropped()
 
     # -- training --------------------------------------------------------------------------------------
     def run(self, *, until_step: int, steps: int) -> list[dict]:
