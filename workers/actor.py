@@ -61,13 +61,37 @@ def watch_owner(name: str, namespace: str, placement: Callable[[], Any], *, ever
 
 
 def release_dropped() -> None:
-    """Free what a dropped trainer held, now. An FSDP-wrapped model is a reference cycle (torch's FSDP
-    state and hooks point back at their modules), so its parameters and gradients are freed only by a
-    full run of the cyclic garbage collector, which Python starts by counting Python objects, not bytes:
-    in a worker it may not run for many layouts, each one's model and gradients held meanwhile. A worker
-    drops a trainer once per reconfiguration, so one collection there costs little and keeps every
-    layout's memory from outliving it."""
+    """Free what a dropped layout held, now, and give the freed memory back to the system.
+
+    An FSDP-wrapped model is a reference cycle (torch's FSDP state and hooks point back at their
+    modules), so its parameters and gradients are freed only by a full run of the cyclic garbage
+    collector, which Python starts by counting Python objects, not bytes: in a worker it may not run for
+    many layouts, each one's model and gradients held meanwhile. And glibc keeps most of what is freed
+    (tensors below its mmap threshold live in its heaps) for later allocations rather than returning it:
+    `malloc_trim(0)` returns the free pages. A worker drops a layout once per reconfiguration; the
+    collection walks only what the worker created since it started (`Worker.__init__` freezes the rest),
+    so both together cost some tens of milliseconds."""
     gc.collect()
+    _malloc_trim()
+
+
+_libc: Any = None
+
+
+def _malloc_trim() -> None:
+    """glibc's malloc_trim(0), where there is one (Linux with glibc); a no-op elsewhere."""
+    global _libc
+    if _libc is None:
+        import ctypes
+
+        try:
+            lib = ctypes.CDLL(None)
+            lib.malloc_trim.argtypes = [ctypes.c_size_t]
+            _libc = lib
+        except (OSError, AttributeError):
+            _libc = False
+    if _libc:
+        _libc.malloc_trim(0)
 
 
 class Worker:
@@ -82,6 +106,9 @@ class Worker:
         import workers.trainer  # noqa: F401
         from workers.config import JobConfig
 
+        # What the process imported (torch, Ray: most of its objects) lives as long as it does: out of the
+        # collector's sight, the collections `release_dropped` runs walk only what the worker makes.
+        gc.freeze()
         if not isinstance(cfg, JobConfig):  # e.g. a caller still sending the spec as a dict
             raise TypeError(f"Worker needs the JobConfig parsed where the spec entered, got {type(cfg).__name__}")
         self.cfg = cfg  # not parsed again here; its data.path is checked where the data is read
@@ -182,6 +209,8 @@ class Worker:
         if adopt:
             got, self.received = self.received, None
             self.trainer.adopt(got.pieces, got.optimizer_steps, got.state)
+            got = None  # the received buffers, and the old shards a survivor kept pieces of
+            release_dropped()
         self.rank, self._plan, self._broken = rank, plan, False
         return {"step": self.trainer.step, "pg_s": t1 - t0, "build_s": time.perf_counter() - t1}
 
@@ -280,6 +309,7 @@ class Worker:
             t2 = time.perf_counter()
             destroy_process_group()
         self.received = got if new_rank is not None else None
+        release_dropped()  # the shards this worker only sent (a leaver: all of them)
         return {"bytes_received": got.bytes_received,
                 "timings": {"rendezvous": t1 - t0, **got.timings, "leave": time.perf_counter() - t2}}
 
