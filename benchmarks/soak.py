@@ -10,14 +10,16 @@ time, each once the job trains at full size again:
 
   shrink      a resize to one worker fewer (REST), through `parallel.reshard` (live or storage)
   grow        a resize back to every node (REST)
-  kill_worker SIGKILL of one training worker: the survivors heal from peers or restore from storage,
-              then the job grows back onto the freed slot
-  drain       a drain notice with a 60 s deadline on one node: the job moves off it; the node is
-              removed and a new one added, and the job grows back
+  kill_worker SIGKILL of the newest training worker: the survivors heal from peers or restore from
+              storage, then the job grows back onto the freed slot
+  drain       a drain notice with a 60 s deadline on a node without the oldest worker: the job moves
+              off it; the node is removed and a new one added, and the job grows back
+
+The oldest worker is never the victim, so one process lives through every reconfiguration.
   takeover    SIGKILL of the job's coordinator actor: Ray restarts it and it takes over its workers
 
-Each event counts the reconfigurations it caused (the job's `resize` events: a kill is two, the
-failure and the growth back). After each event, once the job has trained `--steps-after` steps at full
+Each event counts the reconfigurations it caused (the job's `resize` events: a drain is two, off the
+node and back onto a new one; a kill one or two, as a standby can take the dead worker's place at once). After each event, once the job has trained `--steps-after` steps at full
 size, the resident memory (RSS, from /proc) of every process is sampled: each training worker and
 standby (the `ray::Worker` processes under the nodes' raylets), the coordinator (the job's actor) and
 the API server; on CUDA the workers' `memory_allocated`/`memory_reserved` would come from their own
@@ -36,6 +38,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -60,6 +64,13 @@ def job_config(preset: str, nodes: int, reshard: str, steps: int) -> dict:
     }
 
 
+def _started(pid: int) -> float:
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.NoSuchProcess:
+        return 0.0
+
+
 def rss_mb(pid: int) -> float | None:
     try:
         with open(f"/proc/{pid}/statm") as f:
@@ -74,6 +85,8 @@ class Soak:
         self.preset, self.nodes, self.reshard, self.steps_after, self.log = preset, nodes, reshard, steps_after, log
         self.job_id = ""
         self.samples: list[dict] = []
+        self.partial: Path | None = None
+        """Where every sample so far is written as it is taken (a soak stopped early keeps them)."""
 
     def api(self, method: str, *args, **kw):
         from api.client import APIError, Client
@@ -92,7 +105,9 @@ class Soak:
         return self.api("job", self.job_id)
 
     def reconfigs(self) -> int:
-        return sum(self.job()["reconfigurations"].values())
+        """Reconfigurations so far: the job's `resize` events (a restarted coordinator's status counts
+        only its own; the event log has them all)."""
+        return sum(1 for e in self.api("events", self.job_id) if e["kind"] == "resize")
 
     def _at(self, size: int, after_step: int) -> dict | None:
         j = self.job()
@@ -128,6 +143,8 @@ class Soak:
         s = {"reconfigs": self.reconfigs(), "kind": kind, "seconds": round(time.time() - t0, 1), "step": j["step"],
              "world_size": j["world_size"], "events": j.get("events"), "rss_mb": rss}
         self.samples.append(s)
+        if self.partial is not None:
+            self.partial.write_text(json.dumps({"partial": True, "samples": self.samples}, indent=1))
         self.log(f"#{s['reconfigs']:>3} {kind:<11} step {s['step']:>5} w={s['world_size']} "
                  + " ".join(f"{k}={v:.0f}" for k, v in sorted(rss.items())))
         return s
@@ -149,26 +166,28 @@ class Soak:
 
     def kill_worker(self) -> None:
         before = self.reconfigs()
-        pid = sorted(wait(self.env.worker_pids, 60, "a training worker"))[-1]
+        pid = max(wait(self.env.worker_pids, 60, "a training worker"), key=_started)  # the oldest survives
         os.kill(pid, signal.SIGKILL)
-        self.settle(self.nodes, before, at_least=2)  # the failure, then the growth onto the freed slot
+        self.settle(self.nodes, before)  # healed or restored, and grown back if it had to shrink
 
     def drain(self) -> None:
         from service.pool.cluster import drain_node
 
         before = self.reconfigs()
-        node = sorted(wait(self.env.nodes_with_workers, 60, "a node with workers"), key=lambda n: n.node_id)[-1]
+        oldest = min(wait(self.env.worker_pids, 60, "a training worker"), key=_started)
+        node = next(n for n in wait(self.env.nodes_with_workers, 60, "a node with workers")
+                    if oldest not in self.env.workers_on(n))  # the oldest survives
         drain_node(node.node_id, message="soak: spot reclaim", deadline_remaining_s=60.0)
         wait(lambda: not self.env.workers_on(node, members=self.env.member_pids()), 60, "the job to leave the node")
         self.env.remove_node(node)
         self.env.restore_nodes()
-        self.settle(self.nodes, before, at_least=2)  # off the node, then onto the new one
+        self.settle(self.nodes, before)  # off the node, then onto the new one
 
     def takeover(self) -> None:
         before_pid = self.job()["pid"]
         before = self.reconfigs()
         os.kill(before_pid, signal.SIGKILL)
-        wait(lambda: (j := self.job())["pid"] not in (None, before_pid) and j["state"] == "RUNNING", 120,
+        wait(lambda: (j := self.job())["pid"] not in (None, before_pid) and j["state"] == "RUNNING", 300,
              "a restarted coordinator")
         self.settle(self.nodes, before)
 
@@ -252,11 +271,12 @@ def main(argv: list[str] | None = None) -> int:
     out_json = Path(a.json or ROOT / "benchmarks" / "results" / f"soak-{a.preset}-{a.reshard}.json")
     out_json.parent.mkdir(parents=True, exist_ok=True)
     soak = Soak(workdir, preset=a.preset, nodes=a.nodes, reshard=a.reshard, steps_after=a.steps_after)
+    soak.partial = out_json
     t0 = time.time()
     try:
         result = soak.run(a.reconfigs, kinds, steps=1_000_000)
         error = None
-    except Exception as e:  # keep what was sampled: a soak that stops early still says where memory went
+    except (Exception, KeyboardInterrupt) as e:  # keep what was sampled: a soak that stops early still says where memory went
         result, error = {}, f"{type(e).__name__}: {e}"
         print(f"soak stopped early: {error}", file=sys.stderr)
     ratios = verdict(soak.samples)
