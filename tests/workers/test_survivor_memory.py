@@ -21,7 +21,9 @@ CFG = {"name": "soak", "model": {"preset": "tiny", "overrides": {"n_layers": 2}}
 
 
 def census() -> dict[str, int]:
-    """Live objects of the kinds a layout owns, and the bytes of the CPU tensor storages among them."""
+    """Live objects of the kinds a layout owns, and the bytes of the CPU tensor storages among them.
+    0-d tensors are left out: a step's passing scalars (a loss, a norm) may still be alive in another
+    thread when the census runs, and a layout's state is never made of them alone."""
     import torch
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -30,6 +32,8 @@ def census() -> dict[str, int]:
     out = dict.fromkeys([*kinds, "tensor_bytes"], 0)
     storages: dict[int, int] = {}
     for o in gc.get_objects():
+        if isinstance(o, torch.Tensor) and o.dim() == 0:
+            continue
         for name, kind in kinds.items():
             if isinstance(o, kind):
                 out[name] += 1
