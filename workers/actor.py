@@ -70,7 +70,9 @@ def release_dropped() -> None:
     (tensors below its mmap threshold live in its heaps) for later allocations rather than returning it:
     `malloc_trim(0)` returns the free pages. A worker drops a layout once per reconfiguration; the
     collection walks only what the worker created since it started (`Worker.__init__` freezes the rest),
-    so both together cost some tens of milliseconds."""
+    so both together cost some tens of milliseconds. Called only where the worker holds no process group
+    (after its group is destroyed, before the next forms), so nothing the collection finalises can touch a
+    group in use."""
     gc.collect()
     _malloc_trim()
 
@@ -209,8 +211,8 @@ class Worker:
         if adopt:
             got, self.received = self.received, None
             self.trainer.adopt(got.pieces, got.optimizer_steps, got.state)
-            got = None  # the received buffers, and the old shards a survivor kept pieces of
-            release_dropped()
+            got = None  # the received buffers, and the old shards a survivor kept pieces of: freed now
+            _malloc_trim()  # no collection while the new group lives (nothing cyclic was dropped here)
         self.rank, self._plan, self._broken = rank, plan, False
         return {"step": self.trainer.step, "pg_s": t1 - t0, "build_s": time.perf_counter() - t1}
 
