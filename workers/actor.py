@@ -9,6 +9,7 @@ coordinator: `watch_owner`); knows nothing of HTTP.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import socket
@@ -59,6 +60,42 @@ def watch_owner(name: str, namespace: str, placement: Callable[[], Any], *, ever
         os._exit(0)
 
 
+def release_dropped() -> None:
+    """Free what a dropped layout held, now, and give the freed memory back to the system.
+
+    An FSDP-wrapped model is a reference cycle (torch's FSDP state and hooks point back at their
+    modules), so its parameters and gradients are freed only by a full run of the cyclic garbage
+    collector, which Python starts by counting Python objects, not bytes: in a worker it may not run for
+    many layouts, each one's model and gradients held meanwhile. And glibc keeps most of what is freed
+    (tensors below its mmap threshold live in its heaps) for later allocations rather than returning it:
+    `malloc_trim(0)` returns the free pages. A worker drops a layout once per reconfiguration; the
+    collection walks only what the worker created since it started (`Worker.__init__` freezes the rest),
+    so both together cost some tens of milliseconds. Called only where the worker holds no process group
+    (after its group is destroyed, before the next forms), so nothing the collection finalises can touch a
+    group in use."""
+    gc.collect()
+    _malloc_trim()
+
+
+_libc: Any = None
+
+
+def _malloc_trim() -> None:
+    """glibc's malloc_trim(0), where there is one (Linux with glibc); a no-op elsewhere."""
+    global _libc
+    if _libc is None:
+        import ctypes
+
+        try:
+            lib = ctypes.CDLL(None)
+            lib.malloc_trim.argtypes = [ctypes.c_size_t]
+            _libc = lib
+        except (OSError, AttributeError):
+            _libc = False
+    if _libc:
+        _libc.malloc_trim(0)
+
+
 class Worker:
     def __init__(self, cfg: JobConfig, run_dir: str, *, threads: int = 1, owner: tuple[str, str] | None = None):
         """`owner`: (name, namespace) of the named actor whose coordinator started this worker as a
@@ -71,6 +108,9 @@ class Worker:
         import workers.trainer  # noqa: F401
         from workers.config import JobConfig
 
+        # What the process imported (torch, Ray: most of its objects) lives as long as it does: out of the
+        # collector's sight, the collections `release_dropped` runs walk only what the worker makes.
+        gc.freeze()
         if not isinstance(cfg, JobConfig):  # e.g. a caller still sending the spec as a dict
             raise TypeError(f"Worker needs the JobConfig parsed where the spec entered, got {type(cfg).__name__}")
         self.cfg = cfg  # not parsed again here; its data.path is checked where the data is read
@@ -172,6 +212,8 @@ class Worker:
         if adopt:
             got, self.received = self.received, None
             self.trainer.adopt(got.pieces, got.optimizer_steps, got.state)
+            got = None  # the received buffers, and the old shards a survivor kept pieces of: freed now
+            _malloc_trim()  # no collection while the new group lives (nothing cyclic was dropped here)
         self.rank, self._plan, self._broken = rank, plan, False
         return {"step": self.trainer.step, "pg_s": t1 - t0, "build_s": time.perf_counter() - t1}
 
@@ -236,6 +278,8 @@ class Worker:
         finally:
             destroy_process_group()
             self.rank = self._plan = None
+            t = None
+            release_dropped()
 
     def _finished_rows(self, t) -> tuple[dict, ...]:
         """The metrics rows of the steps `t` finished in the last `run` call (and its last step's, if
@@ -268,6 +312,7 @@ class Worker:
             t2 = time.perf_counter()
             destroy_process_group()
         self.received = got if new_rank is not None else None
+        release_dropped()  # the shards this worker only sent (a leaver: all of them)
         return {"bytes_received": got.bytes_received,
                 "timings": {"rendezvous": t1 - t0, **got.timings, "leave": time.perf_counter() - t2}}
 
@@ -275,6 +320,7 @@ class Worker:
         """Drop the trainer and the process group; the process stays warm for the next layout."""
         from workers.runtime import destroy_process_group
 
+        dropped = self.trainer is not None
         if self.trainer is not None:
             try:
                 self.trainer.close()
@@ -282,6 +328,8 @@ class Worker:
                 self.trainer = None
         destroy_process_group()
         self.rank = self._plan = None
+        if dropped:
+            release_dropped()
 
     # -- training --------------------------------------------------------------------------------------
     def run(self, *, until_step: int, steps: int) -> list[dict]:

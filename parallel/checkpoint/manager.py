@@ -32,6 +32,7 @@ import math
 import os
 import threading
 import time
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -195,19 +196,28 @@ class CheckpointManager:
         return state_mod.Stager.pool_bytes(mine)
 
     def _hook(self, optimizer: torch.optim.Optimizer) -> None:
-        """Make `optimizer.step()` wait until a deferred staging copy is done (registered once)."""
+        """Make `optimizer.step()` wait until a deferred staging copy is done (registered once, removed by
+        `close`). The hook holds the manager weakly: a strong reference would close a cycle (optimizer ->
+        hook -> manager -> optimizer) that keeps the optimizer, its parameters and moments and the staging
+        pool alive after the trainer is dropped, until a full run of the cyclic garbage collector."""
         if self._hooked is not None and self._hooked[0] is optimizer:
             return
-        if self._hooked is not None:
-            self._hooked[1].remove()
+        self._unhook()
+        ref = weakref.ref(self)
 
         def wait_for_staging(*_: Any) -> None:
-            if not self._staged.is_set():
+            m = ref()
+            if m is not None and not m._staged.is_set():
                 t = time.perf_counter()
-                self._staged.wait()
-                self.stage_wait_s += time.perf_counter() - t
+                m._staged.wait()
+                m.stage_wait_s += time.perf_counter() - t
 
         self._hooked = (optimizer, optimizer.register_step_pre_hook(wait_for_staging))
+
+    def _unhook(self) -> None:
+        if self._hooked is not None:
+            self._hooked[1].remove()
+            self._hooked = None
 
     def _my_pieces(self, local: list[Piece]) -> list[Piece]:
         """The boxes this rank writes: every rank's boxes are gathered (small metadata) and each distinct
@@ -237,7 +247,8 @@ class CheckpointManager:
         """Wait up to `timeout_s` (None: for ever) for the save in flight. Unlike `flush`, a failed save
         is logged rather than raised, and one still running after the timeout is abandoned (its thread is
         a daemon; without a manifest it was never committed), since after a failure its peers may be gone.
-        Returns False if a save was abandoned (its thread may still touch the staging area)."""
+        Returns False if a save was abandoned (its thread may still touch the staging area). Removes the
+        optimizer's staging hook once no save runs."""
         if self._thread is not None:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
@@ -249,6 +260,7 @@ class CheckpointManager:
             self.flush()
         except CheckpointError:
             log.warning("the last checkpoint save failed", exc_info=True)
+        self._unhook()
         return True
 
     def _run(self, job: _SaveJob) -> None:

@@ -31,8 +31,8 @@ from service.control.commands import Command, Grant, Pause, Resume, SetWorkers, 
 from service.control.job import Job
 from service.control.metrics_ring import RecentMetrics
 from service.control.options import CoordinatorOptions
-from service.control.policy import Decision, Fail, Failure, PolicyConfig, Resize, ScalingPolicy, Wait
-from service.control.reconfiguration import Reconfig
+from service.control.policy import FINAL_KINDS, Decision, Fail, Failure, PolicyConfig, Resize, ScalingPolicy, Wait
+from service.control.reconfiguration import Reconfig, Reconfigs
 from service.control.run_files import job_events, last_plan, where_it_stopped
 from service.control.source import Heal, Release, Restore, choose_source
 from service.control.state import JobState, StateMachine
@@ -73,7 +73,7 @@ class Coordinator:
         self.committed_step = 0
         self.metrics: dict[int, dict] = RecentMetrics()  # bounded: the store and metrics.jsonl keep the rest
         self.failures: list[Failure] = []
-        self.reconfigs: list[Reconfig] = []
+        self.reconfigs = Reconfigs()  # bounded: events.jsonl keeps every resize
         self._commands: queue.Queue[Command] = queue.Queue()
         self._woken = threading.Event()
         self.grant: dict[str, int] | None = None
@@ -134,7 +134,7 @@ class Coordinator:
             # group has formed): never a new layout with the old size, or the size of a group half re-formed.
             # (RECOVERING: a failed group's survivors may still be held, but they run no layout)
             running = self.group is not None and self.plan is not None and self.sm.state is not S.RECOVERING
-            recs = [r.to_dict() for r in list(self.reconfigs)]
+            causes, lost = self.reconfigs.totals()
             queued = self.sm.state is S.QUEUED
             return JobStatus(
                 job_id=self.job_id, state=sm["state"], reason=(queued and self.queue[1]) or sm["reason"],
@@ -146,8 +146,7 @@ class Coordinator:
                 loss=last.get("loss"), val_loss=self.metrics.val_loss, tokens_per_s=last.get("tokens_per_s"),
                 committed_step=self.committed_step,
                 min_workers=self.policy.config.min_workers, max_workers=self.policy.config.max_workers,
-                run_dir=str(self.run_dir), reconfigurations=dict(Counter(r["cause"] for r in recs)),
-                steps_lost=sum(r["steps_lost"] for r in recs), events=len(self.events))
+                run_dir=str(self.run_dir), reconfigurations=causes, steps_lost=lost, events=len(self.events))
 
     def events_since(self, index: int = 0) -> list[dict]:
         return [e.to_dict() for e in self.events.since(index)]
@@ -608,6 +607,10 @@ class Coordinator:
         t0 = time.time()
         with self._lock:
             self.failures.append(Failure(time=t0, kind=err.kind, error=str(err)))
+            # Only the failures within the policy's window count (and a final one, which ends the job):
+            # the list stays as long as the restart budget, not as long as the job.
+            window = self.policy.config.restart_window_s
+            self.failures = [f for f in self.failures if f.time > t0 - window or f.kind in FINAL_KINDS]
         nodes = sorted(set(self.group.nodes() if self.group is not None else ()) | set(tried))
         self.health.suspect(err.nodes)  # the group's probe found them dead: they stay out of the next plan
         self.health.sweep(self.watcher.latest)  # and nodes dead before, which a restarted coordinator did not see

@@ -112,24 +112,41 @@ def _read(path: Path) -> tuple[list[Event], int]:
     return events, good_end
 
 
+KEEP = 1000
+"""Events an `EventLog` with a file keeps in memory: the newest, which the API asks for; older ones are
+read back from the file when asked for, so a job that runs for days holds a bounded number."""
+
+
 class EventLog:
     """Events kept in memory (for the API: `since(index)`) and, when `path` is given, appended to a
     JSON-lines file. Appending is the sink a `StateMachine` emits into. Thread-safe.
 
-    The constructor touches nothing on disk; the parent directory is created on the first append."""
+    With a file, only the newest `keep` events stay in memory; `since` and `events` read older ones
+    back from the file (those of `job_id` only, when given: a run directory may hold an earlier job's).
+    Without one, every event stays in memory. The constructor touches nothing on disk; the parent
+    directory is created on the first append."""
 
-    def __init__(self, path: str | os.PathLike | None = None, events: list[Event] | None = None):
+    def __init__(self, path: str | os.PathLike | None = None, events: list[Event] | None = None, *,
+                 keep: int = KEEP, job_id: str | None = None):
+        if keep < 1:
+            raise ValueError(f"EventLog keep must be >= 1, got {keep}")
         self.path = None if path is None else Path(path)
-        self._events: list[Event] = list(events or [])
+        self.keep = keep
+        self.job_id = job_id
+        events = list(events or [])
+        self._events: list[Event] = events[-keep:] if self.path is not None else events
+        self._first = len(events) - len(self._events)
+        """Index of the first event kept in memory."""
         self._lock = threading.Lock()
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "EventLog":
-        """Resume the log at `path` (an empty log if there is no file). A truncated last line is
-        dropped from the file as well, so the next append does not glue onto it."""
+    def load(cls, path: str | os.PathLike, *, job_id: str | None = None) -> "EventLog":
+        """Resume the log at `path` (an empty log if there is no file), keeping `job_id`'s events only
+        when given. A truncated last line is dropped from the file as well, so the next append does not
+        glue onto it."""
         path = Path(path)
         if not path.exists():
-            return cls(path)
+            return cls(path, job_id=job_id)
         events, good_end = _read(path)
         size = path.stat().st_size
         if good_end < size:
@@ -139,7 +156,9 @@ class EventLog:
         elif size and not path.read_bytes().endswith(b"\n"):
             with open(path, "ab") as f:  # a complete last line whose newline was lost
                 f.write(b"\n")
-        return cls(path, events)
+        if job_id is not None:
+            events = [e for e in events if e.job_id == job_id]
+        return cls(path, events, job_id=job_id)
 
     def append(self, event: Event) -> int:
         """Record `event`; returns its index. The line is written and flushed before this returns.
@@ -149,8 +168,12 @@ class EventLog:
         line = event.to_json() + "\n"
         with self._lock:
             self._events.append(event)
-            index = len(self._events) - 1
+            index = self._first + len(self._events) - 1
             if self.path is not None:
+                if len(self._events) > self.keep:
+                    drop = len(self._events) - self.keep
+                    del self._events[:drop]
+                    self._first += drop
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 with open(self.path, "a", encoding="utf-8") as f:
                     f.write(line)
@@ -164,13 +187,22 @@ class EventLog:
         if index < 0:
             raise ValueError(f"since() index must be >= 0, got {index}")
         with self._lock:
-            return self._events[index:]
+            if index >= self._first:
+                return self._events[index - self._first:]
+            return self._from_file()[index:]
+
+    def _from_file(self) -> list[Event]:
+        """Every event of the log, older ones read back from the file (under the lock)."""
+        on_disk = read_events(self.path)
+        if self.job_id is not None:
+            on_disk = [e for e in on_disk if e.job_id == self.job_id]
+        return on_disk[:self._first] + self._events
 
     @property
     def events(self) -> list[Event]:
         with self._lock:
-            return list(self._events)
+            return list(self._events) if self._first == 0 else self._from_file()
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._events)
+            return self._first + len(self._events)

@@ -54,3 +54,34 @@ class Reconfig:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "seconds": self.seconds, "steps_lost": self.steps_lost}
+
+
+KEEP = 512
+"""Reconfiguration records a coordinator keeps in memory: days of spot events. The event log
+(RUN_DIR/events.jsonl, one `resize` event per reconfiguration) keeps every one."""
+
+
+class Reconfigs(list):
+    """The job's reconfiguration records, newest last: a list that forgets its oldest beyond `keep`,
+    keeping their counts by cause and their steps lost in `totals`, so a job that lives through
+    thousands of reconfigurations holds a bounded number and still reports them all."""
+
+    def __init__(self, keep: int = KEEP):
+        super().__init__()
+        self.keep = keep
+        self._dropped_causes: dict[str, int] = {}
+        self._dropped_lost = 0
+
+    def append(self, record: Reconfig) -> None:
+        super().append(record)
+        while len(self) > self.keep:
+            old = self.pop(0)
+            self._dropped_causes[old.cause] = self._dropped_causes.get(old.cause, 0) + 1
+            self._dropped_lost += old.steps_lost
+
+    def totals(self) -> tuple[dict[str, int], int]:
+        """(reconfigurations by cause, steps lost), over every record appended, forgotten ones included."""
+        causes = dict(self._dropped_causes)
+        for r in list(self):
+            causes[r.cause] = causes.get(r.cause, 0) + 1
+        return causes, self._dropped_lost + sum(r.steps_lost for r in list(self))

@@ -29,9 +29,7 @@ def read_job_events(path: Path, job_id: str) -> list[dict]:
 def job_events(path: Path, job_id: str) -> EventLog:
     """The job's event log, continuing this job's events already in `path` (a restarted coordinator)
     and ignoring those of other jobs that ran in the same directory before."""
-    log = EventLog.load(path)
-    mine = [e for e in log.events if e.job_id == job_id]
-    return log if len(mine) == len(log) else EventLog(path, mine)
+    return EventLog.load(path, job_id=job_id)
 
 
 def last_logged_step(run_dir: Path) -> int:

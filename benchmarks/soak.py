@@ -1,0 +1,300 @@
+"""Soak: one job lives through many reconfigurations of every kind; the memory of every process after each.
+
+    .venv/bin/python benchmarks/soak.py --reconfigs 30 [--preset small] [--reshard live] \
+        [--kinds shrink,grow,kill_worker,drain,takeover] [--json benchmarks/results/soak.json]
+
+A `ray.cluster_utils.Cluster` (head without worker slots, `--nodes` one-CPU worker nodes) runs the job API
+as its own process (benchmarks/chaos_server.py, the real app); one job (`--preset`, FSDP over up to
+`--nodes` workers, checkpoint every 8 steps) is submitted over REST. Then, in a rotation, one event at a
+time, each once the job trains at full size again:
+
+  shrink      a resize to one worker fewer (REST), through `parallel.reshard` (live or storage)
+  grow        a resize back to every node (REST)
+  kill_worker SIGKILL of the newest training worker: the survivors heal from peers or restore from
+              storage, then the job grows back onto the freed slot
+  drain       a drain notice with a 60 s deadline on a node without the oldest worker: the job moves
+              off it; the node is removed and a new one added, and the job grows back
+
+The oldest worker is never the victim, so one process lives through every reconfiguration.
+  takeover    SIGKILL of the job's coordinator actor: Ray restarts it and it takes over its workers
+
+Each event counts the reconfigurations it caused (the job's `resize` events: a drain is two, off the
+node and back onto a new one; a kill one or two, as a standby can take the dead worker's place at once). After each event, once the job has trained `--steps-after` steps at full
+size, the resident memory (RSS, from /proc) of every process is sampled: each training worker and
+standby (the `ray::Worker` processes under the nodes' raylets), the coordinator (the job's actor) and
+the API server; on CUDA the workers' `memory_allocated`/`memory_reserved` would come from their own
+processes (this benchmark runs on CPU nodes). Written: the JSON (every sample), and with matplotlib a PNG
+of memory against reconfiguration number; the check is every process's RSS at the end against its value
+after the 3rd reconfiguration at the same world size (target: at most 1.10x), for processes alive at both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.chaos_env import ChaosEnv, wait  # noqa: E402
+
+KINDS = ("shrink", "grow", "kill_worker", "drain", "takeover")
+TARGET = 1.10
+"""Every process's RSS at the end over its value after the 3rd reconfiguration, at most."""
+
+
+def job_config(preset: str, nodes: int, reshard: str, steps: int) -> dict:
+    return {
+        "name": "soak",
+        "model": {"preset": preset},
+        "data": {"source": "synthetic", "seq_len": 64},
+        "train": {"steps": steps, "global_batch_size": 4, "micro_batch_size": 1, "lr": 1e-3, "warmup_steps": 2,
+                  "seed": 5},
+        "parallel": {"min_workers": 1, "max_workers": nodes, "dp_mode": "shard", "reshard": reshard},
+        "checkpoint": {"interval_steps": 8, "keep_last": 2},
+        "resources": {"device": "cpu", "cpus_per_worker": 1},
+    }
+
+
+def _started(pid: int) -> float:
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.NoSuchProcess:
+        return 0.0
+
+
+def rss_mb(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class Soak:
+    def __init__(self, workdir: Path, *, preset: str, nodes: int, reshard: str, steps_after: int, log=print):
+        self.env = ChaosEnv(workdir, nodes=nodes, log=log)
+        self.preset, self.nodes, self.reshard, self.steps_after, self.log = preset, nodes, reshard, steps_after, log
+        self.job_id = ""
+        self.samples: list[dict] = []
+        self.partial: Path | None = None
+        """Where every sample so far is written as it is taken (a soak stopped early keeps them)."""
+
+    def api(self, method: str, *args, **kw):
+        from api.client import APIError, Client
+
+        def call():
+            try:
+                with Client(self.env.url, timeout=30) as c:
+                    return [getattr(c, method)(*args, **kw)]
+            except APIError as e:  # 503 while a coordinator restarts
+                if e.status not in (None, 503):
+                    raise
+                return None
+        return wait(call, 120, f"the API to answer {method}", interval=0.5)[0]
+
+    def job(self) -> dict:
+        return self.api("job", self.job_id)
+
+    def reconfigs(self) -> int:
+        """Reconfigurations so far: the job's `resize` events (a restarted coordinator's status counts
+        only its own; the event log has them all)."""
+        return sum(1 for e in self.api("events", self.job_id) if e["kind"] == "resize")
+
+    def _at(self, size: int, after_step: int) -> dict | None:
+        j = self.job()
+        if j["state"] in ("FAILED", "STOPPED", "SUCCEEDED"):
+            raise RuntimeError(f"the job ended {j['state']}: {j.get('reason')} {j.get('error')}")
+        return j if j["state"] == "RUNNING" and j["world_size"] == size and (j["step"] or 0) >= after_step else None
+
+    def settle(self, size: int, before: int, *, at_least: int = 1) -> dict:
+        """Until `at_least` reconfigurations more than `before` are counted and the job has trained
+        `steps_after` steps at `size` workers since."""
+        wait(lambda: self.reconfigs() >= before + at_least, 300, f"{at_least} reconfiguration(s)", interval=0.3)
+        j = wait(lambda: self._at(size, 0), 300, f"the job to run on {size} workers", interval=0.3)
+        start = j["step"]
+        return wait(lambda: self._at(size, start + self.steps_after), 300, "steps after the reconfiguration",
+                    interval=0.3)
+
+    def processes(self) -> dict[str, int]:
+        """role-pid -> pid of every process of the job: workers (members and standbys), coordinator, server."""
+        members = self.env.member_pids()
+        out = {}
+        for n in self.env.nodes:
+            for pid in self.env.workers_on(n):
+                out[f"{'worker' if pid in members else 'standby'}-{pid}"] = pid
+        out[f"coordinator-{self.job()['pid']}"] = self.job()["pid"]
+        if self.env.api_proc is not None:
+            out[f"server-{self.env.api_proc.pid}"] = self.env.api_proc.pid
+        return out
+
+    def sample(self, kind: str, t0: float) -> dict:
+        j = self.job()
+        procs = self.processes()
+        rss = {name: round(v, 1) for name, pid in procs.items() if (v := rss_mb(pid)) is not None}
+        s = {"reconfigs": self.reconfigs(), "kind": kind, "seconds": round(time.time() - t0, 1), "step": j["step"],
+             "world_size": j["world_size"], "events": j.get("events"), "rss_mb": rss}
+        self.samples.append(s)
+        if self.partial is not None:
+            self.partial.write_text(json.dumps({"partial": True, "samples": self.samples}, indent=1))
+        self.log(f"#{s['reconfigs']:>3} {kind:<11} step {s['step']:>5} w={s['world_size']} "
+                 + " ".join(f"{k}={v:.0f}" for k, v in sorted(rss.items())))
+        return s
+
+    # -- the events ----------------------------------------------------------------------------------------
+    def shrink(self) -> None:
+        from service.control.commands import SetWorkers
+
+        before = self.reconfigs()
+        self.api("command", self.job_id, SetWorkers(workers=self.nodes - 1))
+        self.settle(self.nodes - 1, before)
+
+    def grow(self) -> None:
+        from service.control.commands import SetWorkers
+
+        before = self.reconfigs()
+        self.api("command", self.job_id, SetWorkers(workers=self.nodes))
+        self.settle(self.nodes, before)
+
+    def kill_worker(self) -> None:
+        before = self.reconfigs()
+        pid = max(wait(self.env.worker_pids, 60, "a training worker"), key=_started)  # the oldest survives
+        os.kill(pid, signal.SIGKILL)
+        self.settle(self.nodes, before)  # healed or restored, and grown back if it had to shrink
+
+    def drain(self) -> None:
+        from service.pool.cluster import drain_node
+
+        before = self.reconfigs()
+        oldest = min(wait(self.env.worker_pids, 60, "a training worker"), key=_started)
+        node = next(n for n in wait(self.env.nodes_with_workers, 60, "a node with workers")
+                    if oldest not in self.env.workers_on(n))  # the oldest survives
+        drain_node(node.node_id, message="soak: spot reclaim", deadline_remaining_s=60.0)
+        wait(lambda: not self.env.workers_on(node, members=self.env.member_pids()), 60, "the job to leave the node")
+        self.env.remove_node(node)
+        self.env.restore_nodes()
+        self.settle(self.nodes, before)  # off the node, then onto the new one
+
+    def takeover(self) -> None:
+        before_pid = self.job()["pid"]
+        before = self.reconfigs()
+        os.kill(before_pid, signal.SIGKILL)
+        wait(lambda: (j := self.job())["pid"] not in (None, before_pid) and j["state"] == "RUNNING", 300,
+             "a restarted coordinator")
+        self.settle(self.nodes, before)
+
+    def run(self, n: int, kinds: tuple[str, ...], steps: int) -> dict:
+        self.env.start()
+        t0 = time.time()
+        try:
+            created = self.api("submit", job_config(self.preset, self.nodes, self.reshard, steps), steps=steps)
+            self.job_id = created["id"]
+            wait(lambda: self._at(self.nodes, 2), 600, "the job to train on every node", interval=0.5)
+            self.sample("start", t0)
+            i = 0
+            while self.reconfigs() < n:
+                kind = kinds[i % len(kinds)]
+                i += 1
+                getattr(self, kind)()
+                self.sample(kind, t0)
+            return {"job": self.job(), "events": self.api("events", self.job_id)}
+        finally:
+            self.env.close()
+
+
+def verdict(samples: list[dict], *, base_at: int = 3) -> dict:
+    """Per process alive both at the base and at the end: its RSS then and now. The base is the first
+    sample after reconfiguration `base_at` at the world size of the last sample (a survivor holds a
+    larger share of the state at fewer workers: a shrunk job is compared with itself shrunk)."""
+    last = samples[-1] if samples else None
+    if last is None:
+        return {}
+    base = next((s for s in samples if s["reconfigs"] >= base_at and s["world_size"] == last["world_size"]), None)
+    if base is None or base is last:
+        return {}
+    return {name: {"base_reconfigs": base["reconfigs"], "base_mb": base["rss_mb"][name], "end_mb": v,
+                   "ratio": round(v / base["rss_mb"][name], 3)}
+            for name, v in last["rss_mb"].items() if name in base["rss_mb"]}
+
+
+def plot(samples: list[dict], path: Path, title: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)", file=sys.stderr)
+        return False
+    series: dict[str, list[tuple[int, float]]] = {}
+    for s in samples:
+        for name, v in s["rss_mb"].items():
+            series.setdefault(name, []).append((s["reconfigs"], v))
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for name, pts in sorted(series.items()):
+        if len(pts) < 2:
+            continue
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=name)
+    ax.set_xlabel("reconfiguration number")
+    ax.set_ylabel("RSS (MB)")
+    ax.set_title(title)
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reconfigs", type=int, default=30, help="stop after this many reconfigurations")
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--nodes", type=int, default=2)
+    ap.add_argument("--reshard", choices=("live", "storage"), default="live")
+    ap.add_argument("--kinds", default=",".join(KINDS), help=f"the rotation (default {','.join(KINDS)})")
+    ap.add_argument("--steps-after", type=int, default=2, help="steps at full size before each sample")
+    ap.add_argument("--workdir")
+    ap.add_argument("--json", help="default: benchmarks/results/soak-<preset>-<reshard>.json (and .png)")
+    a = ap.parse_args(argv)
+    kinds = tuple(k for k in a.kinds.split(",") if k)
+    if not kinds or (bad := [k for k in kinds if k not in KINDS]):
+        ap.error(f"unknown kind(s) {bad if kinds else a.kinds!r}: choose from {', '.join(KINDS)}")
+    workdir = Path(a.workdir or tempfile.mkdtemp(prefix="soak-"))
+    out_json = Path(a.json or ROOT / "benchmarks" / "results" / f"soak-{a.preset}-{a.reshard}.json")
+    out_json.parent.mkdir(parents=True, exist_ok=True)
+    soak = Soak(workdir, preset=a.preset, nodes=a.nodes, reshard=a.reshard, steps_after=a.steps_after)
+    soak.partial = out_json
+    t0 = time.time()
+    try:
+        result = soak.run(a.reconfigs, kinds, steps=1_000_000)
+        error = None
+    except (Exception, KeyboardInterrupt) as e:  # keep what was sampled: a soak that stops early still says where memory went
+        result, error = {}, f"{type(e).__name__}: {e}"
+        print(f"soak stopped early: {error}", file=sys.stderr)
+    ratios = verdict(soak.samples)
+    out = {"command": " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]), "preset": a.preset,
+           "nodes": a.nodes, "reshard": a.reshard, "kinds": kinds, "wall_s": round(time.time() - t0, 1),
+           "error": error, "samples": soak.samples, "ratios_vs_3rd": ratios,
+           "max_ratio": max((r["ratio"] for r in ratios.values()), default=None),
+           "reconfigurations": (result.get("job") or {}).get("reconfigurations")}
+    out["passed"] = error is None and out["max_ratio"] is not None and out["max_ratio"] <= TARGET
+    out_json.write_text(json.dumps(out, indent=2))
+    plot(soak.samples, out_json.with_suffix(".png"),
+         f"soak: {a.preset}, {a.reshard}, {','.join(kinds)} ({len(soak.samples) - 1} events)")
+    for name, r in sorted(ratios.items()):
+        print(f"{name:<22} after #{r['base_reconfigs']} {r['base_mb']:>8.1f} MB  end {r['end_mb']:>8.1f} MB  "
+              f"x{r['ratio']:.3f}")
+    print(f"max ratio {out['max_ratio']} (target <= {TARGET}); {'PASSED' if out['passed'] else 'FAILED'}")
+    return 0 if out["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
