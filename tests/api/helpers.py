@@ -91,3 +91,31 @@ def wait_for(fn, *, timeout: float = 20.0, interval: float = 0.02, what: str = "
             return last
         time.sleep(interval)
     raise AssertionError(f"{what} not reached within {timeout} s; last value: {last!r}")
+
+
+class HandleLauncher:
+    """A launcher without Ray whose coordinator for `job` is `make_handle(job)` (a test's fake with
+    `status`, `events_since`, `metrics_since` and `send`): the job manager's seam, for tests of how the
+    service waits on coordinators that answer slowly or never."""
+
+    def __init__(self, make_handle):
+        self.make_handle, self.live = make_handle, {}
+
+    def launch(self, job):
+        self.live[job.id] = self.make_handle(job)
+        return self.live[job.id]
+
+    def attach(self, job_id):
+        return self.live.get(job_id)
+
+    def gone(self, job_id):
+        return False
+
+    def where(self):
+        return "here"
+
+    def release(self, job_id, timeout_s=10.0):
+        pass
+
+    def cluster(self):
+        return None

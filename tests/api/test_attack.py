@@ -20,7 +20,7 @@ from api.store import JobStore
 from service.control.commands import Stop
 from service.control.status import JobStatus
 from service.server.job_manager import JobManager, JobUnavailable
-from tests.api.helpers import SPEC, live_server
+from tests.api.helpers import HandleLauncher, SPEC, live_server
 from tests.api.test_request_limits import bad_paths
 from tests.api.test_submit_fuzz import bodies
 
@@ -55,28 +55,9 @@ class Handle:
             self.state = "STOPPED"
 
 
-class Launcher:
-    def __init__(self, stuck: threading.Event):
-        self.stuck, self.live = stuck, {}
-
-    def launch(self, job):
-        self.live[job.id] = Handle(self.stuck if job.cfg.name == "stuck" else None)
-        return self.live[job.id]
-
-    def attach(self, job_id):
-        return self.live.get(job_id)
-
-    def gone(self, job_id):
-        return False
-
-    def where(self):
-        return "here"
-
-    def release(self, job_id, timeout_s=10.0):
-        pass
-
-    def cluster(self):
-        return None
+def stuck_launcher(stuck: threading.Event) -> HandleLauncher:
+    """Coordinators that are stuck (answer nothing until `stuck` is set) for jobs named "stuck"."""
+    return HandleLauncher(lambda job: Handle(stuck if job.cfg.name == "stuck" else None))
 
 
 class Server:
@@ -125,7 +106,7 @@ def srv(tmp_path_factory):
                  azure_account="acct", resume_prefixes=(str(root / "base"), "s3://shared/base"),
                  max_live_jobs=4, lock_timeout_s=1.0, stop_timeout_s=0.5, sync_interval_s=0.05, schedule=False)
     stuck = threading.Event()
-    mgr = JobManager(JobStore(s.store_url), Launcher(stuck), runs_root=s.runs_root, data_roots=s.data_roots,
+    mgr = JobManager(JobStore(s.store_url), stuck_launcher(stuck), runs_root=s.runs_root, data_roots=s.data_roots,
                      sync_interval_s=s.sync_interval_s, stop_timeout_s=s.stop_timeout_s,
                      resume_prefixes=s.resume_prefixes, object_stores=s.object_stores, azure_account=s.azure_account,
                      max_live_jobs=s.max_live_jobs, lock_timeout_s=s.lock_timeout_s)
@@ -344,7 +325,7 @@ def test_an_unexpected_error_is_a_500_that_says_nothing_internal(tmp_path, caplo
             raise RuntimeError(f"disk I/O error at {tmp_path}/runs/elastron.db for job of alice")
 
     s = Settings(runs_root=tmp_path / "runs", store_url=":memory:", user_tokens={"bob": BOB}, schedule=False)
-    mgr = Broken(JobStore(":memory:"), Launcher(threading.Event()), runs_root=s.runs_root)
+    mgr = Broken(JobStore(":memory:"), stuck_launcher(threading.Event()), runs_root=s.runs_root)
     with TestClient(create_app(jobs=mgr, settings=s), raise_server_exceptions=False) as c:
         r = c.get(J, headers=h(BOB))
     assert r.status_code == 500 and r.headers["content-type"] == "application/json"

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from fastapi.testclient import TestClient
 
 from service.control.status import JobStatus
-from tests.api.helpers import SPEC, make_app
+from tests.api.helpers import HandleLauncher, SPEC, make_app
 
 J = "/api/v1/jobs"
 ALICE, BOB = {"Authorization": "Bearer al1ce"}, {"Authorization": "Bearer b0b"}
@@ -39,33 +39,14 @@ class Handle:
         self._wait()
 
 
-class Launcher:
-    def __init__(self, stuck: threading.Event):
-        self.stuck, self.live = stuck, {}
-
-    def launch(self, job):
-        self.live[job.id] = Handle(self.stuck if job.cfg.name == "stuck" else None)
-        return self.live[job.id]
-
-    def attach(self, job_id):
-        return self.live.get(job_id)
-
-    def gone(self, job_id):
-        return False
-
-    def where(self):
-        return "here"
-
-    def release(self, job_id, timeout_s=10.0):
-        pass
-
-    def cluster(self):
-        return None
+def stuck_launcher(stuck: threading.Event) -> HandleLauncher:
+    """Coordinators that are stuck (answer nothing until `stuck` is set) for jobs named "stuck"."""
+    return HandleLauncher(lambda job: Handle(stuck if job.cfg.name == "stuck" else None))
 
 
 def test_reads_answer_while_a_stuck_job_has_60_commands_waiting(tmp_path):
     stuck = threading.Event()  # set: the stuck coordinator answers again
-    app = make_app(tmp_path, Launcher(stuck), token="adm1n", user_tokens={"alice": "al1ce", "bob": "b0b"})
+    app = make_app(tmp_path, stuck_launcher(stuck), token="adm1n", user_tokens={"alice": "al1ce", "bob": "b0b"})
     with TestClient(app) as c:
         bobs = c.post(J, json={"spec": {**SPEC, "name": "stuck"}}, headers=BOB).json()["id"]
         alices = c.post(J, json={"spec": SPEC}, headers=ALICE).json()["id"]

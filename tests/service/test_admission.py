@@ -20,6 +20,7 @@ from service.server.admission import LOCATION_FIELDS, Admission, Claim, Place, c
 from service.server.job_manager import JobConflict, JobManager, JobNotFound, JobUnavailable
 from service.server.limits import MODEL_OVERRIDES, check_override
 from service.server.specs import SpecError, validate_spec
+from tests.api.helpers import HandleLauncher
 
 SPEC = {"name": "h", "data": {"source": "synthetic", "seq_len": 16},
         "train": {"steps": 10, "global_batch_size": 8, "micro_batch_size": 2}}
@@ -262,28 +263,9 @@ class Handle:
             self.stuck.wait(30)  # a command waits longer: it holds the job's lock meanwhile
 
 
-class Launcher:
-    def __init__(self, stuck: threading.Event):
-        self.stuck, self.live = stuck, {}
-
-    def launch(self, job):
-        self.live[job.id] = Handle(self.stuck if job.cfg.name.startswith("stuck") else None)
-        return self.live[job.id]
-
-    def attach(self, job_id):
-        return self.live.get(job_id)
-
-    def gone(self, job_id):
-        return False
-
-    def where(self):
-        return "here"
-
-    def release(self, job_id, timeout_s=10.0):
-        pass
-
-    def cluster(self):
-        return None
+def stuck_launcher(stuck: threading.Event) -> HandleLauncher:
+    """Coordinators that are stuck (answer nothing until `stuck` is set) for jobs named "stuck..."."""
+    return HandleLauncher(lambda job: Handle(stuck if job.cfg.name.startswith("stuck") else None))
 
 
 @pytest.fixture
@@ -294,7 +276,7 @@ def stuck():
 
 
 def manager(tmp_path, stuck, **kw) -> JobManager:
-    return JobManager(JobStore(tmp_path / "runs" / "elastron.db"), Launcher(stuck), runs_root=tmp_path / "runs",
+    return JobManager(JobStore(tmp_path / "runs" / "elastron.db"), stuck_launcher(stuck), runs_root=tmp_path / "runs",
                       sync_interval_s=0.02, stop_timeout_s=0.2, **kw)
 
 
