@@ -356,14 +356,11 @@ class Replay:
 
 
 def _wait(cond, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.05)
+    """cond()'s first truthy value, or TimeoutError naming `what` (chaos_env's poll; imported here, where
+    Ray is already loaded, so the trace's pure parts stay free of it)."""
+    from benchmarks.chaos_env import wait
+
+    return wait(cond, timeout, what)
 
 
 @dataclass
