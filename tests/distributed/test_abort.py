@@ -59,4 +59,6 @@ def test_a_collective_hung_on_a_silent_peer_is_ended(tmp_path):
     if backend() == "nccl":
         assert r0["elapsed"] < silent - 10, r0  # ended by the abort, while the peer was still silent
     else:
-        assert silent <= r0["elapsed"] < silent + 30, r0  # ended when the peer left, not at the timeout
+        # ended when the peer left (rank 1 starts its silence as it leaves the barrier, which can be a few ms
+        # before rank 0 starts its clock), not by the abort at 1 s and not at the group's timeout
+        assert silent - 0.5 <= r0["elapsed"] < silent + 30, r0
