@@ -47,7 +47,11 @@ def test_populated_memory_is_written_without_faults_and_keeps_its_bytes():
         prefault._populate(*piece)
     if not prefault._available:
         pytest.skip("this kernel has no MADV_POPULATE_WRITE")
-    assert fresh_faults > n // PAGE // 2  # the premise: fresh memory faults on first write
+    # The premise: fresh memory faults on first write. With transparent huge pages ("always", as on CI's
+    # machines) part of it comes in 2 MiB pages and faults less (8191 of 16384 pages seen once); what
+    # matters is that there are enough faults for the ratio below to mean something.
+    if fresh_faults < 256:
+        pytest.skip(f"fresh memory faulted only {fresh_faults} times (huge pages): nothing to compare")
     assert _faults_to_fill(mapped) < fresh_faults // 10
     # Memory that holds data keeps every byte.
     data = torch.arange(1 << 20, dtype=torch.int64)
