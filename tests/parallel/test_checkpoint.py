@@ -166,15 +166,18 @@ def test_overlaps_and_chunks_meeting_a_box_agree_with_a_full_scan():
 def test_round_trip_is_exact_and_self_describing(run):
     root, _, _, snaps = run
     d = os.path.join(root, STEP_DIR.format(4))
-    # Only safetensors shards and the JSON manifest: no DCP .metadata pickle, no index file.
-    assert sorted(n.rsplit(".", 1)[-1] for n in os.listdir(d)) == ["json", "safetensors"]
+    # Only safetensors shards and JSON (the manifest and the rank's index): no DCP .metadata pickle.
+    assert sorted(os.listdir(d)) == ["index-r00000.json", "manifest.json", "shard-r00000-00.safetensors"]
     manifest = json.loads(open(os.path.join(d, "manifest.json")).read())
+    assert manifest["format_version"] == 3 and manifest["indexes"] == 1
     assert manifest["step"] == 4 and manifest["layout"] == {"tp": 1} and manifest["data"]["consumed_samples"] == 32
-    assert set(manifest["optimizer"]["steps"].values()) == {4}  # step counters live here, not in the files
     assert manifest["tensors"]["model.output.weight"]["shape"] == [64, 32]
     assert manifest["tensors"]["optim.exp_avg.output.weight"]["shape"] == [64, 32]
     assert not [k for k in manifest["tensors"] if k.endswith("step")]
-    for name, f in manifest["files"].items():
+    index = json.loads(open(os.path.join(d, "index-r00000.json")).read())
+    assert set(index["optimizer_steps"].values()) == {4}  # step counters live here, not in the files
+    assert set(index["chunks"]) == set(manifest["tensors"])
+    for name, f in index["files"].items():
         assert os.path.getsize(os.path.join(d, name)) == f["size"]
 
     model, opt = tiny(seed=99)
@@ -373,7 +376,7 @@ def test_latest_moves_only_after_commit(run, monkeypatch):
     monkeypatch.setattr(LocalStorage, "write_bytes", write_bytes)
     monkeypatch.setattr(LocalStorage, "commit_dir", commit_dir)
     CheckpointManager(root, keep_last=5).save(6, model, opt, state={}, blocking=True)
-    assert events == ["manifest.json", "commit", "latest"]
+    assert events == ["index-r00000.json", "manifest.json", "commit", "latest"]  # the manifest after every index
 
     def failing_commit(self, staging, final):
         raise OSError("disk full")
