@@ -32,7 +32,7 @@ from torch import nn
 
 from parallel.checkpoint import state as state_mod
 from parallel.checkpoint.manifest import CheckpointError, Manifest, describe
-from parallel.checkpoint.placement import index_ranks
+from parallel.checkpoint.placement import indexes_for
 from parallel.checkpoint.tensor_io import read_into
 from parallel.checkpoint.validate import check_manifest, file_problems, list_step_dirs, read_indexes, read_manifest_text
 from parallel.sharding import Box
@@ -144,15 +144,15 @@ def my_part(storage: Any, path: str, manifest: Manifest, model: torch.nn.Module,
     do not tile its boxes, or a file it reads is missing or of the wrong size."""
     boxes = state_mod.boxes_to_load(model, manifest.tensors)
     placement = manifest.placement_of()
-    if placement is None:
-        ranks: Any = range(manifest.indexes)
+    if placement is None:  # the fallback's saves write no shared indexes
+        wanted: Any = [(r, False) for r in range(manifest.indexes)]
     else:
-        ranks = index_ranks(placement.boxmap(manifest.optimizer_states()),
-                            {k: Box(o, s) for k, (o, s) in boxes.items()})
-    indexes, problems = read_indexes(storage, path, manifest, ranks, transient=transient)
-    part, more = manifest.merged(indexes, whole=len(indexes) == manifest.indexes)
+        wanted = indexes_for(placement.boxmap(manifest.optimizer_states()),
+                             {k: Box(o, s) for k, (o, s) in boxes.items()})
+    indexes, problems = read_indexes(storage, path, manifest, wanted, transient=transient)
+    part, more = manifest.merged(indexes, whole=False)
     problems += more
-    if problems or (transient and len(indexes) < len(ranks)):
+    if problems or (transient and len(indexes) < len(wanted)):
         return part, problems
     problems += part.coverage_problems(boxes)
     if problems:

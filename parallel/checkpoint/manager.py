@@ -54,7 +54,7 @@ from parallel.checkpoint.checksum import check_algorithm
 from parallel.checkpoint.comm import Comm
 from parallel.checkpoint.manifest import (FORMAT_VERSION, MANIFEST_NAME, OPTIM_PREFIX, CheckpointError, Chunk, FileEntry,
                                           Index, Manifest, TensorEntry, describe, index_name, shard_prefix)
-from parallel.checkpoint.placement import Placement, param_of, writes
+from parallel.checkpoint.placement import Placement, param_of, shared, writes
 from parallel.checkpoint.loader import load_newest
 from parallel.checkpoint.storage import Storage, open_storage
 from parallel.checkpoint.tensor_io import dtype_name
@@ -84,6 +84,8 @@ class _SaveJob:
     background: bool
     placed: bool = False
     """The writers were chosen by the placement's rule (the top manifest records it)."""
+    shared: frozenset = frozenset()
+    """Keys of the boxes this rank writes that are shared (`placement.shared`): its shared index."""
     stage_after: Any = False
     """False: `pieces` are ready to write; None or a CUDA event: the writer thread stages them first
     (after that event on GPUs)."""
@@ -173,7 +175,7 @@ class CheckpointManager:
         tm.add("plan", time.perf_counter() - t)
         tm.bytes = sum(p.nbytes for p in mine)
         job = _SaveJob(step=step, pieces=mine, shapes=shapes, optimizer_steps=opt_steps, state=dict(state),
-                       background=not blocking, placed=placed)
+                       background=not blocking, placed=placed, shared=self._shared_keys(mine, shapes) if placed else frozenset())
         cuda = any(p.data.is_cuda for p in mine)
         if overlap_staging and not blocking:
             job.stage_after = torch.cuda.Event() if cuda else None
@@ -260,6 +262,11 @@ class CheckpointManager:
         plan = [(p.key, tuple(p.offsets), tuple(p.data.shape), p.nbytes) for p in local]
         mine = state_mod.assign_writers(self._comm.all_gather(plan))[self.rank]
         return [p for p in local if (p.key, tuple(p.offsets)) in mine], False
+
+    def _shared_keys(self, mine: list[Piece], shapes: dict[str, tuple[list[int], str]]) -> frozenset:
+        states = tuple(sorted({k[len(OPTIM_PREFIX):].split(".", 1)[0] for k in shapes if k.startswith(OPTIM_PREFIX)}))
+        bm = self.placement.boxmap(states)
+        return frozenset(p.key for p in mine if shared(bm, p.key, bm.tile_of(self.rank, p.key)))
 
     @property
     def in_flight(self) -> bool:
@@ -385,20 +392,27 @@ class CheckpointManager:
                              sync=self.storage.atomic_rename)
         return writer.write(files, threads=self.io_threads)
 
-    def write_index(self, directory: str, job: _SaveJob, written: list[WrittenFile]) -> Index:
-        """Write this rank's index of `written` into `directory`, after checking it against the shapes
-        this rank holds (its own records only)."""
-        index = Index(rank=self.rank, step=job.step, optimizer_steps=job.optimizer_steps,
-                      files={wf.name: FileEntry(size=wf.size, digest=wf.header_digest, algorithm=self.checksum,
-                                                blockwise=True) for wf in written},
-                      chunks={key: Chunk(file=wf.name, offsets=tuple(c.offsets), sizes=tuple(c.sizes),
-                                         block_rows=c.block_rows, digests=tuple(c.digests))
-                              for wf in written for key, c in wf.chunks.items()})
-        problems = index.problems({k: TensorEntry(shape=tuple(s), dtype=d, chunks=()) for k, (s, d) in job.shapes.items()})
-        if problems:
-            raise CheckpointError("; ".join(problems[:5]))
-        self.storage.write_bytes(self.storage.join(directory, index_name(self.rank)), index.to_json().encode())
-        return index
+    def write_index(self, directory: str, job: _SaveJob, written: list[WrittenFile]) -> None:
+        """Write this rank's index of `written` into `directory` (and its shared index, for the shared
+        boxes it wrote), after checking them against the shapes this rank holds (its own records only)."""
+        files = {wf.name: FileEntry(size=wf.size, digest=wf.header_digest, algorithm=self.checksum, blockwise=True)
+                 for wf in written}
+        chunks = {key: Chunk(file=wf.name, offsets=tuple(c.offsets), sizes=tuple(c.sizes), block_rows=c.block_rows,
+                             digests=tuple(c.digests)) for wf in written for key, c in wf.chunks.items()}
+        tensors = {k: TensorEntry(shape=tuple(s), dtype=d, chunks=()) for k, (s, d) in job.shapes.items()}
+        for is_shared in (False, True):
+            mine = {k: c for k, c in chunks.items() if (k in job.shared) == is_shared}
+            if is_shared and not mine:
+                continue
+            index = Index(rank=self.rank, step=job.step, shared=is_shared, chunks=mine,
+                          files={c.file: files[c.file] for c in mine.values()},
+                          optimizer_steps={p: n for p, n in job.optimizer_steps.items()
+                                           if not is_shared or any(param_of(k) == p for k in mine)})
+            problems = index.problems(tensors)
+            if problems:
+                raise CheckpointError("; ".join(problems[:5]))
+            self.storage.write_bytes(self.storage.join(directory, index_name(self.rank, is_shared)),
+                                     index.to_json().encode())
 
     def _commit(self, job: _SaveJob, staging: str, final: str, reports: list[dict]) -> str | None:
         """Rank 0, once every rank wrote its files and index: write the top manifest (the commit marker)

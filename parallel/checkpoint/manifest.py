@@ -43,9 +43,11 @@ MANIFEST_NAME = "manifest.json"
 INDEX_FORMAT = "elastron-checkpoint-index"
 
 
-def index_name(rank: int) -> str:
-    """The file a saving rank describes its files and chunks in (format 3)."""
-    return f"index-r{rank:05d}.json"
+def index_name(rank: int, shared: bool = False) -> str:
+    """The file a saving rank describes its files and chunks in (format 3); `shared`: the one for the
+    boxes held beyond their data-parallel replicas (`placement.shared`), which every rank writes that
+    writes any."""
+    return f"index-r{rank:05d}{'-shared' if shared else ''}.json"
 
 
 def shard_prefix(rank: int) -> str:
@@ -57,7 +59,8 @@ MODEL_PREFIX = "model."
 OPTIM_PREFIX = "optim."
 """Tensor keys of optimizer state: ``optim.<state name>.<canonical name>`` (e.g. optim.exp_avg.output.weight)."""
 
-_FIELDS = ("format", "format_version", "step", "created", "optimizer", "tensors", "files", "placement", "indexes")
+_FIELDS = ("format", "format_version", "step", "created", "optimizer", "tensors", "files", "placement", "indexes",
+           "params")
 
 ITEMSIZE = {
     "float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
@@ -209,9 +212,18 @@ class Manifest:
         head = {"format": FORMAT, "format_version": self.format_version, "step": self.step, "created": self.created,
                 **self.state}
         if self.format_version >= 3:  # the top manifest: no chunks, no files (they are in the indexes)
-            return {**head, "optimizer": {"name": self.optimizer_name}, "placement": self.placement,
-                    "indexes": self.indexes,
-                    "tensors": {k: {"shape": list(t.shape), "dtype": t.dtype} for k, t in sorted(self.tensors.items())}}
+            params, states = self.model_tensors(), self.optimizer_states()
+            spelled = {f"{p}{n}": (t.shape, t.dtype) for n, t in params.items()
+                       for p in (MODEL_PREFIX, *(f"{OPTIM_PREFIX}{st}." for st in states))}
+            if spelled == {k: (t.shape, t.dtype) for k, t in self.tensors.items()}:
+                # Every parameter with the same optimizer states (AdamW's moments take its shape and
+                # dtype): the parameters and the state names say it, a third of the bytes.
+                tensors = {"params": {n: {"shape": list(t.shape), "dtype": t.dtype} for n, t in sorted(params.items())}}
+            else:
+                tensors = {"tensors": {k: {"shape": list(t.shape), "dtype": t.dtype} for k, t in sorted(self.tensors.items())}}
+                states = ()
+            return {**head, "optimizer": {"name": self.optimizer_name, "states": list(states)},
+                    "placement": self.placement, "indexes": self.indexes, **tensors}
         return {
             **head,
             "optimizer": {"name": self.optimizer_name, "steps": dict(sorted(self.optimizer_steps.items()))},
@@ -248,6 +260,8 @@ class Manifest:
             raise ManifestError("manifest optimizer must be an object")
         steps = _steps(opt.get("steps", {}), "manifest optimizer.steps")
         tensors_d = d.get("tensors")
+        if version >= 3 and "params" in d:
+            tensors_d = _spelled(d["params"], opt.get("states", []))
         files_d = d.get("files", {} if version >= 3 else None)
         if not isinstance(tensors_d, dict) or not isinstance(files_d, dict):
             raise ManifestError("manifest needs 'tensors' and 'files' objects")
@@ -454,6 +468,14 @@ def _tensor(key: Any, v: Any, *, chunks: bool = True) -> TensorEntry:
                        chunks=tuple(_chunk(key, c) for c in v["chunks"]) if chunks else ())
 
 
+def _spelled(params: Any, states: Any) -> dict[str, Any]:
+    """A format-3 top manifest's tensors from its parameters and optimizer state names."""
+    if not isinstance(params, dict) or not isinstance(states, list) or not all(
+            isinstance(s, str) and s and "." not in s for s in states):
+        raise ManifestError("manifest params must be an object and optimizer.states a list of names")
+    return {f"{p}{n}": v for n, v in params.items() for p in (MODEL_PREFIX, *(f"{OPTIM_PREFIX}{s}." for s in states))}
+
+
 def _load_json(text: str | bytes, what: str) -> Any:
     try:
         return json.loads(text)
@@ -481,6 +503,8 @@ class Index:
 
     rank: int
     step: int
+    shared: bool = False
+    """The rank's shared index (`index_name`)."""
     files: dict[str, FileEntry] = field(default_factory=dict)
     chunks: dict[str, Chunk] = field(default_factory=dict)
     """Key -> the one box of it this rank wrote (a rank writes at most one box per tensor)."""
@@ -489,23 +513,24 @@ class Index:
     def to_json(self) -> str:
         return json.dumps({
             "format": INDEX_FORMAT, "format_version": FORMAT_VERSION, "step": self.step, "rank": self.rank,
+            "shared": self.shared,
             "optimizer_steps": dict(sorted(self.optimizer_steps.items())),
             "files": {k: f.to_dict() for k, f in sorted(self.files.items())},
             "chunks": {k: _chunk_dict(c) for k, c in sorted(self.chunks.items())},
         }, separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, text: str | bytes, *, rank: int, step: int) -> "Index":
+    def from_json(cls, text: str | bytes, *, rank: int, step: int, shared: bool = False) -> "Index":
         """Parse and type-check the index of saving rank `rank` of the checkpoint of `step`; raises
         ManifestError saying what is wrong (also for another rank's or another step's index, and for a
         file name that is not one of this rank's)."""
-        where = index_name(rank)
+        where = index_name(rank, shared)
         d = _load_json(text, where)
         if not isinstance(d, dict) or d.get("format") != INDEX_FORMAT:
             raise ManifestError(f"{where} is not a checkpoint index (format {d.get('format') if isinstance(d, dict) else None!r})")
-        if d.get("rank") != rank or d.get("step") != step:
-            raise ManifestError(f"{where} describes rank {d.get('rank')!r} of step {d.get('step')!r}, "
-                                f"not rank {rank} of step {step}")
+        if d.get("rank") != rank or d.get("step") != step or bool(d.get("shared")) != shared:
+            raise ManifestError(f"{where} describes rank {d.get('rank')!r} of step {d.get('step')!r} "
+                                f"(shared: {d.get('shared')!r}), not rank {rank} of step {step}")
         files_d, chunks_d = d.get("files"), d.get("chunks")
         if not isinstance(files_d, dict) or not isinstance(chunks_d, dict):
             raise ManifestError(f"{where} needs 'files' and 'chunks' objects")
@@ -513,13 +538,13 @@ class Index:
         bad = sorted(n for n in files if not n.startswith(shard_prefix(rank)))
         if bad:
             raise ManifestError(f"{where} lists {bad[0]}, which is not a file of rank {rank}")
-        return cls(rank=rank, step=step, files=files, chunks={str(k): _chunk(k, v) for k, v in chunks_d.items()},
+        return cls(rank=rank, step=step, shared=shared, files=files, chunks={str(k): _chunk(k, v) for k, v in chunks_d.items()},
                    optimizer_steps=_steps(d.get("optimizer_steps", {}), f"{where} optimizer_steps"))
 
     def problems(self, tensors: dict[str, TensorEntry]) -> list[str]:
         """Chunks of tensors the top manifest does not have, or that fall outside their tensor, name a
         file this index does not list, or lack block digests; files too small for their chunks."""
-        where = index_name(self.rank)
+        where = index_name(self.rank, self.shared)
         out: list[str] = []
         in_file = dict.fromkeys(self.files, 0)
         for key, c in sorted(self.chunks.items()):

@@ -5,11 +5,15 @@ whether the embedding is tied, and the global shape and dtype of every parameter
 `parallel.sharding.BoxMap` gives the box of every checkpoint key on every rank by arithmetic, so:
 
 - on save, each rank decides alone which of its boxes it writes (`writes`): a box held by several ranks
-  (data-parallel replicas, TP-replicated norms, the tied table on the first and last stage) is written
-  by one of its holders, `writer`: the holder at position (crc32(key) + shard + tp coordinate) mod
-  their number, which spreads the writing over the replicas key by key with no exchange of boxes;
-- on load, a rank finds which saved ranks wrote the tiles that meet its own boxes (`index_ranks`), and
-  reads only those ranks' indexes.
+  is written by one of its holders, `writer`. Data-parallel replicas take turns: the replica at
+  position (crc32(key) + shard + tp coordinate) mod their number writes, which spreads the writing
+  over them key by key with no exchange of boxes. A box held beyond the replicas (a TP-replicated norm
+  on every TP rank, the tied table on the first and last stage) is *shared*: it is written by a
+  replica of its first holder (lowest stage, lowest TP coordinate), and described in that rank's
+  shared index, apart from its main one, so that a rank at another TP coordinate or stage that loads
+  the norm reads a few records, not the index of every matrix that rank wrote;
+- on load, a rank finds which saved ranks' indexes describe the tiles that meet its own boxes
+  (`indexes_for`), and reads only those.
 
 Pure: no torch, no process group.
 """
@@ -65,10 +69,20 @@ class Placement:
                    params=dict(params))
 
 
+def shared(bm: BoxMap, key: str, tile: Tile) -> bool:
+    """Whether `tile` of `key` is held beyond its data-parallel replicas (several TP ranks or stages)."""
+    return len(bm.holders(key, tile)) > bm.layout.dp_replicate
+
+
 def writer(bm: BoxMap, key: str, tile: Tile) -> int:
-    """The rank that writes `tile` of `key`: one of its holders, chosen from the key and the tile alone."""
+    """The rank that writes `tile` of `key`: one of its holders, chosen from the key and the tile alone.
+    `holders` lists stages, then replicas, then TP ranks: the first stage's ranks at the lowest TP
+    coordinate, one per replica, are every `nt`-th of the first R * nt."""
     holders = bm.holders(key, tile)
-    return holders[(zlib.crc32(key.encode()) + tile.shard + (tile.tp or 0)) % len(holders)]
+    R = bm.layout.dp_replicate
+    nt = bm.layout.tp if tile.tp is None else 1
+    first = holders[:R * nt:nt]
+    return first[(zlib.crc32(key.encode()) + tile.shard + (tile.tp or 0)) % len(first)]
 
 
 def writes(bm: BoxMap, rank: int, key: str) -> bool:
@@ -77,10 +91,10 @@ def writes(bm: BoxMap, rank: int, key: str) -> bool:
     return tile is not None and writer(bm, key, tile) == rank
 
 
-def index_ranks(bm: BoxMap, boxes: dict[str, Box]) -> set[int]:
-    """The saved ranks whose indexes describe every chunk that meets `boxes` (key -> box to load)."""
-    out: set[int] = set()
+def indexes_for(bm: BoxMap, boxes: dict[str, Box]) -> set[tuple[int, bool]]:
+    """The indexes, (saved rank, shared), that describe every chunk meeting `boxes` (key -> box to load)."""
+    out: set[tuple[int, bool]] = set()
     for key, box in boxes.items():
         if key in bm:
-            out.update(writer(bm, key, tile) for tile in bm.tiles(key, box))
+            out.update((writer(bm, key, tile), shared(bm, key, tile)) for tile in bm.tiles(key, box))
     return out

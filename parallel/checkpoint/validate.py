@@ -104,25 +104,28 @@ def check_manifest(path: str, text: str | None, why_missing: str | None,
     return check
 
 
-def read_indexes(storage: Storage, path: str, manifest: Manifest, ranks, *,
-                 transient: list[str] | None = None) -> tuple[list[Index], list[str]]:
-    """(The parsed indexes of saving ranks `ranks` of the format-3 checkpoint at `path`, problems). A
-    missing or malformed index is a problem; another read error goes to `transient` when given."""
+def read_indexes(storage: Storage, path: str, manifest: Manifest, wanted, *,
+                 transient: list[str] | None = None, optional_shared: bool = False) -> tuple[list[Index], list[str]]:
+    """(The parsed indexes `wanted` ((saving rank, shared) pairs) of the format-3 checkpoint at `path`,
+    problems). A missing or malformed index is a problem (a missing shared one not, with
+    `optional_shared`: a rank that writes no shared box writes none); another read error goes to
+    `transient` when given."""
     out, problems = [], []
-    for r in sorted(ranks):
+    for r, shared in sorted(wanted):
+        name = index_name(r, shared)
         if not 0 <= r < manifest.indexes:
-            problems.append(f"{index_name(r)} is needed but the manifest lists {manifest.indexes} indexes")
+            problems.append(f"{name} is needed but the manifest lists {manifest.indexes} ranks' indexes")
             continue
         try:
-            text = storage.read_bytes(storage.join(path, index_name(r)))
-            out.append(Index.from_json(text, rank=r, step=manifest.step))
+            text = storage.read_bytes(storage.join(path, name))
+            out.append(Index.from_json(text, rank=r, step=manifest.step, shared=shared))
         except FileNotFoundError:
-            problems.append(f"{index_name(r)} is missing")
+            if not (shared and optional_shared):
+                problems.append(f"{name} is missing")
         except ManifestError as e:
             problems.append(str(e))
         except (OSError, MemoryError) as e:
-            (transient if transient is not None else problems).append(
-                f"cannot read {index_name(r)}: {type(e).__name__}: {e}")
+            (transient if transient is not None else problems).append(f"cannot read {name}: {type(e).__name__}: {e}")
     return out, problems
 
 
@@ -130,7 +133,8 @@ def whole(storage: Storage, path: str, manifest: Manifest) -> tuple[Manifest, li
     """A format-3 manifest with every index merged in (formats 1-2: as it is), and the problems found."""
     if manifest.scope != "top":
         return manifest, []
-    indexes, problems = read_indexes(storage, path, manifest, range(manifest.indexes))
+    every = [(r, s) for r in range(manifest.indexes) for s in (False, True)]
+    indexes, problems = read_indexes(storage, path, manifest, every, optional_shared=True)
     merged, more = manifest.merged(indexes, whole=True)
     return merged, problems + more
 

@@ -171,12 +171,13 @@ def test_round_trip_is_exact_and_self_describing(run):
     manifest = json.loads(open(os.path.join(d, "manifest.json")).read())
     assert manifest["format_version"] == 3 and manifest["indexes"] == 1
     assert manifest["step"] == 4 and manifest["layout"] == {"tp": 1} and manifest["data"]["consumed_samples"] == 32
-    assert manifest["tensors"]["model.output.weight"]["shape"] == [64, 32]
-    assert manifest["tensors"]["optim.exp_avg.output.weight"]["shape"] == [64, 32]
-    assert not [k for k in manifest["tensors"] if k.endswith("step")]
+    assert manifest["params"]["output.weight"]["shape"] == [64, 32]  # and so its moments'
+    assert manifest["optimizer"]["states"] == ["exp_avg", "exp_avg_sq"]
     index = json.loads(open(os.path.join(d, "index-r00000.json")).read())
     assert set(index["optimizer_steps"].values()) == {4}  # step counters live here, not in the files
-    assert set(index["chunks"]) == set(manifest["tensors"])
+    assert index["chunks"]["optim.exp_avg.output.weight"]["sizes"] == [64, 32]
+    assert set(index["chunks"]) == set(Manifest.from_json(json.dumps(manifest)).tensors)
+    assert not [k for k in index["chunks"] if k.endswith("step")]
     for name, f in index["files"].items():
         assert os.path.getsize(os.path.join(d, name)) == f["size"]
 
@@ -457,3 +458,20 @@ def test_rng_round_trip():
     assert a[0] == b[0] and a[1] == b[1] and torch.equal(a[2], b[2])
     with pytest.raises(ValueError, match="malformed RNG"):
         restore_rng({"python": [3, [1, 2], None]})
+
+
+def test_a_format3_top_manifest_round_trips_in_either_spelling():
+    def top(tensors):
+        return Manifest(step=3, tensors={k: TensorEntry(shape=s, dtype=d, chunks=()) for k, (s, d) in tensors.items()},
+                        files={}, format_version=3, indexes=4, scope="top",
+                        placement={"layout": {"dp_shard": 2, "tp": 2}, "n_layers": 1, "tied": False})
+
+    same = {"model.w": ((4, 2), "float32"), "optim.exp_avg.w": ((4, 2), "float32"), "optim.exp_avg_sq.w": ((4, 2), "float32")}
+    odd = {**same, "optim.exp_avg.w": ((4, 2), "bfloat16")}  # a moment unlike its parameter: spelled out
+    for tensors, field in ((same, "params"), (odd, "tensors")):
+        m = top(tensors)
+        d = json.loads(m.to_json())
+        assert field in d and "files" not in d and "chunks" not in m.to_json()
+        back = Manifest.from_json(m.to_json())
+        assert back.scope == "top" and back.indexes == 4 and back.placement_of().layout.tp == 2
+        assert {k: (t.shape, t.dtype) for k, t in back.tensors.items()} == tensors
