@@ -216,7 +216,7 @@ def _format2_bytes(bm: BoxMap, lay: Layout, shapes) -> tuple[int, int]:
 def cmd_manifest(a) -> dict:
     """Checkpoint metadata one loading rank reads (format 3: the top manifest and the indexes of the
     saved ranks whose boxes meet its own; format 2: the whole manifest), against its own boxes' metadata."""
-    from parallel.checkpoint.manifest import Index, Manifest, TensorEntry, _chunk_dict
+    from parallel.checkpoint.manifest import Index, Manifest, TensorEntry
     from parallel.checkpoint.placement import Placement, indexes_for, shared, writes
 
     cfg = model(a.model)
@@ -256,7 +256,7 @@ def cmd_manifest(a) -> dict:
         problems += part.coverage_problems({k: (b.offsets, b.sizes) for k, b in mine.items()})
         load_s = time.perf_counter() - t
         # The least any per-chunk record format reads: the records of the chunks that meet its boxes.
-        needed = sum(len(json.dumps({k: _chunk_dict(c)}, separators=(",", ":")))
+        needed = sum(len(json.dumps({k: c.to_dict()}, separators=(",", ":")))
                      for k, b in mine.items() for c in part.tensors[k].meeting(b.offsets, b.sizes))
         own = len(_index(r, mine))
         read = len(top) + sum(len(x) for x in texts.values())

@@ -171,11 +171,11 @@ class CheckpointManager:
         local = state_mod.pieces(tensors)
         tm.add("collect", time.perf_counter() - t)
         t = time.perf_counter()
-        mine, placed = self._my_pieces(local, shapes)
+        mine, shared_keys = self._my_pieces(local, shapes)
         tm.add("plan", time.perf_counter() - t)
         tm.bytes = sum(p.nbytes for p in mine)
         job = _SaveJob(step=step, pieces=mine, shapes=shapes, optimizer_steps=opt_steps, state=dict(state),
-                       background=not blocking, placed=placed, shared=self._shared_keys(mine, shapes) if placed else frozenset())
+                       background=not blocking, placed=shared_keys is not None, shared=shared_keys or frozenset())
         cuda = any(p.data.is_cuda for p in mine)
         if overlap_staging and not blocking:
             job.stage_after = torch.cuda.Event() if cuda else None
@@ -238,8 +238,10 @@ class CheckpointManager:
             self._hooked[1].remove()
             self._hooked = None
 
-    def _my_pieces(self, local: list[Piece], shapes: dict[str, tuple[list[int], str]]) -> tuple[list[Piece], bool]:
-        """(The boxes this rank writes, whether the placement's rule chose them). Collective. With a
+    def _my_pieces(self, local: list[Piece], shapes: dict[str, tuple[list[int], str]]
+                   ) -> tuple[list[Piece], frozenset | None]:
+        """(The boxes this rank writes, the keys of those that are shared (`placement.shared`), or None
+        when the placement's rule did not choose them). Collective. With a
         placement whose `BoxMap` gives every rank exactly the boxes, shapes and dtypes it holds (agreed
         by a reduction of two integers), each rank keeps the boxes `placement.writes` gives it: work in
         its own boxes. Otherwise every rank's boxes are gathered and each distinct box is given to one
@@ -254,19 +256,15 @@ class CheckpointManager:
                 log.debug("checkpoint placement does not apply: %s", e)
             token = zlib.crc32(repr((states, self.placement.to_dict(), len(self.placement.params))).encode())
             if self._comm.agree(ok, token):
-                return [p for p in local if writes(bm, self.rank, p.key)], True
+                mine = [p for p in local if writes(bm, self.rank, p.key)]
+                return mine, frozenset(p.key for p in mine if shared(bm, p.key, bm.tile_of(self.rank, p.key)))
             if ok or self.rank == 0:
                 log.warning("checkpoint boxes differ from what layout %s predicts on some rank: choosing "
                             "writers from every rank's boxes (a save and a load that cost the world size)",
                             self.placement.layout)
         plan = [(p.key, tuple(p.offsets), tuple(p.data.shape), p.nbytes) for p in local]
         mine = state_mod.assign_writers(self._comm.all_gather(plan))[self.rank]
-        return [p for p in local if (p.key, tuple(p.offsets)) in mine], False
-
-    def _shared_keys(self, mine: list[Piece], shapes: dict[str, tuple[list[int], str]]) -> frozenset:
-        states = tuple(sorted({k[len(OPTIM_PREFIX):].split(".", 1)[0] for k in shapes if k.startswith(OPTIM_PREFIX)}))
-        bm = self.placement.boxmap(states)
-        return frozenset(p.key for p in mine if shared(bm, p.key, bm.tile_of(self.rank, p.key)))
+        return [p for p in local if (p.key, tuple(p.offsets)) in mine], None
 
     @property
     def in_flight(self) -> bool:

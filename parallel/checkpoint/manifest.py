@@ -105,6 +105,14 @@ class Chunk:
     def n_blocks(self) -> int:
         return -(-self.rows // self.block_rows) if self.block_rows else 0
 
+    def to_dict(self) -> dict[str, Any]:
+        """The chunk's JSON record (in a format-2 manifest's tensor, or a format-3 index)."""
+        d: dict[str, Any] = {"file": self.file, "offsets": list(self.offsets), "sizes": list(self.sizes)}
+        if self.block_rows:
+            d["block_rows"] = self.block_rows
+            d["digests"] = list(self.digests)
+        return d
+
 
 @dataclass(frozen=True, slots=True)
 class TensorEntry:
@@ -229,7 +237,7 @@ class Manifest:
             "optimizer": {"name": self.optimizer_name, "steps": dict(sorted(self.optimizer_steps.items()))},
             "tensors": {
                 k: {"shape": list(t.shape), "dtype": t.dtype,
-                    "chunks": [_chunk_dict(c) for c in t.chunks]}
+                    "chunks": [c.to_dict() for c in t.chunks]}
                 for k, t in sorted(self.tensors.items())
             },
             "files": {k: f.to_dict() for k, f in sorted(self.files.items())},
@@ -412,14 +420,6 @@ def _overlapping(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> list[t
     return out
 
 
-def _chunk_dict(c: Chunk) -> dict[str, Any]:
-    d: dict[str, Any] = {"file": c.file, "offsets": list(c.offsets), "sizes": list(c.sizes)}
-    if c.block_rows:
-        d["block_rows"] = c.block_rows
-        d["digests"] = list(c.digests)
-    return d
-
-
 def _block_problems(key: str, c: Chunk, f: FileEntry | None) -> list[str]:
     if f is None or not f.blockwise:
         return []
@@ -516,7 +516,7 @@ class Index:
             "shared": self.shared,
             "optimizer_steps": dict(sorted(self.optimizer_steps.items())),
             "files": {k: f.to_dict() for k, f in sorted(self.files.items())},
-            "chunks": {k: _chunk_dict(c) for k, c in sorted(self.chunks.items())},
+            "chunks": {k: c.to_dict() for k, c in sorted(self.chunks.items())},
         }, separators=(",", ":"))
 
     @classmethod
