@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/scale.py plan --model 8b --old dp_shard=64,tp=8 --new dp_shard=60,tp=8
     .venv/bin/python benchmarks/scale.py plan --model 70b --old dp_shard=64,tp=8,pp=2 --new dp_shard=60,tp=8,pp=2
     .venv/bin/python benchmarks/scale.py plan --model 8b --old dp=2 --new dp=1 --baseline 4edddd6
-    .venv/bin/python benchmarks/scale.py manifest --model 8b --layout dp_shard=64,tp=8
+    .venv/bin/python benchmarks/scale.py manifest --model 8b --layout dp_shard=64,tp=8 --new dp_shard=60,tp=8
     .venv/bin/python benchmarks/scale.py coordinator --workers 1024
 
 plan: the live reshard's planning as one worker does it (`workers.reshard.exchange`): two `BoxMap`s
@@ -14,11 +14,14 @@ plan: the live reshard's planning as one worker does it (`workers.reshard.exchan
   least `parallel.live.PACK_BELOW` bytes, one per peer for the smaller ones), the largest of each.
   `--baseline REV` also times, on the same box in the same run, the whole-plan flow of git revision REV
   (its `sharding.boxes` of both layouts and `exchange.plan_exchange`, which every worker used to run).
-manifest: the bytes of the checkpoint manifest (format 2, one chunk per distinct box with its block
-  digests, as `CheckpointManager` writes it) that every rank reads on load, against the metadata of one
-  rank's own boxes; built in memory, nothing written. `--load` also times what every rank does with
-  metadata: on save, `state.assign_writers` over every rank's boxes (all-gathered to every rank); on
-  load, parsing the manifest and checking its structure.
+manifest: the checkpoint metadata a rank reads on load, built in memory as `CheckpointManager` writes it
+  (nothing written): format 3, the top manifest plus the indexes of the saved ranks whose boxes meet
+  the rank's own (`placement.index_ranks`; each index as its rank writes it: one chunk per key it writes
+  with its block digests); beside it the whole format-2 manifest every rank read before (up to
+  `--format2-max` ranks). Both against "its own boxes' metadata": the index the rank would write for
+  every box it holds under the loading layout. Sampled loading ranks (`--ranks`); also the time of a
+  rank's metadata work: finding its indexes, parsing and merging them and checking their cover of its
+  boxes (load), and choosing the boxes it writes (save).
 coordinator: the fake pool of tests/fakes.py with `--workers` workers (8 per node) running an `8b` job;
   a preemption notice on one node; the coordinator's time from the `step()` that sees the notice to
   the start of the live transfer (`Group.reshard`), and its whole step.
@@ -157,63 +160,131 @@ def cmd_plan(a) -> dict:
     return out
 
 
-def cmd_manifest(a) -> dict:
-    """Format-2 manifest bytes for one checkpoint of `--layout`, and one rank's own share of them."""
+def _block_rows(b) -> int:
+    """Rows per checksummed block, as `writer.block_rows_for` gives them (1 MiB blocks)."""
+    row = math.prod(b.sizes[1:]) * ITEMSIZE
+    return max(1, min(1 << 20, max(64 << 10, row * b.sizes[0] // 16)) // max(row, 1))
+
+
+DIGEST = "0" * 32  # xxh3-128 hex, the default algorithm's length
+
+
+def _index(rank: int, boxes: dict, shared: bool = False) -> str:
+    """The text of the format-3 index a rank writes for `boxes` (key -> Box), as `CheckpointManager`
+    writes it: one file, one chunk per key with its block digests, the step counters of its parameters."""
+    from parallel.checkpoint.manifest import Chunk, FileEntry, Index, shard_prefix
+    from parallel.checkpoint.placement import param_of
+
+    name = f"{shard_prefix(rank)}00.safetensors"
+    size = sum(b.numel for b in boxes.values()) * ITEMSIZE
+    chunks = {}
+    for key, b in boxes.items():
+        rows = _block_rows(b)
+        chunks[key] = Chunk(file=name, offsets=b.offsets, sizes=b.sizes, block_rows=rows,
+                            digests=(DIGEST,) * -(-b.sizes[0] // rows))
+    return Index(rank=rank, step=1, shared=shared,
+                 files={name: FileEntry(size=size, digest=DIGEST, algorithm="xxh3-128", blockwise=True)}
+                 if boxes else {}, chunks=chunks,
+                 optimizer_steps={param_of(k): 1000 for k in boxes if k.startswith("optim.")}).to_json()
+
+
+def _format2_bytes(bm: BoxMap, lay: Layout, shapes) -> tuple[int, int]:
+    """(Bytes, chunks) of the format-2 manifest of the same checkpoint (every distinct box once)."""
     from parallel.checkpoint.manifest import Chunk, FileEntry, Manifest, TensorEntry
 
-    cfg = model(a.model)
-    shapes = shapes_of(cfg)
-    lay = Layout.parse(a.layout)
-    bm = BoxMap(lay, shapes, cfg.n_layers, STATES, tied=cfg.tie_embeddings)
-    digest = "0" * 32  # xxh3-128 hex, the default algorithm's length
-    block_bytes = 1 << 20
     tensors: dict[str, list] = defaultdict(list)
     file_bytes: Counter = Counter()
-    writers: dict = {}
-    per_rank_chunks: Counter = Counter()
-    for r in range(lay.world_size):  # each distinct box written once, by its first holder
+    seen: set = set()
+    for r in range(lay.world_size):
         for key, b in bm.held(r).items():
-            if (key, b) in writers:
+            if (key, b) in seen:
                 continue
-            writers[(key, b)] = r
-            row = math.prod(b.sizes[1:]) * ITEMSIZE
-            rows = max(1, min(block_bytes, max(64 << 10, row * b.sizes[0] // 16)) // max(row, 1))
+            seen.add((key, b))
+            rows = _block_rows(b)
             name = f"shard-r{r:05d}-00.safetensors"
             file_bytes[name] += b.numel * ITEMSIZE
             tensors[key].append(Chunk(file=name, offsets=b.offsets, sizes=b.sizes, block_rows=rows,
-                                      digests=(digest,) * -(-b.sizes[0] // rows)))
-            per_rank_chunks[r] += 1
-    files = {n: FileEntry(size=size, digest=digest, algorithm="xxh3-128", blockwise=True)
+                                      digests=(DIGEST,) * -(-b.sizes[0] // rows)))
+    files = {n: FileEntry(size=size, digest=DIGEST, algorithm="xxh3-128", blockwise=True)
              for n, size in file_bytes.items()}
     m = Manifest(step=1, files=files, state={"layout": lay.to_dict()}, tensors={
         k: TensorEntry(shape=shapes[k.split(".", 1)[1] if k.startswith("model.") else k.split(".", 2)[2]],
                        dtype="float32", chunks=tuple(cs)) for k, cs in tensors.items()})
-    text = m.to_json().encode()
-    total = len(text)
-    own = {k: b for k, b in bm.held(0).items()}
-    chunks_total = sum(len(c) for c in tensors.values())
-    load = {}
-    if a.load:  # what every rank does on save today: choose writers from every rank's gathered boxes
-        from parallel.checkpoint.state import assign_writers
+    return len(m.to_json().encode()), len(seen)
 
-        plans = [[(k, b.offsets, b.sizes, b.numel * ITEMSIZE) for k, b in bm.held(r).items()]
-                 for r in range(lay.world_size)]
+
+def cmd_manifest(a) -> dict:
+    """Checkpoint metadata one loading rank reads (format 3: the top manifest and the indexes of the
+    saved ranks whose boxes meet its own; format 2: the whole manifest), against its own boxes' metadata."""
+    from parallel.checkpoint.manifest import Index, Manifest, TensorEntry
+    from parallel.checkpoint.placement import Placement, indexes_for, shared, writes
+
+    cfg = model(a.model)
+    shapes = shapes_of(cfg)
+    old = Layout.parse(a.layout)
+    new = Layout.parse(a.new) if a.new else old
+    saved = Placement(layout=old, n_layers=cfg.n_layers, tied=cfg.tie_embeddings,
+                      params={n: (s, "float32") for n, s in shapes.items()})
+    sbm = saved.boxmap(STATES)
+    lbm = BoxMap(new, shapes, cfg.n_layers, STATES, tied=cfg.tie_embeddings)
+    keys = {f"{p}{n}": s for n, s in shapes.items() for p in ("model.", *(f"optim.{st}." for st in STATES))}
+    top = Manifest(step=1, tensors={k: TensorEntry(shape=s, dtype="float32", chunks=()) for k, s in keys.items()},
+                   files={}, state={"layout": old.to_dict()}, format_version=3, placement=saved.to_dict(),
+                   indexes=old.world_size, scope="top").to_json()
+    written: dict[tuple[int, bool], str] = {}
+
+    def index_of(w: int, sh: bool) -> str:  # what saving rank w writes: the boxes the rule gives it
+        if (w, sh) not in written:
+            held = sbm.held(w)
+            for s_ in (False, True):
+                written[(w, s_)] = _index(w, {k: b for k, b in held.items() if writes(sbm, w, k)
+                                              and shared(sbm, k, sbm.tile_of(w, k)) == s_}, s_)
+        return written[(w, sh)]
+
+    rows = []
+    for r in sample_ranks(new, new, None if a.ranks == "all" else int(a.ranks)):
+        mine = lbm.held(r)
+        gc.collect()
         t = time.perf_counter()
-        assign_writers(plans)
-        load["save_assign_writers_s"] = time.perf_counter() - t
-        load["save_gathered_records"] = sum(len(p) for p in plans)
-        del plans
-    if a.load:  # what every rank does with it on load: parse, then check its structure
+        need = indexes_for(sbm, mine)
+        rule_s = time.perf_counter() - t
+        texts = {w: index_of(*w) for w in need}
+        t = time.perf_counter()  # the load's metadata work after reading: parse, merge, check its cover
+        m = Manifest.from_json(top)
+        part, problems = m.merged([Index.from_json(x, rank=w, step=1, shared=sh) for (w, sh), x in texts.items()],
+                                  whole=False)
+        problems += part.coverage_problems({k: (b.offsets, b.sizes) for k, b in mine.items()})
+        load_s = time.perf_counter() - t
+        # The least any per-chunk record format reads: the records of the chunks that meet its boxes.
+        needed = sum(len(json.dumps({k: c.to_dict()}, separators=(",", ":")))
+                     for k, b in mine.items() for c in part.tensors[k].meeting(b.offsets, b.sizes))
+        own = len(_index(r, mine))
+        read = len(top) + sum(len(x) for x in texts.values())
+        rows.append({"rank": r, "indexes_read": len(need), "shared_read": sum(sh for _, sh in need), "index_bytes": read - len(top), "read_bytes": read,
+                     "own_bytes": own, "needed_bytes": needed, "ratio": read / own, "needed_ratio": needed / own, "index_ratio": (read - len(top)) / own,
+                     "plan_s": rule_s, "load_metadata_s": load_s, "problems": len(problems)})
+    save = []
+    for r in sample_ranks(old, old, 8):  # what a saving rank does with metadata: its boxes, the rule
         t = time.perf_counter()
-        parsed = Manifest.from_json(text)
-        load["parse_s"] = time.perf_counter() - t
-        t = time.perf_counter()
-        problems = parsed.structure_problems()
-        load["structure_check_s"] = time.perf_counter() - t
-        load["problems"] = len(problems)
-    return {**load, "model": a.model, "layout": str(lay), "ranks": lay.world_size, "chunks": chunks_total,
-            "manifest_bytes": total, "bytes_per_chunk": total / chunks_total,
-            "rank0_boxes": len(own), "rank0_share_bytes": round(total * len(own) / chunks_total)}
+        held = sbm.held(r)
+        mine = [k for k in held if writes(sbm, r, k)]
+        save.append(time.perf_counter() - t)
+    worst = max(rows, key=lambda x: x["ratio"])
+    out = {"model": a.model, "saved": str(old), "loaded": str(new), "ranks": f"{old.world_size} -> {new.world_size}",
+           "top_bytes": len(top), "ranks_timed": len(rows),
+           "max_ratio": worst["ratio"], "median_ratio": sorted(x["ratio"] for x in rows)[len(rows) // 2],
+           "max_index_ratio": max(x["index_ratio"] for x in rows),
+           "max_needed_ratio": max(x["needed_ratio"] for x in rows),
+           "worst": worst, "max_indexes_read": max(x["indexes_read"] for x in rows),
+           "max_load_metadata_s": max(x["load_metadata_s"] for x in rows), "max_plan_s": max(x["plan_s"] for x in rows),
+           "max_save_rule_s": max(save), "problems": sum(x["problems"] for x in rows)}
+    if old.world_size <= a.format2_max:
+        nbytes, chunks = _format2_bytes(sbm, old, shapes)
+        out.update({"format2_bytes": nbytes, "format2_chunks": chunks,
+                    "format2_ratio_worst_rank": nbytes / worst["own_bytes"]})
+    if a.verbose:
+        out["rows"] = rows
+    return out
 
 
 def cmd_coordinator(a) -> dict:
@@ -306,8 +377,11 @@ def main() -> None:
     p.add_argument("--verbose", action="store_true")
     m = sub.add_parser("manifest")
     m.add_argument("--model", default="8b", choices=["8b", "70b", "1b", "small", "tiny"])
-    m.add_argument("--layout", required=True)
-    m.add_argument("--load", action="store_true", help="also time parsing and checking it, as a load does")
+    m.add_argument("--layout", required=True, help="the layout the checkpoint is saved under")
+    m.add_argument("--new", help="the layout it is loaded under (default: the same)")
+    m.add_argument("--ranks", default="16", help="loading ranks to measure: a count spread over the world, or 'all'")
+    m.add_argument("--format2-max", type=int, default=512, help="also build the format-2 manifest up to this many ranks")
+    m.add_argument("--verbose", action="store_true")
     c = sub.add_parser("coordinator")
     c.add_argument("--workers", type=int, default=1024)
     c.add_argument("--dp-mode", default="shard", choices=["shard", "replicate", "auto"])

@@ -54,3 +54,37 @@ def worker_plan_body(cfg_dict: dict, plan_dict: dict, run_dir: str) -> dict:
            "shapes": shapes, "steps": [r["step"] for r in rows]}
     worker.leave()
     return out
+
+
+def checkpoint_placement_body(roots: dict[str, str]) -> dict:
+    """Under dp_shard=2,tp=2 after one AdamW step, save step 1 into `roots["right"]` with the placement of
+    that layout and into `roots["wrong"]` with one that says tp=4 (its boxes are not the rank's: the save
+    must fall back to gathering boxes). Returns the full tensors and, per root, this rank's index names."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from models.config import model_config
+    from models.llama import build_model
+    from parallel.checkpoint.manager import CheckpointManager
+    from parallel.checkpoint.placement import Placement
+    from parallel.checkpoint.state import collect
+    from parallel.parallelize import materialize, parallelize
+
+    cfg = model_config("tiny", n_layers=2, dim=16, n_heads=2, n_kv_heads=2, ffn_hidden=32, vocab_size=32)
+    params = {n: (tuple(p.shape), "float32") for n, p in build_model(cfg).named_parameters()}
+    layout = Layout.parse("dp_shard=2,tp=2")
+    model = build_model(cfg)
+    parallelize(model, layout=layout, mesh=layout.build_mesh("cpu"))
+    materialize(model, seed=3, device=torch.device("cpu"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(dist.get_rank() // 2))
+    model(x).float().logsumexp(-1).mean().backward()
+    opt.step()
+    for name, lay in (("right", layout), ("wrong", Layout(tp=4))):
+        placement = Placement(layout=lay, n_layers=cfg.n_layers, params=params)
+        CheckpointManager(roots[name], async_save=False, placement=placement).save(1, model, opt, state={}, blocking=True)
+    tensors, _ = collect(model, opt)
+    full = {k: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone() for k, t in tensors.items()}
+    return {"full": full, "files": {n: sorted(os.listdir(os.path.join(r, "step-00000001"))) for n, r in roots.items()}}

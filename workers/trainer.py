@@ -22,6 +22,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from models.llama import build_model
 from parallel.checkpoint.manager import CheckpointManager
+from parallel.checkpoint.placement import Placement
 from parallel.checkpoint.manifest import CheckpointError, Manifest
 from parallel.checkpoint.prefetch import Prefetch, start_prefetch
 from parallel.checkpoint.state import capture_rng, restore_rng
@@ -211,7 +212,8 @@ class Trainer:
         if ckpt_dir is not None:
             c = cfg.checkpoint
             self.checkpointer = CheckpointManager(ckpt_dir, keep_last=c.keep_last, async_save=c.async_save,
-                                                  checksum=c.checksum, io_threads=c.io_threads)
+                                                  checksum=c.checksum, io_threads=c.io_threads,
+                                                  placement=self.placement())
             clock.lap("checkpointer")
             if resume:
                 self.resume(fresh=True)  # the shards were allocated unset just above
@@ -253,6 +255,12 @@ class Trainer:
         if self.cfg.checkpoint.dir:
             return self.cfg.checkpoint.dir
         return str(self.run_dir / "checkpoints") if self.run_dir is not None else None
+
+    def placement(self) -> Placement:
+        """The layout saves run under, for the checkpoint's writer rule and its loaders' index reads."""
+        mc = self.model_cfg
+        return Placement(layout=self.layout, n_layers=mc.n_layers, tied=mc.tie_embeddings,
+                         params=self.expected_tensors())
 
     def expected_tensors(self) -> dict[str, tuple[tuple[int, ...], str]]:
         """Global shape and dtype of every parameter of the whole (unsplit) model, from a meta-device

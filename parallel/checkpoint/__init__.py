@@ -6,11 +6,14 @@ On disk, one directory per step under the checkpoints root::
       latest                      "step-00000020" (moved only after a commit)
       step-00000010/
         shard-r00000-00.safetensors   one or more files per rank that writes data (writer.py)
+        index-r00000.json         each rank's files, chunks and block digests (format 3, manifest.py)
+        index-r00000-shared.json  the same for boxes held beyond their replicas, by the ranks that write any
         ...
         manifest.json             written last: the commit marker (see manifest.py)
       step-00000020/
 
-Modules: manifest (the JSON schema, pure), storage (local/fsspec file operations and commit), tensor_io
+Modules: manifest (the JSON schema, pure), placement (who writes each box, which indexes a rank
+reads: pure), storage (local/fsspec file operations and commit), tensor_io
 (pickle-free safetensors reading; DCP StorageReader over the manifest), validate (which checkpoints exist
 and whether one is loadable), state (model/optimizer <-> flat tensor dict, staging, RNG), manager
 (CheckpointManager: async save, commit, retention, load with fallback), offline (inspect and

@@ -7,6 +7,7 @@ import warnings
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 
@@ -45,6 +46,15 @@ class Comm:
         out: list[Any] = [None] * self.world
         dist.all_gather_object(out, obj, group=self.group)
         return out
+
+    def agree(self, ok: bool, token: int) -> bool:
+        """Whether every rank passes `ok` true with the same `token` (an int below 2**62): two integers
+        reduced, whatever the world size (no objects gathered)."""
+        if not self.enabled:
+            return ok
+        t = torch.tensor([0 if ok else 1, token, -token], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return t[0].item() == 0 and t[1].item() == -t[2].item()
 
     def barrier(self) -> None:
         if self.enabled:

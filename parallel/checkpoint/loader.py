@@ -1,8 +1,11 @@
 """Loading the newest good checkpoint, every rank together, falling back only past proven damage.
 
 Each candidate, newest first: rank 0 reads the manifest and shares it; every rank checks it (structure,
-the model's shapes), checks the sizes of its share of the files (format 1: their whole-file sha256 too),
-then reads the blocks it needs, verifying each before it reaches a parameter that holds data
+the model's shapes). Format 3: each rank then reads the indexes of the saved ranks that wrote what meets
+its boxes (found from the saved placement, `placement.index_ranks`; every index if the checkpoint has no
+placement), checks that their chunks tile its boxes and that the files it will read have their sizes.
+Formats 1-2: each rank checks the sizes of its share of the files (format 1: their whole-file sha256 too).
+Then every rank reads the blocks it needs, verifying each before it reaches a parameter that holds data
 (`tensor_io.read_into`; a trainer being built reads into its unset shards directly).
 The ranks agree on the outcome after each stage.
 
@@ -29,8 +32,10 @@ from torch import nn
 
 from parallel.checkpoint import state as state_mod
 from parallel.checkpoint.manifest import CheckpointError, Manifest, describe
+from parallel.checkpoint.placement import indexes_for
 from parallel.checkpoint.tensor_io import read_into
-from parallel.checkpoint.validate import check_manifest, file_problems, list_step_dirs, read_manifest_text
+from parallel.checkpoint.validate import check_manifest, file_problems, list_step_dirs, read_indexes, read_manifest_text
+from parallel.sharding import Box
 
 log = logging.getLogger("parallel.checkpoint.manager")  # the name operators filter on
 
@@ -90,11 +95,17 @@ def _attempt(mgr: "Checkpoints", path: str, model: nn.Module, optimizer: torch.o
     if out.manifest is None or out.problems:
         return out
     manifest = out.manifest
-    # Sizes (truncation) and presence of this rank's share of the files; format 1 also needs its
-    # whole-file sha256 before any byte is used. Then agree on the union.
-    blockwise = all(f.blockwise for f in manifest.files.values())
-    mine = sorted(manifest.files)[mgr.rank::comm.world]
-    out.problems = file_problems(st, path, manifest, mine, checksums=not blockwise, transient=out.transient)
+    if manifest.scope == "top":  # format 3: this rank's indexes, their cover of its boxes, its files' sizes
+        manifest, out.problems = my_part(st, path, manifest, model, transient=out.transient)
+        out.manifest = manifest
+        tm.phases["indexes"] = time.perf_counter() - t
+    else:
+        # Sizes (truncation) and presence of this rank's share of the files; format 1 also needs its
+        # whole-file sha256 before any byte is used. Then agree on the union.
+        mine = sorted(manifest.files)[mgr.rank::comm.world]
+        out.problems = file_problems(st, path, manifest, mine, checksums=not _blockwise(manifest),
+                                     transient=out.transient)
+    blockwise = _blockwise(manifest)
     _agree(mgr, out)
     tm.phases["check"] = time.perf_counter() - t
     if out.problems or out.transient:
@@ -120,6 +131,34 @@ def _attempt(mgr: "Checkpoints", path: str, model: nn.Module, optimizer: torch.o
     _agree(mgr, out)
     tm.phases["agree"] = time.perf_counter() - t
     return out
+
+
+def _blockwise(manifest: Manifest) -> bool:
+    return all(f.blockwise for f in manifest.files.values())
+
+
+def my_part(storage: Any, path: str, manifest: Manifest, model: torch.nn.Module, *,
+            transient: list[str] | None = None) -> tuple[Manifest, list[str]]:
+    """(The format-3 `manifest` with the indexes this rank needs merged in, problems): which indexes
+    from the saved placement and this rank's boxes (every index without a placement); problems if they
+    do not tile its boxes, or a file it reads is missing or of the wrong size."""
+    boxes = state_mod.boxes_to_load(model, manifest.tensors)
+    placement = manifest.placement_of()
+    if placement is None:  # the fallback's saves write no shared indexes
+        wanted: Any = [(r, False) for r in range(manifest.indexes)]
+    else:
+        wanted = indexes_for(placement.boxmap(manifest.optimizer_states()),
+                             {k: Box(o, s) for k, (o, s) in boxes.items()})
+    indexes, problems = read_indexes(storage, path, manifest, wanted, transient=transient)
+    part, more = manifest.merged(indexes, whole=False)
+    problems += more
+    if problems or (transient and len(indexes) < len(wanted)):
+        return part, problems
+    problems += part.coverage_problems(boxes)
+    if problems:
+        return part, problems
+    names = sorted({c.file for k, (o, s) in boxes.items() for c in part.tensors[k].meeting(o, s)})
+    return part, file_problems(storage, path, part, names, checksums=False, transient=transient)
 
 
 def load_newest(mgr: "Checkpoints", model: nn.Module, optimizer: torch.optim.Optimizer,

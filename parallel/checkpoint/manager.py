@@ -1,7 +1,10 @@
 """CheckpointManager: save (async), commit atomically, keep the last K, and load the newest good one.
 
-Save. `save()` collects each rank's boxes of every tensor, agrees with the other ranks which rank
-writes each box (replicas write once, `state.assign_writers`), and, for an async save, copies the boxes
+Save. `save()` collects each rank's boxes of every tensor and picks the ones it writes (replicas write
+once): with a `Placement` (the layout the trainer runs under), by a rule each rank evaluates alone
+(`placement.writes`), once the ranks agree that their boxes are the ones the placement predicts (two
+integers reduced); else, as a fallback, from every rank's boxes gathered (`state.assign_writers`). For an
+async save, it copies the boxes
 it writes into a host buffer pool allocated once (`state.Stager`): that copy is all the caller waits
 for. A daemon thread then streams the boxes into safetensors files (`writer.ShardWriter`: header, then
 each tensor's bytes from host memory in large writes, hashed as they go out, several files in parallel)
@@ -11,18 +14,23 @@ The thread talks to the other ranks on a gloo group of its own, created collecti
 built, so its collectives never interleave with the training loop's (gloo, or NCCL on GPUs) on the
 default group. At most one save is in flight: the next `save()` (or `flush()`) waits for it.
 
-Commit protocol, every rank in the writer thread:
+Commit protocol (format 3, `manifest.py`), every rank in the writer thread:
   1. rank 0 empties the staging directory;                       broadcast (errors abort everywhere)
-  2. each rank writes its files and reports sizes, header digests and per-block digests (no read-back:
-     the digests were computed over the bytes as they were written);               gather to rank 0
-  3. rank 0 builds and checks the manifest, writes it last, commits the directory, moves `latest`,
-     applies retention;                                          broadcast the outcome
-A failure anywhere leaves the previous checkpoints and the `latest` pointer untouched.
+  2. each rank writes its files, then its index (``index-rNNNNN.json``: sizes, header digests and
+     per-block digests, computed over the bytes as they were written: no read-back); it reports only
+     whether that worked (and, in the fallback, its tensors' shapes)                gather to rank 0
+  3. rank 0 writes the top manifest last (shapes from the placement, the placement, the number of
+     indexes, the JSON state), commits the directory, moves `latest`, applies retention;
+                                                                 broadcast the outcome
+A failure anywhere leaves the previous checkpoints and the `latest` pointer untouched. No rank handles
+another rank's chunk records.
 
-Load. Each rank reads only the blocks of the files that overlap its boxes, files in parallel, verifying
-each block against the manifest before copying it into the live shards (`tensor_io.read_into`); a
-mismatch fails the load on every rank and the previous checkpoint is tried. Format-1 checkpoints
-(whole-file sha256) are verified completely first, as before.
+Load (`loader.py`). Each rank reads the top manifest, the indexes of the saved ranks that wrote what
+meets its boxes, and only the blocks of the files that overlap its boxes, files in parallel, verifying
+each block against its index before copying it into the live shards (`tensor_io.read_into`); a
+mismatch fails the load on every rank and the previous checkpoint is tried. Format-2 checkpoints (one
+manifest with every chunk) load as before; format-1 ones (whole-file sha256) are verified completely
+first.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ import os
 import threading
 import time
 import weakref
-from collections import defaultdict
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +52,9 @@ from parallel.checkpoint import state as state_mod
 from parallel.checkpoint.checksum import DEFAULT as DEFAULT_CHECKSUM
 from parallel.checkpoint.checksum import check_algorithm
 from parallel.checkpoint.comm import Comm
-from parallel.checkpoint.manifest import MANIFEST_NAME, CheckpointError, Chunk, FileEntry, Manifest, TensorEntry, describe
+from parallel.checkpoint.manifest import (FORMAT_VERSION, MANIFEST_NAME, OPTIM_PREFIX, CheckpointError, Chunk, FileEntry,
+                                          Index, Manifest, TensorEntry, describe, index_name, shard_prefix)
+from parallel.checkpoint.placement import Placement, param_of, shared, writes
 from parallel.checkpoint.loader import load_newest
 from parallel.checkpoint.storage import Storage, open_storage
 from parallel.checkpoint.tensor_io import dtype_name
@@ -72,6 +82,10 @@ class _SaveJob:
     optimizer_steps: dict[str, int]
     state: dict[str, Any]
     background: bool
+    placed: bool = False
+    """The writers were chosen by the placement's rule (the top manifest records it)."""
+    shared: frozenset = frozenset()
+    """Keys of the boxes this rank writes that are shared (`placement.shared`): its shared index."""
     stage_after: Any = False
     """False: `pieces` are ready to write; None or a CUDA event: the writer thread stages them first
     (after that event on GPUs)."""
@@ -84,7 +98,8 @@ class CheckpointManager:
 
     def __init__(self, root: str, *, keep_last: int = 3, async_save: bool = True,
                  storage_options: dict[str, Any] | None = None, timeout_s: float = 600.0,
-                 checksum: str = DEFAULT_CHECKSUM, io_threads: int = 2, read_only: bool = False) -> None:
+                 checksum: str = DEFAULT_CHECKSUM, io_threads: int = 2, read_only: bool = False,
+                 placement: Placement | None = None) -> None:
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 (the newest checkpoint is always kept), got {keep_last}")
         if io_threads < 1:
@@ -96,6 +111,9 @@ class CheckpointManager:
         self.io_threads = io_threads  # files written (per rank) and read in parallel
         self.read_only = read_only
         """Another job's checkpoints (`checkpoint.resume_from`): loaded, never saved, cleaned or set aside."""
+        self.placement = placement
+        """The layout saves run under: lets each rank choose the boxes it writes alone, and loaders read
+        only the indexes they need. None: writers are chosen from every rank's gathered boxes."""
         self._comm = Comm(timeout_s)
         self.rank = self._comm.rank
         if self.rank == 0 and not read_only:
@@ -153,11 +171,11 @@ class CheckpointManager:
         local = state_mod.pieces(tensors)
         tm.add("collect", time.perf_counter() - t)
         t = time.perf_counter()
-        mine = self._my_pieces(local)
+        mine, shared_keys = self._my_pieces(local, shapes)
         tm.add("plan", time.perf_counter() - t)
         tm.bytes = sum(p.nbytes for p in mine)
         job = _SaveJob(step=step, pieces=mine, shapes=shapes, optimizer_steps=opt_steps, state=dict(state),
-                       background=not blocking)
+                       background=not blocking, placed=shared_keys is not None, shared=shared_keys or frozenset())
         cuda = any(p.data.is_cuda for p in mine)
         if overlap_staging and not blocking:
             job.stage_after = torch.cuda.Event() if cuda else None
@@ -187,11 +205,12 @@ class CheckpointManager:
         from the live tensors and reserves nothing. Returns the bytes reserved."""
         if self.read_only:
             return 0
-        local = state_mod.pieces(state_mod.collect_planned(model, optimizer))
+        tensors = state_mod.collect_planned(model, optimizer)
+        local = state_mod.pieces(tensors)
         cuda = any(p.data.is_cuda for p in local)
         if not (self.async_save or cuda):
             return 0
-        mine = self._my_pieces(local)
+        mine, _ = self._my_pieces(local, {k: (list(t.shape), dtype_name(t.dtype)) for k, t in tensors.items()})
         self._stager.reserve([p.nbytes for p in mine], pin=cuda)
         return state_mod.Stager.pool_bytes(mine)
 
@@ -219,12 +238,33 @@ class CheckpointManager:
             self._hooked[1].remove()
             self._hooked = None
 
-    def _my_pieces(self, local: list[Piece]) -> list[Piece]:
-        """The boxes this rank writes: every rank's boxes are gathered (small metadata) and each distinct
-        box is given to one of its holders."""
+    def _my_pieces(self, local: list[Piece], shapes: dict[str, tuple[list[int], str]]
+                   ) -> tuple[list[Piece], frozenset | None]:
+        """(The boxes this rank writes, the keys of those that are shared (`placement.shared`), or None
+        when the placement's rule did not choose them). Collective. With a
+        placement whose `BoxMap` gives every rank exactly the boxes, shapes and dtypes it holds (agreed
+        by a reduction of two integers), each rank keeps the boxes `placement.writes` gives it: work in
+        its own boxes. Otherwise every rank's boxes are gathered and each distinct box is given to one
+        of its holders (`state.assign_writers`)."""
+        states = tuple(sorted({k[len(OPTIM_PREFIX):].split(".", 1)[0] for k in shapes if k.startswith(OPTIM_PREFIX)}))
+        bm, ok = None, False
+        if self.placement is not None:
+            try:
+                bm = self.placement.boxmap(states)
+                ok = _placed_as_predicted(bm, self.placement, self.rank, local, shapes)
+            except (ValueError, KeyError) as e:
+                log.debug("checkpoint placement does not apply: %s", e)
+            token = zlib.crc32(repr((states, self.placement.to_dict(), len(self.placement.params))).encode())
+            if self._comm.agree(ok, token):
+                mine = [p for p in local if writes(bm, self.rank, p.key)]
+                return mine, frozenset(p.key for p in mine if shared(bm, p.key, bm.tile_of(self.rank, p.key)))
+            if ok or self.rank == 0:
+                log.warning("checkpoint boxes differ from what layout %s predicts on some rank: choosing "
+                            "writers from every rank's boxes (a save and a load that cost the world size)",
+                            self.placement.layout)
         plan = [(p.key, tuple(p.offsets), tuple(p.data.shape), p.nbytes) for p in local]
         mine = state_mod.assign_writers(self._comm.all_gather(plan))[self.rank]
-        return [p for p in local if (p.key, tuple(p.offsets)) in mine]
+        return [p for p in local if (p.key, tuple(p.offsets)) in mine], None
 
     @property
     def in_flight(self) -> bool:
@@ -309,11 +349,11 @@ class CheckpointManager:
         if err:
             raise CheckpointError(f"checkpoint {final} was not saved: {err}")
 
-        report: dict[str, Any] = {"error": None, "files": [], "shapes": job.shapes,
-                                  "optimizer_steps": job.optimizer_steps}
+        # The fallback has no placement to take the shapes of other ranks' tensors from: they come along.
+        report: dict[str, Any] = {"error": None, "shapes": None if job.placed else job.shapes}
         t = time.perf_counter()
         try:
-            report["files"] = self.write_shards(staging, job.pieces)
+            self.write_index(staging, job, self.write_shards(staging, job.pieces))
         except Exception as e:
             report["error"] = f"rank {self.rank}: {describe(e)}"
         self.save_timings.add("write", time.perf_counter() - t)
@@ -344,40 +384,54 @@ class CheckpointManager:
             return []
         total = sum(p.nbytes for p in pieces)
         n = max(1, min(self.io_threads, math.ceil(total / MIN_FILE_BYTES)))
-        files = {f"shard-r{self.rank:05d}-{i:02d}.safetensors": group
+        files = {f"{shard_prefix(self.rank)}{i:02d}.safetensors": group
                  for i, group in enumerate(split_files(pieces, n))}
         writer = ShardWriter(self.storage, directory, algorithm=self.checksum,
                              sync=self.storage.atomic_rename)
         return writer.write(files, threads=self.io_threads)
 
+    def write_index(self, directory: str, job: _SaveJob, written: list[WrittenFile]) -> None:
+        """Write this rank's index of `written` into `directory` (and its shared index, for the shared
+        boxes it wrote), after checking them against the shapes this rank holds (its own records only)."""
+        files = {wf.name: FileEntry(size=wf.size, digest=wf.header_digest, algorithm=self.checksum, blockwise=True)
+                 for wf in written}
+        chunks = {key: Chunk(file=wf.name, offsets=tuple(c.offsets), sizes=tuple(c.sizes), block_rows=c.block_rows,
+                             digests=tuple(c.digests)) for wf in written for key, c in wf.chunks.items()}
+        tensors = {k: TensorEntry(shape=tuple(s), dtype=d, chunks=()) for k, (s, d) in job.shapes.items()}
+        for is_shared in (False, True):
+            mine = {k: c for k, c in chunks.items() if (k in job.shared) == is_shared}
+            if is_shared and not mine:
+                continue
+            index = Index(rank=self.rank, step=job.step, shared=is_shared, chunks=mine,
+                          files={c.file: files[c.file] for c in mine.values()},
+                          optimizer_steps={p: n for p, n in job.optimizer_steps.items()
+                                           if not is_shared or any(param_of(k) == p for k in mine)})
+            problems = index.problems(tensors)
+            if problems:
+                raise CheckpointError("; ".join(problems[:5]))
+            self.storage.write_bytes(self.storage.join(directory, index_name(self.rank, is_shared)),
+                                     index.to_json().encode())
+
     def _commit(self, job: _SaveJob, staging: str, final: str, reports: list[dict]) -> str | None:
-        """Rank 0: build the manifest from every rank's report and commit; an error string if not."""
+        """Rank 0, once every rank wrote its files and index: write the top manifest (the commit marker)
+        and commit; an error string if not."""
         errors = sorted({r["error"] for r in reports if r["error"]})
         if errors:
             return "; ".join(errors)
-        shapes: dict[str, tuple[list[int], str]] = {}
-        steps: dict[str, int] = {}
-        files: dict[str, FileEntry] = {}
-        chunks: dict[str, list[Chunk]] = defaultdict(list)
-        for r in reports:
-            for k, v in r["shapes"].items():
-                if shapes.setdefault(k, v) != v:
-                    return f"ranks disagree on the global shape/dtype of {k}: {shapes[k]} vs {v}"
-            for k, v in r["optimizer_steps"].items():
-                if steps.setdefault(k, v) != v:
-                    return f"ranks disagree on the optimizer step of {k}: {steps[k]} vs {v}"
-            for wf in r["files"]:
-                if wf.name in files:
-                    return f"two ranks wrote {wf.name}"
-                files[wf.name] = FileEntry(size=wf.size, digest=wf.header_digest, algorithm=self.checksum,
-                                           blockwise=True)
-                for key, c in wf.chunks.items():
-                    chunks[key].append(Chunk(file=wf.name, offsets=tuple(c.offsets), sizes=tuple(c.sizes),
-                                             block_rows=c.block_rows, digests=tuple(c.digests)))
-        tensors = {k: TensorEntry(shape=tuple(shape), dtype=dtype,
-                                  chunks=tuple(sorted(chunks[k], key=lambda c: c.offsets)))
-                   for k, (shape, dtype) in shapes.items()}
-        manifest = Manifest(step=job.step, tensors=tensors, files=files, optimizer_steps=steps, state=job.state)
+        if job.placed:
+            states = {k[len(OPTIM_PREFIX):].split(".", 1)[0] for k in job.shapes if k.startswith(OPTIM_PREFIX)}
+            shapes = {f"{prefix}{n}": (list(s), d) for n, (s, d) in self.placement.params.items()
+                      for prefix in ("model.", *(f"{OPTIM_PREFIX}{st}." for st in sorted(states)))}
+        else:
+            shapes = {}
+            for r in reports:
+                for k, v in r["shapes"].items():
+                    if shapes.setdefault(k, v) != v:
+                        return f"ranks disagree on the global shape/dtype of {k}: {shapes[k]} vs {v}"
+        tensors = {k: TensorEntry(shape=tuple(shape), dtype=dtype, chunks=()) for k, (shape, dtype) in shapes.items()}
+        manifest = Manifest(step=job.step, tensors=tensors, files={}, state=job.state, format_version=FORMAT_VERSION,
+                            placement=self.placement.to_dict() if job.placed else None, indexes=len(reports),
+                            scope="top")
         problems = manifest.structure_problems()
         if problems:
             return "; ".join(problems[:5])
@@ -424,3 +478,19 @@ class CheckpointManager:
         self.flush()
         self.load_timings = Timings()
         return load_newest(self, model, optimizer, expected, fresh)
+
+
+def _placed_as_predicted(bm, placement: Placement, rank: int, local: list[Piece],
+                         shapes: dict[str, tuple[list[int], str]]) -> bool:
+    """Whether `rank`'s boxes (`local`), and the global shapes and dtypes of its tensors, are exactly those
+    the placement predicts: then every rank can tell who holds and who writes what without asking."""
+    held = bm.held(rank)
+    if len(held) != len(local):
+        return False
+    for p in local:
+        b = held.get(p.key)
+        want = placement.params.get(param_of(p.key))
+        if (b is None or b.offsets != tuple(p.offsets) or b.sizes != tuple(p.data.shape) or want is None
+                or (tuple(shapes[p.key][0]), shapes[p.key][1]) != (tuple(want[0]), want[1])):
+            return False
+    return True

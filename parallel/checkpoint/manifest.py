@@ -1,15 +1,23 @@
-"""The checkpoint manifest: the JSON file that makes a checkpoint directory self-describing.
+"""The checkpoint manifest: the JSON files that make a checkpoint directory self-describing.
 
-It is written last, so its presence is the commit marker; it names every tensor with its global shape,
-dtype and the chunks (file, offsets, sizes) that tile it, and every file with its size and checksums, so
-a loader can verify every byte it reads before that byte reaches a parameter.
+Format 3 (written now). ``manifest.json``, written last (its presence is the commit marker), holds what
+every rank needs: the step, the global shape and dtype of every tensor, the placement the checkpoint
+was saved under (layout, layer count, tied embedding: `placement.py`), the number of index files, and
+all non-tensor state. Each rank of the save writes its own ``index-rNNNNN.json`` before it: its files
+(size, checksum algorithm, header digest), the chunk it wrote of each tensor (file, offsets, sizes,
+block digests) and the AdamW step counters of its parameters. A loading rank works out from the
+placement which saved ranks wrote the tiles that meet its own boxes (`placement.index_ranks`) and
+reads only their indexes (`Manifest.merged`, then `coverage_problems` checks that they tile its
+boxes); tools read them all and check the whole (`structure_problems`). A checkpoint saved without a
+placement (a model `BoxMap` cannot place) has one too, `null`: its loaders read every index.
 
-Checksums (format 2): each file records its algorithm and the digest of its header; each chunk records
-the digests of its row blocks (`block_rows` rows of the chunk each, the last one shorter). Together they
+Format 2 (still read): one manifest naming every chunk of every rank with its block digests. Checksums
+(formats 2 and 3): each file records its algorithm and the digest of its header; each chunk records the
+digests of its row blocks (`block_rows` rows of the chunk each, the last one shorter). Together they
 cover every byte of the file, and a rank that needs only some rows of a chunk (a resharding load) reads
-and verifies only the blocks holding them. Format 1 (still read) had one sha256 per whole file. Everything that is not a tensor
-(step, layout, LR schedule, data position, RNG states, AdamW step counters) lives here too, as JSON:
-the load path never unpickles.
+and verifies only the blocks holding them. Format 1 (still read) had one sha256 per whole file.
+Everything that is not a tensor (step, layout, LR schedule, data position, RNG states, AdamW step
+counters) lives in JSON: the load path never unpickles.
 
 Pure: no torch import, so `inspect` and the CLI can read manifests cheaply.
 """
@@ -26,15 +34,33 @@ from typing import Any
 from parallel.checkpoint.checksum import ALGORITHMS, digest_fn
 
 FORMAT = "elastron-checkpoint"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+"""The newest format this code reads, and the one `CheckpointManager` writes."""
+WHOLE_FORMAT = 2
+"""The newest format whose manifest lists every chunk itself (what an in-memory `Manifest` serialises as
+unless told otherwise)."""
 MANIFEST_NAME = "manifest.json"
+INDEX_FORMAT = "elastron-checkpoint-index"
+
+
+def index_name(rank: int, shared: bool = False) -> str:
+    """The file a saving rank describes its files and chunks in (format 3); `shared`: the one for the
+    boxes held beyond their data-parallel replicas (`placement.shared`), which every rank writes that
+    writes any."""
+    return f"index-r{rank:05d}{'-shared' if shared else ''}.json"
+
+
+def shard_prefix(rank: int) -> str:
+    """Every data file a rank writes starts with this (its index may list no other)."""
+    return f"shard-r{rank:05d}-"
 
 MODEL_PREFIX = "model."
 """Tensor keys of model parameters: ``model.<canonical name>``."""
 OPTIM_PREFIX = "optim."
 """Tensor keys of optimizer state: ``optim.<state name>.<canonical name>`` (e.g. optim.exp_avg.output.weight)."""
 
-_FIELDS = ("format", "format_version", "step", "created", "optimizer", "tensors", "files")
+_FIELDS = ("format", "format_version", "step", "created", "optimizer", "tensors", "files", "placement", "indexes",
+           "params")
 
 ITEMSIZE = {
     "float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
@@ -78,6 +104,14 @@ class Chunk:
     @property
     def n_blocks(self) -> int:
         return -(-self.rows // self.block_rows) if self.block_rows else 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The chunk's JSON record (in a format-2 manifest's tensor, or a format-3 index)."""
+        d: dict[str, Any] = {"file": self.file, "offsets": list(self.offsets), "sizes": list(self.sizes)}
+        if self.block_rows:
+            d["block_rows"] = self.block_rows
+            d["digests"] = list(self.digests)
+        return d
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,13 +169,22 @@ class Manifest:
     files: dict[str, FileEntry]
     optimizer_steps: dict[str, int] = field(default_factory=dict)
     """AdamW's per-parameter step counters by canonical name. Kept out of the tensor files: DCP's
-    consolidation writes 0-d tensors as zero (FACTS.md), and an integer needs no tensor."""
+    consolidation writes 0-d tensors as zero (FACTS.md), and an integer needs no tensor. Format 3 keeps
+    them in the indexes: a merged manifest has those of the indexes read."""
     optimizer_name: str = "AdamW"
     state: dict[str, Any] = field(default_factory=dict)
     """All other non-tensor state (layout, model_config, job_config_digest, lr_schedule, data, rng, ...),
     stored as top-level keys of the JSON document."""
-    format_version: int = FORMAT_VERSION
+    format_version: int = WHOLE_FORMAT
     created: float = field(default_factory=time.time)
+    placement: dict[str, Any] | None = None
+    """Format 3: the layout the checkpoint was saved under (`placement.Placement.to_dict`), None when
+    the save could not place its boxes by it (then every index is read)."""
+    indexes: int = 0
+    """Format 3: the number of index files (``index-r00000.json`` ...), one per saving rank."""
+    scope: str = "whole"
+    """What the chunks and files cover: ``whole`` (formats 1-2, or format 3 with every index merged),
+    ``top`` (a format-3 top manifest alone: no chunks), ``part`` (some indexes merged)."""
 
     def __post_init__(self) -> None:
         clash = sorted(set(self.state) & set(_FIELDS))
@@ -158,37 +201,58 @@ class Manifest:
         n = len(MODEL_PREFIX)
         return {k[n:]: v for k, v in self.tensors.items() if k.startswith(MODEL_PREFIX)}
 
+    def optimizer_states(self) -> tuple[str, ...]:
+        """The optimizer state names the tensors hold (``optim.<state>.<name>``), sorted."""
+        return tuple(sorted({k[len(OPTIM_PREFIX):].split(".", 1)[0] for k in self.tensors
+                             if k.startswith(OPTIM_PREFIX)}))
+
+    def placement_of(self):
+        """The `placement.Placement` of a format-3 manifest (None without one)."""
+        from parallel.checkpoint.placement import Placement
+
+        if self.placement is None:
+            return None
+        params = {n: (tuple(t.shape), t.dtype) for n, t in self.model_tensors().items()}
+        return Placement.from_dict(self.placement, params)
+
     # -- JSON --------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
+        head = {"format": FORMAT, "format_version": self.format_version, "step": self.step, "created": self.created,
+                **self.state}
+        if self.format_version >= 3:  # the top manifest: no chunks, no files (they are in the indexes)
+            params, states = self.model_tensors(), self.optimizer_states()
+            spelled = {f"{p}{n}": (t.shape, t.dtype) for n, t in params.items()
+                       for p in (MODEL_PREFIX, *(f"{OPTIM_PREFIX}{st}." for st in states))}
+            if spelled == {k: (t.shape, t.dtype) for k, t in self.tensors.items()}:
+                # Every parameter with the same optimizer states (AdamW's moments take its shape and
+                # dtype): the parameters and the state names say it, a third of the bytes.
+                tensors = {"params": {n: {"shape": list(t.shape), "dtype": t.dtype} for n, t in sorted(params.items())}}
+            else:
+                tensors = {"tensors": {k: {"shape": list(t.shape), "dtype": t.dtype} for k, t in sorted(self.tensors.items())}}
+                states = ()
+            return {**head, "optimizer": {"name": self.optimizer_name, "states": list(states)},
+                    "placement": self.placement, "indexes": self.indexes, **tensors}
         return {
-            "format": FORMAT,
-            "format_version": self.format_version,
-            "step": self.step,
-            "created": self.created,
-            **self.state,
+            **head,
             "optimizer": {"name": self.optimizer_name, "steps": dict(sorted(self.optimizer_steps.items()))},
             "tensors": {
                 k: {"shape": list(t.shape), "dtype": t.dtype,
-                    "chunks": [_chunk_dict(c) for c in t.chunks]}
+                    "chunks": [c.to_dict() for c in t.chunks]}
                 for k, t in sorted(self.tensors.items())
             },
             "files": {k: f.to_dict() for k, f in sorted(self.files.items())},
         }
 
     def to_json(self) -> str:
+        if self.format_version >= 3:  # read by every rank on every load: no indentation
+            return json.dumps(self.to_dict(), separators=(",", ":"))
         return json.dumps(self.to_dict(), indent=1)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "Manifest":
         """Parse and type-check a manifest; raises ManifestError saying what is wrong. The text may come
         from untrusted storage, so every field is checked rather than trusted."""
-        try:
-            d = json.loads(text)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ManifestError(f"manifest is not valid JSON: {e}") from None
-        except RecursionError:  # a forged, deeply nested document: a verdict, not a crash of the loader
-            raise ManifestError("manifest is nested too deeply to be a checkpoint manifest") from None
-        return cls.from_dict(d)
+        return cls.from_dict(_load_json(text, "manifest"))
 
     @classmethod
     def from_dict(cls, d: Any) -> "Manifest":
@@ -202,33 +266,71 @@ class Manifest:
         opt = d.get("optimizer", {})
         if not isinstance(opt, dict):
             raise ManifestError("manifest optimizer must be an object")
-        steps = opt.get("steps", {})
-        if not isinstance(steps, dict) or not all(_is_int(v) for v in steps.values()):
-            raise ManifestError("manifest optimizer.steps must map names to integers")
+        steps = _steps(opt.get("steps", {}), "manifest optimizer.steps")
         tensors_d = d.get("tensors")
-        files_d = d.get("files")
+        if version >= 3 and "params" in d:
+            tensors_d = _spelled(d["params"], opt.get("states", []))
+        files_d = d.get("files", {} if version >= 3 else None)
         if not isinstance(tensors_d, dict) or not isinstance(files_d, dict):
             raise ManifestError("manifest needs 'tensors' and 'files' objects")
-        tensors = {str(k): _tensor(k, v) for k, v in tensors_d.items()}
+        tensors = {str(k): _tensor(k, v, chunks=version < 3) for k, v in tensors_d.items()}
         files = {str(k): _file(k, v) for k, v in files_d.items()}
         created = d.get("created", 0.0)
-        return cls(
+        m = cls(
             step=_int(d, "step"),
             tensors=tensors,
             files=files,
-            optimizer_steps={str(k): int(v) for k, v in steps.items()},
+            optimizer_steps=steps,
             optimizer_name=str(opt.get("name", "AdamW")),
             state={k: v for k, v in d.items() if k not in _FIELDS},
             format_version=version,
             created=float(created) if isinstance(created, (int, float)) else 0.0,
         )
+        if version >= 3:
+            m.indexes, m.placement, m.scope = _int(d, "indexes"), d.get("placement"), "top"
+            if m.indexes < 1:
+                raise ManifestError("manifest indexes must be at least 1 (one index file per saving rank)")
+            try:
+                m.placement_of()
+            except ValueError as e:
+                raise ManifestError(f"manifest placement is malformed: {e}") from None
+        return m
+
+    def merged(self, indexes: list["Index"], *, whole: bool) -> tuple["Manifest", list[str]]:
+        """(This top manifest with the chunks, files and step counters of `indexes`, problems found on
+        the way). `whole`: every index of the checkpoint is among them (then `structure_problems` checks
+        the whole); else the result covers only what those indexes describe (`coverage_problems`)."""
+        chunks: dict[str, list[Chunk]] = {k: [] for k in self.tensors}
+        files: dict[str, FileEntry] = {}
+        steps: dict[str, int] = {}
+        problems: list[str] = []
+        for ix in indexes:
+            problems += ix.problems(self.tensors)
+            files.update(ix.files)
+            for key, c in ix.chunks.items():
+                if key in chunks:
+                    chunks[key].append(c)
+            for p, n in ix.optimizer_steps.items():
+                if steps.setdefault(p, n) != n:
+                    problems.append(f"indexes disagree on the optimizer step of {p}: {steps[p]} vs {n}")
+        tensors = {k: TensorEntry(shape=t.shape, dtype=t.dtype, chunks=tuple(sorted(chunks[k], key=lambda c: c.offsets)))
+                   for k, t in self.tensors.items()}
+        out = Manifest(step=self.step, tensors=tensors, files=files, optimizer_steps=steps,
+                       optimizer_name=self.optimizer_name, state=self.state, format_version=self.format_version,
+                       created=self.created, placement=self.placement, indexes=self.indexes,
+                       scope="whole" if whole else "part")
+        return out, problems
 
     # -- checks ------------------------------------------------------------------------------------
     def structure_problems(self) -> list[str]:
         """Chunks that fall outside their tensor, overlap, leave holes, or name unlisted files; files
         too small for the chunks they are said to hold (so a forged manifest cannot make a loader
-        allocate more than the checkpoint's size)."""
+        allocate more than the checkpoint's size). A format-3 top manifest alone (scope ``top``) has
+        no chunks: only its dtypes are checked (`coverage_problems` checks a rank's part, once read)."""
         problems: list[str] = []
+        if self.scope != "whole":
+            return [f"tensor {key}: unsupported dtype {t.dtype!r}" for key, t in self.tensors.items()
+                    if t.dtype not in ITEMSIZE]
         in_file: dict[str, int] = dict.fromkeys(self.files, 0)
         for key, t in self.tensors.items():
             if t.dtype not in ITEMSIZE:
@@ -239,9 +341,7 @@ class Manifest:
             for c in t.chunks:
                 if c.file not in self.files:
                     problems.append(f"tensor {key}: chunk in file {c.file!r}, which the manifest does not list")
-                if len(c.offsets) != len(t.shape) or len(c.sizes) != len(t.shape) or any(
-                    o < 0 or s < 0 or o + s > n for o, s, n in zip(c.offsets, c.sizes, t.shape)
-                ):
+                if not _fits(c, t):
                     problems.append(f"tensor {key}: chunk offsets {list(c.offsets)} sizes {list(c.sizes)} "
                                     f"do not fit shape {list(t.shape)}")
                     continue
@@ -256,6 +356,29 @@ class Manifest:
         for name, nbytes in sorted(in_file.items()):
             if nbytes > self.files[name].size:
                 problems.append(f"file {name}: its chunks need {nbytes} bytes but the file has {self.files[name].size}")
+        return problems
+
+    def coverage_problems(self, boxes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]) -> list[str]:
+        """Whether the chunks merged in (scope ``part``) tile each of `boxes` (key -> (offsets, sizes) a
+        rank loads) exactly: what one rank checks of a format-3 checkpoint before reading; the ranks'
+        boxes together cover every tensor. Also that every parameter whose moments it loads has its
+        step counter. The chunks' own fit and checksums were checked per index (`Index.problems`)."""
+        problems: list[str] = []
+        for key, (offsets, sizes) in sorted(boxes.items()):
+            t = self.tensors.get(key)
+            if t is None:
+                problems.append(f"the checkpoint has no tensor {key}")
+                continue
+            meet = t.meeting(offsets, sizes)
+            covered = sum(math.prod(min(a + n, b + m) - max(a, b) for a, n, b, m in zip(offsets, sizes, c.offsets, c.sizes))
+                          for c in meet)
+            problems += [f"tensor {key}: chunks at {list(a)} and {list(b)} overlap"
+                         for a, b in _overlapping([(c.offsets, c.sizes) for c in meet])]
+            if covered != math.prod(sizes):
+                problems.append(f"tensor {key}: the indexes read cover {covered} of the {math.prod(sizes)} elements "
+                                f"of the box at {list(offsets)} (an index is missing chunks)")
+            if key.startswith(OPTIM_PREFIX) and key[len(OPTIM_PREFIX):].split(".", 1)[1] not in self.optimizer_steps:
+                problems.append(f"tensor {key}: no index read has the optimizer step of its parameter")
         return problems
 
     def model_problems(self, expected: dict[str, tuple[tuple[int, ...], str]]) -> list[str]:
@@ -297,14 +420,6 @@ def _overlapping(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> list[t
     return out
 
 
-def _chunk_dict(c: Chunk) -> dict[str, Any]:
-    d: dict[str, Any] = {"file": c.file, "offsets": list(c.offsets), "sizes": list(c.sizes)}
-    if c.block_rows:
-        d["block_rows"] = c.block_rows
-        d["digests"] = list(c.digests)
-    return d
-
-
 def _block_problems(key: str, c: Chunk, f: FileEntry | None) -> list[str]:
     if f is None or not f.blockwise:
         return []
@@ -332,21 +447,123 @@ def _ints(v: Any, what: str) -> tuple[int, ...]:
     return tuple(v)
 
 
-def _tensor(key: Any, v: Any) -> TensorEntry:
-    if not isinstance(v, dict) or not isinstance(v.get("dtype"), str) or not isinstance(v.get("chunks"), list):
-        raise ManifestError(f"manifest tensor {key!r} needs shape, dtype and chunks")
-    chunks = []
-    for c in v["chunks"]:
-        if not isinstance(c, dict) or not isinstance(c.get("file"), str):
-            raise ManifestError(f"manifest tensor {key!r} has a malformed chunk {c!r}")
-        block_rows, digests = c.get("block_rows", 0), c.get("digests", [])
-        if not _is_int(block_rows) or block_rows < 0 or not isinstance(digests, list) or not all(
-                isinstance(x, str) for x in digests):
-            raise ManifestError(f"manifest tensor {key!r} has malformed chunk checksums")
-        chunks.append(Chunk(file=c["file"], offsets=_ints(c.get("offsets"), f"tensor {key!r} chunk offsets"),
-                            sizes=_ints(c.get("sizes"), f"tensor {key!r} chunk sizes"),
-                            block_rows=block_rows, digests=tuple(digests)))
-    return TensorEntry(shape=_ints(v.get("shape"), f"tensor {key!r} shape"), dtype=v["dtype"], chunks=tuple(chunks))
+def _chunk(key: Any, c: Any) -> Chunk:
+    if not isinstance(c, dict) or not isinstance(c.get("file"), str):
+        raise ManifestError(f"manifest tensor {key!r} has a malformed chunk {c!r}")
+    block_rows, digests = c.get("block_rows", 0), c.get("digests", [])
+    if not _is_int(block_rows) or block_rows < 0 or not isinstance(digests, list) or not all(
+            isinstance(x, str) for x in digests):
+        raise ManifestError(f"manifest tensor {key!r} has malformed chunk checksums")
+    return Chunk(file=c["file"], offsets=_ints(c.get("offsets"), f"tensor {key!r} chunk offsets"),
+                 sizes=_ints(c.get("sizes"), f"tensor {key!r} chunk sizes"),
+                 block_rows=block_rows, digests=tuple(digests))
+
+
+def _tensor(key: Any, v: Any, *, chunks: bool = True) -> TensorEntry:
+    """A tensor entry; `chunks=False` (a format-3 top manifest): shape and dtype only."""
+    if not isinstance(v, dict) or not isinstance(v.get("dtype"), str) or (
+            chunks and not isinstance(v.get("chunks"), list)):
+        raise ManifestError(f"manifest tensor {key!r} needs shape, dtype" + (" and chunks" if chunks else ""))
+    return TensorEntry(shape=_ints(v.get("shape"), f"tensor {key!r} shape"), dtype=v["dtype"],
+                       chunks=tuple(_chunk(key, c) for c in v["chunks"]) if chunks else ())
+
+
+def _spelled(params: Any, states: Any) -> dict[str, Any]:
+    """A format-3 top manifest's tensors from its parameters and optimizer state names."""
+    if not isinstance(params, dict) or not isinstance(states, list) or not all(
+            isinstance(s, str) and s and "." not in s for s in states):
+        raise ManifestError("manifest params must be an object and optimizer.states a list of names")
+    return {f"{p}{n}": v for n, v in params.items() for p in (MODEL_PREFIX, *(f"{OPTIM_PREFIX}{s}." for s in states))}
+
+
+def _load_json(text: str | bytes, what: str) -> Any:
+    try:
+        return json.loads(text)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ManifestError(f"{what} is not valid JSON: {e}") from None
+    except RecursionError:  # a forged, deeply nested document: a verdict, not a crash of the loader
+        raise ManifestError(f"{what} is nested too deeply to be a checkpoint manifest") from None
+
+
+def _steps(v: Any, what: str) -> dict[str, int]:
+    if not isinstance(v, dict) or not all(_is_int(x) for x in v.values()):
+        raise ManifestError(f"{what} must map names to integers")
+    return {str(k): int(x) for k, x in v.items()}
+
+
+def _fits(c: Chunk, t: TensorEntry) -> bool:
+    return len(c.offsets) == len(t.shape) and len(c.sizes) == len(t.shape) and all(
+        o >= 0 and s >= 0 and o + s <= n for o, s, n in zip(c.offsets, c.sizes, t.shape))
+
+
+@dataclass(kw_only=True, slots=True)
+class Index:
+    """One saving rank's part of a format-3 checkpoint (``index-rNNNNN.json``): its files, the chunk it
+    wrote of each tensor, and the AdamW step counters of the parameters it holds."""
+
+    rank: int
+    step: int
+    shared: bool = False
+    """The rank's shared index (`index_name`)."""
+    files: dict[str, FileEntry] = field(default_factory=dict)
+    chunks: dict[str, Chunk] = field(default_factory=dict)
+    """Key -> the one box of it this rank wrote (a rank writes at most one box per tensor)."""
+    optimizer_steps: dict[str, int] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "format": INDEX_FORMAT, "format_version": FORMAT_VERSION, "step": self.step, "rank": self.rank,
+            "shared": self.shared,
+            "optimizer_steps": dict(sorted(self.optimizer_steps.items())),
+            "files": {k: f.to_dict() for k, f in sorted(self.files.items())},
+            "chunks": {k: c.to_dict() for k, c in sorted(self.chunks.items())},
+        }, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes, *, rank: int, step: int, shared: bool = False) -> "Index":
+        """Parse and type-check the index of saving rank `rank` of the checkpoint of `step`; raises
+        ManifestError saying what is wrong (also for another rank's or another step's index, and for a
+        file name that is not one of this rank's)."""
+        where = index_name(rank, shared)
+        d = _load_json(text, where)
+        if not isinstance(d, dict) or d.get("format") != INDEX_FORMAT:
+            raise ManifestError(f"{where} is not a checkpoint index (format {d.get('format') if isinstance(d, dict) else None!r})")
+        if d.get("rank") != rank or d.get("step") != step or bool(d.get("shared")) != shared:
+            raise ManifestError(f"{where} describes rank {d.get('rank')!r} of step {d.get('step')!r} "
+                                f"(shared: {d.get('shared')!r}), not rank {rank} of step {step}")
+        files_d, chunks_d = d.get("files"), d.get("chunks")
+        if not isinstance(files_d, dict) or not isinstance(chunks_d, dict):
+            raise ManifestError(f"{where} needs 'files' and 'chunks' objects")
+        files = {str(k): _file(k, v) for k, v in files_d.items()}
+        bad = sorted(n for n in files if not n.startswith(shard_prefix(rank)))
+        if bad:
+            raise ManifestError(f"{where} lists {bad[0]}, which is not a file of rank {rank}")
+        return cls(rank=rank, step=step, shared=shared, files=files, chunks={str(k): _chunk(k, v) for k, v in chunks_d.items()},
+                   optimizer_steps=_steps(d.get("optimizer_steps", {}), f"{where} optimizer_steps"))
+
+    def problems(self, tensors: dict[str, TensorEntry]) -> list[str]:
+        """Chunks of tensors the top manifest does not have, or that fall outside their tensor, name a
+        file this index does not list, or lack block digests; files too small for their chunks."""
+        where = index_name(self.rank, self.shared)
+        out: list[str] = []
+        in_file = dict.fromkeys(self.files, 0)
+        for key, c in sorted(self.chunks.items()):
+            t = tensors.get(key)
+            if t is None:
+                out.append(f"{where}: tensor {key} is not in the manifest")
+                continue
+            if c.file not in self.files:
+                out.append(f"tensor {key}: chunk in file {c.file!r}, which {where} does not list")
+            if not _fits(c, t):
+                out.append(f"tensor {key}: chunk offsets {list(c.offsets)} sizes {list(c.sizes)} "
+                           f"do not fit shape {list(t.shape)}")
+                continue
+            if t.dtype in ITEMSIZE and c.file in in_file:
+                in_file[c.file] += math.prod(c.sizes) * ITEMSIZE[t.dtype]
+            out += _block_problems(key, c, self.files.get(c.file))
+        out += [f"file {n}: its chunks need {b} bytes but the file has {self.files[n].size}"
+                for n, b in sorted(in_file.items()) if b > self.files[n].size]
+        return out
 
 
 def _file(key: Any, v: Any) -> FileEntry:

@@ -6,7 +6,8 @@ then reads the checkpoint, so the disk idles while the CPU imports. One thread h
 hold this rank's part of the newest checkpoint, sequentially in large blocks (the bytes go nowhere: the
 page cache keeps them), from the start of the build until the load itself begins; the load then finds
 that much already in memory. Which files: those with a chunk that overlaps a box this rank holds under
-its layout (`parallel.sharding.param_box`), worked out from the manifest alone. Local files only (an
+its layout (`parallel.sharding.param_box`), worked out from the manifest alone (format 3: from the
+manifest and the indexes of the saved ranks that wrote what meets those boxes, as the load reads them). Local files only (an
 object store has no page cache to warm); anything unexpected (no manifest, a name the layout does not
 know) and the thread reads nothing or every file: it is a hint, never a correctness matter.
 """
@@ -20,7 +21,8 @@ from pathlib import Path
 
 from parallel.checkpoint.manifest import MODEL_PREFIX, OPTIM_PREFIX, Manifest
 from parallel.checkpoint.storage import LocalStorage
-from parallel.checkpoint.validate import list_step_dirs, read_manifest_text
+from parallel.checkpoint.placement import indexes_for
+from parallel.checkpoint.validate import list_step_dirs, read_indexes, read_manifest_text
 from parallel.layout import Layout
 from parallel.sharding import Box, param_box
 
@@ -51,6 +53,21 @@ def files_for_rank(manifest: Manifest, layout: Layout, rank: int, n_layers: int,
             if c.file not in needed and box.intersect(Box(tuple(c.offsets), tuple(c.sizes))) is not None:
                 needed.add(c.file)
     return [f for f in sorted(manifest.files) if f in needed]
+
+
+def _my_part(storage: LocalStorage, step_dir: str, manifest: Manifest, layout: Layout, rank: int, n_layers: int, *,
+             tied: bool) -> Manifest:
+    """A format-3 manifest with the indexes merged in that describe what `rank` holds under `layout`."""
+    boxes = {}
+    for key, entry in manifest.tensors.items():
+        box = param_box(_param_name(key), tuple(entry.shape), layout, rank, n_layers, tied=tied)
+        if box is not None:
+            boxes[key] = box
+    placement = manifest.placement_of()
+    wanted = ([(r, False) for r in range(manifest.indexes)] if placement is None
+              else indexes_for(placement.boxmap(manifest.optimizer_states()), boxes))
+    indexes, _ = read_indexes(storage, step_dir, manifest, wanted)
+    return manifest.merged(indexes, whole=False)[0]
 
 
 def newest_manifest(storage: LocalStorage) -> tuple[Path, Manifest] | None:
@@ -115,6 +132,8 @@ def start_prefetch(root: str | None, layout: Layout, rank: int, n_layers: int, *
     step_dir, manifest = found
     t = time.perf_counter()
     try:
+        if manifest.scope == "top":
+            manifest = _my_part(LocalStorage(str(root)), str(step_dir), manifest, layout, rank, n_layers, tied=tied)
         names = files_for_rank(manifest, layout, rank, n_layers, tied=tied)
     except Exception as e:  # a manifest this code cannot read: the load will say what is wrong with it
         log.debug("no checkpoint prefetch for %s: %s", step_dir, e)

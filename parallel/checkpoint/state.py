@@ -28,6 +28,7 @@ from models.llama import canonical_name
 from parallel.checkpoint.host_pool import HostPool
 from parallel.checkpoint.host_pool import layout as pool_layout
 from parallel.checkpoint.manifest import MODEL_PREFIX, OPTIM_PREFIX, CheckpointError
+from parallel.checkpoint.placement import param_of
 from parallel.checkpoint.tensor_io import Target
 from parallel.checkpoint.writer import Piece
 from parallel.unset import mark_unset
@@ -113,6 +114,22 @@ def local_box(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
             raise CheckpointError(f"a DTensor's local shard is {list(local.shape)}, its placements say {list(shape)}")
         return local, tuple(int(o) for o in offsets)
     return t.detach(), (0,) * t.dim()
+
+
+def boxes_to_load(model: nn.Module, keys) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Key -> (offsets, sizes) of this rank's box, for each of `keys` (``model.<p>``, ``optim.<state>.<p>``)
+    whose parameter this rank holds a non-empty box of: what a load reads, before any optimizer state
+    exists (moments have their parameter's box). No data is touched."""
+    mine: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+    for name, t in named_state(model).items():
+        if isinstance(t, DTensor):
+            shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+            box = (tuple(int(o) for o in offsets), tuple(int(s) for s in shape))
+        else:
+            box = ((0,) * t.dim(), tuple(t.shape))
+        if all(s > 0 for s in box[1]):
+            mine[name] = box
+    return {k: mine[p] for k in keys if (p := param_of(k)) in mine}
 
 
 def pieces(tensors: dict[str, torch.Tensor]) -> list[Piece]:

@@ -5,9 +5,10 @@ match the model (when the caller says what the model is), and every file it list
 listed size and checksums. Each check returns human-readable problems rather than raising, so the loader
 can log "checkpoint X: reason" and fall back to the previous one, and `inspect` can show them all.
 
-The training loader checks sizes here and verifies format-2 checksums while it reads (tensor_io); the
+The training loader checks sizes here and verifies format-2/3 checksums while it reads (tensor_io); the
 full verification below (every byte, without torch) is for tools and for format-1 checkpoints, whose
-whole-file sha256 must be checked before their bytes are used.
+whole-file sha256 must be checked before their bytes are used. A format-3 checkpoint is checked whole
+here (`check_checkpoint` reads every index); a training rank reads and checks only its part (loader).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import struct
 from dataclasses import dataclass, field
 
 from parallel.checkpoint.checksum import digest_fn
-from parallel.checkpoint.manifest import ITEMSIZE, MANIFEST_NAME, Manifest, ManifestError
+from parallel.checkpoint.manifest import ITEMSIZE, MANIFEST_NAME, Index, Manifest, ManifestError, index_name
 from parallel.checkpoint.storage import Storage
 
 LATEST_NAME = "latest"
@@ -103,6 +104,41 @@ def check_manifest(path: str, text: str | None, why_missing: str | None,
     return check
 
 
+def read_indexes(storage: Storage, path: str, manifest: Manifest, wanted, *,
+                 transient: list[str] | None = None, optional_shared: bool = False) -> tuple[list[Index], list[str]]:
+    """(The parsed indexes `wanted` ((saving rank, shared) pairs) of the format-3 checkpoint at `path`,
+    problems). A missing or malformed index is a problem (a missing shared one not, with
+    `optional_shared`: a rank that writes no shared box writes none); another read error goes to
+    `transient` when given."""
+    out, problems = [], []
+    for r, shared in sorted(wanted):
+        name = index_name(r, shared)
+        if not 0 <= r < manifest.indexes:
+            problems.append(f"{name} is needed but the manifest lists {manifest.indexes} ranks' indexes")
+            continue
+        try:
+            text = storage.read_bytes(storage.join(path, name))
+            out.append(Index.from_json(text, rank=r, step=manifest.step, shared=shared))
+        except FileNotFoundError:
+            if not (shared and optional_shared):
+                problems.append(f"{name} is missing")
+        except ManifestError as e:
+            problems.append(str(e))
+        except (OSError, MemoryError) as e:
+            (transient if transient is not None else problems).append(f"cannot read {name}: {type(e).__name__}: {e}")
+    return out, problems
+
+
+def whole(storage: Storage, path: str, manifest: Manifest) -> tuple[Manifest, list[str]]:
+    """A format-3 manifest with every index merged in (formats 1-2: as it is), and the problems found."""
+    if manifest.scope != "top":
+        return manifest, []
+    every = [(r, s) for r in range(manifest.indexes) for s in (False, True)]
+    indexes, problems = read_indexes(storage, path, manifest, every, optional_shared=True)
+    merged, more = manifest.merged(indexes, whole=True)
+    return merged, problems + more
+
+
 def file_problems(storage: Storage, path: str, manifest: Manifest, names: list[str] | None = None,
                   *, checksums: bool = True, transient: list[str] | None = None) -> list[str]:
     """Missing files, wrong sizes (truncation) and checksum mismatches (corruption) among `names`
@@ -182,6 +218,9 @@ def check_checkpoint(storage: Storage, path: str, *, expected=None, checksums: b
     """All checks, in this process (for tools and single-process loads)."""
     text, why = read_manifest_text(storage, path)
     check = check_manifest(path, text, why, expected)
+    if check.manifest is not None and not check.problems and check.manifest.scope == "top":
+        check.manifest, more = whole(storage, path, check.manifest)
+        check.problems += more or check.manifest.structure_problems()
     if check.manifest is not None and not check.problems:
         check.problems += file_problems(storage, path, check.manifest, checksums=checksums)
     return check

@@ -166,15 +166,19 @@ def test_overlaps_and_chunks_meeting_a_box_agree_with_a_full_scan():
 def test_round_trip_is_exact_and_self_describing(run):
     root, _, _, snaps = run
     d = os.path.join(root, STEP_DIR.format(4))
-    # Only safetensors shards and the JSON manifest: no DCP .metadata pickle, no index file.
-    assert sorted(n.rsplit(".", 1)[-1] for n in os.listdir(d)) == ["json", "safetensors"]
+    # Only safetensors shards and JSON (the manifest and the rank's index): no DCP .metadata pickle.
+    assert sorted(os.listdir(d)) == ["index-r00000.json", "manifest.json", "shard-r00000-00.safetensors"]
     manifest = json.loads(open(os.path.join(d, "manifest.json")).read())
+    assert manifest["format_version"] == 3 and manifest["indexes"] == 1
     assert manifest["step"] == 4 and manifest["layout"] == {"tp": 1} and manifest["data"]["consumed_samples"] == 32
-    assert set(manifest["optimizer"]["steps"].values()) == {4}  # step counters live here, not in the files
-    assert manifest["tensors"]["model.output.weight"]["shape"] == [64, 32]
-    assert manifest["tensors"]["optim.exp_avg.output.weight"]["shape"] == [64, 32]
-    assert not [k for k in manifest["tensors"] if k.endswith("step")]
-    for name, f in manifest["files"].items():
+    assert manifest["params"]["output.weight"]["shape"] == [64, 32]  # and so its moments'
+    assert manifest["optimizer"]["states"] == ["exp_avg", "exp_avg_sq"]
+    index = json.loads(open(os.path.join(d, "index-r00000.json")).read())
+    assert set(index["optimizer_steps"].values()) == {4}  # step counters live here, not in the files
+    assert index["chunks"]["optim.exp_avg.output.weight"]["sizes"] == [64, 32]
+    assert set(index["chunks"]) == set(Manifest.from_json(json.dumps(manifest)).tensors)
+    assert not [k for k in index["chunks"] if k.endswith("step")]
+    for name, f in index["files"].items():
         assert os.path.getsize(os.path.join(d, name)) == f["size"]
 
     model, opt = tiny(seed=99)
@@ -373,7 +377,7 @@ def test_latest_moves_only_after_commit(run, monkeypatch):
     monkeypatch.setattr(LocalStorage, "write_bytes", write_bytes)
     monkeypatch.setattr(LocalStorage, "commit_dir", commit_dir)
     CheckpointManager(root, keep_last=5).save(6, model, opt, state={}, blocking=True)
-    assert events == ["manifest.json", "commit", "latest"]
+    assert events == ["index-r00000.json", "manifest.json", "commit", "latest"]  # the manifest after every index
 
     def failing_commit(self, staging, final):
         raise OSError("disk full")
@@ -454,3 +458,20 @@ def test_rng_round_trip():
     assert a[0] == b[0] and a[1] == b[1] and torch.equal(a[2], b[2])
     with pytest.raises(ValueError, match="malformed RNG"):
         restore_rng({"python": [3, [1, 2], None]})
+
+
+def test_a_format3_top_manifest_round_trips_in_either_spelling():
+    def top(tensors):
+        return Manifest(step=3, tensors={k: TensorEntry(shape=s, dtype=d, chunks=()) for k, (s, d) in tensors.items()},
+                        files={}, format_version=3, indexes=4, scope="top",
+                        placement={"layout": {"dp_shard": 2, "tp": 2}, "n_layers": 1, "tied": False})
+
+    same = {"model.w": ((4, 2), "float32"), "optim.exp_avg.w": ((4, 2), "float32"), "optim.exp_avg_sq.w": ((4, 2), "float32")}
+    odd = {**same, "optim.exp_avg.w": ((4, 2), "bfloat16")}  # a moment unlike its parameter: spelled out
+    for tensors, field in ((same, "params"), (odd, "tensors")):
+        m = top(tensors)
+        d = json.loads(m.to_json())
+        assert field in d and "files" not in d and "chunks" not in m.to_json()
+        back = Manifest.from_json(m.to_json())
+        assert back.scope == "top" and back.indexes == 4 and back.placement_of().layout.tp == 2
+        assert {k: (t.shape, t.dtype) for k, t in back.tensors.items()} == tensors

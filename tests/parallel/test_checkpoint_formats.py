@@ -1,0 +1,73 @@
+"""A format-2 checkpoint (one manifest naming every chunk) still loads, under another layout (tier 1); a
+format-3 save whose boxes its placement does not predict falls back and still loads (tier 2).
+
+The fixture under tests/fixtures/checkpoint_format2 was written by the format-2 writer itself (its
+`make_fixture.py` says how): four ranks under dp_shard=2,tp=2 after one AdamW step. Here one process
+(dp=1) loads it and must hold exactly the full tensors those ranks gathered when they saved.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from models.config import model_config
+from models.llama import build_model
+from parallel.checkpoint import CheckpointManager, inspect, load_full_model_state
+from parallel.checkpoint.state import collect
+from parallel.parallelize import materialize
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "checkpoint_format2")
+CONFIG = dict(n_layers=2, dim=16, n_heads=2, n_kv_heads=2, ffn_hidden=32, vocab_size=32)
+
+
+def test_a_format2_checkpoint_of_four_ranks_loads_into_one(tmp_path):
+    root = tmp_path / "ckpt"
+    shutil.copytree(os.path.join(FIXTURE, "step-00000001"), root / "step-00000001")
+    want = load_file(os.path.join(FIXTURE, "expected.safetensors"))
+    model = build_model(model_config("tiny", **CONFIG))
+    materialize(model, seed=99, device=torch.device("cpu"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    m = CheckpointManager(str(root)).load_latest(model, opt)
+    assert m.format_version == 2 and m.step == 1 and m.layout == {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "pp": 1}
+    got, steps = collect(model, opt)
+    assert got.keys() == want.keys() and any(k.startswith("optim.exp_avg_sq.") for k in got)
+    for k, t in want.items():
+        assert torch.equal(got[k], t), f"{k} differs"
+    assert set(steps.values()) == {1}
+    info = inspect(str(root))
+    assert info["valid"] and info["format_version"] == 2
+    full, _ = load_full_model_state(str(root))
+    assert all(torch.equal(full[k.removeprefix("model.")], t) for k, t in want.items() if k.startswith("model."))
+
+
+@pytest.mark.dist
+def test_a_save_whose_boxes_the_placement_does_not_predict_falls_back_and_loads(tmp_path):
+    """Four ranks save the same state twice: with the placement of their layout (each rank picks its
+    boxes alone; shared norms in shared indexes) and with a wrong one (every rank's boxes gathered, no
+    placement recorded). Both load exactly into one process, which reads every index of the second."""
+    from tests.bodies import checkpoint_placement_body
+    from tests.multiproc import run_ranks
+
+    roots = {n: str(tmp_path / n) for n in ("right", "wrong")}
+    results = run_ranks(4, checkpoint_placement_body, roots)
+    want = results[0]["full"]
+    for name, root in roots.items():
+        top = json.loads((tmp_path / name / "step-00000001" / "manifest.json").read_text())
+        assert top["format_version"] == 3 and top["indexes"] == 4
+        assert (top["placement"] is not None) == (name == "right")
+        shared = [f for f in results[0]["files"][name] if f.endswith("-shared.json")]
+        assert bool(shared) == (name == "right")  # the TP-replicated norms
+        model = build_model(model_config("tiny", **CONFIG))
+        materialize(model, seed=99, device=torch.device("cpu"))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        CheckpointManager(root).load_latest(model, opt)
+        got, steps = collect(model, opt)
+        assert got.keys() == want.keys() and set(steps.values()) == {1}
+        for k, t in want.items():
+            assert torch.equal(got[k], t), f"{name}: {k} differs"
