@@ -115,7 +115,10 @@ class Group(Protocol):
     def scale_to(self, nodes: list[str]) -> Started:
         """One member per entry of `nodes`, survivors kept."""
     def prewarm(self, nodes: list[str]) -> int:
-        """Start workers on `nodes` ahead of a growth, without making them members; returns how many."""
+        """Start workers on `nodes` ahead of a growth, warming up, without making them members; returns
+        how many."""
+    def warm(self, nodes: list[str]) -> bool:
+        """Whether a worker `prewarm` started has come up and warmed up on each entry of `nodes`."""
     def stop_members(self, *, dead: Collection[str] = ()) -> None:
         """Stop every member (after a failure that kept none); standbys, and spares off the `dead`
         nodes, stay for the next start."""

@@ -101,6 +101,21 @@ def test_grow_only_after_settle_seconds():
     assert p.pending_growth is None
 
 
+def test_a_settled_growth_waits_for_its_joiners_to_warm_up_keeping_its_timer():
+    warm = {6: False}
+    asked = []
+    p = ScalingPolicy(PolicyConfig(settle_seconds=10.0), joiners_warm=lambda n: asked.append(n) or warm[n])
+    assert p.decide(0.0, current_workers=4, usable_workers=6) == Noop("growth to 6 settling: 0.0 of 10 s")
+    assert asked == []  # not asked before the growth has settled
+    assert p.decide(12.0, current_workers=4, usable_workers=6) == Noop(
+        "growth to 6 settled (12.0 s); its joining workers are warming up")
+    assert asked == [6] and p.pending_growth == (6, 0.0)
+    warm[6] = True
+    d = p.decide(15.0, current_workers=4, usable_workers=6)
+    assert isinstance(d, Resize) and (d.workers, d.cause) == (6, "grow") and "unchanged for 15.0 s" in d.reason
+    assert p.pending_growth is None
+
+
 def test_flap_below_current_resets_the_timer():
     p = policy(settle_seconds=30.0)
     assert isinstance(p.decide(0.0, current_workers=4, usable_workers=6), Noop)
