@@ -177,6 +177,9 @@ def measure_elastron(*, cluster, scenario: str, workdir: str, state: State, resh
                "world_size_before": before, "world_size_after": rc.world_size,
                "workers_started": rc.started, "workers_stopped": rc.stopped,
                "step_time_s": step_times[len(step_times) // 2],
+               # the median step at the new size after its first (what the first step is compared with)
+               "step_time_after_s": statistics.median([m["step_time"] for m in metrics
+                                                       if m["step"] > rc.resumed_step + 1] or [float("nan")]),
                "losses": {str(m["step"]): m["loss"] for m in metrics}}  # str: as JSON gives them back
         tr = rc.transfer or {}
         if tr.get("path") in ("live", "peers"):

@@ -63,7 +63,7 @@ class Coordinator:
         self.events = job_events(self.run_dir / "events.jsonl", self.job_id)
         self.sm = StateMachine(self.job_id, sink=self.events.append)
         self.policy = ScalingPolicy(self._policy_config(job.min_workers, job.max_workers), size_for=self._size_for,
-                                    joiners_warm=self._joiners_warm)
+                                    hold_growth=self._hold_growth)
         self.watcher = watcher or ClusterWatcher(interval_s=self.opts.poll_interval_s)
         self._own_watcher = watcher is None
         self.group: Group | None = None
@@ -317,7 +317,7 @@ class Coordinator:
 
     def _prewarm(self, snap: ClusterSnapshot) -> None:
         """While a growth settles, start the workers it will need on the new nodes (they warm up while
-        the group trains: the growth waits for them, `_joiners_warm`); then keep standby workers beside
+        the group trains: the growth waits for them, `_hold_growth`); then keep standby workers beside
         the members and those spares (`Group.keep_standby`)."""
         if (pending := self.policy.pending_growth) is not None and (extra := self._joiners(pending[0], snap)):
             if started := self.group.prewarm(extra):
@@ -336,14 +336,21 @@ class Coordinator:
             return []
         return list((Counter(nodes) - self.group.nodes()).elements())
 
-    def _joiners_warm(self, workers: int) -> bool:
-        """The policy's question before a growth to `workers`: have the workers it adds started and warmed
-        up on their nodes (`Group.warm`), beside the training group? Yes too once the growth has waited
+    def _hold_growth(self, workers: int) -> str:
+        """The policy's question before a settled growth to `workers`: why wait longer, the group training
+        on meanwhile? While the workers it adds have not started and warmed up on their nodes
+        (`Group.warm`), and while a periodic checkpoint save is still being written (the hand-over would
+        wait for it with the whole group stopped). "" once neither holds, or once the growth has waited
         `start_timeout_s` (the start then deals with a worker that never came up)."""
         pending = self.policy.pending_growth
-        if pending is not None and time.time() - pending[1] >= self.opts.start_timeout_s:
-            return True
-        return self.group is None or self.group.warm(self._joiners(workers, self.watcher.latest))
+        if self.group is None or (pending is not None and time.time() - pending[1] >= self.opts.start_timeout_s):
+            return ""
+        if not self.group.warm(self._joiners(workers, self.watcher.latest)):
+            return "its joining workers start and warm up"
+        every = self.cfg.checkpoint.interval_steps
+        if (saving := self.step_done - self.step_done % every) > self.committed_step:
+            return f"the checkpoint of step {saving} is written"
+        return ""
 
     def _train_chunk(self, state: Running) -> State:
         try:

@@ -197,6 +197,27 @@ def test_a_join_whose_workers_never_warm_up_grows_after_the_start_timeout(tmp_pa
     assert c.group.size == 4 and time.monotonic() - t0 >= 0.2
 
 
+def test_a_settled_growth_trains_on_while_a_periodic_checkpoint_is_written(tmp_path):
+    """The hand-over would wait for a save in flight with the whole group stopped: a growth due while the
+    checkpoint of step 5 writes (its row says step 0 is the last committed) trains one more step."""
+    c, cluster, G = make_coordinator(tmp_path, {"a": 2}, settle=0.0, steps=40, interval=5)
+    run = G.run
+
+    def run_committing_after_the_call(self, **kw):
+        committed = self.disk.committed
+        rows = run(self, **kw)
+        rows[-1]["committed_step"] = committed  # this call's save, if it started one, commits after it
+        return rows
+
+    G.run = run_committing_after_the_call
+    advance(c, lambda c: c.step_done >= 5)
+    assert c.committed_step == 0
+    cluster.nodes["b"] = 2
+    advance(c, lambda c: len(c.reconfigs) == 2)
+    (rc,) = changes(c)
+    assert rc.step_before == 6 and c.group.size == 4 and rc.steps_lost == 0
+
+
 def test_waits_for_capacity_below_min_workers_and_resumes(tmp_path):
     c, cluster, _ = make_coordinator(tmp_path, {"a": 2, "b": 2}, min_workers=3)
     advance(c, lambda c: c.step_done >= 6)
