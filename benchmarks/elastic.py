@@ -19,7 +19,8 @@ Scenarios (Elastron's systems differ only in `parallel.reshard`: live or storage
   drain  3 nodes, one drained (preemption, 60 s deadline): event -> first step without that node
 Ray Train v2 (`elastic_raytrain.measure_raytrain`) checkpoints with torch.distributed.checkpoint.
 
-Per run: event -> first step at the new size, the coordinator's timeline after the event (events with
+Per run: event -> first step at the new size, the stall (the end of the last step at the old size to
+the end of the first at the new one; Ray Train's too), the coordinator's timeline after the event (events with
 their offsets), the transfer record (live: handover, transfer, form; storage: the checkpoint and re-form
 events), steps redone or lost, per-step losses. After each scenario's live run, on two of its nodes: raw
 gloo point-to-point (two fresh Ray actors, `batch_isend_irecv` of the bytes the live transfer moved, one
@@ -162,15 +163,23 @@ def measure_elastron(*, cluster, scenario: str, workdir: str, state: State, resh
         _wait(lambda: coord.step_done >= rc.resumed_step + 6, 300, "6 steps at the new size")
         metrics = coord.metrics_since(0)
         step_times = sorted(m["step_time"] for m in metrics if m["step"] <= (rc.step_before or 0))
+        last_old = max((m for m in metrics if m["step"] <= (rc.step_before or 0)), key=lambda m: m["step"])
         out = {"system": f"elastron-{reshard}", "scenario": scenario, "path": (rc.transfer or {}).get("path"),
                "event_to_first_step_s": rc.first_step_time - t_event,
+               # the stall: from the last step at the old size to the end of the first at the new one
+               "stall_s": rc.first_step_time - last_old["time"],
                "decided_after_s": after[0].detected - t_event,
+               # steps the old group finished between the event and the decision (it trains on meanwhile)
+               "steps_before_decision": sum(t_event < m["time"] <= after[0].detected for m in metrics),
                "steps_redone_or_lost": sum(r.steps_lost for r in after[:after.index(rc) + 1]),
                "timeline": _timeline(coord.events_since(0), t_event, rc.first_step_time),
                "reconfigurations": [r.to_dict() for r in after],
                "world_size_before": before, "world_size_after": rc.world_size,
                "workers_started": rc.started, "workers_stopped": rc.stopped,
                "step_time_s": step_times[len(step_times) // 2],
+               # the median step at the new size after its first (what the first step is compared with)
+               "step_time_after_s": statistics.median([m["step_time"] for m in metrics
+                                                       if m["step"] > rc.resumed_step + 1] or [float("nan")]),
                "losses": {str(m["step"]): m["loss"] for m in metrics}}  # str: as JSON gives them back
         tr = rc.transfer or {}
         if tr.get("path") in ("live", "peers"):
@@ -280,9 +289,9 @@ def _system(r: dict) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    lines = [("| scenario | system | path | event → first step | moving state | transfer vs raw gloo | "
+    lines = [("| scenario | system | path | event → first step | stall | moving state | transfer vs raw gloo | "
               "steps redone/lost | Ray Train ÷ this |"),
-             "|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|"]
     for sc in SCENARIOS:
         got = {_system(r): r for r in rows if r["scenario"] == sc}
         rt = got.get("raytrain")
@@ -303,7 +312,7 @@ def table(rows: list[dict]) -> str:
                 ratio = f"{theirs / t:.1f}×" if theirs and t else "—"
                 t_s = _fmt(t)
             frac_s = "—" if frac is None else f"{100 * frac:.0f}%"
-            lines.append(f"| {sc} | {name} | {path} | {t_s} | {_fmt(move)} | {frac_s} | "
+            lines.append(f"| {sc} | {name} | {path} | {t_s} | {_fmt(r.get('stall_s'))} | {_fmt(move)} | {frac_s} | "
                          f"{r.get('steps_redone_or_lost')} | {ratio} |")
     return "\n".join(lines)
 

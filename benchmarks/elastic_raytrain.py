@@ -459,6 +459,8 @@ def measure_raytrain(*, cluster, model_steps: int, ckpt_every: int, scenario: st
             result["save_s"] = round(saves[-1]["save_s"], 3) if saves else None
             if result["load_s"] is not None and result["save_s"] is not None:
                 result["moving_state_s"] = round(result["save_s"] + result["load_s"], 3)
+            # the stall: from the old group's last step to the first at the new size
+            result["stall_s"] = round(target["time"] - max(s["time"] for s in steps if s["attempt"] == old_attempt), 2)
         by_ws = _step_intervals(steps)
         result["step_time_s"] = _median([x for xs in by_ws.values() for x in xs])
         result["step_time_s_by_world_size"] = {ws: _median(xs) for ws, xs in sorted(by_ws.items())}

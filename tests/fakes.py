@@ -73,6 +73,9 @@ class FakeGroup:
     def prewarm(self, nodes):
         return 0
 
+    def warm(self, nodes):
+        return True
+
     def keep_standby(self):
         return 0
 

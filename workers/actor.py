@@ -209,13 +209,15 @@ class Worker:
         t1 = time.perf_counter()
         self.trainer = Trainer(self.cfg, plan=Plan.from_dict(plan), device=device,
                                run_dir=self.run_dir).build(resume=not adopt, init_weights=not adopt)
+        t2 = time.perf_counter()
         if adopt:
             got, self.received = self.received, None
             self.trainer.adopt(got.pieces, got.optimizer_steps, got.state)
             got = None  # the received buffers, and the old shards a survivor kept pieces of: freed now
             _malloc_trim()  # no collection while the new group lives (nothing cyclic was dropped here)
         self.rank, self._plan, self._broken = rank, plan, False
-        return {"step": self.trainer.step, "pg_s": t1 - t0, "build_s": time.perf_counter() - t1}
+        return {"step": self.trainer.step, "pg_s": t1 - t0, "build_s": t2 - t1, "adopt_s": time.perf_counter() - t2,
+                **{f"build.{k}": v for k, v in self.trainer.build_times.items()}}
 
     def _init_group(self, rank: int, world_size: int, master_addr: str, master_port: int, timeout_s: float):
         from workers.runtime import init_process_group, pick_device

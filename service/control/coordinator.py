@@ -62,7 +62,8 @@ class Coordinator:
         self.constraints = job_constraints(self.cfg, layout=job.layout)  # a forced layout (request or config) in it
         self.events = job_events(self.run_dir / "events.jsonl", self.job_id)
         self.sm = StateMachine(self.job_id, sink=self.events.append)
-        self.policy = ScalingPolicy(self._policy_config(job.min_workers, job.max_workers), size_for=self._size_for)
+        self.policy = ScalingPolicy(self._policy_config(job.min_workers, job.max_workers), size_for=self._size_for,
+                                    hold_growth=self._hold_growth)
         self.watcher = watcher or ClusterWatcher(interval_s=self.opts.poll_interval_s)
         self._own_watcher = watcher is None
         self.group: Group | None = None
@@ -315,16 +316,41 @@ class Coordinator:
                                   short_because=why)
 
     def _prewarm(self, snap: ClusterSnapshot) -> None:
-        """While a growth settles, start the workers it will need on the new nodes; then keep standby
-        workers beside the members and those spares (`Group.keep_standby`)."""
-        if (pending := self.policy.pending_growth) is not None:
-            try:
-                nodes = self._assign(self._plan(pending[0]), snap)
-            except (PlanError, ValueError):
-                nodes = []
-            if extra := list((Counter(nodes) - self.group.nodes()).elements()):
-                self.group.prewarm(extra)
+        """While a growth settles, start the workers it will need on the new nodes (they warm up while
+        the group trains: the growth waits for them, `_hold_growth`); then keep standby workers beside
+        the members and those spares (`Group.keep_standby`)."""
+        if (pending := self.policy.pending_growth) is not None and (extra := self._joiners(pending[0], snap)):
+            if started := self.group.prewarm(extra):
+                self.sm.note("capacity", reason=f"starting {started} worker(s) to warm up for the growth to "
+                                                f"{pending[0]} while the group trains", step=self.step_done,
+                             details={"nodes": sorted(set(extra))})
         self.group.keep_standby()
+
+    def _joiners(self, workers: int, snap: ClusterSnapshot | None) -> list[str]:
+        """The node of each worker a growth to `workers` adds (none if it cannot be planned)."""
+        if self.group is None or snap is None:
+            return []
+        try:
+            nodes = self._assign(self._plan(workers), snap)
+        except (PlanError, ValueError):
+            return []
+        return list((Counter(nodes) - self.group.nodes()).elements())
+
+    def _hold_growth(self, workers: int) -> str:
+        """The policy's question before a settled growth to `workers`: why wait longer, the group training
+        on meanwhile? While the workers it adds have not started and warmed up on their nodes
+        (`Group.warm`), and while a periodic checkpoint save is still being written (the hand-over would
+        wait for it with the whole group stopped). "" once neither holds, or once the growth has waited
+        `start_timeout_s` (the start then deals with a worker that never came up)."""
+        pending = self.policy.pending_growth
+        if self.group is None or (pending is not None and time.time() - pending[1] >= self.opts.start_timeout_s):
+            return ""
+        if not self.group.warm(self._joiners(workers, self.watcher.latest)):
+            return "its joining workers start and warm up"
+        every = self.cfg.checkpoint.interval_steps
+        if (saving := self.step_done - self.step_done % every) > self.committed_step:
+            return f"the checkpoint of step {saving} is written"
+        return ""
 
     def _train_chunk(self, state: Running) -> State:
         try:

@@ -15,7 +15,9 @@ Rules, in order (the first that applies decides):
             are draining (shrink ahead of the deadline, with a checkpoint), "failure" when capacity is
             simply gone, "user" when only a lowered max_workers caps it.
   5. Resize (grow) when more workers are offered than run *and* that offer has stayed the same for
-            settle_seconds. Any change of the offer (a node flapping, or another node still arriving)
+            settle_seconds *and* nothing holds it (`hold_growth(target)`, when given: the workers the
+            growth adds still warming up beside the training group, a checkpoint save in flight; the
+            group trains on meanwhile and stops only to move state and form). Any change of the offer (a node flapping, or another node still arriving)
             restarts the timer: every resize costs a checkpoint and a restart, so wait for arrivals
             to stop and then grow once.
   6. Noop   otherwise (its reason says how long a pending growth has settled).
@@ -135,9 +137,13 @@ def _drain_text(now: float, draining: Mapping[str, float | None]) -> str:
 class ScalingPolicy:
     """Decides Noop / Resize / Wait / Fail from explicit observations (see the module docstring)."""
 
-    def __init__(self, config: PolicyConfig | None = None, *, size_for: Callable[[int], int | None] | None = None):
+    def __init__(self, config: PolicyConfig | None = None, *, size_for: Callable[[int], int | None] | None = None,
+                 hold_growth: Callable[[int], str] | None = None):
+        """`hold_growth(target)`: why a settled growth to `target` must wait a little longer, the group
+        training on meanwhile (e.g. "its joining workers start and warm up"), or "" to go; None: never held."""
         self.config = config or PolicyConfig()
         self._size_for = size_for
+        self._hold_growth = hold_growth
         self._grow_target: int | None = None
         self._grow_since: float | None = None
 
@@ -199,6 +205,8 @@ class ScalingPolicy:
             if self._grow_target != target:
                 self._grow_target, self._grow_since = target, now
             waited = now - self._grow_since
+            if waited >= c.settle_seconds and self._hold_growth is not None and (why := self._hold_growth(target)):
+                return Noop(f"growth to {target} settled ({waited:.1f} s); waiting while {why}")
             if waited >= c.settle_seconds:
                 return self._reset(Resize(workers=target, cause="grow",
                                           reason=f"grow to {target}: {usable_workers} usable workers > "

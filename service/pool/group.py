@@ -32,6 +32,9 @@ class Formed:
     """The step every rank resumed at."""
     form_s: float = 0.0
     """Seconds from the call until every rank had joined."""
+    form_parts: dict[str, float] = field(default_factory=dict)
+    """The slowest rank's seconds per part of its join (`Worker.join`: the process group, the trainer's
+    build and its parts, the adoption of moved state)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -92,6 +95,8 @@ class Moved:
     """Seconds of the transfer call: the transfer group's rendezvous, the plan, the send/recv."""
     form_s: float = 0.0
     """Seconds to form the new training group on the received state."""
+    form_parts: dict[str, float] = field(default_factory=dict)
+    """The slowest rank's seconds per part of that form (`Formed.form_parts`)."""
     transfer_parts: dict[str, float] = field(default_factory=dict)
     """The slowest worker's seconds per phase of the transfer call (workers.reshard)."""
 
@@ -115,7 +120,10 @@ class Group(Protocol):
     def scale_to(self, nodes: list[str]) -> Started:
         """One member per entry of `nodes`, survivors kept."""
     def prewarm(self, nodes: list[str]) -> int:
-        """Start workers on `nodes` ahead of a growth, without making them members; returns how many."""
+        """Start workers on `nodes` ahead of a growth, warming up, without making them members; returns
+        how many."""
+    def warm(self, nodes: list[str]) -> bool:
+        """Whether a worker `prewarm` started has come up and warmed up on each entry of `nodes`."""
     def stop_members(self, *, dead: Collection[str] = ()) -> None:
         """Stop every member (after a failure that kept none); standbys, and spares off the `dead`
         nodes, stay for the next start."""

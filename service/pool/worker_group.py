@@ -237,7 +237,8 @@ class WorkerGroup:
         steps = {r["step"] for r in res}
         if len(steps) != 1:
             raise WorkerFailure("form", f"ranks resumed at different steps {sorted(steps)}")
-        return Formed(step=steps.pop(), form_s=time.perf_counter() - t0)
+        parts = {k: max(r.get(k, 0.0) for r in res) for k in res[0] if k.endswith("_s") or k.startswith("build.")}
+        return Formed(step=steps.pop(), form_s=time.perf_counter() - t0, form_parts=parts)
 
     def reshard(self, old: Plan, new: Plan, nodes: list[str], *, survivors: list[int] | None = None) -> Moved:
         """Move the live state from `old` (the current members) to `new` on `nodes` over the network,
@@ -276,7 +277,7 @@ class WorkerGroup:
         formed = self.form(new, adopt=True)
         return Moved(step=formed.step, started=start.started, stopped=start.stopped,
                      bytes_moved=sum(r["bytes_received"] for r in moved), handover_s=t1 - t0, transfer_s=t2 - t1,
-                     form_s=formed.form_s,
+                     form_s=formed.form_s, form_parts=formed.form_parts,
                      transfer_parts={k: max(r["timings"].get(k, 0.0) for r in moved) for k in moved[0]["timings"]})
 
     def run(self, *, until_step: int, steps: int, should_abort=lambda: False) -> list[dict]:
@@ -480,15 +481,15 @@ class WorkerGroup:
 
     # -- standbys ------------------------------------------------------------------------------------
     def keep_standby(self) -> int:
-        """Keep `resources.standby_per_node` idle workers started on each node that hosts members or
-        spares (a spare's node is one a growth is about to use: its standby starts with the spare, not
-        after the growth), CPU workers only (a GPU is given to a process when it starts), without
+        """Keep `resources.standby_per_node` idle workers started on each node that hosts members (not
+        on a node that only a growth's spare holds yet: the spare's start and warm-up, which the growth
+        waits for, have the node to themselves; its standby follows once it is a member), CPU workers only (a GPU is given to a process when it starts), without
         waiting for them. A standby reserves nothing: it runs pinned to its node and holds a slot only
         once claimed as a member (`_take_standby`). Each call reads the standbys' last ping (`info`) and
         sends the next: those that died (or whose node did) are dropped, as are those on nodes that host
-        neither any more. A new standby first warms up (`Worker.warm_up`). Returns how many were started."""
+        no member any more. A new standby first warms up (`Worker.warm_up`). Returns how many were started."""
         per_node = self.cfg.resources.standby_per_node if not self.gpus else 0
-        hosts = {w.node_id for w in self.members + self.spares}
+        hosts = {w.node_id for w in self.members}
         standby = self.standby
         done, _ = ray.wait([w.ping for w in standby], num_returns=len(standby), timeout=0)
         gone = [w for w in standby if w.node_id not in hosts or (w.ping in done and not _idle(w.ping))]
@@ -673,12 +674,27 @@ class WorkerGroup:
 
     def prewarm(self, nodes: list[str]) -> int:
         """Start actors on `nodes` in the background while the group keeps training (a growth is
-        settling), so the resize itself only re-forms the process group. Returns how many were started;
-        nodes that already have a spare are skipped."""
+        settling), each warming up (`Worker.warm_up`) once started, so the resize itself only moves state
+        and re-forms the process group. Returns how many were started; nodes that already have a sound
+        spare are skipped (one whose start failed is stopped and started again)."""
+        self._stop([w for w in self.spares if not _sound(w.ping)])
         have = Counter(w.node_id for w in self._placed_spares())
         need = [nid for nid, k in (Counter(nodes) - have).items() for _ in range(k)]
-        self.workers += self._launch(need)
+        launched = self._launch(need)
+        for w in launched:
+            w.actor.warm_up.remote()
+            w.ping = w.actor.info.remote()  # answers once the warm-up has run: `warm` reads it
+        self.workers += launched
         return len(need)
+
+    def warm(self, nodes: list[str]) -> bool:
+        """Whether a spare has started and warmed up on each entry of `nodes` (its `info`, sent after its
+        warm-up, has answered): a growth onto them then waits for no process."""
+        want = Counter(nodes)
+        for w in self._placed_spares():
+            if want[w.node_id] > 0 and _answer(w.ping) is not None:
+                want[w.node_id] -= 1
+        return not +want
 
     def _take_spares(self, nodes: list[str]) -> list[WorkerHandle]:
         """Spares on `nodes`, taken out of the group to be awaited with this start (a spare that failed,

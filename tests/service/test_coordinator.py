@@ -4,6 +4,7 @@ no torch ranks)."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -145,6 +146,76 @@ def test_grow_waits_for_settle_then_resizes_without_redoing_steps(tmp_path):
     (rc,) = changes(c)
     assert c.group.size == 4
     assert rc.cause == "grow" and rc.steps_lost == 0 and rc.started == 2 and rc.stopped == 0
+
+
+def _joiners_warm_after(G, steps: int | None) -> dict[str, int]:
+    """Give fake group class `G` joiners that are warm `steps` training calls after `prewarm` started
+    them (None: never); returns {node: calls left} as prewarm fills it."""
+    warming: dict[str, int] = {}
+    run = G.run
+
+    def prewarm(self, nodes):
+        for n in nodes:
+            warming.setdefault(n, steps if steps is not None else 10**9)
+        return len(nodes)
+
+    def warm(self, nodes):
+        return all(warming.get(n) == 0 for n in nodes)
+
+    def run_and_warm(self, **kw):
+        for n in warming:
+            warming[n] = max(0, warming[n] - 1)
+        return run(self, **kw)
+
+    G.prewarm, G.warm, G.run = prewarm, warm, run_and_warm
+    return warming
+
+
+def test_a_join_trains_on_at_the_old_size_until_the_joiners_are_warm(tmp_path):
+    """A node arrives: its workers start and warm up (`prewarm`) while the group trains on at its old
+    size; the growth waits for them (`warm`), so the group stops only to move state and form."""
+    c, cluster, G = make_coordinator(tmp_path, {"a": 2}, settle=0.0, steps=40)
+    warming = _joiners_warm_after(G, 3)
+    advance(c, lambda c: c.step_done >= 3)
+    cluster.nodes["b"] = 2
+    arrived = c.step_done
+    advance(c, lambda c: len(c.reconfigs) == 2)
+    (rc,) = changes(c)
+    assert warming == {"b": 0}
+    assert rc.step_before == arrived + 3  # three steps trained while the joiners warmed up
+    assert [c.metrics[s]["world_size"] for s in range(arrived + 1, rc.step_before + 1)] == [2, 2, 2]
+    assert c.group.size == 4 and rc.cause == "grow" and rc.steps_lost == 0
+
+
+def test_a_join_whose_workers_never_warm_up_grows_after_the_start_timeout(tmp_path):
+    c, cluster, G = make_coordinator(tmp_path, {"a": 2}, settle=0.0, steps=1000, start_timeout_s=0.2)
+    _joiners_warm_after(G, None)
+    advance(c, lambda c: c.step_done >= 3)
+    cluster.nodes["b"] = 2
+    t0 = time.monotonic()
+    advance(c, lambda c: len(c.reconfigs) == 2 or time.monotonic() - t0 > 60, limit=10**6)
+    assert c.group.size == 4 and time.monotonic() - t0 >= 0.2
+
+
+def test_a_settled_growth_trains_on_while_a_periodic_checkpoint_is_written(tmp_path):
+    """The hand-over would wait for a save in flight with the whole group stopped: a growth due while the
+    checkpoint of step 5 writes (its row says step 0 is the last committed) trains one more step."""
+    c, cluster, G = make_coordinator(tmp_path, {"a": 2}, settle=0.0, steps=40, interval=5)
+    run = G.run
+
+    def run_committing_after_the_call(self, **kw):
+        committed = self.disk.committed
+        rows = run(self, **kw)
+        rows[-1]["committed_step"] = committed  # this call's save, if it started one, commits after it
+        return rows
+
+    G.run = run_committing_after_the_call
+    advance(c, lambda c: c.step_done >= 5)
+    assert c.committed_step == 0
+    cluster.nodes["b"] = 2
+    advance(c, lambda c: len(c.reconfigs) == 2)
+    (rc,) = changes(c)
+    assert rc.step_before == 6 and c.group.size == 4 and rc.steps_lost == 0
 
 
 def test_waits_for_capacity_below_min_workers_and_resumes(tmp_path):

@@ -241,8 +241,9 @@ def test_failure_without_notice_resumes_from_last_commit_and_waits_for_capacity(
 def test_grow_after_settle_redoes_no_steps(cluster, nodes, reference, tmp_path):
     nodes(1)
     # Hold at step 3 while the node registers, then train slowly until the grow has happened, so that
-    # the 1 s settle plus the new worker's start always fit before the last step.
-    hold = Hold(3, pace_s=0.3, slow_until=lambda c: len(c.reconfigs) >= 2)
+    # the 1 s settle plus the new worker's start and warm-up (the group trains on meanwhile) always fit
+    # before the last step, on a loaded box too (~37 paced steps: over 30 s).
+    hold = Hold(3, pace_s=1.0, slow_until=lambda c: len(c.reconfigs) >= 2)
     coord, t = start(tmp_path, settle=1.0, steps=LONG, hold=hold)
     wait_for(coord, running_at(coord, 3), "step 3")
     nodes(1)

@@ -101,6 +101,21 @@ def test_grow_only_after_settle_seconds():
     assert p.pending_growth is None
 
 
+def test_a_settled_growth_held_by_the_caller_waits_keeping_its_timer():
+    why = {6: "its joining workers start and warm up"}
+    asked = []
+    p = ScalingPolicy(PolicyConfig(settle_seconds=10.0), hold_growth=lambda n: asked.append(n) or why[n])
+    assert p.decide(0.0, current_workers=4, usable_workers=6) == Noop("growth to 6 settling: 0.0 of 10 s")
+    assert asked == []  # not asked before the growth has settled
+    assert p.decide(12.0, current_workers=4, usable_workers=6) == Noop(
+        "growth to 6 settled (12.0 s); waiting while its joining workers start and warm up")
+    assert asked == [6] and p.pending_growth == (6, 0.0)
+    why[6] = ""
+    d = p.decide(15.0, current_workers=4, usable_workers=6)
+    assert isinstance(d, Resize) and (d.workers, d.cause) == (6, "grow") and "unchanged for 15.0 s" in d.reason
+    assert p.pending_growth is None
+
+
 def test_flap_below_current_resets_the_timer():
     p = policy(settle_seconds=30.0)
     assert isinstance(p.decide(0.0, current_workers=4, usable_workers=6), Noop)

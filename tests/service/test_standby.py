@@ -108,16 +108,23 @@ def test_a_slot_a_dead_member_left_is_held_until_the_next_start_only_and_not_on_
     _cpus_free(2.0)
 
 
-def test_a_spare_started_for_a_growth_gets_its_standby_with_it(local_ray, tmp_path):
-    """A growth's spare marks a node the job is about to use: its standby starts beside it, not after the
-    growth (a worker killed there soon after would otherwise wait for a standby still starting)."""
+def test_a_growths_spare_warms_up_says_so_and_gets_its_standby_once_a_member(local_ray, tmp_path):
+    """A growth's spare warms up (`Worker.warm_up`), and `warm` says so once it has: the growth waits for
+    that while the group trains. Its node gets no standby before the spare is a member: the spare's start
+    and warm-up have the node to themselves."""
     me = ray.get_runtime_context().get_node_id()
     g = WorkerGroup(JobConfig(), str(tmp_path), cpus_per_worker=1, gpus_per_worker=0, job_id="t7")
     try:
         assert g.prewarm([me]) == 1 and g.size == 0
-        assert g.keep_standby() == 1 and g.keep_standby() == 0
-        g.scale_to([me])  # the growth takes the spare; the standby stays
-        assert (g.size, len(g.standby), g.keep_standby()) == (1, 1, 0)
+        assert g.keep_standby() == 0
+        deadline = time.monotonic() + 60
+        while not g.warm([me]):
+            assert time.monotonic() < deadline, "the spare never reported warm"
+            time.sleep(0.05)
+        assert ray.get(g.spares[0].ping)["warmed"] is not None and not g.warm([me, me])
+        assert g.prewarm([me]) == 0  # it has its spare
+        g.scale_to([me])  # the growth takes the spare; now its node gets a standby
+        assert (g.size, g.keep_standby(), g.keep_standby()) == (1, 1, 0)
     finally:
         g.shutdown()
     _cpus_free(2.0)

@@ -190,7 +190,9 @@ def test_members_with_no_state_to_salvage_are_kept_as_spares_and_the_next_start_
         start = g.scale_to([me, me])
         assert (start.started, start.stopped, start.rejoined) == (0, 0, 2)  # members again, from the spares: no process started
         assert sorted(i["pid"] for i in ray.get([m.actor.info.remote() for m in g.members], timeout=30)) == pids
-        assert g.spares == [] and g.form(p).step == 0  # no checkpoint was written: from the start again
+        formed = g.form(p)
+        assert g.spares == [] and formed.step == 0  # no checkpoint was written: from the start again
+        assert {"pg_s", "build_s", "adopt_s", "build.allocate"} <= formed.form_parts.keys()  # where a form goes
         assert [r["step"] for r in g.run(until_step=1, steps=1)] == [1]
     finally:
         g.shutdown()
