@@ -284,7 +284,6 @@ class Worker:
         if self.trainer is None:
             raise RuntimeError("worker has not joined a group")
         self.handover = hand_over(self.trainer)
-        self._drop_snapshots()  # a planned move keeps every rank's state: no copy is needed
         step = self.trainer.step
         self.leave()
         return step

@@ -520,9 +520,9 @@ class Coordinator:
                    reason: str, detected: float, record: Reconfig | None, memory: Memory | None = None) -> State:
         """Reshard live from `old` (all its ranks, or after a failure the `survivors` a salvage kept, or
         their peer snapshots: `memory`) to `p` on `nodes`; a durable checkpoint of the new layout
-        follows its first step. A transfer that fails midway falls back to the last committed
-        checkpoint, and the events say so; one from snapshots salvages again first, since the
-        survivors' snapshots outlive the transfer."""
+        follows its first step. A transfer that fails midway asks the survivors for the old group's
+        peer snapshots (they outlive the transfer: `_recover` salvages), or, with snapshots off, falls
+        back to the last committed checkpoint; the events say which."""
         try:
             if memory is not None:
                 moved = self.group.reshard(old, p, nodes, survivors=survivors, serve=dict(memory.serve),
@@ -530,10 +530,10 @@ class Coordinator:
             else:
                 moved = self.group.reshard(old, p, nodes, survivors=survivors)
         except WorkerFailure as e:
-            if memory is not None:
-                self.sm.note("failure", reason=f"forming from the peer snapshots of step {memory.step} failed "
-                                               f"({e}); asking the survivors what they still hold",
-                             step=self.step_done, cause=cause, details={"kind": e.kind})
+            if self.cfg.checkpoint.peer_interval > 0:  # the old group's peer snapshots outlive the transfer
+                self.sm.note("failure", reason=f"the state transfer failed ({e}); asking the survivors for "
+                                               f"the peer snapshots they hold", step=self.step_done, cause=cause,
+                             details={"kind": e.kind})
                 return self._recover(e, tried=nodes)
             self.sm.note("fallback", reason=f"live state transfer failed ({e}); falling back to the last "
                                             f"committed checkpoint (step {self.committed_step})",
@@ -696,7 +696,7 @@ class Coordinator:
         return self._formed(p, old, formed.step, start.started, start.stopped, cause=cause, reason=reason,
                             detected=detected, record=record,
                             transfer={"path": "storage", "start_s": start_s, "standby": start.from_standby,
-                                      "form_s": formed.form_s})
+                                      "form_s": formed.form_s, "snapshot_bytes": formed.snapshot_bytes})
 
     def _formed(self, p: Plan, old: dict | None, resumed: int, started: int, stopped: int, *, cause: str,
                 reason: str, detected: float, record: Reconfig | None, transfer: dict) -> Running:

@@ -32,6 +32,8 @@ class Formed:
     """The step every rank resumed at."""
     form_s: float = 0.0
     """Seconds from the call until every rank had joined."""
+    snapshot_bytes: int = 0
+    """Host memory the peer snapshots take on the rank that needs most (0: snapshots off)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -92,6 +94,8 @@ class Moved:
     """Seconds of the transfer call: the transfer group's rendezvous, the plan, the send/recv."""
     form_s: float = 0.0
     """Seconds to form the new training group on the received state."""
+    snapshot_bytes: int = 0
+    """Host memory the new group's peer snapshots take on the rank that needs most (0: off)."""
     transfer_parts: dict[str, float] = field(default_factory=dict)
     """The slowest worker's seconds per phase of the transfer call (workers.reshard)."""
 

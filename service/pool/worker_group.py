@@ -237,7 +237,8 @@ class WorkerGroup:
         steps = {r["step"] for r in res}
         if len(steps) != 1:
             raise WorkerFailure("form", f"ranks resumed at different steps {sorted(steps)}")
-        return Formed(step=steps.pop(), form_s=time.perf_counter() - t0)
+        return Formed(step=steps.pop(), form_s=time.perf_counter() - t0,
+                      snapshot_bytes=max(r.get("snapshot_bytes", 0) for r in res))
 
     def reshard(self, old: Plan, new: Plan, nodes: list[str], *, survivors: list[int] | None = None,
                 serve: dict[int, int] | None = None, snapshot_step: int | None = None) -> Moved:
@@ -281,7 +282,7 @@ class WorkerGroup:
         formed = self.form(new, adopt=True)
         return Moved(step=formed.step, started=start.started, stopped=start.stopped,
                      bytes_moved=sum(r["bytes_received"] for r in moved), handover_s=t1 - t0, transfer_s=t2 - t1,
-                     form_s=formed.form_s,
+                     form_s=formed.form_s, snapshot_bytes=formed.snapshot_bytes,
                      transfer_parts={k: max(r["timings"].get(k, 0.0) for r in moved) for k in moved[0]["timings"]})
 
     def run(self, *, until_step: int, steps: int, should_abort=lambda: False) -> list[dict]:
