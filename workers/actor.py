@@ -238,14 +238,15 @@ class Worker:
 
     def _start_snapshots(self) -> None:
         """Peer snapshots for the group just formed (collective on every rank), unless off
-        (`checkpoint.peer_interval: 0`) or a lone rank; the previous group's are dropped first."""
+        (`checkpoint.peer_interval: 0`), of no use (`parallel.reshard: storage` never forms a group
+        from memory) or a lone rank; the previous group's are dropped first."""
         import torch.distributed as dist
 
         from parallel.live import hold
         from workers.snapshots import PeerSnapshots
 
         self._drop_snapshots()
-        if self.cfg.checkpoint.peer_interval <= 0 or dist.get_world_size() < 2:
+        if self.cfg.checkpoint.peer_interval <= 0 or self.cfg.parallel.reshard != "live" or dist.get_world_size() < 2:
             return
         shard = sum(t.numel() * t.element_size()
                     for t in hold(self.trainer.model, self.trainer.optimizer).tensors.values())
