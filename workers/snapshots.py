@@ -2,10 +2,10 @@
 rank lost without notice can be served from memory (`parallel.peers` pairs the ranks and judges what
 the survivors' copies cover).
 
-    snaps = PeerSnapshots.start(node_id, pairing_group=...)   # collective, after the trainer is built
-    snaps.take(step, hold(model, optimizer), state)           # every `checkpoint.peer_interval` steps
-    snaps.holdings()                                          # {old rank: complete steps}, after a failure
-    snaps.handover(step)                                      # own copy + buddies' copies of that step
+    snaps = PeerSnapshots.start(node_id, shard_bytes=..., available_bytes=...)  # collective, at `join`
+    snaps.take(step, hold(model, optimizer), state)    # every `checkpoint.peer_interval` steps (collective)
+    snaps.holdings()                                   # {old rank: complete steps}, after a failure
+    snaps.handover(step, ranks)                        # the copies of those old ranks at that step
 
 Each round (`take`): the rank waits for its previous round's sends and receives (a background thread),
 agrees with the others on the newest step every rank has completed (a one-integer all-reduce: the
@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,6 +105,8 @@ class PeerSnapshots:
         self._error: BaseException | None = None
         self.round_s = 0.0
         """Seconds the last round's background send and receive took."""
+        self.memory_bytes = 0
+        """The host memory the snapshots take on this rank, as estimated at start."""
 
     @classmethod
     def start(cls, node_id: str, *, shard_bytes: int, available_bytes: int | None) -> PeerSnapshots | None:
@@ -135,9 +138,6 @@ class PeerSnapshots:
         out.memory_bytes = need
         return out
 
-    memory_bytes = 0
-    """The host memory the snapshots take on this rank, as estimated at start."""
-
     # -- a round ---------------------------------------------------------------------------------------
     def take(self, step: int, held: Held, state: dict[str, Any]) -> None:
         """Snapshot `held` (this rank's shards after step `step`'s update) and `state` (collective: every
@@ -148,7 +148,7 @@ class PeerSnapshots:
         self.committed = int(done.item())
         own = self.own.spare(self.committed)
         _fill(own, step, held, state)
-        self._thread = threading.Thread(target=self._round, args=(own, step), name="peer-snapshot", daemon=True)
+        self._thread = threading.Thread(target=self._round, args=(own,), name="peer-snapshot", daemon=True)
         self._thread.start()
 
     def _complete_step(self) -> int:
@@ -158,19 +158,18 @@ class PeerSnapshots:
             steps &= set(s.steps())
         return max(steps, default=-1)
 
-    def _round(self, own: Copy, step: int) -> None:
-        import time
-
+    def _round(self, own: Copy) -> None:
+        """Send `own` to the buddy and receive the copies kept here (the snapshot group spans every rank
+        of the default group, so group ranks are global ranks)."""
         t0 = time.perf_counter()
         try:
             g = self.group
-            peer = lambda r: dist.get_global_rank(g, r) if g is not None else r  # noqa: E731
             head = json.dumps(own.header).encode()
             sizes = torch.tensor([len(head), own.buf.numel()], dtype=torch.int64)
             kept = sorted(self.kept)
             got_sizes = {r: torch.empty(2, dtype=torch.int64) for r in kept}
-            works = [dist.isend(sizes, peer(self.buddy), group=g)]
-            works += [dist.irecv(got_sizes[r], peer(r), group=g) for r in kept]
+            works = [dist.isend(sizes, self.buddy, group=g)]
+            works += [dist.irecv(got_sizes[r], r, group=g) for r in kept]
             for w in works:
                 w.wait()
             heads = {r: torch.empty(int(got_sizes[r][0]), dtype=torch.uint8) for r in kept}
@@ -182,10 +181,10 @@ class PeerSnapshots:
                 if c.buf is None or c.buf.numel() != n:
                     c.buf = torch.empty(n, dtype=torch.uint8)
                 fills[r] = c
-            works = [dist.isend(torch.frombuffer(bytearray(head), dtype=torch.uint8), peer(self.buddy), group=g),
-                     dist.isend(own.buf, peer(self.buddy), group=g)]
+            works = [dist.isend(torch.frombuffer(bytearray(head), dtype=torch.uint8), self.buddy, group=g),
+                     dist.isend(own.buf, self.buddy, group=g)]
             for r in kept:
-                works += [dist.irecv(heads[r], peer(r), group=g), dist.irecv(fills[r].buf, peer(r), group=g)]
+                works += [dist.irecv(heads[r], r, group=g), dist.irecv(fills[r].buf, r, group=g)]
             for w in works:
                 w.wait()
             for r in kept:
