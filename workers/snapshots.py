@@ -218,15 +218,16 @@ class PeerSnapshots:
 
     def handover(self, step: int, ranks) -> tuple[dict[int, Held], dict[str, Any] | None]:
         """The copies of `ranks` at `step` held here (as the exchange's old shards), and the JSON state
-        that goes with that step (None if this rank holds no copy of its own at it)."""
+        that goes with that step (from its own copy, else from any copy of that step it holds: every
+        rank's state of one step serves)."""
         out: dict[int, Held] = {}
         for r in ranks:
             c = (self.own if r == self.rank else self.kept[r]).at(step)
             if c is None:
                 raise RuntimeError(f"rank {self.rank} holds no copy of rank {r} at snapshot step {step}")
             out[r] = c.held()
-        own = self.own.at(step)
-        return out, (own.header["state"] if own is not None else None)
+        any_copy = [c for c in (self.own.at(step), *(s.at(step) for s in self.kept.values())) if c is not None]
+        return out, (any_copy[0].header["state"] if any_copy else None)
 
 
 def _fill(c: Copy, step: int, held: Held, state: dict[str, Any]) -> None:
