@@ -574,9 +574,10 @@ class Coordinator:
         """After a failure without notice: keep the surviving workers and their state when, between them,
         they hold every shard at one step (data-parallel replicas), so the group heals from peers; else
         when their peer snapshots hold every shard of one snapshot step (`parallel.peers.cover`), so the
-        group is formed from those (`from_survivors` judges); else say why: the job falls back to the last committed checkpoint, and the survivors stay in
-        the group as warm processes for that re-form to reuse (each has left the failed group and
-        dropped its trainer; one whose save was still running is stopped instead). Returns (the
+        group is formed from those (`from_survivors` judges); else say why: the job falls back to the
+        last committed checkpoint, and the survivors stay in the group as warm processes for that
+        re-form to reuse (each has left the failed group and dropped its trainer; one whose save was
+        still running is stopped instead). Returns (the
         survivors to heal from or None, whether any worker is kept). `gone`: nodes the watcher lists
         as dead (their workers are not asked); `dead`, `abort`, `timeout_s`: see `Group.salvage`."""
         g, p = self.group, self.plan
