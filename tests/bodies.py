@@ -88,7 +88,11 @@ def snapshot_rounds_body(nodes: list[str], steps: int) -> dict:
             "own": own[rank].tensors["model.w"].flatten().tolist()[0], "steps": own[rank].optimizer_steps}
 
 
-def snapshot_off_body(nodes: list[str]):
+def snapshot_off_body(nodes: list[str], available: list[int | None] | None = None):
+    """Start peer snapshots with ranks on `nodes`, rank r having `available[r]` bytes of memory free;
+    return the buddy it got, or None when they are off."""
     from workers.snapshots import PeerSnapshots
 
-    return PeerSnapshots.start(nodes[dist.get_rank()], shard_bytes=1 << 10, available_bytes=None)
+    rank = dist.get_rank()
+    snaps = PeerSnapshots.start(nodes[rank], shard_bytes=1 << 10, available_bytes=(available or [None] * 8)[rank])
+    return None if snaps is None else snaps.buddy

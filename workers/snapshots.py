@@ -107,6 +107,8 @@ class PeerSnapshots:
         """Seconds the last round's background send and receive took."""
         self.memory_bytes = 0
         """The host memory the snapshots take on this rank, as estimated at start."""
+        self.last_error: BaseException | None = None
+        """What made the last failed round fail (its copies do not count)."""
 
     @classmethod
     def start(cls, node_id: str, *, shard_bytes: int, available_bytes: int | None) -> PeerSnapshots | None:
@@ -181,8 +183,8 @@ class PeerSnapshots:
                 if c.buf is None or c.buf.numel() != n:
                     c.buf = torch.empty(n, dtype=torch.uint8)
                 fills[r] = c
-            works = [dist.isend(torch.frombuffer(bytearray(head), dtype=torch.uint8), self.buddy, group=g),
-                     dist.isend(own.buf, self.buddy, group=g)]
+            head_t = torch.frombuffer(bytearray(head), dtype=torch.uint8)  # referenced until the waits end
+            works = [dist.isend(head_t, self.buddy, group=g), dist.isend(own.buf, self.buddy, group=g)]
             for r in kept:
                 works += [dist.irecv(heads[r], r, group=g), dist.irecv(fills[r].buf, r, group=g)]
             for w in works:
@@ -192,7 +194,7 @@ class PeerSnapshots:
                 fills[r].step = int(fills[r].header["step"])
             self.round_s = time.perf_counter() - t0
         except BaseException as e:  # a peer died mid-round: what was filling stays incomplete
-            self._error = e
+            self._error = self.last_error = e
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Wait for the round in flight; False if it is still running after `timeout_s` (it is then
@@ -224,7 +226,8 @@ class PeerSnapshots:
         for r in ranks:
             c = (self.own if r == self.rank else self.kept[r]).at(step)
             if c is None:
-                raise RuntimeError(f"rank {self.rank} holds no copy of rank {r} at snapshot step {step}")
+                raise RuntimeError(f"rank {self.rank} holds no copy of rank {r} at snapshot step {step} (it "
+                                   f"holds {self.holdings()}; last failed round: {self.last_error!r})")
             out[r] = c.held()
         any_copy = [c for c in (self.own.at(step), *(s.at(step) for s in self.kept.values())) if c is not None]
         return out, (any_copy[0].header["state"] if any_copy else None)

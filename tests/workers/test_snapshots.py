@@ -22,9 +22,14 @@ def test_each_rank_keeps_its_buddys_copy_of_the_last_two_steps():
         assert res["state"] == {"lr_schedule": {"step": 3}}
 
 
-def test_ranks_all_on_one_node_run_without_snapshots():
-    out = run_ranks(2, snapshot_off_body, ["a", "a"])
-    assert out == [None, None]
+@pytest.mark.parametrize("nodes, available, buddies", [
+    (["a", "b"], [None, None], [1, 0]),
+    (["a", "a"], [None, None], [None, None]),         # one node: no copy can live elsewhere
+    (["a", "b"], [None, 6 << 10], [None, None]),      # rank 1: 4 KiB of copies > half of 6 KiB: every rank runs without
+    (["a", "b"], [16 << 10, 16 << 10], [1, 0]),       # 4 KiB within half of 16 KiB
+])
+def test_snapshots_start_only_where_every_rank_has_a_buddy_and_the_memory(nodes, available, buddies):
+    assert run_ranks(2, snapshot_off_body, nodes, available) == buddies
 
 
 def _slot(a: int, b: int) -> Slot:
