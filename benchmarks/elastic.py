@@ -182,7 +182,7 @@ def measure_elastron(*, cluster, scenario: str, workdir: str, state: State, resh
                                                        if m["step"] > rc.resumed_step + 1] or [float("nan")]),
                "losses": {str(m["step"]): m["loss"] for m in metrics}}  # str: as JSON gives them back
         tr = rc.transfer or {}
-        if tr.get("path") in ("live", "peers"):
+        if tr.get("path") in ("live", "peers", "memory"):
             out["moving_state_s"] = tr["handover_s"] + tr["transfer_s"]
             out["transfer_throughput_Bps"] = tr["bytes_moved"] / tr["transfer_s"] if tr["transfer_s"] else None
         else:  # storage: a planned change checkpoints first; every change re-forms and loads

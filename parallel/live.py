@@ -61,36 +61,40 @@ def _slice(t: torch.Tensor, have: Box, want: Box) -> torch.Tensor:
     return t[tuple(slice(w - h, w - h + n) for w, h, n in zip(want.offsets, have.offsets, want.sizes))]
 
 
-def transfer(plan: list[Transfer], *, old_rank: int | None, new_rank: int | None, held: Held | None,
+def transfer(plan: list[Transfer], *, old_rank: int | None, new_rank: int | None, held: Held | dict[int, Held] | None,
              dtypes: dict[str, torch.dtype], old_to_group: dict[int, int], new_to_group: dict[int, int],
              group: Any = None, device: torch.device | str = "cpu",
              timings: dict[str, float] | None = None) -> dict[str, list[tuple[Box, torch.Tensor]]]:
     """Run this worker's part of `plan` on `group` (collective over every worker in it). `old_rank` /
     `new_rank`: this worker's rank in each layout (None if it has none there); `*_to_group`: layout
-    rank -> rank in `group`. Returns the pieces this worker receives as a new rank, by key; pieces it
-    keeps are views of its old shards, so those must stay untouched until `fill` has run."""
+    rank -> rank in `group`. `held`: its old shards, or {old rank: shards} when it serves several old
+    ranks (copies kept for ranks that are gone: `workers.snapshots`). Returns the pieces this worker
+    receives as a new rank, by key; pieces it keeps are views of its old shards, so those must stay
+    untouched until `fill` has run."""
     me = dist.get_rank(group)
+    helds = held if isinstance(held, dict) else ({old_rank: held} if held is not None else {})
     received: dict[str, list[tuple[Box, torch.Tensor]]] = defaultdict(list)
     sends: dict[int, list[Transfer]] = defaultdict(list)
     recvs: dict[int, list[Transfer]] = defaultdict(list)
     for t in plan:
         src, dst = old_to_group[t.src], new_to_group[t.dst]
-        if src == me and (held is None or t.key not in held.boxes or not held.boxes[t.key].contains(t.box)):
-            raise CheckpointError(f"live reshard: the plan has worker {me} send {t.key} {t.box}, which it does "
-                                  f"not hold ({held.boxes.get(t.key) if held else None})")
+        h = helds.get(t.src) if src == me else None
+        if src == me and (h is None or t.key not in h.boxes or not h.boxes[t.key].contains(t.box)):
+            raise CheckpointError(f"live reshard: the plan has worker {me} send {t.key} {t.box} of old rank "
+                                  f"{t.src}, which it does not hold ({h.boxes.get(t.key) if h else None})")
         if src == dst == me:  # a survivor keeps this piece: `fill` copies it straight from the old shard
-            received[t.key].append((t.box, _slice(held.tensors[t.key], held.boxes[t.key], t.box)))
+            received[t.key].append((t.box, _slice(h.tensors[t.key], h.boxes[t.key], t.box)))
         elif src == me:
             sends[dst].append(t)
         elif dst == me:
             recvs[src].append(t)
-    if (sends and held is None) or (old_rank is None and sends) or (new_rank is None and recvs):
+    if (sends and not helds) or (old_rank is None and sends) or (new_rank is None and recvs):
         raise CheckpointError(f"exchange plan gives worker {me} a part it cannot play")
     clock = _Laps(timings)
     ops = []
     for dst, ts in sorted(sends.items()):
         for msg in _messages(ts, dtypes):
-            parts = [_slice(held.tensors[t.key], held.boxes[t.key], t.box) for t in msg]
+            parts = [_slice(helds[t.src].tensors[t.key], helds[t.src].boxes[t.key], t.box) for t in msg]
             # A piece that is a contiguous run of its shard (FSDP dim-0 shards, whole tensors) goes as a
             # view: the network reads it where it lies. Only small pieces are packed (one copy).
             buf = _bytes(parts[0]) if len(parts) == 1 else torch.cat([_bytes(x) for x in parts])

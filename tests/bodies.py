@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from parallel.layout import Layout
 from parallel.parallelize import full_params
@@ -88,3 +89,44 @@ def checkpoint_placement_body(roots: dict[str, str]) -> dict:
     tensors, _ = collect(model, opt)
     full = {k: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone() for k, t in tensors.items()}
     return {"full": full, "files": {n: sorted(os.listdir(os.path.join(r, "step-00000001"))) for n, r in roots.items()}}
+
+
+def snapshot_rounds_body(nodes: list[str], steps: int) -> dict:
+    """Take `steps` peer-snapshot rounds of a small fake shard (values rank * 100 + step) with ranks on
+    `nodes`; return what this rank holds and the values of every copy it keeps."""
+    import torch
+
+    from parallel.live import Held
+    from parallel.sharding import Box
+    from workers.snapshots import PeerSnapshots
+
+    rank = dist.get_rank()
+    snaps = PeerSnapshots.start(nodes[rank], shard_bytes=1 << 10, available_bytes=None)
+    committed = []
+    for step in range(1, steps + 1):
+        w = torch.full((4, 3), float(rank * 100 + step))
+        held = Held(tensors={"model.w": w, "optim.exp_avg.model.w": w[:2]},
+                    boxes={"model.w": Box((rank * 4, 0), (4, 3)), "optim.exp_avg.model.w": Box((rank * 2, 0), (2, 3))},
+                    optimizer_steps={"model.w": step})
+        snaps.take(step, held, {"lr_schedule": {"step": step}})
+        w.fill_(-1.0)  # the live shard moves on: the copy must not
+        committed.append(snaps.committed)
+    snaps.wait()
+    kept = {}
+    for r in snaps.kept:
+        helds, _ = snaps.handover(steps, [r])
+        h = helds[r]
+        kept[r] = {k: (h.tensors[k].flatten().tolist()[0], tuple(h.boxes[k].offsets)) for k in h.tensors}
+    own, state = snaps.handover(steps, [rank])
+    return {"holdings": snaps.holdings(), "committed": committed, "kept": kept, "state": state,
+            "own": own[rank].tensors["model.w"].flatten().tolist()[0], "steps": own[rank].optimizer_steps}
+
+
+def snapshot_off_body(nodes: list[str], available: list[int | None] | None = None):
+    """Start peer snapshots with ranks on `nodes`, rank r having `available[r]` bytes of memory free;
+    return the buddy it got, or None when they are off."""
+    from workers.snapshots import PeerSnapshots
+
+    rank = dist.get_rank()
+    snaps = PeerSnapshots.start(nodes[rank], shard_bytes=1 << 10, available_bytes=(available or [None] * 8)[rank])
+    return None if snaps is None else snaps.buddy

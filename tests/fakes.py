@@ -47,6 +47,10 @@ class FakeGroup:
     fail_next: list[str] = []
     heals = False
     """Whether survivors of a failure keep their state (a salvage), as real workers do."""
+    snapshots: dict[int, dict[int, tuple[int, ...]]] | None = None
+    """{old rank: the peer snapshots it holds} that each surviving member reports in a salvage (its live
+    state then vouched for only when `heals`); None: snapshots off. `resharded` records each reshard's
+    keyword arguments."""
     intact = True
     """Whether members taken over after a coordinator restart still train as its plan's group, as real
     workers do unless a call to them failed or stuck (`carry_on`)."""
@@ -101,6 +105,13 @@ class FakeGroup:
         """Survivors (members off dead nodes) vouch for their state at the current step when `heals`.
         Records the nodes it was told are gone (`salvaged_gone`)."""
         self.salvaged_gone = set(gone)
+        if self.snapshots is not None:
+            kept = {r: m for r, m in enumerate(self.members) if m not in self.cluster.dead}
+            why = ("its node is dead",) * (len(self.members) - len(kept))
+            self.members = list(kept.values())
+            return Salvage(kept={r: Salvaged(held=self.heals, step=self.step if self.heals else None, old_rank=r,
+                                             reusable=not self.heals, snapshots=self.snapshots.get(r, {}))
+                                 for r in kept if self.heals or self.snapshots.get(r)}, stopped_why=why)
         if not self.heals:
             why = ("it did not answer",) * len(self.members)
             self.members = []
@@ -110,11 +121,15 @@ class FakeGroup:
         self.members = list(kept.values())
         return Salvage(kept={r: Salvaged(held=True, step=self.step, old_rank=r) for r in kept}, stopped_why=why)
 
-    def reshard(self, old, new, nodes, *, survivors=None):
-        """A live transfer: the step carries over, no checkpoint is read (or written)."""
+    def reshard(self, old, new, nodes, *, survivors=None, serve=None, snapshot_step=None):
+        """A live transfer: the step carries over (from peer snapshots: their step), no checkpoint is read
+        (or written)."""
+        self.resharded.append({"survivors": survivors, "serve": serve, "snapshot_step": snapshot_step})
         if self.fail_next and self.fail_next[0] == "transfer":
             self.fail_next.pop(0)
             raise WorkerFailure("died", "a worker died during state transfer")
+        if snapshot_step is not None:
+            self.step = snapshot_step
         start = self.scale_to(nodes)
         formed = self.form(new, adopt=True)
         return Moved(step=formed.step, started=start.started, stopped=start.stopped, bytes_moved=1 << 20)
@@ -155,7 +170,8 @@ def make_coordinator(tmp_path, nodes, *, steps=20, interval=5, min_workers=1, ma
         "checkpoint": {"interval_steps": interval},
         **({"resources": resources} if resources else {}),
     })
-    group_cls = type("G", (FakeGroup,), {"disk": Disk(interval), "cluster": cluster, "fail_next": []})
+    group_cls = type("G", (FakeGroup,), {"disk": Disk(interval), "cluster": cluster, "fail_next": [],
+                                          "resharded": []})
     c = Coordinator(Job.of(cfg, job_id="job1", run_dir=tmp_path), watcher=cluster.watcher(),
                     options=CoordinatorOptions(settle_seconds=settle, max_restarts=2, **opts))
     c.worker_group_cls = group_cls

@@ -80,6 +80,18 @@ def release_dropped() -> None:
 _libc: Any = None
 
 
+def _available_memory() -> int | None:
+    """Bytes of memory available to new allocations (MemAvailable), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def _malloc_trim() -> None:
     """glibc's malloc_trim(0), where there is one (Linux with glibc); a no-op elsewhere."""
     global _libc
@@ -131,6 +143,9 @@ class Worker:
         self._reservation = None
         """The placement group holding this worker's slot when it runs outside one: a standby, once
         claimed as a member (`claim`)."""
+        self.snapshots = None
+        """This rank's peer snapshots (workers.snapshots.PeerSnapshots) of the group it is, or last was,
+        in: kept through a failure (`salvage`) and a failed transfer, replaced by the next `join`."""
         self._called_off = threading.Event()
         """Set by `abort`: a rendezvous in progress (`join`, `reshard`) stops waiting for its peers."""
         if owner is not None:
@@ -216,8 +231,42 @@ class Worker:
             got = None  # the received buffers, and the old shards a survivor kept pieces of: freed now
             _malloc_trim()  # no collection while the new group lives (nothing cyclic was dropped here)
         self.rank, self._plan, self._broken = rank, plan, False
-        return {"step": self.trainer.step, "pg_s": t1 - t0, "build_s": t2 - t1, "adopt_s": time.perf_counter() - t2,
-                **{f"build.{k}": v for k, v in self.trainer.build_times.items()}}
+        t3 = time.perf_counter()
+        self._start_snapshots()
+        return {"step": self.trainer.step, "pg_s": t1 - t0, "build_s": t2 - t1, "adopt_s": t3 - t2,
+                **{f"build.{k}": v for k, v in self.trainer.build_times.items()},
+                "snapshot_bytes": self.snapshots.memory_bytes if self.snapshots is not None else 0,
+                "snapshots_s": time.perf_counter() - t3}
+
+    def _start_snapshots(self) -> None:
+        """Peer snapshots for the group just formed (collective on every rank), unless off
+        (`checkpoint.peer_interval: 0`), of no use (`parallel.reshard: storage` never forms a group
+        from memory) or a lone rank; the previous group's are dropped first."""
+        import torch.distributed as dist
+
+        from parallel.live import hold
+        from workers.snapshots import PeerSnapshots
+
+        self._drop_snapshots()
+        if self.cfg.checkpoint.peer_interval <= 0 or self.cfg.parallel.reshard != "live" or dist.get_world_size() < 2:
+            return
+        shard = sum(t.numel() * t.element_size()
+                    for t in hold(self.trainer.model, self.trainer.optimizer).tensors.values())
+        self.snapshots = PeerSnapshots.start(self._node_id(), shard_bytes=shard, available_bytes=_available_memory())
+
+    def _drop_snapshots(self) -> None:
+        if self.snapshots is not None:
+            self.snapshots.wait(timeout_s=1.0)
+            self.snapshots = None
+
+    @staticmethod
+    def _node_id() -> str:
+        try:
+            import ray
+
+            return ray.get_runtime_context().get_node_id()
+        except Exception:  # not in a Ray actor (a test driving the worker directly)
+            return os.environ.get("ELASTRON_NODE_ID") or socket.gethostname()
 
     def _init_group(self, rank: int, world_size: int, master_addr: str, master_port: int, timeout_s: float):
         from workers.runtime import init_process_group, pick_device
@@ -267,16 +316,21 @@ class Worker:
         from workers.runtime import destroy_process_group
 
         t, self.trainer, self.handover, self.received = self.trainer, None, None, None
+        snaps = self.snapshots
+        if snaps is not None:
+            snaps.wait(timeout_s=1.0)  # a round with the dead peer ends at once (its sockets closed) or never
+        copies = {"snapshots": snaps.holdings(), "old_rank": snaps.rank} if snaps is not None else {}
         try:
             if t is None:
-                return Salvaged(held=False, why="no trainer", reusable=True)
+                return Salvaged(held=False, why="no trainer", reusable=True, **copies)
             state = t.salvage_state()
             if not t.close(timeout_s=save_timeout_s):
                 return Salvaged(held=False, why="a checkpoint save was still running")
             if state is None:
-                return Salvaged(held=False, why="the failure struck after a weight update", reusable=True)
+                return Salvaged(held=False, why="the failure struck after a weight update", reusable=True, **copies)
             self.handover = hand_over_salvaged(t, state)
-            return Salvaged(held=True, step=t.step, old_rank=t.rank, rows=self._finished_rows(t))
+            return Salvaged(held=True, step=t.step, old_rank=t.rank, rows=self._finished_rows(t),
+                            snapshots=copies.get("snapshots", {}))
         finally:
             destroy_process_group()
             self.rank = self._plan = None
@@ -294,14 +348,26 @@ class Worker:
 
     def reshard(self, *, rank: int, world_size: int, master_addr: str, master_port: int, old_plan: dict,
                 new_plan: dict, old_rank: int | None, new_rank: int | None, old_to_group: dict[int, int],
-                new_to_group: dict[int, int], nodes: dict[int, str], timeout_s: float = 120.0) -> dict[str, Any]:
+                new_to_group: dict[int, int], nodes: dict[int, str], snapshot_step: int | None = None,
+                timeout_s: float = 120.0) -> dict[str, Any]:
         """Take part in the transfer group (old ranks and joiners) and run the exchange plan; a rank of
-        the new layout keeps what it received for `join(adopt=True)`. Returns the bytes received."""
+        the new layout keeps what it received for `join(adopt=True)`. `snapshot_step`: the old ranks'
+        state comes from the peer snapshots of that step (this worker sends the copies of every old
+        rank `old_to_group` maps to it) instead of the live shards. Returns the bytes received."""
         from parallel.planner import Plan
-        from workers.reshard import exchange
+        from workers.reshard import Handover, exchange
         from workers.runtime import destroy_process_group
 
         self.leave()
+        if snapshot_step is not None and old_rank is not None:
+            if self.snapshots is None:
+                raise RuntimeError("reshard from snapshots on a worker that holds none")
+            helds, state = self.snapshots.handover(snapshot_step, [r for r, g in old_to_group.items() if g == rank])
+            own = helds.pop(old_rank, None)
+            if own is None:  # it serves only others' copies: the first one stands in as its own
+                old_rank, own = next(iter(helds.items()))
+                helds.pop(old_rank)
+            self.handover = Handover(held=own, state=state, extra=helds)
         t0 = time.perf_counter()
         try:
             device = self._init_group(rank, world_size, master_addr, master_port, timeout_s)
@@ -341,11 +407,14 @@ class Worker:
         if self.trainer is None:
             raise RuntimeError("worker has not joined a group")
         out = self._rows = []  # kept if a step raises: a salvage reports the steps this call did finish
+        every = self.cfg.checkpoint.peer_interval
         try:
             for _ in range(steps):
                 if self.trainer.step >= until_step:
                     break
                 out.append(self.trainer.train_step().to_dict())
+                if self.snapshots is not None and self.trainer.step % every == 0:
+                    self._snapshot()
         except BaseException:
             self._broken = True
             raise
@@ -353,6 +422,12 @@ class Worker:
         for row in out:
             row["committed_step"] = committed
         return out
+
+    def _snapshot(self) -> None:
+        from parallel.live import hold
+
+        t = self.trainer
+        self.snapshots.take(t.step, hold(t.model, t.optimizer), t.checkpoint_state())
 
     def _committed_step(self) -> int:
         ck = getattr(self.trainer, "checkpointer", None)

@@ -270,6 +270,11 @@ class CheckpointConfig:
     """Where checkpoints go (path or fsspec URL); default RUN_DIR/checkpoints."""
     async_save: bool = True
     """Write in the background; the loop blocks only while state is staged."""
+    peer_interval: int = 1
+    """Every this many steps each rank keeps a snapshot of its shards in its host memory and in a buddy
+    rank's on another node (workers.snapshots), so that a rank lost without notice is served from memory
+    and only the steps since that snapshot are redone; 0: off. Never written to disk: the durable
+    checkpoints above stay, for the loss of the whole cluster."""
     checksum: Literal["xxh3-128", "blake3", "sha256", "none"] = "xxh3-128"
     """Checksum of every written block, verified as it is read back: xxh3-128 (fast), blake3
     (cryptographic), sha256, or none (scratch runs only: corruption then goes unnoticed)."""
@@ -282,6 +287,7 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         _positive("checkpoint", self, "interval_steps", "keep_last", "io_threads")
+        _positive("checkpoint", self, "peer_interval", allow_zero=True)
         if self.resume_from is not None and (not isinstance(self.resume_from, str) or not self.resume_from.strip()):
             raise ConfigError(f"checkpoint.resume_from must be a directory path, got {self.resume_from!r}",
                               loc=('checkpoint', 'resume_from'))

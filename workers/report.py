@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from workers.config import JobConfig
@@ -60,6 +60,9 @@ class Salvaged:
     """Its rank in the layout that failed (when held)."""
     rows: tuple[dict, ...] = ()
     """StepMetrics rows of the steps the interrupted call finished, oldest first (when held)."""
+    snapshots: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    """Peer snapshots it holds: {old rank: complete snapshot steps of that rank's copy} (its own, and
+    those it keeps for its buddies; `old_rank` is then set even when its live shards are not held)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

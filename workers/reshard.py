@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from models.config import ModelConfig
 from models.llama import build_model
-from parallel.exchange import plan_rank
+from parallel.exchange import plan_order, plan_rank
 from parallel.layout import Layout
 from parallel.live import Held, hold, transfer
 from parallel.sharding import BoxMap
@@ -38,6 +38,8 @@ class Handover:
 
     held: Held
     state: dict[str, Any] | None
+    extra: dict[int, Held] = field(default_factory=dict)
+    """Copies of other old ranks' shards it serves (ranks that are gone: `workers.snapshots`)."""
 
 
 @dataclass(slots=True)
@@ -110,11 +112,16 @@ def exchange(handover: Handover | None, *, model: ModelConfig, old: Layout, new:
     group_to_old = {g: r for r, g in old_to_group.items()}
     same_worker = {n: group_to_old[g] for n, g in new_to_group.items() if g in group_to_old}
     nodes = nodes or {}
-    plan = plan_rank(BoxMap(old, shapes, model.n_layers, states, tied=tied),
-                     BoxMap(new, shapes, model.n_layers, states, tied=tied),
-                     old_rank=old_rank, new_rank=new_rank, alive=set(old_to_group), same_worker=same_worker,
-                     old_node={r: nodes[g] for r, g in old_to_group.items() if g in nodes},
-                     new_node={r: nodes[g] for r, g in new_to_group.items() if g in nodes})
+    old_map, new_map = (BoxMap(old, shapes, model.n_layers, states, tied=tied),
+                        BoxMap(new, shapes, model.n_layers, states, tied=tied))
+    where = dict(alive=set(old_to_group), same_worker=same_worker,
+                 old_node={r: nodes[g] for r, g in old_to_group.items() if g in nodes},
+                 new_node={r: nodes[g] for r, g in new_to_group.items() if g in nodes})
+    plan = plan_rank(old_map, new_map, old_rank=old_rank, new_rank=new_rank, **where)
+    extra = handover.extra if handover else {}
+    if extra:  # the sends of the old ranks it serves besides its own; its receives are in `plan` already
+        plan = sorted({*plan, *(t for r in extra for t in plan_rank(old_map, new_map, old_rank=r, new_rank=None,
+                                                                    **where))}, key=plan_order)
     clock.lap("plan")
     box = [handover.state if handover and handover.state is not None else None]
     dist.broadcast_object_list(box, src=old_to_group[min(old_to_group)])  # the lowest old rank still here
@@ -122,7 +129,8 @@ def exchange(handover: Handover | None, *, model: ModelConfig, old: Layout, new:
     key_dtype = {f"{prefix}{n}": dt for n, dt in dtypes.items()
                  for prefix in ("model.", *(f"optim.{st}." for st in states))}  # moments share the param's dtype
     parts = dict.fromkeys(SEND_RECV_PARTS, 0.0)
-    pieces = transfer(plan, old_rank=old_rank, new_rank=new_rank, held=handover.held if handover else None,
+    held = ({old_rank: handover.held, **extra} if extra else handover.held) if handover else None
+    pieces = transfer(plan, old_rank=old_rank, new_rank=new_rank, held=held,
                       dtypes=key_dtype, old_to_group=old_to_group, new_to_group=new_to_group, device=device,
                       timings=parts)
     clock.lap("send_recv")

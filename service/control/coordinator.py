@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from parallel.exchange import survivors_hold_everything
+from parallel.peers import cover
 from parallel.planner import Plan, PlanError, plan, size_for
 from service.control.commands import Command, Grant, Pause, Resume, SetWorkers, Stop
 from service.control.job import Job
@@ -34,7 +35,7 @@ from service.control.options import CoordinatorOptions
 from service.control.policy import FINAL_KINDS, Decision, Fail, Failure, PolicyConfig, Resize, ScalingPolicy, Wait
 from service.control.reconfiguration import Reconfig, Reconfigs
 from service.control.run_files import job_events, last_plan, where_it_stopped
-from service.control.source import Heal, Release, Restore, choose_source
+from service.control.source import Heal, Memory, Release, Restore, Survivors, choose_source, from_survivors
 from service.control.state import JobState, StateMachine
 from service.control.states import (Adopting, Ended, Paused, Pending, Recovering, Resizing, Running, Starting, State,
                                     Waiting)
@@ -497,7 +498,7 @@ class Coordinator:
         return True
 
     # -- changing the group ----------------------------------------------------------------------------------
-    def _reconfigure(self, d: Resize | Wait, snap: ClusterSnapshot, *, sound: Plan | None, survivors: Heal | None,
+    def _reconfigure(self, d: Resize | Wait, snap: ClusterSnapshot, *, sound: Plan | None, survivors: Survivors | None,
                      cause: str, detected: float, record: Reconfig | None, resizing: bool) -> State:
         """Act on a decision to change the group, from where `choose_source` says its state comes.
         `sound`: the plan of a running group that holds all its state (a planned change); `survivors`:
@@ -520,6 +521,9 @@ class Coordinator:
             return self._fail(f"cannot plan {d.workers} workers: {e}")
         if isinstance(source, Restore):
             return self._restore(p, nodes, cause=cause, reason=d.reason, detected=detected, record=record)
+        if isinstance(source, Memory):
+            return self._move_live(source.old, p, nodes, survivors=sorted({s for _, s in source.serve}),
+                                   memory=source, cause=cause, reason=d.reason, detected=detected, record=record)
         return self._move_live(source.old, p, nodes, survivors=list(source.ranks) if isinstance(source, Heal) else None,
                                cause=cause, reason=d.reason, detected=detected, record=record)
 
@@ -539,23 +543,37 @@ class Coordinator:
         return Waiting(reason=(queued and self.queue[1]) or d.reason, by_scheduler=queued, record=record)
 
     def _move_live(self, old: Plan, p: Plan, nodes: list[str], *, survivors: list[int] | None, cause: str,
-                   reason: str, detected: float, record: Reconfig | None) -> State:
-        """Reshard live from `old` (all its ranks, or after a failure the `survivors` a salvage kept) to
-        `p` on `nodes`; a durable checkpoint of the new layout follows its first step. A transfer that
-        fails midway falls back to the last committed checkpoint, and the events say so."""
+                   reason: str, detected: float, record: Reconfig | None, memory: Memory | None = None) -> State:
+        """Reshard live from `old` (all its ranks, or after a failure the `survivors` a salvage kept, or
+        their peer snapshots: `memory`) to `p` on `nodes`; a durable checkpoint of the new layout
+        follows its first step. A transfer that fails midway asks the survivors for the old group's
+        peer snapshots (they outlive the transfer: `_recover` salvages), or, with snapshots off, falls
+        back to the last committed checkpoint; the events say which."""
         try:
-            moved = self.group.reshard(old, p, nodes, survivors=survivors)
+            if memory is not None:
+                moved = self.group.reshard(old, p, nodes, survivors=survivors, serve=dict(memory.serve),
+                                           snapshot_step=memory.step)
+            else:
+                moved = self.group.reshard(old, p, nodes, survivors=survivors)
         except WorkerFailure as e:
+            if self.cfg.checkpoint.peer_interval > 0:  # the old group's peer snapshots outlive the transfer
+                self.sm.note("failure", reason=f"the state transfer failed ({e}); asking the survivors for "
+                                               f"the peer snapshots they hold", step=self.step_done, cause=cause,
+                             details={"kind": e.kind})
+                return self._recover(e, tried=nodes)
             self.sm.note("fallback", reason=f"live state transfer failed ({e}); falling back to the last "
                                             f"committed checkpoint (step {self.committed_step})",
                          step=self.step_done, cause=cause, details={"kind": e.kind})
             return self._recover(e, tried=nodes, salvage=False)  # the workers handed their state over: nothing to keep
         mib = moved.bytes_moved / 2**20
-        how = "moved live" if survivors is None else f"healed from surviving ranks {survivors}"
+        how, path = (("moved live", "live") if survivors is None else
+                     (f"healed from surviving ranks {survivors}", "peers") if memory is None else
+                     (f"formed from the peer snapshots of step {memory.step} that ranks {survivors} hold", "memory"))
+        extra = {"snapshot_step": memory.step} if memory is not None else {}
         running = self._formed(p, old.layout.to_dict(), moved.step, moved.started, moved.stopped, cause=cause,
                                detected=detected, record=record,
                                reason=f"{reason}; {mib:.0f} MiB of state {how} in {moved.transfer_s:.2f}s",
-                               transfer={"path": "live" if survivors is None else "peers", **moved.record()})
+                               transfer={"path": path, **extra, **moved.record()})
         return replace(running, durable_due=True)
 
     def _durable_checkpoint(self, state: Running) -> State:
@@ -578,24 +596,28 @@ class Coordinator:
                                      probe_timeout_s=o.probe_timeout_s, owner=o.owner, namespace=o.namespace)
 
     def _salvage(self, gone: set[str], *, dead: Callable[[], set[str]] = set,
-                 abort: bool = True, timeout_s: float = 15.0) -> tuple[Heal | None, bool]:
+                 abort: bool = True, timeout_s: float = 15.0) -> tuple[Survivors | None, bool]:
         """After a failure without notice: keep the surviving workers and their state when, between them,
-        they hold every shard at one step (data-parallel replicas), so the group heals from peers;
-        else say why: the job falls back to the last committed checkpoint, and the survivors stay in
-        the group as warm processes for that re-form to reuse (each has left the failed group and
-        dropped its trainer; one whose save was still running is stopped instead). Returns (the
+        they hold every shard at one step (data-parallel replicas), so the group heals from peers; else
+        when their peer snapshots hold every shard of one snapshot step (`parallel.peers.cover`), so the
+        group is formed from those (`from_survivors` judges); else say why: the job falls back to the
+        last committed checkpoint, and the survivors stay in the group as warm processes for that
+        re-form to reuse (each has left the failed group and dropped its trainer; one whose save was
+        still running is stopped instead). Returns (the
         survivors to heal from or None, whether any worker is kept). `gone`: nodes the watcher lists
         as dead (their workers are not asked); `dead`, `abort`, `timeout_s`: see `Group.salvage`."""
         g, p = self.group, self.plan
         if self.cfg.parallel.reshard != "live" or g is None or p is None or not g.size:
             return None, False
         salvage = g.salvage(gone=gone, dead=dead, abort=abort, timeout_s=timeout_s)
-        infos = salvage.kept
+        infos = {r: i for r, i in salvage.kept.items() if i.held}  # live shards (the others: snapshots only)
         steps = {i.step for i in infos.values()}
         rows = max((i.rows for i in infos.values()), key=len, default=())
         last_row = rows[-1]["step"] if rows else self.step_done
         if not infos:
             why = "no worker answered with state it can vouch for"
+        elif len(infos) != len(salvage.kept):
+            why = f"ranks {sorted(set(salvage.kept) - set(infos))} cannot vouch for their live state"
         elif len(steps) != 1:
             why = f"the survivors stopped at different steps {sorted(steps)}"
         elif not survivors_hold_everything(p.layout, infos):
@@ -604,13 +626,28 @@ class Coordinator:
             why = f"the metrics of step {max(steps)} were lost with the failed worker"
         else:
             why = None
+        copies = {r: i.snapshots for r, i in salvage.kept.items() if i.snapshots}
+        memory = cover(p.layout, copies) if copies or self.cfg.checkpoint.peer_interval > 0 else None
+        source = from_survivors(p, live=None if why else tuple(sorted(infos)), memory=memory)
         stopped = {"stopped": list(salvage.stopped_why)} if salvage.stopped_why else {}
-        if why is not None:
-            self.sm.note("fallback", reason=f"cannot heal from the surviving workers: {why}; resuming from the "
-                                            f"last committed checkpoint (step {self.committed_step})",
+        if isinstance(source, str):
+            self.sm.note("fallback", reason=f"cannot heal from the surviving workers: {why}; {source}; resuming "
+                                            f"from the last committed checkpoint (step {self.committed_step})",
                          step=self.step_done, cause="failure",
-                         details={"warm_workers": g.size + salvage.idle, **stopped})
+                         details={"warm_workers": g.size + salvage.idle, "snapshots": {str(r): list(s) for r, s in
+                                                                                       copies.items()}, **stopped})
             return None, g.size + salvage.idle > 0
+        if isinstance(source, Memory):
+            with self._lock:
+                for r in rows:
+                    self.metrics.setdefault(r["step"], r)
+                self.step_done = max([self.step_done, *steps, *(r["step"] for r in rows)])
+            self.sm.note("info", reason=f"cannot heal from the live state: {why}; forming the next group from the "
+                                        f"peer snapshots of step {source.step} that the survivors hold",
+                         step=self.step_done, cause="failure",
+                         details={"snapshot_step": source.step, "serve": {str(r): s for r, s in source.serve},
+                                  **stopped})
+            return source, True
         if stopped or salvage.idle:
             said = ([f"kept {salvage.idle} idle (no state to heal from)"] if salvage.idle else []) + \
                    ([f"stopped {len(salvage.stopped_why)}: {'; '.join(salvage.stopped_why)}"]
@@ -621,7 +658,7 @@ class Coordinator:
             for r in rows:
                 self.metrics.setdefault(r["step"], r)
             self.step_done = steps.pop()
-        return Heal(old=p, ranks=tuple(sorted(infos))), True
+        return source, True
 
     def _recover(self, err: WorkerFailure, *, tried: list[str] = (), salvage: bool = True,
                  patience_s: float = 15.0) -> Recovering:
@@ -686,7 +723,7 @@ class Coordinator:
         return self._formed(p, old, formed.step, start.started, start.stopped, cause=cause, reason=reason,
                             detected=detected, record=record,
                             transfer={"path": "storage", "start_s": start_s, "standby": start.from_standby,
-                                      "form_s": formed.form_s})
+                                      "form_s": formed.form_s, "snapshot_bytes": formed.snapshot_bytes})
 
     def _formed(self, p: Plan, old: dict | None, resumed: int, started: int, stopped: int, *, cause: str,
                 reason: str, detected: float, record: Reconfig | None, transfer: dict) -> Running:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from parallel.planner import Plan
 from service.control.policy import Resize, Wait
 from service.control.reconfiguration import Reconfig
-from service.control.source import Heal
+from service.control.source import Survivors
 from service.control.state import JobState
 
 
@@ -37,7 +37,7 @@ class Pending:
 
     reason: str = "submitted"
     cause: str | None = None
-    survivors: Heal | None = None
+    survivors: Survivors | None = None
     record: Reconfig | None = None
     name = JobState.PENDING
 
@@ -48,7 +48,7 @@ class Starting:
 
     reason: str
     cause: str | None = None
-    survivors: Heal | None = None
+    survivors: Survivors | None = None
     record: Reconfig | None = None
     name = JobState.STARTING
 
@@ -60,7 +60,7 @@ class Recovering:
 
     reason: str
     cause: str | None = "failure"
-    survivors: Heal | None = None
+    survivors: Survivors | None = None
     record: Reconfig | None = None
     name = JobState.RECOVERING
 
@@ -73,7 +73,7 @@ class Waiting:
     reason: str
     cause: str | None = None
     by_scheduler: bool = False
-    survivors: Heal | None = None
+    survivors: Survivors | None = None
     """Only after a restart queued before its first start: taken over, kept until it can start."""
     record: Reconfig | None = None
 

@@ -35,6 +35,8 @@ class Formed:
     form_parts: dict[str, float] = field(default_factory=dict)
     """The slowest rank's seconds per part of its join (`Worker.join`: the process group, the trainer's
     build and its parts, the adoption of moved state)."""
+    snapshot_bytes: int = 0
+    """Host memory the peer snapshots take on the rank that needs most (0: snapshots off)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -97,6 +99,8 @@ class Moved:
     """Seconds to form the new training group on the received state."""
     form_parts: dict[str, float] = field(default_factory=dict)
     """The slowest rank's seconds per part of that form (`Formed.form_parts`)."""
+    snapshot_bytes: int = 0
+    """Host memory the new group's peer snapshots take on the rank that needs most (0: off)."""
     transfer_parts: dict[str, float] = field(default_factory=dict)
     """The slowest worker's seconds per phase of the transfer call (workers.reshard)."""
 
@@ -134,9 +138,12 @@ class Group(Protocol):
     def form(self, plan: Plan, *, adopt: bool = False) -> Formed:
         """(Re-)form the process group for `plan`. `adopt`: take the state a `reshard` transfer
         delivered instead of loading the last checkpoint."""
-    def reshard(self, old: Plan, new: Plan, nodes: list[str], *, survivors: list[int] | None = None) -> Moved:
+    def reshard(self, old: Plan, new: Plan, nodes: list[str], *, survivors: list[int] | None = None,
+                serve: dict[int, int] | None = None, snapshot_step: int | None = None) -> Moved:
         """Move the live state from `old` to `new` on `nodes` over the network (no storage) and form
-        the new group. `survivors`: the members' old ranks after a `salvage()` (a heal from peers)."""
+        the new group. `survivors`: the members' old ranks after a `salvage()` (a heal from peers);
+        `serve`, `snapshot_step`: from the survivors' peer snapshots of that step instead, old rank r's
+        sent by the survivor of old rank `serve[r]`."""
     def salvage(self, *, gone: Collection[str] = (), dead: Callable[[], Collection[str]] = tuple,
                 timeout_s: float = 15.0, abort: bool = True) -> Salvage:
         """After a failure keep the members whose shards can be trusted (and, as idle processes, those

@@ -238,15 +238,18 @@ class WorkerGroup:
         if len(steps) != 1:
             raise WorkerFailure("form", f"ranks resumed at different steps {sorted(steps)}")
         parts = {k: max(r.get(k, 0.0) for r in res) for k in res[0] if k.endswith("_s") or k.startswith("build.")}
-        return Formed(step=steps.pop(), form_s=time.perf_counter() - t0, form_parts=parts)
+        return Formed(step=steps.pop(), form_s=time.perf_counter() - t0, form_parts=parts,
+                      snapshot_bytes=max(r.get("snapshot_bytes", 0) for r in res))
 
-    def reshard(self, old: Plan, new: Plan, nodes: list[str], *, survivors: list[int] | None = None) -> Moved:
+    def reshard(self, old: Plan, new: Plan, nodes: list[str], *, survivors: list[int] | None = None,
+                serve: dict[int, int] | None = None, snapshot_step: int | None = None) -> Moved:
         """Move the live state from `old` (the current members) to `new` on `nodes` over the network,
         no storage: every member hands its shards over and leaves its training group; joiners start
         (spares first); old members and joiners form one transfer group and run the exchange plan
         (workers.reshard); leavers stop; the new training group forms and adopts what it received.
         `survivors`: after a failure, the old ranks of the members, which `salvage()` already made hand
-        over. Raises WorkerFailure if any part fails: the caller
+        over. `serve` and `snapshot_step`: the state is the peer snapshots of that step, old rank r's
+        sent by the survivor of old rank `serve[r]`. Raises WorkerFailure if any part fails: the caller
         falls back to the last committed checkpoint (every member, joiners included, is in `members`
         then, so a shutdown releases them all)."""
         t0 = time.perf_counter()
@@ -263,12 +266,15 @@ class WorkerGroup:
         new_to_group = {r: slot[id(m)] for r, m in enumerate(members)}
         group_to_new = {g: r for r, g in new_to_group.items()}
         t1 = time.perf_counter()
+        old_to_group = {r: g for g, r in enumerate(old_ranks)}
+        if serve is not None:
+            old_to_group = {r: old_to_group[s] for r, s in serve.items()}
         port = self._await_probing([everyone[0].actor.free_port.remote()], "state transfer", timeout_s=60)[0]
         refs = [m.actor.reshard.remote(
             rank=g, world_size=len(everyone), master_addr=everyone[0].ip, master_port=port,
             old_plan=old.to_dict(), new_plan=new.to_dict(),
             old_rank=old_ranks[g] if g < len(old_members) else None, new_rank=group_to_new.get(g),
-            old_to_group={r: g for g, r in enumerate(old_ranks)}, new_to_group=new_to_group,
+            old_to_group=old_to_group, new_to_group=new_to_group, snapshot_step=snapshot_step,
             nodes={i: e.node_id for i, e in enumerate(everyone)}) for g, m in enumerate(everyone)]
         moved = self._await_probing(refs, "state transfer", timeout_s=600)
         t2 = time.perf_counter()
@@ -277,7 +283,7 @@ class WorkerGroup:
         formed = self.form(new, adopt=True)
         return Moved(step=formed.step, started=start.started, stopped=start.stopped,
                      bytes_moved=sum(r["bytes_received"] for r in moved), handover_s=t1 - t0, transfer_s=t2 - t1,
-                     form_s=formed.form_s, form_parts=formed.form_parts,
+                     form_s=formed.form_s, form_parts=formed.form_parts, snapshot_bytes=formed.snapshot_bytes,
                      transfer_parts={k: max(r["timings"].get(k, 0.0) for r in moved) for k in moved[0]["timings"]})
 
     def run(self, *, until_step: int, steps: int, should_abort=lambda: False) -> list[dict]:
@@ -351,7 +357,7 @@ class WorkerGroup:
                     why = info.why
                 except RayError as e:
                     why = f"its salvage failed: {type(e).__name__}"
-            if info is not None and info.held:
+            if info is not None and (info.held or info.snapshots):  # live shards, or peer snapshots
                 kept[info.old_rank] = (m, info)
             elif info is not None and info.reusable:  # idle, holding its slot: a spare for the next start
                 idle.append(m)

@@ -44,7 +44,7 @@ LIMITS: dict[tuple[str, str], int] = {
     ("parallel", "max_pp"): MAX_WORKERS, ("parallel", "gpus_per_node"): MAX_WORKERS,
     ("parallel", "memory_budget_gb"): 1 << 20,
     # checkpoint
-    ("checkpoint", "interval_steps"): MAX_STEPS, ("checkpoint", "keep_last"): 10_000,
+    ("checkpoint", "interval_steps"): MAX_STEPS, ("checkpoint", "peer_interval"): MAX_STEPS, ("checkpoint", "keep_last"): 10_000,
     ("checkpoint", "io_threads"): 64,
     # resources
     ("resources", "cpus_per_worker"): 1024, ("resources", "gpus_per_worker"): 64,

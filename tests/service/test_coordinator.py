@@ -279,7 +279,7 @@ def test_reshard_storage_resizes_through_a_blocking_checkpoint(tmp_path):
     c.send(SetWorkers(workers=2))
     advance(c, lambda c: len(c.reconfigs) == 2)
     assert c.reconfigs[-1].transfer["path"] == "storage"
-    assert c.reconfigs[-1].transfer.keys() == {"path", "start_s", "standby", "form_s"}  # where its time went
+    assert c.reconfigs[-1].transfer.keys() == {"path", "start_s", "standby", "form_s", "snapshot_bytes"}  # where its time went
     assert c.reconfigs[-1].steps_lost == 0
     assert any(e["kind"] == "checkpoint" and "before resize" in e["reason"] for e in c.events_since(0))
 
@@ -403,7 +403,7 @@ def test_survivors_below_min_workers_are_released_and_the_job_resumes_from_stora
     cluster.dead.discard("b")
     advance(c, lambda c: len(c.reconfigs) == 2 and c.step_done >= 6)
     assert c.reconfigs[-1].transfer["path"] == "storage"
-    assert c.reconfigs[-1].transfer.keys() == {"path", "start_s", "standby", "form_s"}  # where its time went
+    assert c.reconfigs[-1].transfer.keys() == {"path", "start_s", "standby", "form_s", "snapshot_bytes"}  # where its time went
     assert c.reconfigs[-1].resumed_step == 5
 
 
@@ -512,3 +512,51 @@ def test_a_stop_while_the_group_has_no_members_ends_stopped_without_a_save(tmp_p
     c.send(Stop())
     advance(c, lambda c: c.sm.state.is_terminal)
     assert str(c.sm.state) == "STOPPED" and c.committed_step == committed
+
+
+# FSDP over 4 workers on nodes a (ranks 0, 1) and b (ranks 2, 3): each rank's peer snapshot lives on the
+# other node (0 <-> 2, 1 <-> 3). Node b dies at step 7 with snapshot 6 complete everywhere.
+SNAPS_AFTER_B = {0: {0: (5, 6), 2: (5, 6)}, 1: {1: (5, 6), 3: (5, 6)}}
+
+
+def _fsdp_with_snapshots(tmp_path, snapshots):
+    c, cluster, G = make_coordinator(tmp_path, {"a": 2, "b": 2}, settle=1e9, interval=5,
+                                     parallel={"dp_mode": "shard"})
+    G.heals, G.snapshots = True, snapshots
+    advance(c, lambda c: c.step_done >= 7)
+    return c, cluster, G
+
+
+def test_a_lost_node_of_fsdp_shards_is_formed_from_the_survivors_peer_snapshots(tmp_path):
+    c, cluster, G = _fsdp_with_snapshots(tmp_path, SNAPS_AFTER_B)
+    cluster.dead.add("b")
+    advance(c, lambda c: len(c.reconfigs) == 2 and c.step_done >= 7)
+    rc = c.reconfigs[-1]
+    assert rc.cause == "failure" and rc.transfer["path"] == "memory" and rc.transfer["snapshot_step"] == 6
+    assert rc.step_before == 7 and rc.resumed_step == 6 and rc.steps_lost == 1  # not the step-5 commit
+    assert G.resharded[-1] == {"survivors": [0, 1], "serve": {0: 0, 1: 1, 2: 0, 3: 1}, "snapshot_step": 6}
+    assert not [e for e in c.events_since(0) if e["kind"] == "fallback"]
+
+
+def test_a_rank_lost_with_the_buddy_that_kept_its_copy_falls_back_to_storage_and_says_why(tmp_path):
+    # rank 1's copy of rank 3 is gone with it (a double fault): nobody holds shard 3
+    c, cluster, G = _fsdp_with_snapshots(tmp_path, {0: {0: (5, 6), 2: (5, 6)}, 1: {1: (5, 6)}})
+    cluster.dead.add("b")
+    advance(c, lambda c: len(c.reconfigs) == 2 and c.step_done >= 6)
+    (fallback,) = [e for e in c.events_since(0) if e["kind"] == "fallback"]
+    assert "no survivor holds a copy of old rank(s) [3]" in fallback["reason"]
+    assert "a rank and the buddy that kept its copy were both lost" in fallback["reason"]
+    assert "last committed checkpoint (step 5)" in fallback["reason"]
+    rc = c.reconfigs[-1]
+    assert rc.transfer["path"] == "storage" and rc.resumed_step == 5
+
+
+def test_a_fault_while_forming_from_memory_asks_the_survivors_again(tmp_path):
+    c, cluster, G = _fsdp_with_snapshots(tmp_path, SNAPS_AFTER_B)
+    cluster.dead.add("b")
+    G.fail_next.append("transfer")
+    advance(c, lambda c: len(c.reconfigs) == 2 and c.step_done >= 7)
+    assert [r["snapshot_step"] for r in G.resharded] == [6, 6]  # their snapshots outlived the failed transfer
+    assert c.reconfigs[-1].transfer["path"] == "memory" and c.reconfigs[-1].resumed_step == 6
+    failures = [e["reason"] for e in c.events_since(0) if e["kind"] == "failure"]
+    assert any("asking the survivors for the peer snapshots" in r for r in failures)

@@ -252,3 +252,25 @@ def test_grow_after_settle_redoes_no_steps(cluster, nodes, reference, tmp_path):
     assert rc.cause == "grow" and rc.steps_lost == 0 and rc.world_size == 2
     assert rc.started == 1 and rc.stopped == 0
     assert rc.transfer["path"] == "live" and rc.transfer["bytes_moved"] > 0  # the joiner got its state from the survivor
+
+
+def test_a_killed_fsdp_shard_is_served_from_its_buddys_memory(cluster, nodes, reference, tmp_path):
+    """FSDP shards (no replica to heal from): each rank's snapshot lives in its buddy's memory on the other
+    node, so a worker killed without notice costs at most the step since the last snapshot, and the
+    checkpoint directory is never read (there is no commit to read before the job ends)."""
+    import ray
+
+    nodes(2)
+    hold = Hold(4)
+    coord, t = start(tmp_path, steps=8, hold=hold, parallel={"min_workers": 2, "max_workers": 2, "dp_mode": "shard"},
+                     checkpoint={"interval_steps": 1000, "keep_last": 3, "peer_interval": 1})
+    wait_for(coord, running_at(coord, 4), "step 4")
+    pid = ray.get(coord.group.members[1].actor.info.remote())["pid"]
+    os.kill(pid, signal.SIGKILL)
+    hold.release()
+    (kill,) = finish(coord, t, reference)
+    kinds = [e["kind"] for e in coord.events_since(0)]
+    assert kill.cause == "failure" and kill.transfer["path"] == "memory", timeline(coord)
+    assert "fallback" not in kinds, timeline(coord)
+    assert kill.steps_lost <= 1 and kill.resumed_step == kill.transfer["snapshot_step"], timeline(coord)
+    assert kill.world_size == 2 and kill.started == 1

@@ -9,7 +9,8 @@ import pytest
 from parallel.layout import Layout
 from parallel.planner import Plan
 from service.control.policy import Fail, Noop, Resize, Wait
-from service.control.source import Heal, Live, Release, Restore, choose_source
+from parallel.peers import Cover, NoCover
+from service.control.source import Heal, Live, Memory, Release, Restore, choose_source, from_survivors
 
 PLAN = Plan(layout=Layout(dp_replicate=2), world_size=2, available=2, micro_batch_size=1, grad_accum_steps=1,
             memory_bytes=0.0, reasons=())
@@ -61,3 +62,29 @@ def test_a_sound_group_that_must_wait_saves_before_it_lets_go():
 def test_inputs_that_cannot_happen_are_refused(kw, message):
     with pytest.raises(ValueError, match=message):
         choose_source(**kw)
+
+
+FSDP = Plan(layout=Layout(dp_shard=3), world_size=3, available=3, micro_batch_size=1, grad_accum_steps=1,
+            memory_bytes=0.0, reasons=())
+MEMORY = Memory(old=FSDP, step=12, serve=((0, 0), (1, 2), (2, 2)))
+
+
+@pytest.mark.parametrize("live, memory, want", [
+    ((0, 2), Cover(step=12, serve={0: 0, 1: 2, 2: 2}), Heal(old=FSDP, ranks=(0, 2))),  # live state first: 0 redone
+    (None, Cover(step=12, serve={2: 2, 0: 0, 1: 2}), MEMORY),
+    (None, Cover(step=10, serve={0: 0, 1: 2, 2: 2}), Memory(old=FSDP, step=10, serve=((0, 0), (1, 2), (2, 2)))),
+    (None, NoCover("rank 1 and its buddy were both lost"),
+     "the live state does not hold every shard, and rank 1 and its buddy were both lost"),
+    (None, None, "the live state does not hold every shard, and peer snapshots are off"),
+])
+def test_survivors_offer_their_live_state_else_their_snapshots_else_say_why(live, memory, want):
+    assert from_survivors(FSDP, live=live, memory=memory) == want
+
+
+@pytest.mark.parametrize("decision, reshard, want", [
+    (RESIZE, "live", MEMORY),
+    (RESIZE, "storage", Restore()),
+    (WAIT, "live", Release(flush=False)),
+])
+def test_snapshots_in_memory_form_the_next_group_only_under_live_resharding(decision, reshard, want):
+    assert choose_source(decision=decision, sound=None, survivors=MEMORY, reshard=reshard) == want

@@ -1,0 +1,50 @@
+"""Peer snapshots on real ranks (gloo): each rank's copy lands in its buddy's memory, whole and as it was
+at the step it was taken, and the committed step trails the newest by one round."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.bodies import snapshot_off_body, snapshot_rounds_body
+from tests.multiproc import run_ranks
+from workers.snapshots import Copy, Slot
+
+
+def test_each_rank_keeps_its_buddys_copy_of_the_last_two_steps():
+    out = run_ranks(3, snapshot_rounds_body, ["a", "b", "c"], 3)  # buddies: 0 -> 1 -> 2 -> 0
+    for rank, res in enumerate(out):
+        sender = (rank - 1) % 3
+        assert res["holdings"] == {rank: (2, 3), sender: (2, 3)}
+        assert res["committed"] == [-1, 1, 2]  # a round commits when the next one starts
+        assert res["kept"] == {sender: {"model.w": (sender * 100 + 3.0, (sender * 4, 0)),
+                                        "optim.exp_avg.model.w": (sender * 100 + 3.0, (sender * 2, 0))}}
+        assert res["own"] == rank * 100 + 3.0 and res["steps"] == {"model.w": 3}
+        assert res["state"] == {"lr_schedule": {"step": 3}}
+
+
+@pytest.mark.parametrize("nodes, available, buddies", [
+    (["a", "b"], [None, None], [1, 0]),
+    (["a", "a"], [None, None], [None, None]),         # one node: no copy can live elsewhere
+    (["a", "b"], [None, 6 << 10], [None, None]),      # rank 1: 4 KiB of copies > half of 6 KiB: every rank runs without
+    (["a", "b"], [16 << 10, 16 << 10], [1, 0]),       # 4 KiB within half of 16 KiB
+])
+def test_snapshots_start_only_where_every_rank_has_a_buddy_and_the_memory(nodes, available, buddies):
+    assert run_ranks(2, snapshot_off_body, nodes, available) == buddies
+
+
+def _slot(a: int, b: int) -> Slot:
+    s = Slot()
+    s.copies = [Copy(step=a), Copy(step=b)]
+    return s
+
+
+@pytest.mark.parametrize("steps, committed, fills", [
+    ((4, 5), 5, 0),     # the committed copy (5) stays; the older one is refilled
+    ((4, 5), 4, 1),     # round 5 not committed everywhere: 4 stays, 5's buffer is refilled
+    ((-1, -1), -1, 0),  # nothing yet
+    ((3, -1), 3, 1),
+    ((6, 2), 1, 1),     # neither is the committed step: the older is refilled
+])
+def test_a_round_never_fills_the_buffer_of_the_committed_step(steps, committed, fills):
+    s = _slot(*steps)
+    assert s.spare(committed) is s.copies[fills]

@@ -1,0 +1,251 @@
+"""Peer snapshots: each rank's shards of one step, in its own host memory and in its buddy's, so that a
+rank lost without notice can be served from memory (`parallel.peers` pairs the ranks and judges what
+the survivors' copies cover).
+
+    snaps = PeerSnapshots.start(node_id, shard_bytes=..., available_bytes=...)  # collective, at `join`
+    snaps.take(step, hold(model, optimizer), state)    # every `checkpoint.peer_interval` steps (collective)
+    snaps.holdings()                                   # {old rank: complete steps}, after a failure
+    snaps.handover(step, ranks)                        # the copies of those old ranks at that step
+
+Each round (`take`): the rank waits for its previous round's sends and receives (a background thread),
+agrees with the others on the newest step every rank has completed (a one-integer all-reduce: the
+committed step), copies its shards into the buffer that does not hold the committed step, and sends
+that buffer in the background, on a gloo group of its own, to its buddy, while receiving the copies it
+keeps into their spare buffers the same way. So each slot (its own copy, and each copy it keeps) holds
+two buffers: the committed one, never overwritten before every rank has completed the next, and the one
+being filled; a half-sent snapshot never replaces a whole one. Nothing is written to disk.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from parallel.checkpoint.host_pool import layout as pool_layout
+from parallel.live import Held
+from parallel.peers import Pairing, pair
+from parallel.sharding import Box
+
+log = logging.getLogger(__name__)
+
+AFFORDABLE = 0.5
+"""A rank takes snapshots only if they need at most this share of the host's available memory."""
+
+
+@dataclass(slots=True)
+class Copy:
+    """One complete (or filling) copy of one rank's shards at one step."""
+
+    step: int = -1
+    """-1: holds nothing complete."""
+    buf: torch.Tensor | None = None
+    header: dict[str, Any] = field(default_factory=dict)
+    """keys -> [offsets, sizes, dtype, start]; optimizer_steps; state."""
+
+    def held(self) -> Held:
+        out = Held(optimizer_steps=dict(self.header["optimizer_steps"]))
+        for key, (offsets, sizes, dtype, start) in self.header["keys"].items():
+            dt = getattr(torch, dtype)
+            n = dt.itemsize * _numel(sizes)
+            out.tensors[key] = self.buf[start:start + n].view(dt).view(tuple(sizes))
+            out.boxes[key] = Box(tuple(offsets), tuple(sizes))
+        return out
+
+
+def _numel(sizes) -> int:
+    n = 1
+    for s in sizes:
+        n *= s
+    return n
+
+
+class Slot:
+    """Two buffers of one rank's copies: the committed one and the one being filled."""
+
+    def __init__(self) -> None:
+        self.copies = [Copy(), Copy()]
+
+    def spare(self, committed: int) -> Copy:
+        """The buffer to fill: not the one holding `committed` (the older one if neither does)."""
+        a, b = self.copies
+        if a.step == committed and a.step >= 0:
+            return b
+        if b.step == committed and b.step >= 0:
+            return a
+        return a if a.step <= b.step else b
+
+    def steps(self) -> tuple[int, ...]:
+        return tuple(sorted(c.step for c in self.copies if c.step >= 0))
+
+    def at(self, step: int) -> Copy | None:
+        return next((c for c in self.copies if c.step == step), None)
+
+    def nbytes(self) -> int:
+        return sum(c.buf.numel() for c in self.copies if c.buf is not None)
+
+
+class PeerSnapshots:
+    """This rank's snapshots: its own slot and the slots of the ranks whose buddy it is."""
+
+    def __init__(self, *, rank: int, pairing: Pairing, group: Any) -> None:
+        self.rank, self.pairing, self.group = rank, pairing, group
+        self.buddy = pairing.buddy[rank]
+        self.own = Slot()
+        self.kept = {r: Slot() for r in pairing.keeps(rank)}
+        self.committed = -1
+        """The newest step every rank has completed (own copy sent, copies kept received)."""
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.round_s = 0.0
+        """Seconds the last round's background send and receive took."""
+        self.memory_bytes = 0
+        """The host memory the snapshots take on this rank, as estimated at start."""
+        self.last_error: BaseException | None = None
+        """What made the last failed round fail (its copies do not count)."""
+
+    @classmethod
+    def start(cls, node_id: str, *, shard_bytes: int, available_bytes: int | None) -> PeerSnapshots | None:
+        """Pair the ranks of the default group by their nodes and make the snapshot group (collective on
+        every rank). Returns None, having logged why in one line, when there is no pairing or some rank
+        cannot afford the memory (two buffers of its own shards and of each copy it keeps)."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        nodes: list[Any] = [None] * world
+        dist.all_gather_object(nodes, node_id)
+        pairing = pair(nodes)
+        if not pairing.paired:
+            log.warning("peer snapshots off: %s", pairing.why)
+            return None
+        need = 2 * shard_bytes * (1 + len(pairing.keeps(rank)))  # the copies it keeps: about its own size
+        ok = available_bytes is None or need <= AFFORDABLE * available_bytes
+        flag = torch.tensor([1 if ok else 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        if not ok:
+            log.warning("peer snapshots off: rank %d needs %.0f MiB for them, %.0f MiB of memory is available",
+                        rank, need / 2**20, (available_bytes or 0) / 2**20)
+            return None
+        if not flag.item():
+            log.warning("peer snapshots off: another rank cannot afford their memory")
+            return None
+        group = dist.new_group(backend="gloo")
+        log.info("peer snapshots on: rank %d keeps its copy on rank %s and copies of ranks %s: about %.0f MiB",
+                 rank, pairing.buddy[rank], list(pairing.keeps(rank)), need / 2**20)
+        out = cls(rank=rank, pairing=pairing, group=group)
+        out.memory_bytes = need
+        return out
+
+    # -- a round ---------------------------------------------------------------------------------------
+    def take(self, step: int, held: Held, state: dict[str, Any]) -> None:
+        """Snapshot `held` (this rank's shards after step `step`'s update) and `state` (collective: every
+        rank calls it at the same steps)."""
+        self.wait()
+        done = torch.tensor([self._complete_step()], dtype=torch.int64)
+        dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self.group)
+        self.committed = int(done.item())
+        own = self.own.spare(self.committed)
+        _fill(own, step, held, state)
+        self._thread = threading.Thread(target=self._round, args=(own,), name="peer-snapshot", daemon=True)
+        self._thread.start()
+
+    def _complete_step(self) -> int:
+        """The newest step whose own copy and every kept copy are complete here (-1: none)."""
+        steps = set(self.own.steps())
+        for s in self.kept.values():
+            steps &= set(s.steps())
+        return max(steps, default=-1)
+
+    def _round(self, own: Copy) -> None:
+        """Send `own` to the buddy and receive the copies kept here (the snapshot group spans every rank
+        of the default group, so group ranks are global ranks)."""
+        t0 = time.perf_counter()
+        try:
+            g = self.group
+            head = json.dumps(own.header).encode()
+            sizes = torch.tensor([len(head), own.buf.numel()], dtype=torch.int64)
+            kept = sorted(self.kept)
+            got_sizes = {r: torch.empty(2, dtype=torch.int64) for r in kept}
+            works = [dist.isend(sizes, self.buddy, group=g)]
+            works += [dist.irecv(got_sizes[r], r, group=g) for r in kept]
+            for w in works:
+                w.wait()
+            heads = {r: torch.empty(int(got_sizes[r][0]), dtype=torch.uint8) for r in kept}
+            fills = {}
+            for r in kept:
+                c = self.kept[r].spare(self.committed)
+                c.step = -1  # filling: not complete until the receive is
+                n = int(got_sizes[r][1])
+                if c.buf is None or c.buf.numel() != n:
+                    c.buf = torch.empty(n, dtype=torch.uint8)
+                fills[r] = c
+            head_t = torch.frombuffer(bytearray(head), dtype=torch.uint8)  # referenced until the waits end
+            works = [dist.isend(head_t, self.buddy, group=g), dist.isend(own.buf, self.buddy, group=g)]
+            for r in kept:
+                works += [dist.irecv(heads[r], r, group=g), dist.irecv(fills[r].buf, r, group=g)]
+            for w in works:
+                w.wait()
+            for r in kept:
+                fills[r].header = json.loads(bytes(heads[r].numpy()))
+                fills[r].step = int(fills[r].header["step"])
+            self.round_s = time.perf_counter() - t0
+        except BaseException as e:  # a peer died mid-round: what was filling stays incomplete
+            self._error = self.last_error = e
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Wait for the round in flight; False if it is still running after `timeout_s` (it is then
+        abandoned: the copies it was filling never count)."""
+        t = self._thread
+        if t is not None:
+            t.join(timeout_s)
+            if t.is_alive():  # the copies it fills are marked incomplete until their receive ends
+                return False
+            self._thread = None
+        if self._error is not None:
+            e, self._error = self._error, None
+            log.warning("a peer snapshot round failed (%s): its copies do not count", e)
+        return True
+
+    # -- after a failure -------------------------------------------------------------------------------
+    def holdings(self) -> dict[int, tuple[int, ...]]:
+        """{old rank: the complete snapshot steps of its copy held here} (this rank's own, and those it
+        keeps)."""
+        out = {self.rank: self.own.steps()} if self.own.steps() else {}
+        out.update({r: s.steps() for r, s in self.kept.items() if s.steps()})
+        return out
+
+    def handover(self, step: int, ranks) -> tuple[dict[int, Held], dict[str, Any] | None]:
+        """The copies of `ranks` at `step` held here (as the exchange's old shards), and the JSON state
+        that goes with that step (from its own copy, else from any copy of that step it holds: every
+        rank's state of one step serves)."""
+        out: dict[int, Held] = {}
+        for r in ranks:
+            c = (self.own if r == self.rank else self.kept[r]).at(step)
+            if c is None:
+                raise RuntimeError(f"rank {self.rank} holds no copy of rank {r} at snapshot step {step} (it "
+                                   f"holds {self.holdings()}; last failed round: {self.last_error!r})")
+            out[r] = c.held()
+        any_copy = [c for c in (self.own.at(step), *(s.at(step) for s in self.kept.values())) if c is not None]
+        return out, (any_copy[0].header["state"] if any_copy else None)
+
+
+def _fill(c: Copy, step: int, held: Held, state: dict[str, Any]) -> None:
+    """Copy `held`'s tensors into `c`'s buffer (allocated, or re-allocated for another size)."""
+    keys = sorted(held.tensors)
+    sizes = [held.tensors[k].numel() * held.tensors[k].element_size() for k in keys]
+    starts, total = pool_layout(sizes)
+    if c.buf is None or c.buf.numel() != total:
+        c.buf = torch.empty(total, dtype=torch.uint8)
+    c.step = -1
+    meta = {}
+    for k, a, n in zip(keys, starts, sizes):
+        t = held.tensors[k]
+        c.buf[a:a + n].view(t.dtype).view(t.shape).copy_(t.detach())
+        b = held.boxes[k]
+        meta[k] = [list(b.offsets), list(b.sizes), str(t.dtype).removeprefix("torch."), a]
+    c.header = {"step": step, "keys": meta, "optimizer_steps": dict(held.optimizer_steps), "state": state}
+    c.step = step
