@@ -104,5 +104,25 @@ def _reset_group_names() -> None:
 
 
 def destroy_process_group() -> None:
+    """Destroy the default group and forget the device meshes built on it (`forget_meshes`)."""
     if dist.is_initialized():
         dist.destroy_process_group()
+    forget_meshes()
+
+
+def forget_meshes() -> None:
+    """Clear DTensor's sharding-propagation caches (Python's and the C++ fast path's, for the calling
+    thread: the one that builds trainers and trains).
+
+    Their entries hold the DeviceMesh of the first DTensor op with each signature, and they are looked up
+    by mesh *equality*, which compares the mesh's shape, ranks and axis names but not which rank this
+    process is. A worker that was rank 1 of a 2-rank layout and is later rank 0 of another 2-rank layout
+    would get the old mesh back from a cache hit (when its new model is materialised, `to_empty`), with
+    the old mesh coordinate: its parameters would report the other rank's box, so a checkpoint load
+    fills its shard with the other rank's rows, a live transfer delivers pieces its box does not
+    cover, and a save writes one box twice and the other not at all. Every group change goes through
+    `destroy_process_group`, so the caches never outlive the meshes they were built for (which they
+    would otherwise keep alive)."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
