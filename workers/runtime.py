@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -47,6 +48,8 @@ def init_process_group(device: torch.device, *, timeout_s: float = 300.0,
     `cancelled`: asked while the ranks gather (`rendezvous`); once it says so, RendezvousCancelled."""
     if dist.is_initialized():
         return
+    global _excepthook
+    _excepthook = sys.excepthook  # torch wraps it in each init: put back by `destroy_process_group`
     if "MASTER_ADDR" not in os.environ:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     # gloo always, for CPU collectives (DCP, async save); nccl for CUDA tensors when on GPUs.
@@ -103,10 +106,20 @@ def _reset_group_names() -> None:
     distributed_c10d._world.group_count = 0
 
 
+_excepthook = None
+"""`sys.excepthook` as it was before the live group's init. torch's init wraps the hook in one more
+closure each time (prefixing "[rankN]: " to tracebacks) and its destroy does not unwrap it: in a worker
+that re-forms its group at every reconfiguration the chain would grow by one per group formed."""
+
+
 def destroy_process_group() -> None:
-    """Destroy the default group and forget the device meshes built on it (`forget_meshes`)."""
+    """Destroy the default group, put back the `sys.excepthook` its init wrapped, and forget the device
+    meshes built on it (`forget_meshes`)."""
+    global _excepthook
     if dist.is_initialized():
         dist.destroy_process_group()
+    if _excepthook is not None:
+        sys.excepthook, _excepthook = _excepthook, None
     forget_meshes()
 
 
