@@ -16,7 +16,8 @@ time, each once the job trains at full size again:
               off it; the node is removed and a new one added, and the job grows back
 
 The oldest worker is never the victim, so one process lives through every reconfiguration.
-  takeover    SIGKILL of the job's coordinator actor: Ray restarts it and it takes over its workers
+  takeover    SIGKILL of the job's coordinator actor: Ray restarts it and it takes over its workers (the
+              soak's server lets Ray restart it any number of times; `elastron serve` allows 3)
 
 Each event counts the reconfigurations it caused (the job's `resize` events: a drain is two, off the
 node and back onto a new one; a kill one or two, as a standby can take the dead worker's place at once). After each event, once the job has trained `--steps-after` steps at full
@@ -81,7 +82,9 @@ def rss_mb(pid: int) -> float | None:
 
 class Soak:
     def __init__(self, workdir: Path, *, preset: str, nodes: int, reshard: str, steps_after: int, log=print):
-        self.env = ChaosEnv(workdir, nodes=nodes, log=log)
+        # Ray restarts a job's coordinator 3 times in its life (service.server.job_actor.MAX_RESTARTS); the
+        # rotation kills it every fifth event, so the 4th takeover would end the job at the 25th event.
+        self.env = ChaosEnv(workdir, nodes=nodes, log=log, server_args=("--coordinator-restarts", "-1"))
         self.preset, self.nodes, self.reshard, self.steps_after, self.log = preset, nodes, reshard, steps_after, log
         self.job_id = ""
         self.samples: list[dict] = []
