@@ -4,9 +4,12 @@
     .venv/bin/python benchmarks/soak_heap.py --reconfigs 16 [--preset small] \
         [--json benchmarks/results/soak-heap-small.json]
 
+glibc's tunables apply as usual, e.g. `MALLOC_MMAP_THRESHOLD_=1048576` or `MALLOC_ARENA_MAX=2` in the
+environment (the forked ranks inherit it).
+
 Rank 0 survives them all, in the rotation live 2 -> 1, live 1 -> 2, storage 2 -> 1, storage 1 -> 2, each
 followed by a non-blocking save and two steps, as the coordinator does after a live move. After each,
-rank 0 records its RSS, its RSS after `malloc_trim(0)` (what it holds, less what glibc keeps free),
+rank 0 records the second step's time, its RSS, its RSS after `malloc_trim(0)` (what it holds, less what glibc keeps free),
 glibc's own account (`mallinfo2`: bytes in use, free in its arenas, mmapped; the number of arenas) and
 the resident set after the trim by kind (anonymous, mapped files, shared memory), the Python objects
 alive (`gc.get_objects()`, the import-time ones frozen by `Worker.__init__` aside);
@@ -120,12 +123,13 @@ def survivor(cfg_dict: dict, run_dir: str, ports: list[int], n: int, top: int) -
             w.join(rank=rank, world_size=size, master_addr=addr, master_port=p, plan=plans[size],
                    adopt=path == "live")
             w.checkpoint(blocking=False)
-            w.run(until_step=1_000_000, steps=2)
+            steps = w.run(until_step=1_000_000, steps=2)
             w.trainer.flush_checkpoint()
         if rank != 0:
             continue
         gc.collect()
-        row = {"reconfigs": i, "kind": f"{path} -> {size}", "rss_mb": rss_mb(), **glibc_heap(),
+        row = {"reconfigs": i, "kind": f"{path} -> {size}", "step_s": steps[-1]["step_time"], "rss_mb": rss_mb(),
+               **glibc_heap(),
                "objects": len(gc.get_objects()),
                "traced_mb": tracemalloc.get_traced_memory()[0] / 2 ** 20 if tracemalloc.is_tracing() else None}
         ctypes.CDLL(None).malloc_trim(0)
