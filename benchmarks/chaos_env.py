@@ -43,8 +43,10 @@ def _title(p: psutil.Process) -> str:
 class ChaosEnv:
     """Start with `start()`, end with `close()` (also on errors: it removes everything it started)."""
 
-    def __init__(self, workdir: Path, *, nodes: int = 3, log=print):
+    def __init__(self, workdir: Path, *, nodes: int = 3, log=print, server_args: tuple[str, ...] = ()):
+        """`server_args`: extra arguments of benchmarks/chaos_server.py."""
         self.workdir = Path(workdir)
+        self.server_args = tuple(server_args)
         self.target_nodes = nodes
         self.log = log
         self.cluster = None
@@ -162,7 +164,8 @@ class ChaosEnv:
         env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
         self.api_proc = subprocess.Popen(
             [sys.executable, str(ROOT / "benchmarks" / "chaos_server.py"), "--address", self.cluster.address,
-             "--port", str(self.port), "--runs-root", str(self.runs_root), "--store", self.store],
+             "--port", str(self.port), "--runs-root", str(self.runs_root), "--store", self.store,
+             *self.server_args],
             stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(self.workdir), start_new_session=True)
         log.close()
 

@@ -36,11 +36,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--runs-root", required=True)
     ap.add_argument("--store", required=True)
+    ap.add_argument("--coordinator-restarts", type=int, default=None,
+                    help="how often Ray restarts a job's coordinator actor (-1: always); default as "
+                         "`elastron serve` (service.server.job_actor.MAX_RESTARTS)")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     connect_ray(a.address)
     settings = Settings(runs_root=Path(a.runs_root), store_url=a.store, sync_interval_s=0.2)
-    jobs = JobManager(JobStore(settings.store_url), RayLauncher(options=COORDINATOR_OPTIONS, timeout_s=30),
+    restarts = {} if a.coordinator_restarts is None else {"max_restarts": a.coordinator_restarts}
+    jobs = JobManager(JobStore(settings.store_url), RayLauncher(options=COORDINATOR_OPTIONS, timeout_s=30, **restarts),
                       runs_root=settings.runs_root, sync_interval_s=settings.sync_interval_s,
                       stop_timeout_s=settings.stop_timeout_s)
     uvicorn.run(create_app(jobs=jobs, settings=settings), host="127.0.0.1", port=a.port, log_level="warning")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -47,6 +48,8 @@ def init_process_group(device: torch.device, *, timeout_s: float = 300.0,
     `cancelled`: asked while the ranks gather (`rendezvous`); once it says so, RendezvousCancelled."""
     if dist.is_initialized():
         return
+    global _excepthook
+    _excepthook = sys.excepthook  # torch wraps it in each init: put back by `destroy_process_group`
     if "MASTER_ADDR" not in os.environ:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     # gloo always, for CPU collectives (DCP, async save); nccl for CUDA tensors when on GPUs.
@@ -103,6 +106,40 @@ def _reset_group_names() -> None:
     distributed_c10d._world.group_count = 0
 
 
+_excepthook = None
+"""`sys.excepthook` as it was before the live group's init. torch's init wraps the hook in one more
+closure each time (prefixing "[rankN]: " to tracebacks) and its destroy does not unwrap it: in a worker
+that re-forms its group at every reconfiguration the chain would grow by one per group formed."""
+
+
 def destroy_process_group() -> None:
+    """Destroy the default group, put back the `sys.excepthook` its init wrapped, and forget the device
+    meshes built on it (`forget_meshes`)."""
+    global _excepthook
     if dist.is_initialized():
         dist.destroy_process_group()
+    if _excepthook is not None:
+        sys.excepthook, _excepthook = _excepthook, None
+    forget_meshes()
+
+
+def forget_meshes() -> None:
+    """Clear DTensor's sharding-propagation caches (Python's and the C++ fast path's, for the calling
+    thread: the one that builds trainers and trains).
+
+    Their entries hold the DeviceMesh of the first DTensor op with each signature, and they are looked up
+    by mesh *equality*, which compares the mesh's shape, ranks and axis names but not which rank this
+    process is. A worker that was rank 1 of a 2-rank layout and is later rank 0 of another 2-rank layout
+    would get the old mesh back from a cache hit (when its new model is materialised, `to_empty`), with
+    the old mesh coordinate: its parameters would report the other rank's box, so a checkpoint load
+    fills its shard with the other rank's rows, a live transfer delivers pieces its box does not
+    cover, and a save writes one box twice and the other not at all. Every group change goes through
+    `destroy_process_group`, so the caches never outlive the meshes they were built for (which they
+    would otherwise keep alive). What `torch.distributed.tensor.debug._clear_sharding_prop_cache` does,
+    without importing that module (it pulls in torch._inductor: 2.6-5 s on this box)."""
+    if "torch.distributed.tensor" not in sys.modules:  # no DTensor op ran: nothing cached
+        return
+    from torch.distributed.tensor import DTensor
+
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()

@@ -77,4 +77,6 @@ def _one_tiny_step(device: torch.device) -> None:
         trainer.train_step()
         trainer.close()
     finally:
-        dist.destroy_process_group()
+        from workers.runtime import destroy_process_group
+
+        destroy_process_group()  # and the warm-up's mesh with it (`workers.runtime.forget_meshes`)

@@ -144,3 +144,24 @@ def test_close_removes_the_step_hook(tmp_path):
     assert len(opt._optimizer_step_pre_hooks) == 1
     assert ck.close()
     assert len(opt._optimizer_step_pre_hooks) == 0
+
+
+def test_a_group_formed_and_destroyed_leaves_the_excepthook_as_it_was(monkeypatch):
+    """torch's init_process_group wraps sys.excepthook in a new closure each time; a worker re-forms its
+    group at every reconfiguration, so without unwrapping the chain grows by one per group."""
+    import sys
+
+    import torch
+
+    from workers.runtime import destroy_process_group, init_process_group
+
+    for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    before = sys.excepthook
+    for _ in range(2):
+        init_process_group(torch.device("cpu"), timeout_s=30)
+        assert sys.excepthook is not before  # torch's rank prefix while the group lives
+        destroy_process_group()
+        assert sys.excepthook is before
+        for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+            monkeypatch.delenv(var, raising=False)

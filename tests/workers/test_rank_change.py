@@ -1,0 +1,76 @@
+"""A worker that changes rank between two layouts of the same shape (rank 1 of a 2-rank group, then rank 0
+of the next) holds its new rank's box: nothing of the mesh it had before leaks into the new trainer.
+DTensor's sharding-propagation caches match meshes by shape and ranks, not by this process's place in
+them; kept across the change, they handed the new model the old mesh and its coordinate, so a live
+transfer's fill failed ("received 0 of the 65536 elements") and a checkpoint resume loaded the other
+rank's rows into the shard (`workers.runtime.forget_meshes`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.multiproc import run_ranks
+from tests.ports import free_port
+from tests.workers.test_survivor_memory import CFG
+
+
+def boxes(trainer) -> dict[str, tuple]:
+    """Offsets of this rank's box of every model tensor, as its parameters report them."""
+    from parallel.checkpoint import state as state_mod
+
+    tensors, _ = state_mod.collect(trainer.model, trainer.optimizer)
+    return {p.key: tuple(p.offsets) for p in state_mod.pieces(tensors) if p.key.startswith("model.")}
+
+
+def swap_body(cfg_dict: dict, run_dir: str, ports: list[int]) -> dict:
+    """Each rank trains a step as rank r, hands its state over live to the layout where it is rank 1 - r,
+    then (after a save) resumes from storage as rank r again. Returns, per phase, the boxes its
+    parameters report and the full tensors of the model."""
+    import torch.distributed as dist
+
+    from workers.actor import Worker
+    from workers.config import JobConfig, job_plan
+
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    cfg = JobConfig.from_dict(cfg_dict)
+    two = job_plan(cfg, 2).to_dict()
+    port = iter(ports)
+    addr = "127.0.0.1"
+    w = Worker(cfg, run_dir)
+
+    def snapshot() -> dict:
+        full = {n: p.full_tensor().clone() for n, p in w.trainer.model.named_parameters()}
+        return {"boxes": boxes(w.trainer), "full": full}
+
+    out = {}
+    w.join(rank=rank, world_size=2, master_addr=addr, master_port=next(port), plan=two)
+    w.run(until_step=1000, steps=1)
+    out["before"] = snapshot()
+    w.hand_over()
+    w.reshard(rank=rank, world_size=2, master_addr=addr, master_port=next(port), old_plan=two, new_plan=two,
+              old_rank=rank, new_rank=1 - rank, old_to_group={0: 0, 1: 1}, new_to_group={0: 1, 1: 0},
+              nodes={0: "n", 1: "n"})
+    w.join(rank=1 - rank, world_size=2, master_addr=addr, master_port=next(port), plan=two, adopt=True)
+    out["live"] = snapshot()
+    w.checkpoint(blocking=True)
+    w.leave()
+    w.join(rank=rank, world_size=2, master_addr=addr, master_port=next(port), plan=two)  # from storage
+    out["storage"] = snapshot()
+    w.leave()
+    return out
+
+
+@pytest.mark.dist
+def test_a_worker_that_changes_rank_holds_its_new_ranks_box(tmp_path):
+    ports = [free_port() for _ in range(8)]
+    got = run_ranks(2, swap_body, CFG, str(tmp_path), ports)
+    # where each rank's box starts, by the rank it had: from the first layout, built fresh
+    start = {r: got[r]["before"]["boxes"] for r in (0, 1)}
+    assert start[0] != start[1]
+    for r in (0, 1):
+        assert got[r]["live"]["boxes"] == start[1 - r], f"worker {r}, rank {1 - r} after the live move"
+        assert got[r]["storage"]["boxes"] == start[r], f"worker {r}, rank {r} again after the resume"
+        for phase in ("live", "storage"):
+            for name, t in got[r]["before"]["full"].items():
+                assert got[r][phase]["full"][name].equal(t), f"{name} differs after the {phase} change"
