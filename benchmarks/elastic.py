@@ -65,6 +65,8 @@ class State:
     lr: float
     start_timeout_s: float
     """How long the first steps may take (process start, model build) before the run is abandoned."""
+    peer_interval: int | None = None
+    """Elastron's `checkpoint.peer_interval` (peer snapshots every N steps, 0 off); None: the job's default."""
 
 
 STATES = {
@@ -82,7 +84,8 @@ def _cfg(state: State, steps: int, reshard: str) -> dict:
         "train": {"steps": steps, "global_batch_size": state.global_batch_size,
                   "micro_batch_size": state.micro_batch_size, "lr": state.lr, "warmup_steps": 2},
         "parallel": {"min_workers": 1, "max_workers": 3, "dp_mode": state.dp_mode, "reshard": reshard},
-        "checkpoint": {"interval_steps": 5, "keep_last": 2},
+        "checkpoint": {"interval_steps": 5, "keep_last": 2,
+                       **({} if state.peer_interval is None else {"peer_interval": state.peer_interval})},
         "resources": {"device": "cpu", "cpus_per_worker": 1},
     }
 
@@ -340,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     ap.add_argument("--dp-mode", choices=("auto", "shard", "replicate"),
                     help="Elastron's parallel.dp_mode instead of the state's (replicate: a kill can heal from peers)")
+    ap.add_argument("--peer-interval", type=int, default=None,
+                    help="Elastron's checkpoint.peer_interval (0: no peer snapshots); default: the job's default")
     ap.add_argument("--settle", type=float, default=1.0, help="Elastron: stable capacity needed before growing")
     ap.add_argument("--json", help="write all results here (merged into the file if it exists)")
     args = ap.parse_args(argv)
@@ -353,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     state = STATES[args.state]
     if args.dp_mode:
         state = replace(state, dp_mode=args.dp_mode)
+    if args.peer_interval is not None:
+        state = replace(state, peer_interval=args.peer_interval)
     meta = {"state": args.state, "state_bytes": state_bytes(state), "workload": asdict(state),
             "date": time.strftime("%Y-%m-%d"), "commit": _commit(), "argv": sys.argv[1:]}
     print(json.dumps(meta), flush=True)
