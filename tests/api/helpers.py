@@ -33,7 +33,7 @@ def fake_factory(cluster: FakeCluster, *, gate: Gate | None = None, step_s: floa
 
     def factory(job, *, options):
         group = type("G", (GatedGroup,), {"disk": Disk(job.cfg.checkpoint.interval_steps), "cluster": cluster,
-                                          "fail_next": [], "gate": gate, "step_s": step_s,
+                                          "fail_next": [], "resharded": [], "gate": gate, "step_s": step_s,
                                           "mfu_per_step": mfu_per_step})
         c = PollingCoordinator(job, options=replace(options, settle_seconds=0.0, chunk_seconds=0.05),
                                watcher=cluster.watcher())
