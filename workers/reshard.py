@@ -102,7 +102,12 @@ def exchange(handover: Handover | None, *, model: ModelConfig, old: Layout, new:
     dtypes = {n: p.dtype for n, p in meta.named_parameters()}
     world = dist.get_world_size()
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, handover.held.optimizer_steps if handover else {})
+    # the step counters of every old rank this worker sends for: its own and the copies it serves (under
+    # pipeline parallelism each old rank holds other parameters, so one worker's own counters are not all)
+    mine: dict[str, int] = {}
+    for held in ([handover.held, *handover.extra.values()] if handover else []):
+        mine.update(held.optimizer_steps)
+    dist.all_gather_object(gathered, mine)
     steps: dict[str, int] = {}
     for part in gathered:
         steps.update(part)
