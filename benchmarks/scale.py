@@ -15,9 +15,11 @@ plan: the live reshard's planning as one worker does it (`workers.reshard.exchan
   `--baseline REV` also times, on the same box in the same run, the whole-plan flow of git revision REV
   (its `sharding.boxes` of both layouts and `exchange.plan_exchange`, which every worker used to run).
 manifest: the checkpoint metadata a rank reads on load, built in memory as `CheckpointManager` writes it
-  (nothing written): format 3, the top manifest plus the indexes of the saved ranks whose boxes meet
-  the rank's own (`placement.index_ranks`; each index as its rank writes it: one chunk per key it writes
-  with its block digests); beside it the whole format-2 manifest every rank read before (up to
+  (nothing written) and read by the loader's own `validate.read_indexes` through a storage that counts
+  bytes: format 3, the top manifest, then of each index of the saved ranks whose boxes meet the rank's
+  own (`placement.index_keys_for`; each index keyed, as a placed save writes it: one chunk record per
+  key it writes with its block digests) the preamble, the header and the records of the keys it meets;
+  beside it the whole format-2 manifest every rank read before (up to
   `--format2-max` ranks). Both against "its own boxes' metadata": the index the rank would write for
   every box it holds under the loading layout. Sampled loading ranks (`--ranks`); also the time of a
   rank's metadata work: finding its indexes, parsing and merging them and checking their cover of its
@@ -169,9 +171,10 @@ def _block_rows(b) -> int:
 DIGEST = "0" * 32  # xxh3-128 hex, the default algorithm's length
 
 
-def _index(rank: int, boxes: dict, shared: bool = False) -> str:
-    """The text of the format-3 index a rank writes for `boxes` (key -> Box), as `CheckpointManager`
-    writes it: one file, one chunk per key with its block digests, the step counters of its parameters."""
+def _index(rank: int, boxes: dict, shared: bool = False, keys: list[str] | None = None) -> bytes:
+    """The bytes of the format-3 index a rank writes for `boxes` (key -> Box), as `CheckpointManager`
+    writes it: one file, one chunk per key with its block digests, the step counters of its parameters;
+    keyed by `keys` (the checkpoint's key order) as a placed save writes it, one JSON document without."""
     from parallel.checkpoint.manifest import Chunk, FileEntry, Index, shard_prefix
     from parallel.checkpoint.placement import param_of
 
@@ -185,7 +188,45 @@ def _index(rank: int, boxes: dict, shared: bool = False) -> str:
     return Index(rank=rank, step=1, shared=shared,
                  files={name: FileEntry(size=size, digest=DIGEST, algorithm="xxh3-128", blockwise=True)}
                  if boxes else {}, chunks=chunks,
-                 optimizer_steps={param_of(k): 1000 for k in boxes if k.startswith("optim.")}).to_json()
+                 optimizer_steps={param_of(k): 1000 for k in boxes if k.startswith("optim.")}).to_bytes(keys)
+
+
+class _Counted:
+    """A read-only `Storage` over index files built on demand (`make(name) -> bytes`), counting the bytes
+    and requests the loader's reads (`validate.read_indexes`) ask for: its header reads (preamble and
+    header) apart from its record reads."""
+
+    def __init__(self, make) -> None:
+        self.make, self.cache = make, {}
+        self.head_bytes = self.record_bytes = self.requests = 0
+
+    def join(self, *parts: str) -> str:
+        return "/".join(parts)
+
+    def _data(self, path: str) -> bytes:
+        name = path.rsplit("/", 1)[-1]
+        if name not in self.cache:
+            self.cache[name] = self.make(name)
+        return self.cache[name]
+
+    def read_bytes(self, path: str) -> bytes:
+        data = self._data(path)
+        self.requests += 1
+        self.record_bytes += len(data)
+        return data
+
+    def read_ranges(self, path: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+        from parallel.checkpoint.manifest import PREAMBLE_BYTES
+
+        data = self._data(path)
+        out = [data[a:a + n] for a, n in ranges]
+        self.requests += len(ranges)
+        for (a, _), got in zip(ranges, out):
+            if a <= PREAMBLE_BYTES:
+                self.head_bytes += len(got)
+            else:
+                self.record_bytes += len(got)
+        return out
 
 
 def _format2_bytes(bm: BoxMap, lay: Layout, shapes) -> tuple[int, int]:
@@ -214,10 +255,12 @@ def _format2_bytes(bm: BoxMap, lay: Layout, shapes) -> tuple[int, int]:
 
 
 def cmd_manifest(a) -> dict:
-    """Checkpoint metadata one loading rank reads (format 3: the top manifest and the indexes of the
-    saved ranks whose boxes meet its own; format 2: the whole manifest), against its own boxes' metadata."""
-    from parallel.checkpoint.manifest import Index, Manifest, TensorEntry
-    from parallel.checkpoint.placement import Placement, indexes_for, shared, writes
+    """Checkpoint metadata one loading rank reads (format 3: the top manifest, then of the indexes of the
+    saved ranks whose boxes meet its own the preamble, the header and the records of the keys it meets;
+    format 2: the whole manifest), against its own boxes' metadata."""
+    from parallel.checkpoint.manifest import Manifest, TensorEntry, index_name, key_order
+    from parallel.checkpoint.placement import Placement, index_keys_for, shared, writes
+    from parallel.checkpoint.validate import read_indexes
 
     cfg = model(a.model)
     shapes = shapes_of(cfg)
@@ -228,40 +271,44 @@ def cmd_manifest(a) -> dict:
     sbm = saved.boxmap(STATES)
     lbm = BoxMap(new, shapes, cfg.n_layers, STATES, tied=cfg.tie_embeddings)
     keys = {f"{p}{n}": s for n, s in shapes.items() for p in ("model.", *(f"optim.{st}." for st in STATES))}
+    order = key_order(keys)
     top = Manifest(step=1, tensors={k: TensorEntry(shape=s, dtype="float32", chunks=()) for k, s in keys.items()},
                    files={}, state={"layout": old.to_dict()}, format_version=3, placement=saved.to_dict(),
                    indexes=old.world_size, scope="top").to_json()
-    written: dict[tuple[int, bool], str] = {}
+    names = {index_name(w, sh): (w, sh) for w in range(old.world_size) for sh in (False, True)}
 
-    def index_of(w: int, sh: bool) -> str:  # what saving rank w writes: the boxes the rule gives it
-        if (w, sh) not in written:
-            held = sbm.held(w)
-            for s_ in (False, True):
-                written[(w, s_)] = _index(w, {k: b for k, b in held.items() if writes(sbm, w, k)
-                                              and shared(sbm, k, sbm.tile_of(w, k)) == s_}, s_)
-        return written[(w, sh)]
+    def index_of(name: str) -> bytes:  # what saving rank w writes: the boxes the rule gives it
+        w, sh = names[name]
+        held = sbm.held(w)
+        return _index(w, {k: b for k, b in held.items() if writes(sbm, w, k)
+                          and shared(sbm, k, sbm.tile_of(w, k)) == sh}, sh, order)
 
+    storage = _Counted(index_of)
     rows = []
     for r in sample_ranks(new, new, None if a.ranks == "all" else int(a.ranks)):
         mine = lbm.held(r)
         gc.collect()
         t = time.perf_counter()
-        need = indexes_for(sbm, mine)
+        need = index_keys_for(sbm, mine)
         rule_s = time.perf_counter() - t
-        texts = {w: index_of(*w) for w in need}
-        t = time.perf_counter()  # the load's metadata work after reading: parse, merge, check its cover
+        for name in (index_name(w, sh) for w, sh in need):  # built before the clock starts
+            storage._data(name)
+        storage.head_bytes = storage.record_bytes = storage.requests = 0
+        t = time.perf_counter()  # the load's metadata work: read, parse, merge, check its cover
         m = Manifest.from_json(top)
-        part, problems = m.merged([Index.from_json(x, rank=w, step=1, shared=sh) for (w, sh), x in texts.items()],
-                                  whole=False)
-        problems += part.coverage_problems({k: (b.offsets, b.sizes) for k, b in mine.items()})
+        indexes, problems = read_indexes(storage, "ckpt", m, need, gap=a.gap)
+        part, more = m.merged(indexes, whole=False)
+        problems += more + part.coverage_problems({k: (b.offsets, b.sizes) for k, b in mine.items()})
         load_s = time.perf_counter() - t
-        # The least any per-chunk record format reads: the records of the chunks that meet its boxes.
+        # The records of the saved chunks that meet its boxes, as a whole-JSON index spells them.
         needed = sum(len(json.dumps({k: c.to_dict()}, separators=(",", ":")))
                      for k, b in mine.items() for c in part.tensors[k].meeting(b.offsets, b.sizes))
-        own = len(_index(r, mine))
-        read = len(top) + sum(len(x) for x in texts.values())
-        rows.append({"rank": r, "indexes_read": len(need), "shared_read": sum(sh for _, sh in need), "index_bytes": read - len(top), "read_bytes": read,
-                     "own_bytes": own, "needed_bytes": needed, "ratio": read / own, "needed_ratio": needed / own, "index_ratio": (read - len(top)) / own,
+        own = len(_index(r, mine, keys=order))
+        read = len(top) + storage.head_bytes + storage.record_bytes
+        rows.append({"rank": r, "indexes_read": len(need), "shared_read": sum(sh for _, sh in need),
+                     "head_bytes": storage.head_bytes, "record_bytes": storage.record_bytes,
+                     "requests": storage.requests, "read_bytes": read, "own_bytes": own, "needed_bytes": needed,
+                     "ratio": read / own, "needed_ratio": needed / own, "index_ratio": (read - len(top)) / own,
                      "plan_s": rule_s, "load_metadata_s": load_s, "problems": len(problems)})
     save = []
     for r in sample_ranks(old, old, 8):  # what a saving rank does with metadata: its boxes, the rule
@@ -276,6 +323,7 @@ def cmd_manifest(a) -> dict:
            "max_index_ratio": max(x["index_ratio"] for x in rows),
            "max_needed_ratio": max(x["needed_ratio"] for x in rows),
            "worst": worst, "max_indexes_read": max(x["indexes_read"] for x in rows),
+           "max_requests": max(x["requests"] for x in rows),
            "max_load_metadata_s": max(x["load_metadata_s"] for x in rows), "max_plan_s": max(x["plan_s"] for x in rows),
            "max_save_rule_s": max(save), "problems": sum(x["problems"] for x in rows)}
     if old.world_size <= a.format2_max:
@@ -381,6 +429,8 @@ def main() -> None:
     m.add_argument("--new", help="the layout it is loaded under (default: the same)")
     m.add_argument("--ranks", default="16", help="loading ranks to measure: a count spread over the world, or 'all'")
     m.add_argument("--format2-max", type=int, default=512, help="also build the format-2 manifest up to this many ranks")
+    m.add_argument("--gap", type=int, default=None,
+                   help="read records of an index at most this many bytes apart in one range (default: the loader's)")
     m.add_argument("--verbose", action="store_true")
     c = sub.add_parser("coordinator")
     c.add_argument("--workers", type=int, default=1024)

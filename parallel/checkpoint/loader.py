@@ -1,9 +1,11 @@
 """Loading the newest good checkpoint, every rank together, falling back only past proven damage.
 
 Each candidate, newest first: rank 0 reads the manifest and shares it; every rank checks it (structure,
-the model's shapes). Format 3: each rank then reads the indexes of the saved ranks that wrote what meets
-its boxes (found from the saved placement, `placement.index_ranks`; every index if the checkpoint has no
-placement), checks that their chunks tile its boxes and that the files it will read have their sizes.
+the model's shapes). Format 3: each rank then reads, of the indexes of the saved ranks that wrote what
+meets its boxes, the records of the keys it meets (found from the saved placement,
+`placement.index_keys_for`; a keyed index's header says where each record lies; every index whole if
+the checkpoint has no placement), checks that their chunks tile its boxes and that the files it will
+read have their sizes.
 Formats 1-2: each rank checks the sizes of its share of the files (format 1: their whole-file sha256 too).
 Then every rank reads the blocks it needs, verifying each before it reaches a parameter that holds data
 (`tensor_io.read_into`; a trainer being built reads into its unset shards directly).
@@ -32,7 +34,7 @@ from torch import nn
 
 from parallel.checkpoint import state as state_mod
 from parallel.checkpoint.manifest import CheckpointError, Manifest, describe
-from parallel.checkpoint.placement import indexes_for
+from parallel.checkpoint.placement import index_keys_for
 from parallel.checkpoint.tensor_io import read_into
 from parallel.checkpoint.validate import check_manifest, file_problems, list_step_dirs, read_indexes, read_manifest_text
 from parallel.sharding import Box
@@ -139,16 +141,17 @@ def _blockwise(manifest: Manifest) -> bool:
 
 def my_part(storage: Any, path: str, manifest: Manifest, model: torch.nn.Module, *,
             transient: list[str] | None = None) -> tuple[Manifest, list[str]]:
-    """(The format-3 `manifest` with the indexes this rank needs merged in, problems): which indexes
-    from the saved placement and this rank's boxes (every index without a placement); problems if they
-    do not tile its boxes, or a file it reads is missing or of the wrong size."""
+    """(The format-3 `manifest` with the parts of the indexes this rank needs merged in, problems):
+    which indexes, and which keys' records of each, from the saved placement and this rank's boxes
+    (every index whole without a placement); problems if they do not tile its boxes, or a file it
+    reads is missing or of the wrong size."""
     boxes = state_mod.boxes_to_load(model, manifest.tensors)
     placement = manifest.placement_of()
     if placement is None:  # the fallback's saves write no shared indexes
         wanted: Any = [(r, False) for r in range(manifest.indexes)]
     else:
-        wanted = indexes_for(placement.boxmap(manifest.optimizer_states()),
-                             {k: Box(o, s) for k, (o, s) in boxes.items()})
+        wanted = index_keys_for(placement.boxmap(manifest.optimizer_states()),
+                                {k: Box(o, s) for k, (o, s) in boxes.items()})
     indexes, problems = read_indexes(storage, path, manifest, wanted, transient=transient)
     part, more = manifest.merged(indexes, whole=False)
     problems += more

@@ -17,7 +17,8 @@ default group. At most one save is in flight: the next `save()` (or `flush()`) w
 Commit protocol (format 3, `manifest.py`), every rank in the writer thread:
   1. rank 0 empties the staging directory;                       broadcast (errors abort everywhere)
   2. each rank writes its files, then its index (``index-rNNNNN.json``: sizes, header digests and
-     per-block digests, computed over the bytes as they were written: no read-back); it reports only
+     per-block digests, computed over the bytes as they were written: no read-back; keyed by the
+     checkpoint's keys when the save is placed, one JSON document in the fallback); it reports only
      whether that worked (and, in the fallback, its tensors' shapes)                gather to rank 0
   3. rank 0 writes the top manifest last (shapes from the placement, the placement, the number of
      indexes, the JSON state), commits the directory, moves `latest`, applies retention;
@@ -25,12 +26,12 @@ Commit protocol (format 3, `manifest.py`), every rank in the writer thread:
 A failure anywhere leaves the previous checkpoints and the `latest` pointer untouched. No rank handles
 another rank's chunk records.
 
-Load (`loader.py`). Each rank reads the top manifest, the indexes of the saved ranks that wrote what
-meets its boxes, and only the blocks of the files that overlap its boxes, files in parallel, verifying
-each block against its index before copying it into the live shards (`tensor_io.read_into`); a
-mismatch fails the load on every rank and the previous checkpoint is tried. Format-2 checkpoints (one
-manifest with every chunk) load as before; format-1 ones (whole-file sha256) are verified completely
-first.
+Load (`loader.py`). Each rank reads the top manifest, of the indexes of the saved ranks that wrote what
+meets its boxes the header and the records of the keys it meets, and only the blocks of the files that
+overlap its boxes, files in parallel, verifying each block against its index before copying it into
+the live shards (`tensor_io.read_into`); a mismatch fails the load on every rank and the previous
+checkpoint is tried. Format-2 checkpoints (one manifest with every chunk) load as before; format-1
+ones (whole-file sha256) are verified completely first.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ from parallel.checkpoint.checksum import DEFAULT as DEFAULT_CHECKSUM
 from parallel.checkpoint.checksum import check_algorithm
 from parallel.checkpoint.comm import Comm
 from parallel.checkpoint.manifest import (FORMAT_VERSION, MANIFEST_NAME, OPTIM_PREFIX, CheckpointError, Chunk, FileEntry,
-                                          Index, Manifest, TensorEntry, describe, index_name, shard_prefix)
+                                          Index, Manifest, TensorEntry, describe, index_name, key_order,
+                                          shard_prefix)
 from parallel.checkpoint.placement import Placement, param_of, shared, writes
 from parallel.checkpoint.loader import load_newest
 from parallel.checkpoint.storage import Storage, open_storage
@@ -398,6 +400,9 @@ class CheckpointManager:
         chunks = {key: Chunk(file=wf.name, offsets=tuple(c.offsets), sizes=tuple(c.sizes), block_rows=c.block_rows,
                              digests=tuple(c.digests)) for wf in written for key, c in wf.chunks.items()}
         tensors = {k: TensorEntry(shape=tuple(s), dtype=d, chunks=()) for k, (s, d) in job.shapes.items()}
+        # Placed: every key of the checkpoint is known here (the top manifest's, `_commit`), so the index
+        # is keyed by it; the fallback's loaders read every index whole, which then is one JSON document.
+        keys = key_order(self._global_shapes(job)) if job.placed else None
         for is_shared in (False, True):
             mine = {k: c for k, c in chunks.items() if (k in job.shared) == is_shared}
             if is_shared and not mine:
@@ -410,7 +415,14 @@ class CheckpointManager:
             if problems:
                 raise CheckpointError("; ".join(problems[:5]))
             self.storage.write_bytes(self.storage.join(directory, index_name(self.rank, is_shared)),
-                                     index.to_json().encode())
+                                     index.to_bytes(keys))
+
+    def _global_shapes(self, job: _SaveJob) -> dict[str, tuple[list[int], str]]:
+        """Every key of a placed save with its global shape and dtype: the placement's parameters with
+        the optimizer states this rank holds (the ranks agreed on those states in `_my_pieces`)."""
+        states = {k[len(OPTIM_PREFIX):].split(".", 1)[0] for k in job.shapes if k.startswith(OPTIM_PREFIX)}
+        return {f"{prefix}{n}": (list(s), d) for n, (s, d) in self.placement.params.items()
+                for prefix in ("model.", *(f"{OPTIM_PREFIX}{st}." for st in sorted(states)))}
 
     def _commit(self, job: _SaveJob, staging: str, final: str, reports: list[dict]) -> str | None:
         """Rank 0, once every rank wrote its files and index: write the top manifest (the commit marker)
@@ -419,9 +431,7 @@ class CheckpointManager:
         if errors:
             return "; ".join(errors)
         if job.placed:
-            states = {k[len(OPTIM_PREFIX):].split(".", 1)[0] for k in job.shapes if k.startswith(OPTIM_PREFIX)}
-            shapes = {f"{prefix}{n}": (list(s), d) for n, (s, d) in self.placement.params.items()
-                      for prefix in ("model.", *(f"{OPTIM_PREFIX}{st}." for st in sorted(states)))}
+            shapes = self._global_shapes(job)
         else:
             shapes = {}
             for r in reports:

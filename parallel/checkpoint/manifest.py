@@ -6,10 +6,19 @@ was saved under (layout, layer count, tied embedding: `placement.py`), the numbe
 all non-tensor state. Each rank of the save writes its own ``index-rNNNNN.json`` before it: its files
 (size, checksum algorithm, header digest), the chunk it wrote of each tensor (file, offsets, sizes,
 block digests) and the AdamW step counters of its parameters. A loading rank works out from the
-placement which saved ranks wrote the tiles that meet its own boxes (`placement.index_ranks`) and
-reads only their indexes (`Manifest.merged`, then `coverage_problems` checks that they tile its
-boxes); tools read them all and check the whole (`structure_problems`). A checkpoint saved without a
-placement (a model `BoxMap` cannot place) has one too, `null`: its loaders read every index.
+placement which saved ranks wrote the tiles that meet its own boxes, and which keys of each
+(`placement.index_keys_for`), and reads only those records of those indexes (`Manifest.merged`, then
+`coverage_problems` checks that they tile its boxes); tools read them all and check the whole
+(`structure_problems`). A checkpoint saved without a placement (a model `BoxMap` cannot place) has
+one too, `null`: its loaders read every index whole.
+
+Index layouts: a placed save writes keyed indexes (`KEYED_INDEX_VERSION`): a preamble of
+`PREAMBLE_BYTES` (the header's length and crc32), a header (files, step, rank, and a table of the
+length of each key's record, in the top manifest's sorted key order, runs of keys it does not hold
+as one negative count), then one JSON record per line (a chunk; an optimizer state's also carries its
+parameter's step counter). A loader reads the preamble, the header, then the byte ranges of the
+records it needs (`validate.read_index_keys`). The fallback save, and every save before indexes were
+keyed, writes an index as one JSON document (``format_version`` 3), read whole.
 
 Format 2 (still read): one manifest naming every chunk of every rank with its block digests. Checksums
 (formats 2 and 3): each file records its algorithm and the digest of its header; each chunk records the
@@ -28,6 +37,7 @@ import json
 import math
 from bisect import bisect_left
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +51,14 @@ WHOLE_FORMAT = 2
 unless told otherwise)."""
 MANIFEST_NAME = "manifest.json"
 INDEX_FORMAT = "elastron-checkpoint-index"
+KEYED_INDEX_VERSION = 4
+"""The ``format_version`` of an index readable by key (`Index.to_bytes` with a key order): a fixed-size
+preamble, a header with a table of where each key's record lies, then the records. An index that is one
+JSON document (``format_version`` 3: the fallback save's, and every index written before) is read whole."""
+PREAMBLE_BYTES = 128
+"""A keyed index's first line: ``{"format":...,"format_version":4,"header_bytes":N,"header_crc32":C}``
+padded with spaces to this many bytes, the last a newline."""
+_KEYED_MAGIC = f'{{"format":"{INDEX_FORMAT}","format_version":{KEYED_INDEX_VERSION},'.encode()
 
 
 def index_name(rank: int, shared: bool = False) -> str:
@@ -519,6 +537,59 @@ class Index:
             "chunks": {k: c.to_dict() for k, c in sorted(self.chunks.items())},
         }, separators=(",", ":"))
 
+    def to_bytes(self, keys: list[str] | None = None) -> bytes:
+        """The index file. `keys`: the checkpoint's keys in order (`key_order` of the top manifest's
+        tensors): a keyed index (`KEYED_INDEX_VERSION`), whose header maps each key to the byte range
+        of its chunk record, so a loader reads the records of the keys it meets and no other. Each
+        record of an optimizer state carries its parameter's step counter (``step``). None: one JSON
+        document (`to_json`)."""
+        if keys is None:
+            return self.to_json().encode()
+        unknown = sorted(set(self.chunks) - set(keys))
+        if unknown:
+            raise ValueError(f"{index_name(self.rank, self.shared)}: key {unknown[0]} is not in the key order")
+        table: list[int] = []
+        records: list[bytes] = []
+        skip = 0
+        for key in keys:
+            c = self.chunks.get(key)
+            if c is None:
+                skip += 1
+                continue
+            if skip:
+                table.append(-skip)
+                skip = 0
+            rec = c.to_dict()
+            if key.startswith(OPTIM_PREFIX) and _param(key) in self.optimizer_steps:
+                rec["step"] = self.optimizer_steps[_param(key)]
+            records.append(json.dumps(rec, separators=(",", ":")).encode() + b"\n")
+            table.append(len(records[-1]))
+        if skip:
+            table.append(-skip)
+        header = json.dumps({
+            "step": self.step, "rank": self.rank, "shared": self.shared,
+            "files": {k: f.to_dict() for k, f in sorted(self.files.items())},
+            "keys": len(keys), "keys_crc32": _keys_crc(keys), "table": table,
+        }, separators=(",", ":")).encode() + b"\n"
+        pre = json.dumps({"format": INDEX_FORMAT, "format_version": KEYED_INDEX_VERSION,
+                          "header_bytes": len(header), "header_crc32": zlib.crc32(header)}, separators=(",", ":"))
+        return pre.ljust(PREAMBLE_BYTES - 1).encode() + b"\n" + header + b"".join(records)
+
+    @classmethod
+    def from_bytes(cls, data: bytes, *, rank: int, step: int, shared: bool = False,
+                   keys: list[str]) -> "Index":
+        """Parse a whole index file of either layout (`keys`: the top manifest's key order, which a
+        keyed index must have been written with)."""
+        size = header_size(data[:PREAMBLE_BYTES], rank=rank, shared=shared)
+        if size is None:
+            return cls.from_json(data, rank=rank, step=step, shared=shared)
+        head = IndexHeader.parse(data[PREAMBLE_BYTES:PREAMBLE_BYTES + size[0]], size[1], rank=rank, step=step,
+                                 shared=shared, keys=keys)
+        if len(data) != head.end:
+            raise ManifestError(f"{index_name(rank, shared)} is {len(data)} bytes, its key table says {head.end} "
+                                "(truncated or corrupted)")
+        return head.index({k: data[a:a + n] for k, (a, n) in head.spans.items()})
+
     @classmethod
     def from_json(cls, text: str | bytes, *, rank: int, step: int, shared: bool = False) -> "Index":
         """Parse and type-check the index of saving rank `rank` of the checkpoint of `step`; raises
@@ -564,6 +635,129 @@ class Index:
         out += [f"file {n}: its chunks need {b} bytes but the file has {self.files[n].size}"
                 for n, b in sorted(in_file.items()) if b > self.files[n].size]
         return out
+
+
+def key_order(tensors) -> list[str]:
+    """The order a keyed index's table lists the checkpoint's keys in: sorted."""
+    return sorted(tensors)
+
+
+def _keys_crc(keys: list[str]) -> int:
+    return zlib.crc32("\n".join(keys).encode())
+
+
+def _param(key: str) -> str:
+    """``optim.<state>.<p>`` -> ``<p>``."""
+    return key[len(OPTIM_PREFIX):].split(".", 1)[1]
+
+
+def header_size(preamble: bytes, *, rank: int, shared: bool = False) -> tuple[int, int] | None:
+    """(Header bytes, header crc32) from the first `PREAMBLE_BYTES` bytes of a keyed index; None when
+    the file is an index of one JSON document (read it whole). Raises ManifestError for a keyed
+    index whose preamble is damaged."""
+    if not preamble.startswith(_KEYED_MAGIC):
+        return None
+    where = index_name(rank, shared)
+    try:
+        d = json.loads(preamble) if len(preamble) == PREAMBLE_BYTES and preamble.endswith(b"\n") else None
+    except ValueError:
+        d = None
+    n, crc = (d.get("header_bytes"), d.get("header_crc32")) if isinstance(d, dict) else (None, None)
+    if not (_is_int(n) and n > 0 and _is_int(crc)):
+        raise ManifestError(f"{where}: its preamble (the first {PREAMBLE_BYTES} bytes) is damaged: the checkpoint "
+                            "is corrupted")
+    return n, crc
+
+
+@dataclass(frozen=True, slots=True)
+class IndexHeader:
+    """A keyed index's header: its files, and where in the file the record of each key it holds lies."""
+
+    rank: int
+    step: int
+    shared: bool
+    files: dict[str, FileEntry]
+    spans: dict[str, tuple[int, int]]
+    """Key -> (byte offset in the file, length) of its chunk record."""
+    end: int
+    """The file's size, as the table gives it."""
+
+    @classmethod
+    def parse(cls, data: bytes, crc: int, *, rank: int, step: int, shared: bool, keys: list[str]) -> "IndexHeader":
+        """Check and parse the header bytes (after the preamble, whose `crc` they must match) of the
+        index of saving rank `rank` of `step`, against the top manifest's key order `keys`; raises
+        ManifestError naming the file and what is wrong."""
+        where = index_name(rank, shared)
+        if zlib.crc32(data) != crc:
+            raise ManifestError(f"{where}: its header (key table, files) fails its crc32 check: the checkpoint is "
+                                "corrupted")
+        d = _load_json(data, f"{where} header")
+        if not isinstance(d, dict) or d.get("rank") != rank or d.get("step") != step or bool(d.get("shared")) != shared:
+            raise ManifestError(f"{where} describes rank {d.get('rank') if isinstance(d, dict) else None!r} of step "
+                                f"{d.get('step') if isinstance(d, dict) else None!r}, not rank {rank} of step {step}")
+        if d.get("keys") != len(keys) or d.get("keys_crc32") != _keys_crc(keys):
+            raise ManifestError(f"{where}: its key table was written for {d.get('keys')!r} keys in another order than "
+                                f"the manifest's {len(keys)} (an index of another checkpoint?)")
+        table, files_d = d.get("table"), d.get("files")
+        if not isinstance(files_d, dict) or not isinstance(table, list) or not all(_is_int(x) and x != 0 for x in table):
+            raise ManifestError(f"{where}: its header needs 'files' and a key table of non-zero integers")
+        files = {str(k): _file(k, v) for k, v in files_d.items()}
+        bad = sorted(n for n in files if not n.startswith(shard_prefix(rank)))
+        if bad:
+            raise ManifestError(f"{where} lists {bad[0]}, which is not a file of rank {rank}")
+        spans: dict[str, tuple[int, int]] = {}
+        pos, at = 0, PREAMBLE_BYTES + len(data)
+        for x in table:
+            if x < 0:
+                pos -= x
+                continue
+            if pos >= len(keys):
+                pos += 1
+                break
+            spans[keys[pos]] = (at, x)
+            pos, at = pos + 1, at + x
+        if pos != len(keys):
+            raise ManifestError(f"{where}: its key table spans {pos} keys, the manifest has {len(keys)}: the "
+                                "checkpoint is corrupted")
+        return cls(rank=rank, step=step, shared=shared, files=files, spans=spans, end=at)
+
+    def ranges(self, keys, gap: int = 0) -> list[tuple[int, int, list[str]]]:
+        """(Offset, length, keys) of the records of those of `keys` this index holds, in file order; two
+        records at most `gap` bytes apart share one range (0: only adjacent ones; more: fewer requests
+        for the bytes of the records between, read and dropped)."""
+        out: list[tuple[int, int, list[str]]] = []
+        for at, n, key in sorted((*self.spans[k], k) for k in keys if k in self.spans):
+            if out and at - (out[-1][0] + out[-1][1]) <= gap:
+                out[-1] = (out[-1][0], at + n - out[-1][0], out[-1][2] + [key])
+            else:
+                out.append((at, n, [key]))
+        return out
+
+    def index(self, records: dict[str, bytes]) -> "Index":
+        """The `Index` of the records read (key -> its record's bytes): those chunks, the step counters
+        they carry, and every file the header lists."""
+        where = index_name(self.rank, self.shared)
+        chunks: dict[str, Chunk] = {}
+        steps: dict[str, int] = {}
+        for key, raw in records.items():
+            if len(raw) != self.spans[key][1]:
+                raise ManifestError(f"{where} ends inside the record of {key} (truncated)")
+            try:
+                rec = json.loads(raw)
+            except (ValueError, UnicodeDecodeError, RecursionError):
+                rec = None
+            if not isinstance(rec, dict):
+                raise ManifestError(f"{where}: the record of {key} at bytes {self.spans[key][0]}+{len(raw)} is not a "
+                                    "JSON object (corrupted key table or records)")
+            chunks[key] = _chunk(key, rec)
+            if "step" in rec:
+                if not _is_int(rec["step"]) or not key.startswith(OPTIM_PREFIX):
+                    raise ManifestError(f"{where}: the record of {key} has a malformed step counter")
+                p = _param(key)
+                if steps.setdefault(p, rec["step"]) != rec["step"]:
+                    raise ManifestError(f"{where}: its records disagree on the optimizer step of {p}")
+        return Index(rank=self.rank, step=self.step, shared=self.shared, files=dict(self.files), chunks=chunks,
+                     optimizer_steps=steps)
 
 
 def _file(key: Any, v: Any) -> FileEntry:

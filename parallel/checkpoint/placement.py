@@ -12,8 +12,8 @@ whether the embedding is tied, and the global shape and dtype of every parameter
   replica of its first holder (lowest stage, lowest TP coordinate), and described in that rank's
   shared index, apart from its main one, so that a rank at another TP coordinate or stage that loads
   the norm reads a few records, not the index of every matrix that rank wrote;
-- on load, a rank finds which saved ranks' indexes describe the tiles that meet its own boxes
-  (`indexes_for`), and reads only those.
+- on load, a rank finds which saved ranks' indexes describe the tiles that meet its own boxes, and
+  the keys of those tiles in each (`index_keys_for`), and reads only those records of those indexes.
 
 Pure: no torch, no process group.
 """
@@ -91,10 +91,17 @@ def writes(bm: BoxMap, rank: int, key: str) -> bool:
     return tile is not None and writer(bm, key, tile) == rank
 
 
-def indexes_for(bm: BoxMap, boxes: dict[str, Box]) -> set[tuple[int, bool]]:
-    """The indexes, (saved rank, shared), that describe every chunk meeting `boxes` (key -> box to load)."""
-    out: set[tuple[int, bool]] = set()
+def index_keys_for(bm: BoxMap, boxes: dict[str, Box]) -> dict[tuple[int, bool], set[str]]:
+    """The indexes, (saved rank, shared), that describe a chunk meeting `boxes` (key -> box to load),
+    each with the keys of those chunks: the records a loader reads of it."""
+    out: dict[tuple[int, bool], set[str]] = {}
     for key, box in boxes.items():
         if key in bm:
-            out.update((writer(bm, key, tile), shared(bm, key, tile)) for tile in bm.tiles(key, box))
+            for tile in bm.tiles(key, box):
+                out.setdefault((writer(bm, key, tile), shared(bm, key, tile)), set()).add(key)
     return out
+
+
+def indexes_for(bm: BoxMap, boxes: dict[str, Box]) -> set[tuple[int, bool]]:
+    """The indexes, (saved rank, shared), that describe every chunk meeting `boxes` (key -> box to load)."""
+    return set(index_keys_for(bm, boxes))

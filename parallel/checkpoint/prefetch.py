@@ -21,7 +21,7 @@ from pathlib import Path
 
 from parallel.checkpoint.manifest import MODEL_PREFIX, OPTIM_PREFIX, Manifest
 from parallel.checkpoint.storage import LocalStorage
-from parallel.checkpoint.placement import indexes_for
+from parallel.checkpoint.placement import index_keys_for
 from parallel.checkpoint.validate import list_step_dirs, read_indexes, read_manifest_text
 from parallel.layout import Layout
 from parallel.sharding import Box, param_box
@@ -65,7 +65,7 @@ def _my_part(storage: LocalStorage, step_dir: str, manifest: Manifest, layout: L
             boxes[key] = box
     placement = manifest.placement_of()
     wanted = ([(r, False) for r in range(manifest.indexes)] if placement is None
-              else indexes_for(placement.boxmap(manifest.optimizer_states()), boxes))
+              else index_keys_for(placement.boxmap(manifest.optimizer_states()), boxes))
     indexes, _ = read_indexes(storage, step_dir, manifest, wanted)
     return manifest.merged(indexes, whole=False)[0]
 

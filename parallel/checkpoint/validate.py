@@ -20,7 +20,8 @@ import struct
 from dataclasses import dataclass, field
 
 from parallel.checkpoint.checksum import digest_fn
-from parallel.checkpoint.manifest import ITEMSIZE, MANIFEST_NAME, Index, Manifest, ManifestError, index_name
+from parallel.checkpoint.manifest import (ITEMSIZE, MANIFEST_NAME, PREAMBLE_BYTES, Index, IndexHeader, Manifest,
+                                          ManifestError, header_size, index_name, key_order)
 from parallel.checkpoint.storage import Storage
 
 LATEST_NAME = "latest"
@@ -105,20 +106,29 @@ def check_manifest(path: str, text: str | None, why_missing: str | None,
 
 
 def read_indexes(storage: Storage, path: str, manifest: Manifest, wanted, *,
-                 transient: list[str] | None = None, optional_shared: bool = False) -> tuple[list[Index], list[str]]:
-    """(The parsed indexes `wanted` ((saving rank, shared) pairs) of the format-3 checkpoint at `path`,
-    problems). A missing or malformed index is a problem (a missing shared one not, with
-    `optional_shared`: a rank that writes no shared box writes none); another read error goes to
-    `transient` when given."""
+                 transient: list[str] | None = None, optional_shared: bool = False,
+                 gap: int | None = None) -> tuple[list[Index], list[str]]:
+    """(The parsed indexes `wanted` of the format-3 checkpoint at `path`, problems). `wanted`: (saving
+    rank, shared) pairs, each index read whole; or a dict from such pairs to the keys needed of it
+    (`placement.index_keys_for`), of which a keyed index gives only the records of those keys, read as
+    byte ranges after its header (an index of one JSON document is read whole). A missing or
+    malformed index is a problem (a missing shared one not, with `optional_shared`: a rank that
+    writes no shared box writes none); another read error goes to `transient` when given."""
     out, problems = [], []
+    keys = key_order(manifest.tensors)
     for r, shared in sorted(wanted):
         name = index_name(r, shared)
         if not 0 <= r < manifest.indexes:
             problems.append(f"{name} is needed but the manifest lists {manifest.indexes} ranks' indexes")
             continue
+        need = wanted[(r, shared)] if isinstance(wanted, dict) else None
         try:
-            text = storage.read_bytes(storage.join(path, name))
-            out.append(Index.from_json(text, rank=r, step=manifest.step, shared=shared))
+            ipath = storage.join(path, name)
+            if need is None:
+                out.append(Index.from_bytes(storage.read_bytes(ipath), rank=r, step=manifest.step, shared=shared,
+                                            keys=keys))
+            else:
+                out.append(read_index_keys(storage, ipath, r, shared, manifest.step, keys, need, gap=gap))
         except FileNotFoundError:
             if not (shared and optional_shared):
                 problems.append(f"{name} is missing")
@@ -127,6 +137,32 @@ def read_indexes(storage: Storage, path: str, manifest: Manifest, wanted, *,
         except (OSError, MemoryError) as e:
             (transient if transient is not None else problems).append(f"cannot read {name}: {type(e).__name__}: {e}")
     return out, problems
+
+
+RECORD_GAP = 0
+"""Records of a keyed index at most this many bytes apart are read in one range (`IndexHeader.ranges`)."""
+
+
+def read_index_keys(storage: Storage, ipath: str, rank: int, shared: bool, step: int, keys: list[str],
+                    need, *, gap: int | None = None) -> Index:
+    """The index at `ipath` with only the records of the keys `need` (an index of one JSON document:
+    whole). Reads the preamble, the header, then the records' byte ranges (those at most `gap` bytes
+    apart, default `RECORD_GAP`, in one range)."""
+    (pre,) = storage.read_ranges(ipath, [(0, PREAMBLE_BYTES)])
+    size = header_size(pre, rank=rank, shared=shared)
+    if size is None:  # one JSON document: written before indexes were keyed, or by the fallback save
+        return Index.from_json(storage.read_bytes(ipath), rank=rank, step=step, shared=shared)
+    (raw,) = storage.read_ranges(ipath, [(PREAMBLE_BYTES, size[0])])
+    if len(raw) != size[0]:
+        raise ManifestError(f"{index_name(rank, shared)} ends inside its header (truncated)")
+    head = IndexHeader.parse(raw, size[1], rank=rank, step=step, shared=shared, keys=keys)
+    ranges = head.ranges(need, RECORD_GAP if gap is None else gap)
+    records: dict[str, bytes] = {}
+    for (at, _, ks), data in zip(ranges, storage.read_ranges(ipath, [(a, n) for a, n, _ in ranges])):
+        for k in ks:
+            a, n = head.spans[k]
+            records[k] = data[a - at:a - at + n]
+    return head.index(records)
 
 
 def whole(storage: Storage, path: str, manifest: Manifest) -> tuple[Manifest, list[str]]:

@@ -1,0 +1,196 @@
+"""Tier 1: keyed format-3 indexes (`manifest.Index.to_bytes` with a key order, `validate.read_indexes`
+with the keys a rank meets), pure: no torch.distributed, indexes written to a temporary directory.
+
+A loading rank must read, of each index it needs, the preamble, the header and the records of exactly
+the chunks that meet its boxes (found here by scanning every saved rank's boxes, which the loader
+avoids), and nothing else; a damaged key table must be a clear error naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+
+from models.config import model_config
+from models.llama import build_model
+from parallel.checkpoint.manifest import (PREAMBLE_BYTES, CheckpointError, Chunk, FileEntry, Index, Manifest,
+                                          ManifestError, TensorEntry, index_name, key_order, shard_prefix)
+from parallel.checkpoint.placement import Placement, index_keys_for, shared, writes
+from parallel.checkpoint.storage import LocalStorage
+from parallel.checkpoint.validate import read_indexes
+from parallel.layout import Layout
+
+STATES = ("exp_avg", "exp_avg_sq")
+# Uneven: 3 layers over pp=2, vocab 37 and ffn 45 over tp=2 and dp_shard=3.
+CFG = model_config("tiny", n_layers=3, dim=24, n_heads=4, n_kv_heads=2, ffn_hidden=45, vocab_size=37)
+PARAMS = {n: (tuple(p.shape), "float32") for n, p in build_model(CFG).named_parameters()}
+
+
+class CountingStorage(LocalStorage):
+    """Local files, remembering every read: (file name, start, bytes) per range, and whole reads."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.ranges: list[tuple[str, int, bytes]] = []
+        self.whole: list[str] = []
+
+    def read_ranges(self, path, ranges):
+        out = super().read_ranges(path, ranges)
+        self.ranges += [(path.rsplit("/", 1)[-1], a, got) for (a, _), got in zip(ranges, out)]
+        return out
+
+    def read_bytes(self, path):
+        self.whole.append(path.rsplit("/", 1)[-1])
+        return super().read_bytes(path)
+
+
+def _file(w: int) -> str:
+    return f"{shard_prefix(w)}00.safetensors"
+
+
+def save(tmp_path, layout: Layout) -> tuple[Manifest, list]:
+    """Write the indexes (keyed) and the top manifest of a checkpoint saved under `layout`, as a placed
+    save writes them (fake digests, no data files); return the manifest and what each rank wrote."""
+    placement = Placement(layout=layout, n_layers=3, params=PARAMS)
+    bm = placement.boxmap(STATES)
+    keys = {f"{p}{n}": s for n, (s, _) in PARAMS.items() for p in ("model.", *(f"optim.{st}." for st in STATES))}
+    top = Manifest(step=5, tensors={k: TensorEntry(shape=s, dtype="float32", chunks=()) for k, s in keys.items()},
+                   files={}, format_version=3, placement=placement.to_dict(), indexes=layout.world_size, scope="top")
+    top = Manifest.from_json(top.to_json())
+    order = key_order(top.tensors)
+    wrote = []
+    for w in range(layout.world_size):
+        for sh in (False, True):
+            boxes = {k: b for k, b in bm.held(w).items() if writes(bm, w, k) and shared(bm, k, bm.tile_of(w, k)) == sh}
+            if not boxes:
+                continue
+            wrote += [(w, k, b, sh) for k, b in boxes.items()]
+            chunks = {k: Chunk(file=_file(w), offsets=b.offsets, sizes=b.sizes, block_rows=max(1, b.sizes[0]),
+                               digests=("ab" * 16,)) for k, b in boxes.items()}
+            index = Index(rank=w, step=5, shared=sh, chunks=chunks, optimizer_steps={n: 5 for n in PARAMS},
+                          files={_file(w): FileEntry(size=1 << 20, digest="cd" * 16, algorithm="xxh3-128",
+                                                     blockwise=True)})
+            (tmp_path / index_name(w, sh)).write_bytes(index.to_bytes(order))
+    return top, wrote
+
+
+@pytest.mark.parametrize("old,new", [("dp_shard=8", "dp_shard=6"), ("dp_shard=2,tp=2,pp=2", "dp_shard=3,tp=1")])
+def test_a_loader_reads_exactly_the_records_of_the_keys_its_boxes_meet(tmp_path, old, new):
+    top, wrote = save(tmp_path, Layout.parse(old))
+    placement = top.placement_of()
+    loading = Placement(layout=Layout.parse(new), n_layers=3, params=PARAMS).boxmap(STATES)
+    sizes = {p.name: p.stat().st_size for p in tmp_path.iterdir()}
+    partial = []  # (bytes read, their indexes' whole size) per rank
+    for rank in range(Layout.parse(new).world_size):
+        mine = loading.held(rank)
+        st = CountingStorage(str(tmp_path))
+        wanted = index_keys_for(placement.boxmap(top.optimizer_states()), mine)
+        indexes, problems = read_indexes(st, str(tmp_path), top, wanted)
+        assert problems == [] and st.whole == []
+        part, more = top.merged(indexes, whole=False)
+        assert more == [] and part.coverage_problems({k: (b.offsets, b.sizes) for k, b in mine.items()}) == []
+        # Per index: the preamble, the header, then whole records only, each read once.
+        got: Counter = Counter()
+        for name in {n for n, _, _ in st.ranges}:
+            reads = sorted((a, data) for n, a, data in st.ranges if n == name)
+            assert reads[0][0] == 0 and len(reads[0][1]) == PREAMBLE_BYTES
+            assert reads[1][0] == PREAMBLE_BYTES and reads[1][1].endswith(b"\n")
+            end = PREAMBLE_BYTES + len(reads[1][1])
+            for a, data in reads[2:]:
+                assert a >= end and data.endswith(b"\n"), f"{name}: a range that overlaps or cuts a record"
+                end = a + len(data)
+                for line in data.split(b"\n")[:-1]:
+                    rec = json.loads(line)
+                    got[(name, tuple(rec["offsets"]), tuple(rec["sizes"]))] += 1
+            assert end <= sizes[name]
+        want = Counter((index_name(w, sh), tuple(b.offsets), tuple(b.sizes)) for w, k, b, sh in wrote
+                       if k in mine and mine[k].intersect(b) is not None)
+        assert got == want, f"{old} -> {new}, rank {rank}"
+        assert set(part.optimizer_steps) == {k.split(".", 2)[2] for k in mine if k.startswith("optim.")}
+        partial.append((sum(len(d) for _, _, d in st.ranges), sum(sizes[index_name(w, sh)] for w, sh in wanted)))
+    assert any(got < whole for got, whole in partial)  # some rank needs only part of an index it reads
+
+
+def test_tools_read_keyed_and_whole_indexes_alike(tmp_path):
+    top, _ = save(tmp_path, Layout.parse("dp_shard=2,tp=2"))
+    every = [(r, s) for r in range(top.indexes) for s in (False, True)]
+    keyed, problems = read_indexes(LocalStorage(str(tmp_path)), str(tmp_path), top, every, optional_shared=True)
+    assert problems == []
+    for ix in keyed:  # rewritten as one JSON document, as before indexes were keyed
+        (tmp_path / index_name(ix.rank, ix.shared)).write_bytes(ix.to_bytes())
+    whole, problems = read_indexes(LocalStorage(str(tmp_path)), str(tmp_path), top, every, optional_shared=True)
+    assert problems == [] and [(i.rank, i.chunks) for i in whole] == [(i.rank, i.chunks) for i in keyed]
+    merged, more = top.merged(keyed, whole=True)
+    assert more == [] and merged.structure_problems() == []
+    # A rank that meets one key of a whole-JSON index reads it whole, and gets every chunk of it.
+    st = CountingStorage(str(tmp_path))
+    (one,), problems = read_indexes(st, str(tmp_path), top, {(1, False): {"model.output.weight"}})
+    assert problems == [] and st.whole == [index_name(1, False)]
+    assert one.chunks == next(i.chunks for i in whole if (i.rank, i.shared) == (1, False))
+
+
+def _damage(path, fix_crc: bool, edit) -> None:
+    data = path.read_bytes()
+    n = json.loads(data[:PREAMBLE_BYTES])["header_bytes"]
+    head = edit(data[PREAMBLE_BYTES:PREAMBLE_BYTES + n])
+    pre = data[:PREAMBLE_BYTES]
+    if fix_crc:  # a header rewritten consistently (a writer bug, a forgery): the table itself is wrong
+        import zlib
+        pre = json.dumps({"format": "elastron-checkpoint-index", "format_version": 4, "header_bytes": len(head),
+                          "header_crc32": zlib.crc32(head)}, separators=(",", ":")).ljust(PREAMBLE_BYTES - 1).encode() + b"\n"
+    path.write_bytes(pre + head + data[PREAMBLE_BYTES + n:])
+
+
+def _shift_table(head: bytes) -> bytes:
+    d = json.loads(head)
+    first, second = [i for i, x in enumerate(d["table"]) if x > 0][:2]
+    d["table"][first] += 3  # the first record said 3 bytes longer, the next 3 shorter: same total size
+    d["table"][second] -= 3
+    return json.dumps(d, separators=(",", ":")).encode() + b"\n"
+
+
+@pytest.mark.parametrize("fix_crc,edit,says", [
+    (False, lambda h: h.replace(b'"table":[', b'"table":[9', 1), "fails its crc32"),
+    (True, _shift_table, "is not a JSON object"),
+    (True, lambda h: h.replace(b'"table":[', b'"table":[-1,', 1), "key table spans"),
+    (True, lambda h: h.replace(b'"table":[', b'"table":["x",', 1), "key table of non-zero integers"),
+])
+def test_a_damaged_key_table_is_a_checkpoint_error_naming_the_file(tmp_path, fix_crc, edit, says):
+    top, _ = save(tmp_path, Layout.parse("dp_shard=2,tp=2"))
+    _damage(tmp_path / index_name(1), fix_crc, edit)
+    keys = key_order(top.tensors)
+    with pytest.raises(ManifestError, match=f"^index-r00001.json.*{says}") as e:
+        Index.from_bytes((tmp_path / index_name(1)).read_bytes(), rank=1, step=5, keys=keys)
+    assert isinstance(e.value, CheckpointError)
+    # What a loading rank meets: one problem naming the file (the loader skips the checkpoint on it).
+    _, problems = read_indexes(LocalStorage(str(tmp_path)), str(tmp_path), top,
+                               {(0, False): {"model.output.weight"}, (1, False): set(keys)})
+    assert len(problems) == 1 and problems[0].startswith("index-r00001.json") and says in problems[0]
+
+
+def test_a_truncated_keyed_index_says_so(tmp_path):
+    top, _ = save(tmp_path, Layout.parse("dp_shard=2,tp=2"))
+    path = tmp_path / index_name(0)
+    path.write_bytes(path.read_bytes()[:-10])
+    _, problems = read_indexes(LocalStorage(str(tmp_path)), str(tmp_path), top, {(0, False): set(top.tensors)})
+    assert len(problems) == 1 and "index-r00000.json ends inside the record" in problems[0]
+    _, problems = read_indexes(LocalStorage(str(tmp_path)), str(tmp_path), top, [(0, False)])
+    assert len(problems) == 1 and "index-r00000.json is" in problems[0] and "truncated" in problems[0]
+
+
+def test_object_store_reads_take_exactly_the_ranges_asked(tmp_path):
+    from parallel.checkpoint.storage import FsspecStorage
+
+    top, _ = save(tmp_path, Layout.parse("dp_shard=2,tp=2"))
+    st = FsspecStorage("memory://keyed-index-test")
+    data = (tmp_path / index_name(1)).read_bytes()
+    st.write_bytes(st.join(st.root, index_name(1)), data)
+    try:
+        assert st.read_ranges(st.join(st.root, index_name(1)), [(0, 7), (100, 5), (len(data) - 2, 9)]) == [
+            data[:7], data[100:105], data[-2:]]
+        (one,), problems = read_indexes(st, st.root, top, {(1, False): {"model.output.weight"}})
+        assert problems == [] and list(one.chunks) == ["model.output.weight"]
+    finally:
+        st.remove_tree(st.root)
