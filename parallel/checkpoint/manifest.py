@@ -357,17 +357,11 @@ class Manifest:
             covered = 0
             boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
             for c in t.chunks:
-                if c.file not in self.files:
-                    problems.append(f"tensor {key}: chunk in file {c.file!r}, which the manifest does not list")
-                if not _fits(c, t):
-                    problems.append(f"tensor {key}: chunk offsets {list(c.offsets)} sizes {list(c.sizes)} "
-                                    f"do not fit shape {list(t.shape)}")
-                    continue
-                boxes.append((c.offsets, c.sizes))
-                covered += math.prod(c.sizes)
-                if c.file in in_file:
-                    in_file[c.file] += math.prod(c.sizes) * ITEMSIZE[t.dtype]
-                problems += _block_problems(key, c, self.files.get(c.file))
+                found, fits = _chunk_problems(key, c, t, self.files, in_file, lister="the manifest")
+                problems += found
+                if fits:
+                    boxes.append((c.offsets, c.sizes))
+                    covered += math.prod(c.sizes)
             problems += [f"tensor {key}: chunks at {list(a)} and {list(b)} overlap" for a, b in _overlapping(boxes)]
             if covered != math.prod(t.shape):
                 problems.append(f"tensor {key}: chunks cover {covered} of {math.prod(t.shape)} elements")
@@ -436,6 +430,20 @@ def _overlapping(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> list[t
                 out.append((o, o2))
         active.append((o[0] + n[0], o, n))
     return out
+
+
+def _chunk_problems(key: str, c: Chunk, t: TensorEntry, files: dict[str, "FileEntry"], in_file: dict[str, int], *,
+                    lister: str) -> tuple[list[str], bool]:
+    """One chunk's problems: a file `lister` (the manifest, an index) does not list, a box outside its
+    tensor (then nothing more is checked), its block digests. Adds its bytes to `in_file`; returns the
+    problems and whether it fits its tensor."""
+    out = [f"tensor {key}: chunk in file {c.file!r}, which {lister} does not list"] if c.file not in files else []
+    if not _fits(c, t):
+        return out + [f"tensor {key}: chunk offsets {list(c.offsets)} sizes {list(c.sizes)} "
+                      f"do not fit shape {list(t.shape)}"], False
+    if t.dtype in ITEMSIZE and c.file in in_file:
+        in_file[c.file] += math.prod(c.sizes) * ITEMSIZE[t.dtype]
+    return out + _block_problems(key, c, files.get(c.file)), True
 
 
 def _block_problems(key: str, c: Chunk, f: FileEntry | None) -> list[str]:
@@ -623,15 +631,7 @@ class Index:
             if t is None:
                 out.append(f"{where}: tensor {key} is not in the manifest")
                 continue
-            if c.file not in self.files:
-                out.append(f"tensor {key}: chunk in file {c.file!r}, which {where} does not list")
-            if not _fits(c, t):
-                out.append(f"tensor {key}: chunk offsets {list(c.offsets)} sizes {list(c.sizes)} "
-                           f"do not fit shape {list(t.shape)}")
-                continue
-            if t.dtype in ITEMSIZE and c.file in in_file:
-                in_file[c.file] += math.prod(c.sizes) * ITEMSIZE[t.dtype]
-            out += _block_problems(key, c, self.files.get(c.file))
+            out += _chunk_problems(key, c, t, self.files, in_file, lister=where)[0]
         out += [f"file {n}: its chunks need {b} bytes but the file has {self.files[n].size}"
                 for n, b in sorted(in_file.items()) if b > self.files[n].size]
         return out
