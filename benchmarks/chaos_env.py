@@ -46,6 +46,7 @@ class ChaosEnv:
     def __init__(self, workdir: Path, *, nodes: int = 3, log=print, server_args: tuple[str, ...] = ()):
         """`server_args`: extra arguments of benchmarks/chaos_server.py."""
         self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)  # a --workdir that does not exist yet
         self.server_args = tuple(server_args)
         self.target_nodes = nodes
         self.log = log

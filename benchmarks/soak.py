@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -78,6 +79,42 @@ def rss_mb(pid: int) -> float | None:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
     except (OSError, ValueError, IndexError):
         return None
+
+
+HEAP_MAX = 64 * 2**20
+"""glibc's HEAP_MAX_SIZE on 64-bit: every heap of a non-main arena is a mapping aligned to it."""
+
+
+def glibc_heaps(pid: int) -> dict | None:
+    """Where a process's resident memory sits, from /proc/PID/smaps: the main arena's `[heap]` (brk), the
+    heaps of glibc's other arenas (anonymous read-write mappings starting at a 64 MiB boundary, each
+    followed by its reserved rest), and every other anonymous mapping (mmapped blocks above glibc's mmap
+    threshold, thread stacks, Ray's and torch's own mappings). A count of arena heaps that grows with
+    reconfigurations means new arenas (one per thread that allocates, up to 8 per core by default)."""
+    try:
+        with open(f"/proc/{pid}/smaps") as f:
+            text = f.read()
+    except OSError:
+        return None
+    out = {"brk_heap_mb": 0.0, "arena_heaps": 0, "arena_heaps_mb": 0.0, "other_anon_mb": 0.0}
+    head = None
+    for line in text.splitlines():
+        m = re.match(r"^([0-9a-f]+)-([0-9a-f]+) (\S+) \S+ \S+ (\d+)\s*(.*)$", line)
+        if m:
+            start, perms, inode, name = int(m.group(1), 16), m.group(3), m.group(4), m.group(5).strip()
+            if name == "[heap]":
+                head = "brk_heap_mb"
+            elif inode == "0" and not name and perms.startswith("rw"):
+                if start % HEAP_MAX == 0:
+                    head = "arena_heaps_mb"
+                    out["arena_heaps"] += 1
+                else:
+                    head = "other_anon_mb"
+            else:
+                head = None
+        elif head and line.startswith("Rss:"):
+            out[head] += int(line.split()[1]) / 1024
+    return {k: round(v, 1) if isinstance(v, float) else v for k, v in out.items()}
 
 
 class Soak:
@@ -143,8 +180,10 @@ class Soak:
         j = self.job()
         procs = self.processes()
         rss = {name: round(v, 1) for name, pid in procs.items() if (v := rss_mb(pid)) is not None}
+        heaps = {name: h for name, pid in procs.items() if not name.startswith(("server", "coordinator"))
+                 and (h := glibc_heaps(pid)) is not None}
         s = {"reconfigs": self.reconfigs(), "kind": kind, "seconds": round(time.time() - t0, 1), "step": j["step"],
-             "world_size": j["world_size"], "events": j.get("events"), "rss_mb": rss}
+             "world_size": j["world_size"], "events": j.get("events"), "rss_mb": rss, "glibc_heaps": heaps}
         self.samples.append(s)
         if self.partial is not None:
             self.partial.write_text(json.dumps({"partial": True, "samples": self.samples}, indent=1))

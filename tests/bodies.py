@@ -122,6 +122,48 @@ def snapshot_rounds_body(nodes: list[str], steps: int) -> dict:
             "own": own[rank].tensors["model.w"].flatten().tolist()[0], "steps": own[rank].optimizer_steps}
 
 
+def snapshot_peer_silent_body(timeout_s: float) -> dict:
+    """Two ranks on two nodes take one snapshot round; in the second, rank 1 stops answering (its round
+    sends and receives nothing, as a peer that died or hangs). Rank 0 reports whether its round ended
+    within the snapshot group's timeout, and, after `close()`, how many of its snapshot buffers are still
+    alive and which round threads still run."""
+    import gc
+    import threading
+    import time
+    import weakref
+
+    import torch
+
+    from parallel.live import Held
+    from parallel.sharding import Box
+    from workers.snapshots import PeerSnapshots
+
+    rank = dist.get_rank()
+    snaps = PeerSnapshots.start(["a", "b"][rank], shard_bytes=1 << 18, available_bytes=None, timeout_s=timeout_s)
+    w = torch.ones(256, 256)
+    held = Held(tensors={"model.w": w}, boxes={"model.w": Box((rank * 256, 0), (256, 256))}, optimizer_steps={})
+    snaps.take(1, held, {})
+    snaps.wait()
+    if rank == 1:
+        snaps._round = lambda own: None  # round 2: this rank neither sends nor receives
+    snaps.take(2, held, {})
+    out: dict = {}
+    if rank == 0:
+        t0 = time.monotonic()
+        out["ended"] = snaps.wait(timeout_s=timeout_s + 30)
+        out["ended_s"] = time.monotonic() - t0
+        out["failed"] = snaps.last_error is not None
+        bufs = [weakref.ref(c.buf) for slot in (snaps.own, *snaps.kept.values()) for c in slot.copies
+                if c.buf is not None]
+        out["buffers"] = len(bufs)
+        snaps.close()
+        gc.collect()
+        out["alive_buffers"] = sum(1 for r in bufs if r() is not None)
+        out["round_threads"] = sum(1 for t in threading.enumerate() if t.name == "peer-snapshot")
+    dist.barrier()  # rank 1 stays until rank 0 is done
+    return out
+
+
 def snapshot_off_body(nodes: list[str], available: list[int | None] | None = None):
     """Start peer snapshots with ranks on `nodes`, rank r having `available[r]` bytes of memory free;
     return the buddy it got, or None when they are off."""

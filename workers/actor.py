@@ -232,16 +232,17 @@ class Worker:
             _malloc_trim()  # no collection while the new group lives (nothing cyclic was dropped here)
         self.rank, self._plan, self._broken = rank, plan, False
         t3 = time.perf_counter()
-        self._start_snapshots()
+        self._start_snapshots(timeout_s)
         return {"step": self.trainer.step, "pg_s": t1 - t0, "build_s": t2 - t1, "adopt_s": t3 - t2,
                 **{f"build.{k}": v for k, v in self.trainer.build_times.items()},
                 "snapshot_bytes": self.snapshots.memory_bytes if self.snapshots is not None else 0,
                 "snapshots_s": time.perf_counter() - t3}
 
-    def _start_snapshots(self) -> None:
+    def _start_snapshots(self, timeout_s: float) -> None:
         """Peer snapshots for the group just formed (collective on every rank), unless off
         (`checkpoint.peer_interval: 0`), of no use (`parallel.reshard: storage` never forms a group
-        from memory) or a lone rank; the previous group's are dropped first."""
+        from memory) or a lone rank; the previous group's are dropped first. Their rounds wait for a
+        peer at most `timeout_s`, as the group's collectives do."""
         import torch.distributed as dist
 
         from parallel.live import hold
@@ -252,11 +253,14 @@ class Worker:
             return
         shard = sum(t.numel() * t.element_size()
                     for t in hold(self.trainer.model, self.trainer.optimizer).tensors.values())
-        self.snapshots = PeerSnapshots.start(self._node_id(), shard_bytes=shard, available_bytes=_available_memory())
+        self.snapshots = PeerSnapshots.start(self._node_id(), shard_bytes=shard, available_bytes=_available_memory(),
+                                             timeout_s=timeout_s)
 
     def _drop_snapshots(self) -> None:
+        """Free the copies of the previous group's snapshots; a round of that group still waiting on a dead
+        peer holds its two buffers until the group's timeout ends it."""
         if self.snapshots is not None:
-            self.snapshots.wait(timeout_s=1.0)
+            self.snapshots.close(timeout_s=1.0)
             self.snapshots = None
 
     @staticmethod

@@ -22,6 +22,7 @@ import json
 import logging
 import threading
 import time
+from datetime import timedelta
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,10 +112,16 @@ class PeerSnapshots:
         """What made the last failed round fail (its copies do not count)."""
 
     @classmethod
-    def start(cls, node_id: str, *, shard_bytes: int, available_bytes: int | None) -> PeerSnapshots | None:
+    def start(cls, node_id: str, *, shard_bytes: int, available_bytes: int | None,
+              timeout_s: float = 120.0) -> PeerSnapshots | None:
         """Pair the ranks of the default group by their nodes and make the snapshot group (collective on
         every rank). Returns None, having logged why in one line, when there is no pairing or some rank
-        cannot afford the memory (two buffers of its own shards and of each copy it keeps)."""
+        cannot afford the memory (two buffers of its own shards and of each copy it keeps).
+
+        `timeout_s` bounds every wait of a round (the snapshot group's timeout; the training group's is
+        the same): a round whose peer died or stopped answering ends with an error after it, and the
+        buffers it was sending and filling are freed then. Gloo's default for a new group is 30 minutes,
+        and a SIGKILLed peer does not end a pending send or receive before that."""
         rank, world = dist.get_rank(), dist.get_world_size()
         nodes: list[Any] = [None] * world
         dist.all_gather_object(nodes, node_id)
@@ -133,7 +140,7 @@ class PeerSnapshots:
         if not flag.item():
             log.warning("peer snapshots off: another rank cannot afford their memory")
             return None
-        group = dist.new_group(backend="gloo")
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         log.info("peer snapshots on: rank %d keeps its copy on rank %s and copies of ranks %s: about %.0f MiB",
                  rank, pairing.buddy[rank], list(pairing.keeps(rank)), need / 2**20)
         out = cls(rank=rank, pairing=pairing, group=group)
@@ -194,7 +201,8 @@ class PeerSnapshots:
                 fills[r].step = int(fills[r].header["step"])
             self.round_s = time.perf_counter() - t0
         except BaseException as e:  # a peer died mid-round: what was filling stays incomplete
-            self._error = self.last_error = e
+            # kept without its traceback, whose frames would keep this round's buffers alive
+            self._error = self.last_error = e.with_traceback(None)
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Wait for the round in flight; False if it is still running after `timeout_s` (it is then
@@ -209,6 +217,12 @@ class PeerSnapshots:
             e, self._error = self._error, None
             log.warning("a peer snapshot round failed (%s): its copies do not count", e)
         return True
+
+    def close(self, timeout_s: float = 1.0) -> None:
+        """Drop every copy (the group that took them is gone). A round still in flight after `timeout_s`
+        keeps only the two buffers it is sending and filling, until its waits end (the group's timeout)."""
+        self.wait(timeout_s)
+        self.own, self.kept = Slot(), {}
 
     # -- after a failure -------------------------------------------------------------------------------
     def holdings(self) -> dict[int, tuple[int, ...]]:

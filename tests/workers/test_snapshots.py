@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.bodies import snapshot_off_body, snapshot_rounds_body
+from tests.bodies import snapshot_off_body, snapshot_peer_silent_body, snapshot_rounds_body
 from tests.multiproc import run_ranks
 from workers.snapshots import Copy, Slot
 
@@ -30,6 +30,17 @@ def test_each_rank_keeps_its_buddys_copy_of_the_last_two_steps():
 ])
 def test_snapshots_start_only_where_every_rank_has_a_buddy_and_the_memory(nodes, available, buddies):
     assert run_ranks(2, snapshot_off_body, nodes, available) == buddies
+
+
+def test_a_round_whose_peer_stops_answering_ends_at_the_groups_timeout_and_frees_its_buffers():
+    """A round waits on its buddy at most the snapshot group's timeout (gloo's default for a new group,
+    30 minutes, kept a killed peer's survivor holding every snapshot buffer of the old group: ~3 copies
+    of its shard per failure, found by benchmarks/soak.py); once it has ended and the snapshots are
+    closed, none of their buffers is alive."""
+    out = run_ranks(2, snapshot_peer_silent_body, 3.0, timeout=120)[0]
+    assert out["ended"] and out["failed"], out
+    # its own copies of rounds 1 and 2 and the kept copy of round 1 (round 2's receive never began)
+    assert out["buffers"] == 3 and out["alive_buffers"] == 0 and out["round_threads"] == 0, out
 
 
 def _slot(a: int, b: int) -> Slot:
