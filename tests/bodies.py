@@ -122,11 +122,11 @@ def snapshot_rounds_body(nodes: list[str], steps: int) -> dict:
             "own": own[rank].tensors["model.w"].flatten().tolist()[0], "steps": own[rank].optimizer_steps}
 
 
-def snapshot_peer_silent_body(timeout_s: float) -> dict:
-    """Two ranks on two nodes take one snapshot round; in the second, rank 1 stops answering (its round
-    sends and receives nothing, as a peer that died or hangs). Rank 0 reports whether its round ended
-    within the snapshot group's timeout, and, after `close()`, how many of its snapshot buffers are still
-    alive and which round threads still run."""
+def snapshot_peer_silent_body(timeout_s: float, slack_s: float, wait_s: float) -> dict:
+    """Two ranks on two nodes take one snapshot round (group timeout `timeout_s`, a round's slack
+    `slack_s`); in the second, rank 1 stops answering (its round sends and receives nothing, as a peer
+    that died or hangs). Rank 0 reports whether its round ended within `wait_s`, and, after `close()`,
+    how many of its snapshot buffers are still alive and which round threads still run."""
     import gc
     import threading
     import time
@@ -136,8 +136,10 @@ def snapshot_peer_silent_body(timeout_s: float) -> dict:
 
     from parallel.live import Held
     from parallel.sharding import Box
+    import workers.snapshots
     from workers.snapshots import PeerSnapshots
 
+    workers.snapshots.ROUND_SLACK_S = slack_s
     rank = dist.get_rank()
     snaps = PeerSnapshots.start(["a", "b"][rank], shard_bytes=1 << 18, available_bytes=None, timeout_s=timeout_s)
     w = torch.ones(256, 256)
@@ -150,7 +152,7 @@ def snapshot_peer_silent_body(timeout_s: float) -> dict:
     out: dict = {}
     if rank == 0:
         t0 = time.monotonic()
-        out["ended"] = snaps.wait(timeout_s=timeout_s + 30)
+        out["ended"] = snaps.wait(timeout_s=wait_s)
         out["ended_s"] = time.monotonic() - t0
         out["failed"] = snaps.last_error is not None
         bufs = [weakref.ref(c.buf) for slot in (snaps.own, *snaps.kept.values()) for c in slot.copies

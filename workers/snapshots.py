@@ -39,6 +39,12 @@ log = logging.getLogger(__name__)
 AFFORDABLE = 0.5
 """A rank takes snapshots only if they need at most this share of the host's available memory."""
 
+ROUND_SLACK_S = 10.0
+ROUND_FLOOR_BYTES_PER_S = 50e6
+"""A round's sends and receives must end within ROUND_SLACK_S + its bytes at this rate (a hundredth of a
+slow data-centre link), else it fails: a peer that died mid-round (gloo ends no pending send or receive
+when a peer is SIGKILLed) then holds the round's two buffers for seconds, not for the group's timeout."""
+
 
 @dataclass(slots=True)
 class Copy:
@@ -95,8 +101,10 @@ class Slot:
 class PeerSnapshots:
     """This rank's snapshots: its own slot and the slots of the ranks whose buddy it is."""
 
-    def __init__(self, *, rank: int, pairing: Pairing, group: Any) -> None:
+    def __init__(self, *, rank: int, pairing: Pairing, group: Any, timeout_s: float = 120.0) -> None:
         self.rank, self.pairing, self.group = rank, pairing, group
+        self.timeout_s = timeout_s
+        """The snapshot group's timeout: no wait of a round lasts longer."""
         self.buddy = pairing.buddy[rank]
         self.own = Slot()
         self.kept = {r: Slot() for r in pairing.keeps(rank)}
@@ -118,10 +126,10 @@ class PeerSnapshots:
         every rank). Returns None, having logged why in one line, when there is no pairing or some rank
         cannot afford the memory (two buffers of its own shards and of each copy it keeps).
 
-        `timeout_s` bounds every wait of a round (the snapshot group's timeout; the training group's is
-        the same): a round whose peer died or stopped answering ends with an error after it, and the
-        buffers it was sending and filling are freed then. Gloo's default for a new group is 30 minutes,
-        and a SIGKILLed peer does not end a pending send or receive before that."""
+        `timeout_s`: the snapshot group's timeout (the training group's is the same), the longest any wait
+        of a round may last (ROUND_SLACK_S bounds them further). Gloo's default for a new group is 30
+        minutes, and a SIGKILLed peer does not end a pending send or receive before that: its survivor's
+        round would hold the buffers it was sending and filling all that time."""
         rank, world = dist.get_rank(), dist.get_world_size()
         nodes: list[Any] = [None] * world
         dist.all_gather_object(nodes, node_id)
@@ -143,7 +151,7 @@ class PeerSnapshots:
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         log.info("peer snapshots on: rank %d keeps its copy on rank %s and copies of ranks %s: about %.0f MiB",
                  rank, pairing.buddy[rank], list(pairing.keeps(rank)), need / 2**20)
-        out = cls(rank=rank, pairing=pairing, group=group)
+        out = cls(rank=rank, pairing=pairing, group=group, timeout_s=timeout_s)
         out.memory_bytes = need
         return out
 
@@ -180,7 +188,7 @@ class PeerSnapshots:
             works = [dist.isend(sizes, self.buddy, group=g)]
             works += [dist.irecv(got_sizes[r], r, group=g) for r in kept]
             for w in works:
-                w.wait()
+                w.wait(timedelta(seconds=min(ROUND_SLACK_S, self.timeout_s)))
             heads = {r: torch.empty(int(got_sizes[r][0]), dtype=torch.uint8) for r in kept}
             fills = {}
             for r in kept:
@@ -194,8 +202,10 @@ class PeerSnapshots:
             works = [dist.isend(head_t, self.buddy, group=g), dist.isend(own.buf, self.buddy, group=g)]
             for r in kept:
                 works += [dist.irecv(heads[r], r, group=g), dist.irecv(fills[r].buf, r, group=g)]
+            moved = own.buf.numel() + sum(c.buf.numel() for c in fills.values())
+            deadline = timedelta(seconds=min(ROUND_SLACK_S + moved / ROUND_FLOOR_BYTES_PER_S, self.timeout_s))
             for w in works:
-                w.wait()
+                w.wait(deadline)
             for r in kept:
                 fills[r].header = json.loads(bytes(heads[r].numpy()))
                 fills[r].step = int(fills[r].header["step"])
