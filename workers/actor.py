@@ -268,9 +268,12 @@ class Worker:
         try:
             import ray
 
-            return ray.get_runtime_context().get_node_id()
-        except Exception:  # not in a Ray actor (a test driving the worker directly)
-            return os.environ.get("ELASTRON_NODE_ID") or socket.gethostname()
+            if ray.is_initialized():  # else get_runtime_context() would connect to any Ray cluster it finds
+                return ray.get_runtime_context().get_node_id()
+        except Exception:
+            pass
+        # not in a Ray actor (a test or a script driving the worker directly)
+        return os.environ.get("ELASTRON_NODE_ID") or socket.gethostname()
 
     def _init_group(self, rank: int, world_size: int, master_addr: str, master_port: int, timeout_s: float):
         from workers.runtime import init_process_group, pick_device
@@ -393,6 +396,8 @@ class Worker:
         from workers.runtime import destroy_process_group
 
         dropped = self.trainer is not None
+        if self.snapshots is not None and dropped and not self._broken:
+            self.snapshots.wait()  # its round in flight uses the group: let it end first (a sound group: soon)
         if self.trainer is not None:
             try:
                 self.trainer.close()

@@ -6,6 +6,7 @@ resident memory of every process over a long run)."""
 from __future__ import annotations
 
 import gc
+import os
 import weakref
 
 import pytest
@@ -44,6 +45,9 @@ def census() -> dict[str, int]:
             except (RuntimeError, NotImplementedError):  # fake and wrapper tensors have no storage of their own
                 pass
     out["tensor_bytes"] = sum(storages.values())
+    from workers.snapshots import Copy
+
+    out["snapshot_buffers"] = sum(1 for o in gc.get_objects() if isinstance(o, Copy) and o.buf is not None)
     import torch.distributed as dist
 
     out["process_groups"] = len(dist.distributed_c10d._world.pg_map)
@@ -54,7 +58,9 @@ def survivor_body(cfg_dict: dict, run_dir: str, ports: list[int]) -> list[dict]:
     """Rank 0 survives six reconfigurations between one and two workers (live shrink, live grow, storage
     shrink, storage grow, live shrink, live grow), each followed by a non-blocking save and a step, as
     the coordinator does after a live move; automatic cyclic collection off, as it effectively is in a
-    worker between its rare full collections. Returns rank 0's census after each."""
+    worker between its rare full collections. The two ranks are on two nodes, so every two-worker group
+    takes peer snapshots at each step (their buffers are part of the census). Returns rank 0's census
+    after each."""
     import torch.distributed as dist
 
     from workers.actor import Worker
@@ -62,6 +68,7 @@ def survivor_body(cfg_dict: dict, run_dir: str, ports: list[int]) -> list[dict]:
 
     rank = dist.get_rank()
     dist.destroy_process_group()
+    os.environ["ELASTRON_NODE_ID"] = f"node-{rank}"  # two nodes: every two-worker group takes peer snapshots
     cfg = JobConfig.from_dict(cfg_dict)
     one, two = job_plan(cfg, 1).to_dict(), job_plan(cfg, 2).to_dict()
     port = iter(ports)
@@ -93,6 +100,8 @@ def survivor_body(cfg_dict: dict, run_dir: str, ports: list[int]) -> list[dict]:
                 w.run(until_step=1000, steps=1)
             if rank == 0:
                 w.trainer.flush_checkpoint()
+                if w.snapshots is not None:
+                    w.snapshots.wait()  # the step's snapshot round, still receiving in the background
                 out.append(census())
         w.leave()
         return out
@@ -105,6 +114,8 @@ def test_a_survivor_holds_after_the_6th_reconfiguration_what_it_held_after_the_2
     ports = [free_port() for _ in range(14)]
     after = run_ranks(2, survivor_body, CFG, str(tmp_path), ports)[0]
     assert after[1]["modules"] > 0 and after[1]["tensor_bytes"] > 0  # the census sees the trainer
+    # two workers: its own copy and its buddy's of the one round taken; one worker: none
+    assert after[1]["snapshot_buffers"] == 2 and after[0]["snapshot_buffers"] == 0
     assert after[5] == after[1], f"after the 2nd: {after[1]}, after the 6th: {after[5]}"
 
 
