@@ -30,9 +30,9 @@ from parallel.planner import Plan, PlanError, plan, size_for
 from service.control.commands import Command, Grant, Pause, Resume, SetWorkers, Stop
 from service.control.failure import During, Facts, Response, classify, live_gap, respond
 from service.control.job import Job
-from service.control.metrics_ring import RecentMetrics
 from service.control.options import CoordinatorOptions
 from service.control.policy import FINAL_KINDS, Decision, Fail, Failure, PolicyConfig, Resize, ScalingPolicy, Wait
+from service.control.progress import Progress
 from service.control.reconfiguration import Reconfig, Reconfigs
 from service.control.run_files import job_events, last_plan, where_it_stopped
 from service.control.source import Heal, Memory, Release, Restore, Survivors, choose_source, from_survivors
@@ -71,11 +71,10 @@ class Coordinator:
         """The workers the job holds: members, and their spares and standbys."""
         self.plan: Plan | None = None
         """The plan the group was formed for (kept through a failure: what a salvage checks against)."""
-        self.step_done = 0
-        self.committed_step = 0
-        self.metrics: dict[int, dict] = RecentMetrics()  # bounded: the store and metrics.jsonl keep the rest
+        self._lock = threading.RLock()
+        self.progress = Progress(self._lock)
+        """Steps done, the committed step, recent metrics and reconfiguration records."""
         self.failures: list[Failure] = []
-        self.reconfigs = Reconfigs()  # bounded: events.jsonl keeps every resize
         self._commands: queue.Queue[Command] = queue.Queue()
         self._woken = threading.Event()
         self.grant: dict[str, int] | None = None
@@ -92,9 +91,33 @@ class Coordinator:
             Recovering: self._start_or_wait, Waiting: self._start_or_wait, Running: self._on_running,
             Resizing: self._on_resizing, Paused: self._on_paused}
         """One handler per state class; `Ended` has none."""
-        self._lock = threading.RLock()
         self._halted = threading.Event()
         self.state: State = self._restarted() if len(self.events) else Pending()
+
+    # -- progress, kept by `self.progress` ------------------------------------------------------------------
+    @property
+    def step_done(self) -> int:
+        return self.progress.step_done
+
+    @step_done.setter
+    def step_done(self, step: int) -> None:
+        self.progress.step_done = step
+
+    @property
+    def committed_step(self) -> int:
+        return self.progress.committed_step
+
+    @committed_step.setter
+    def committed_step(self, step: int) -> None:
+        self.progress.committed_step = step
+
+    @property
+    def metrics(self) -> dict[int, dict]:
+        return self.progress.metrics
+
+    @property
+    def reconfigs(self) -> Reconfigs:
+        return self.progress.reconfigs
 
     @property
     def group_probe(self):
@@ -246,10 +269,7 @@ class Coordinator:
     def _carried_on(self, p: Plan, kept: CarriedOn, record: Reconfig | None) -> Running:
         """The group the lost coordinator formed for `p` trains on from the step its workers are at (the
         metrics of steps they finished after that coordinator died came back with `kept`)."""
-        with self._lock:
-            for r in kept.rows:
-                self.metrics.setdefault(r["step"], r)
-            self.committed_step = max(self.committed_step, kept.committed_step)
+        self.progress.recovered(kept.rows, at=self.step_done, committed=kept.committed_step)
         if record is not None:
             record.step_before = kept.step
         return self._formed(p, p.layout.to_dict(), kept.step, 0, 0, cause="failure", detected=time.time(),
@@ -357,31 +377,17 @@ class Coordinator:
 
     def _train_chunk(self, state: Running) -> State:
         try:
-            rows = self.group.run(until_step=self.total_steps, steps=self._steps_per_call(),
+            rows = self.group.run(until_step=self.total_steps, steps=self.progress.steps_per_call(self.opts.chunk_seconds),
                                   should_abort=lambda: self._halted.is_set() or self._our_nodes_dead(self.watcher.latest))
         except WorkerFailure as e:
             return state if self._halted.is_set() else self._recover(e)
-        with self._lock:
-            for m in rows:
-                self.metrics[m["step"]] = m
-            if rows:
-                self.step_done = rows[-1]["step"]
-                self.committed_step = max(self.committed_step, rows[-1].get("committed_step", 0))
+        self.progress.trained(rows)
         if not rows or state.record is None:
             return state
-        state.record.first_step(rows[0], self.metrics.get(state.record.step_before))
-        self.reconfigs.append(state.record)
+        self.progress.closed(state.record, rows[0])
         if state.durable_due:  # after a live move: the fallback checkpoint, now that it trains
             return self._durable_checkpoint(replace(state, record=None, durable_due=False))
         return replace(state, record=None)
-
-    def _steps_per_call(self) -> int:
-        """As many steps as fit in chunk_seconds at the last measured step time (1 until measured)."""
-        last = self.metrics.get(self.step_done)
-        step_time = last.get("step_time") if last else None
-        if not step_time:
-            return 1
-        return max(1, min(100, int(self.opts.chunk_seconds / step_time)))
 
     def _policy_config(self, lo: int, hi: int) -> PolicyConfig:
         return PolicyConfig(min_workers=lo, max_workers=hi, settle_seconds=self.opts.settle_seconds,
@@ -638,10 +644,7 @@ class Coordinator:
                                                                                        copies.items()}, **stopped})
             return None, g.size + salvage.idle > 0
         if isinstance(source, Memory):
-            with self._lock:
-                for r in rows:
-                    self.metrics.setdefault(r["step"], r)
-                self.step_done = max([self.step_done, *steps, *(r["step"] for r in rows)])
+            self.progress.recovered(rows, at=max([self.step_done, *steps, *(r["step"] for r in rows)]))
             self.sm.note("info", reason=f"cannot heal from the live state: {why}; forming the next group from the "
                                         f"peer snapshots of step {source.step} that the survivors hold",
                          step=self.step_done, cause="failure",
@@ -654,10 +657,7 @@ class Coordinator:
                     if salvage.stopped_why else [])
             self.sm.note("info", reason=f"healing from {len(infos)} surviving worker(s); {'; '.join(said)}",
                          step=self.step_done, details={"idle": salvage.idle, **stopped})
-        with self._lock:
-            for r in rows:
-                self.metrics.setdefault(r["step"], r)
-            self.step_done = steps.pop()
+        self.progress.recovered(rows, at=steps.pop())
         return source, True
 
     def _recover(self, err: WorkerFailure, *, tried: list[str] = (), during: During = During.TRAINING) -> Recovering:
