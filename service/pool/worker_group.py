@@ -6,7 +6,7 @@ share a node. On a planned resize, surviving actors are kept and only re-join th
 only missing ranks are started and only extra ones stopped. After an unplanned failure the
 survivors may be stuck in a collective with a dead peer: `salvage` aborts their group, and those that
 answer leave it and are kept (to heal from, or as warm processes for a resume from storage). While it
-waits on workers (a start, a form, a transfer) the group probes their nodes (`service.pool.placement.
+waits on workers (a start, a form, a hand-over, a transfer, a checkpoint) the group probes their nodes (`service.pool.placement.
 probe_nodes`), so a node that dies meanwhile fails the wait within seconds. A group with an `owner` (a
 coordinator in a named actor, which Ray restarts when its process dies) starts its workers as detached
 actors in detached placement groups: they outlive the coordinator's process, the restarted coordinator
@@ -235,12 +235,12 @@ class WorkerGroup:
         refs = [m.actor.join.remote(rank=r, world_size=self.size, master_addr=head.ip, master_port=port,
                                     plan=plan.to_dict(), adopt=adopt) for r, m in enumerate(self.members)]
         res = self._await_probing(refs, "form", timeout_s=300)
-        steps = {r["step"] for r in res}
+        steps = {r.step for r in res}
         if len(steps) != 1:
             raise WorkerFailure(FailureKind.OUT_OF_STEP, f"ranks resumed at different steps {sorted(steps)}")
-        parts = {k: max(r.get(k, 0.0) for r in res) for k in res[0] if k.endswith("_s") or k.startswith("build.")}
+        parts = {k: max(r.parts.get(k, 0.0) for r in res) for k in res[0].parts}
         return Formed(step=steps.pop(), form_s=time.perf_counter() - t0, form_parts=parts,
-                      snapshot_bytes=max(r.get("snapshot_bytes", 0) for r in res))
+                      snapshot_bytes=max(r.snapshot_bytes for r in res))
 
     def reshard(self, old: Plan, new: Plan, nodes: list[str], *, survivors: list[int] | None = None,
                 serve: dict[int, int] | None = None, snapshot_step: int | None = None) -> Moved:
@@ -255,7 +255,8 @@ class WorkerGroup:
         then, so a shutdown releases them all)."""
         t0 = time.perf_counter()
         if survivors is None:
-            steps = set(self._get([m.actor.hand_over.remote() for m in self.members], "hand over", timeout=600))
+            steps = set(self._await_probing([m.actor.hand_over.remote() for m in self.members], "hand over",
+                                            timeout_s=600))
             if len(steps) != 1:
                 raise WorkerFailure(FailureKind.OUT_OF_STEP, f"ranks handed over different steps {sorted(steps)}")
         old_ranks = survivors if survivors is not None else list(range(self.size))
@@ -283,9 +284,9 @@ class WorkerGroup:
         self._set_members(members)
         formed = self.form(new, adopt=True)
         return Moved(step=formed.step, started=start.started, stopped=start.stopped,
-                     bytes_moved=sum(r["bytes_received"] for r in moved), handover_s=t1 - t0, transfer_s=t2 - t1,
+                     bytes_moved=sum(r.bytes_received for r in moved), handover_s=t1 - t0, transfer_s=t2 - t1,
                      form_s=formed.form_s, form_parts=formed.form_parts, snapshot_bytes=formed.snapshot_bytes,
-                     transfer_parts={k: max(r["timings"].get(k, 0.0) for r in moved) for k in moved[0]["timings"]})
+                     transfer_parts={k: max(r.timings.get(k, 0.0) for r in moved) for k in moved[0].timings})
 
     def run(self, *, until_step: int, steps: int, should_abort=lambda: False) -> list[dict]:
         """`steps` training steps on every rank (the same count everywhere); rank 0's metrics. Polls
@@ -395,9 +396,11 @@ class WorkerGroup:
 
     def checkpoint(self, *, blocking: bool = True) -> int:
         """Save at the current step; blocking waits for the commit, else returns once the save is under
-        way (it stages during the next step and commits in the background)."""
-        steps = set(self._get([m.actor.checkpoint.remote(blocking=blocking) for m in self.members],
-                              "checkpoint", timeout=600))
+        way (it stages during the next step and commits in the background). Probes the members' nodes
+        while it waits, as every wait on workers does: a node that dies during the save fails it within
+        seconds (WorkerFailure NODE_LOST), not after Ray's own detection."""
+        steps = set(self._await_probing([m.actor.checkpoint.remote(blocking=blocking) for m in self.members],
+                                        "checkpoint", timeout_s=600))
         return max(steps)
 
     def leave(self) -> None:
