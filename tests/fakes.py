@@ -14,7 +14,7 @@ from collections import Counter
 from service.pool.cluster import ClusterWatcher
 from service.control.coordinator import Coordinator, CoordinatorOptions
 from service.control.job import Job
-from service.pool.group import CarriedOn, Formed, Moved, Salvage, Started, WorkerFailure
+from service.pool.group import CarriedOn, FailureKind, Formed, Moved, Salvage, Started, WorkerFailure
 from workers.config import JobConfig
 from workers.report import Salvaged
 
@@ -44,7 +44,8 @@ class Disk:
 class FakeGroup:
     disk: Disk
     cluster: FakeCluster
-    fail_next: list[str] = []
+    fail_next: list[FailureKind | str] = []
+    """Kinds the next calls fail with, in order ("transfer": the next reshard fails)."""
     heals = False
     """Whether survivors of a failure keep their state (a salvage), as real workers do."""
     snapshots: dict[int, dict[int, tuple[int, ...]]] | None = None
@@ -127,7 +128,7 @@ class FakeGroup:
         self.resharded.append({"survivors": survivors, "serve": serve, "snapshot_step": snapshot_step})
         if self.fail_next and self.fail_next[0] == "transfer":
             self.fail_next.pop(0)
-            raise WorkerFailure("died", "a worker died during state transfer")
+            raise WorkerFailure(FailureKind.WORKER_DIED, "a worker died during state transfer")
         if snapshot_step is not None:
             self.step = snapshot_step
         start = self.scale_to(nodes)
@@ -138,7 +139,7 @@ class FakeGroup:
         if self.fail_next:
             raise WorkerFailure(self.fail_next.pop(0), "worker raised: boom")
         if should_abort() or any(m in self.cluster.dead for m in self.members):
-            raise WorkerFailure("died", "a worker died")
+            raise WorkerFailure(FailureKind.WORKER_DIED, "a worker died")
         self.step += 1
         if self.step % self.disk.interval == 0:
             self.disk.committed = self.step

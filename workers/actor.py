@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from workers.config import JobConfig
-    from workers.report import Salvaged, Standing
+    from workers.report import Joined, Resharded, Salvaged, Standing
 
 logger = logging.getLogger(__name__)
 
@@ -206,7 +206,7 @@ class Worker:
 
     # -- group membership ------------------------------------------------------------------------------
     def join(self, *, rank: int, world_size: int, master_addr: str, master_port: int, plan: dict,
-             adopt: bool = False, timeout_s: float = 120.0) -> dict[str, Any]:
+             adopt: bool = False, timeout_s: float = 120.0) -> Joined:
         """Join a process group as `rank` and build the trainer for `plan` (a Plan.to_dict(): layout and
         micro batch, as the planner chose them), resuming from the latest committed checkpoint, if any,
         or, with `adopt`, from the state the last `reshard()` delivered. Returns the step training will
@@ -233,10 +233,12 @@ class Worker:
         self.rank, self._plan, self._broken = rank, plan, False
         t3 = time.perf_counter()
         self._start_snapshots(timeout_s)
-        return {"step": self.trainer.step, "pg_s": t1 - t0, "build_s": t2 - t1, "adopt_s": t3 - t2,
-                **{f"build.{k}": v for k, v in self.trainer.build_times.items()},
-                "snapshot_bytes": self.snapshots.memory_bytes if self.snapshots is not None else 0,
-                "snapshots_s": time.perf_counter() - t3}
+        from workers.report import Joined
+
+        return Joined(step=self.trainer.step, parts={"pg_s": t1 - t0, "build_s": t2 - t1, "adopt_s": t3 - t2,
+                      **{f"build.{k}": v for k, v in self.trainer.build_times.items()},
+                      "snapshots_s": time.perf_counter() - t3},
+                      snapshot_bytes=self.snapshots.memory_bytes if self.snapshots is not None else 0)
 
     def _start_snapshots(self, timeout_s: float) -> None:
         """Peer snapshots for the group just formed (collective on every rank), unless off
@@ -388,8 +390,10 @@ class Worker:
             destroy_process_group()
         self.received = got if new_rank is not None else None
         release_dropped()  # the shards this worker only sent (a leaver: all of them)
-        return {"bytes_received": got.bytes_received,
-                "timings": {"rendezvous": t1 - t0, **got.timings, "leave": time.perf_counter() - t2}}
+        from workers.report import Resharded
+
+        return Resharded(bytes_received=got.bytes_received,
+                         timings={"rendezvous": t1 - t0, **got.timings, "leave": time.perf_counter() - t2})
 
     def leave(self) -> None:
         """Drop the trainer and the process group; the process stays warm for the next layout."""

@@ -43,6 +43,29 @@ class StepMetrics:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class Joined:
+    """What a worker answers once it has joined a training group (`Worker.join`)."""
+
+    step: int
+    """The step training continues from."""
+    parts: dict[str, float] = field(default_factory=dict)
+    """Seconds per part of the join: the process group (`pg_s`), the trainer's build (`build_s`, and
+    its parts as `build.*`), the adoption of moved state (`adopt_s`), the peer snapshots (`snapshots_s`)."""
+    snapshot_bytes: int = 0
+    """Host memory its peer snapshots take (0: off)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Resharded:
+    """What a worker answers once a live state transfer has run (`Worker.reshard`)."""
+
+    bytes_received: int
+    """Bytes it received from other workers (its own pieces are not counted)."""
+    timings: dict[str, float] = field(default_factory=dict)
+    """Seconds per phase of the transfer call (`workers.reshard`)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Salvaged:
     """What a worker answers after a peer failed (`Worker.salvage`): whether it keeps its shards to heal
     the group from, and if it does, their step, its rank in the broken layout and the metrics rows of

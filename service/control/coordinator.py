@@ -25,14 +25,14 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
-from parallel.exchange import survivors_hold_everything
 from parallel.peers import cover
 from parallel.planner import Plan, PlanError, plan, size_for
 from service.control.commands import Command, Grant, Pause, Resume, SetWorkers, Stop
+from service.control.failure import During, Facts, Response, classify, live_gap, respond
 from service.control.job import Job
-from service.control.metrics_ring import RecentMetrics
 from service.control.options import CoordinatorOptions
 from service.control.policy import FINAL_KINDS, Decision, Fail, Failure, PolicyConfig, Resize, ScalingPolicy, Wait
+from service.control.progress import Progress
 from service.control.reconfiguration import Reconfig, Reconfigs
 from service.control.run_files import job_events, last_plan, where_it_stopped
 from service.control.source import Heal, Memory, Release, Restore, Survivors, choose_source, from_survivors
@@ -41,7 +41,7 @@ from service.control.states import (Adopting, Ended, Paused, Pending, Recovering
                                     Waiting)
 from service.control.status import JobStatus
 from service.pool.cluster import ClusterSnapshot, ClusterWatcher
-from service.pool.group import CarriedOn, Group, WorkerFailure
+from service.pool.group import CarriedOn, FailureKind, Group, WorkerFailure
 from service.pool.node_health import NodeHealth
 from service.pool.placement import assign_nodes, cap_slots, probe_nodes, raylets_refusing
 from service.pool.worker_group import WorkerGroup
@@ -71,11 +71,10 @@ class Coordinator:
         """The workers the job holds: members, and their spares and standbys."""
         self.plan: Plan | None = None
         """The plan the group was formed for (kept through a failure: what a salvage checks against)."""
-        self.step_done = 0
-        self.committed_step = 0
-        self.metrics: dict[int, dict] = RecentMetrics()  # bounded: the store and metrics.jsonl keep the rest
+        self._lock = threading.RLock()
+        self.progress = Progress(self._lock)
+        """Steps done, the committed step, recent metrics and reconfiguration records."""
         self.failures: list[Failure] = []
-        self.reconfigs = Reconfigs()  # bounded: events.jsonl keeps every resize
         self._commands: queue.Queue[Command] = queue.Queue()
         self._woken = threading.Event()
         self.grant: dict[str, int] | None = None
@@ -92,9 +91,33 @@ class Coordinator:
             Recovering: self._start_or_wait, Waiting: self._start_or_wait, Running: self._on_running,
             Resizing: self._on_resizing, Paused: self._on_paused}
         """One handler per state class; `Ended` has none."""
-        self._lock = threading.RLock()
         self._halted = threading.Event()
         self.state: State = self._restarted() if len(self.events) else Pending()
+
+    # -- progress, kept by `self.progress` ------------------------------------------------------------------
+    @property
+    def step_done(self) -> int:
+        return self.progress.step_done
+
+    @step_done.setter
+    def step_done(self, step: int) -> None:
+        self.progress.step_done = step
+
+    @property
+    def committed_step(self) -> int:
+        return self.progress.committed_step
+
+    @committed_step.setter
+    def committed_step(self, step: int) -> None:
+        self.progress.committed_step = step
+
+    @property
+    def metrics(self) -> dict[int, dict]:
+        return self.progress.metrics
+
+    @property
+    def reconfigs(self) -> Reconfigs:
+        return self.progress.reconfigs
 
     @property
     def group_probe(self):
@@ -119,9 +142,9 @@ class Coordinator:
                if adopt else "resuming from the last committed checkpoint")
         why = (f"the coordinator restarted (its previous process was lost in state {last_state} at step "
                f"{last_step}); {how}")
-        self.failures.append(Failure(time=time.time(), kind="coordinator", error=why))
+        self.failures.append(Failure(time=time.time(), kind=FailureKind.COORDINATOR_RESTARTED, error=why))
         self.sm.note("failure", reason=why, step=last_step, cause="failure",
-                     details={"kind": "coordinator_restart", "previous_events": len(prior)})
+                     details={"kind": FailureKind.COORDINATOR_RESTARTED, "previous_events": len(prior)})
         record = Reconfig(cause="failure", detected=time.time(), step_before=last_step, old_layout=layout)
         if adopt:
             return Adopting(reason=why, lost=Plan.from_dict(d) if (d := last_plan(prior)) else None, record=record)
@@ -228,10 +251,12 @@ class Coordinator:
                 return self._carried_on(state.lost, standing, record)
             self.sm.note("info", reason=f"the workers taken over cannot train on as they are: {standing.why}",
                          step=self.step_done)
-        if self.cfg.parallel.reshard != "live":
-            return pending
         self.plan = state.lost  # what `_salvage` checks their shards against
-        survivors, kept = self._salvage(gone, abort=False)
+        response = respond(self._facts(FailureKind.COORDINATOR_RESTARTED, During.TAKEOVER))
+        if not response.salvage:
+            self.plan = None
+            return pending
+        survivors, kept = self._salvage(gone, response)
         self.plan = None  # no layout runs until the next group forms
         if survivors is not None and record is not None:
             # the workers may have finished a step the lost coordinator never recorded (their metrics
@@ -244,10 +269,7 @@ class Coordinator:
     def _carried_on(self, p: Plan, kept: CarriedOn, record: Reconfig | None) -> Running:
         """The group the lost coordinator formed for `p` trains on from the step its workers are at (the
         metrics of steps they finished after that coordinator died came back with `kept`)."""
-        with self._lock:
-            for r in kept.rows:
-                self.metrics.setdefault(r["step"], r)
-            self.committed_step = max(self.committed_step, kept.committed_step)
+        self.progress.recovered(kept.rows, at=self.step_done, committed=kept.committed_step)
         if record is not None:
             record.step_before = kept.step
         return self._formed(p, p.layout.to_dict(), kept.step, 0, 0, cause="failure", detected=time.time(),
@@ -280,7 +302,7 @@ class Coordinator:
         if self.step_done >= self.total_steps:
             return self._finish(state)
         if self._our_nodes_dead(snap):
-            return self._recover(WorkerFailure("node_died", "a node hosting workers is gone"))
+            return self._recover(WorkerFailure(FailureKind.NODE_LOST, "a node hosting workers is gone"))
         d = self._decide(snap, current_workers=self.group.size, requested=state.resize_requested)
         if isinstance(d, Fail):
             return self._fail(d.reason)
@@ -355,31 +377,17 @@ class Coordinator:
 
     def _train_chunk(self, state: Running) -> State:
         try:
-            rows = self.group.run(until_step=self.total_steps, steps=self._steps_per_call(),
+            rows = self.group.run(until_step=self.total_steps, steps=self.progress.steps_per_call(self.opts.chunk_seconds),
                                   should_abort=lambda: self._halted.is_set() or self._our_nodes_dead(self.watcher.latest))
         except WorkerFailure as e:
             return state if self._halted.is_set() else self._recover(e)
-        with self._lock:
-            for m in rows:
-                self.metrics[m["step"]] = m
-            if rows:
-                self.step_done = rows[-1]["step"]
-                self.committed_step = max(self.committed_step, rows[-1].get("committed_step", 0))
+        self.progress.trained(rows)
         if not rows or state.record is None:
             return state
-        state.record.first_step(rows[0], self.metrics.get(state.record.step_before))
-        self.reconfigs.append(state.record)
+        self.progress.closed(state.record, rows[0])
         if state.durable_due:  # after a live move: the fallback checkpoint, now that it trains
             return self._durable_checkpoint(replace(state, record=None, durable_due=False))
         return replace(state, record=None)
-
-    def _steps_per_call(self) -> int:
-        """As many steps as fit in chunk_seconds at the last measured step time (1 until measured)."""
-        last = self.metrics.get(self.step_done)
-        step_time = last.get("step_time") if last else None
-        if not step_time:
-            return 1
-        return max(1, min(100, int(self.opts.chunk_seconds / step_time)))
 
     def _policy_config(self, lo: int, hi: int) -> PolicyConfig:
         return PolicyConfig(min_workers=lo, max_workers=hi, settle_seconds=self.opts.settle_seconds,
@@ -556,15 +564,15 @@ class Coordinator:
             else:
                 moved = self.group.reshard(old, p, nodes, survivors=survivors)
         except WorkerFailure as e:
-            if self.cfg.checkpoint.peer_interval > 0:  # the old group's peer snapshots outlive the transfer
+            if respond(self._facts(e.kind, During.TRANSFER)).salvage:  # peer snapshots outlive the transfer
                 self.sm.note("failure", reason=f"the state transfer failed ({e}); asking the survivors for "
                                                f"the peer snapshots they hold", step=self.step_done, cause=cause,
                              details={"kind": e.kind})
-                return self._recover(e, tried=nodes)
-            self.sm.note("fallback", reason=f"live state transfer failed ({e}); falling back to the last "
-                                            f"committed checkpoint (step {self.committed_step})",
-                         step=self.step_done, cause=cause, details={"kind": e.kind})
-            return self._recover(e, tried=nodes, salvage=False)  # the workers handed their state over: nothing to keep
+            else:
+                self.sm.note("fallback", reason=f"live state transfer failed ({e}); falling back to the last "
+                                                f"committed checkpoint (step {self.committed_step})",
+                             step=self.step_done, cause=cause, details={"kind": e.kind})
+            return self._recover(e, tried=nodes, during=During.TRANSFER)
         mib = moved.bytes_moved / 2**20
         how, path = (("moved live", "live") if survivors is None else
                      (f"healed from surviving ranks {survivors}", "peers") if memory is None else
@@ -595,8 +603,15 @@ class Coordinator:
                                      start_timeout_s=o.start_timeout_s, start_probe_s=o.reprobe_interval_s,
                                      probe_timeout_s=o.probe_timeout_s, owner=o.owner, namespace=o.namespace)
 
-    def _salvage(self, gone: set[str], *, dead: Callable[[], set[str]] = set,
-                 abort: bool = True, timeout_s: float = 15.0) -> tuple[Survivors | None, bool]:
+    def _facts(self, kind: FailureKind, during: During) -> Facts:
+        """What the failure policy (service.control.failure.respond) decides from, besides the kind."""
+        g = self.group
+        return Facts(kind=kind, during=during, live_reshard=self.cfg.parallel.reshard == "live",
+                     holds_group=g is not None and self.plan is not None and g.size > 0,
+                     snapshots=self.cfg.checkpoint.peer_interval > 0)
+
+    def _salvage(self, gone: set[str], response: Response, *,
+                 dead: Callable[[], set[str]] = set) -> tuple[Survivors | None, bool]:
         """After a failure without notice: keep the surviving workers and their state when, between them,
         they hold every shard at one step (data-parallel replicas), so the group heals from peers; else
         when their peer snapshots hold every shard of one snapshot step (`parallel.peers.cover`), so the
@@ -605,29 +620,20 @@ class Coordinator:
         re-form to reuse (each has left the failed group and dropped its trainer; one whose save was
         still running is stopped instead). Returns (the
         survivors to heal from or None, whether any worker is kept). `gone`: nodes the watcher lists
-        as dead (their workers are not asked); `dead`, `abort`, `timeout_s`: see `Group.salvage`."""
+        as dead (their workers are not asked); `response`: the failure policy's answer (whether to
+        salvage, abort first, how long to wait, which of the survivors' offers count); `dead`: see
+        `Group.salvage`."""
         g, p = self.group, self.plan
-        if self.cfg.parallel.reshard != "live" or g is None or p is None or not g.size:
+        if not response.salvage or g is None or p is None or not g.size:
             return None, False
-        salvage = g.salvage(gone=gone, dead=dead, abort=abort, timeout_s=timeout_s)
+        salvage = g.salvage(gone=gone, dead=dead, abort=response.abort, timeout_s=response.patience_s)
         infos = {r: i for r, i in salvage.kept.items() if i.held}  # live shards (the others: snapshots only)
         steps = {i.step for i in infos.values()}
         rows = max((i.rows for i in infos.values()), key=len, default=())
-        last_row = rows[-1]["step"] if rows else self.step_done
-        if not infos:
-            why = "no worker answered with state it can vouch for"
-        elif len(infos) != len(salvage.kept):
-            why = f"ranks {sorted(set(salvage.kept) - set(infos))} cannot vouch for their live state"
-        elif len(steps) != 1:
-            why = f"the survivors stopped at different steps {sorted(steps)}"
-        elif not survivors_hold_everything(p.layout, infos):
-            why = f"ranks {sorted(infos)} of {p.layout} do not hold every shard between them"
-        elif max(steps) != max(last_row, self.step_done):
-            why = f"the metrics of step {max(steps)} were lost with the failed worker"
-        else:
-            why = None
+        why = (live_gap(p.layout, salvage.kept, last_step=self.step_done) if response.heal else
+               "the live state went with the transfer that failed")
         copies = {r: i.snapshots for r, i in salvage.kept.items() if i.snapshots}
-        memory = cover(p.layout, copies) if copies or self.cfg.checkpoint.peer_interval > 0 else None
+        memory = cover(p.layout, copies) if copies or response.memory else None
         source = from_survivors(p, live=None if why else tuple(sorted(infos)), memory=memory)
         stopped = {"stopped": list(salvage.stopped_why)} if salvage.stopped_why else {}
         if isinstance(source, str):
@@ -638,10 +644,7 @@ class Coordinator:
                                                                                        copies.items()}, **stopped})
             return None, g.size + salvage.idle > 0
         if isinstance(source, Memory):
-            with self._lock:
-                for r in rows:
-                    self.metrics.setdefault(r["step"], r)
-                self.step_done = max([self.step_done, *steps, *(r["step"] for r in rows)])
+            self.progress.recovered(rows, at=max([self.step_done, *steps, *(r["step"] for r in rows)]))
             self.sm.note("info", reason=f"cannot heal from the live state: {why}; forming the next group from the "
                                         f"peer snapshots of step {source.step} that the survivors hold",
                          step=self.step_done, cause="failure",
@@ -654,26 +657,17 @@ class Coordinator:
                     if salvage.stopped_why else [])
             self.sm.note("info", reason=f"healing from {len(infos)} surviving worker(s); {'; '.join(said)}",
                          step=self.step_done, details={"idle": salvage.idle, **stopped})
-        with self._lock:
-            for r in rows:
-                self.metrics.setdefault(r["step"], r)
-            self.step_done = steps.pop()
+        self.progress.recovered(rows, at=steps.pop())
         return source, True
 
-    def _recover(self, err: WorkerFailure, *, tried: list[str] = (), salvage: bool = True,
-                 patience_s: float = 15.0) -> Recovering:
+    def _recover(self, err: WorkerFailure, *, tried: list[str] = (), during: During = During.TRAINING) -> Recovering:
         """The group failed: record it, keep the survivors' state if they can heal the next group, and
         go RECOVERING. `tried`: the nodes a failed re-form was placing workers on (not members yet, but
         just as likely to be the dead ones: e.g. a node killed right after the probe of the previous
-        failure). `salvage`: try to keep the survivors' state (not after a failed transfer), waiting
-        at most `patience_s` for them to answer."""
+        failure). `during`: what the group was doing; with the failure's kind, the failure policy
+        (service.control.failure.respond) says whether to salvage and how long to wait."""
         t0 = time.time()
-        with self._lock:
-            self.failures.append(Failure(time=t0, kind=err.kind, error=str(err)))
-            # Only the failures within the policy's window count (and a final one, which ends the job):
-            # the list stays as long as the restart budget, not as long as the job.
-            window = self.policy.config.restart_window_s
-            self.failures = [f for f in self.failures if f.time > t0 - window or f.kind in FINAL_KINDS]
+        response = respond(self._facts(err.kind, during))
         nodes = sorted(set(self.group.nodes() if self.group is not None else ()) | set(tried))
         self.health.suspect(err.nodes)  # the group's probe found them dead: they stay out of the next plan
         self.health.sweep(self.watcher.latest)  # and nodes dead before, which a restarted coordinator did not see
@@ -689,14 +683,21 @@ class Coordinator:
             def found_dead() -> set[str]:
                 return probing.result() if probing.done() and probing.exception() is None else set()
 
-            if salvage:
-                survivors, kept = self._salvage(gone, dead=found_dead, timeout_s=patience_s)
+            if response.salvage:
+                survivors, kept = self._salvage(gone, response, dead=found_dead)
             dead = gone | probing.result()
+        kind = classify(err.kind, on_dead_node=bool(dead))
+        with self._lock:
+            self.failures.append(Failure(time=t0, kind=kind, error=str(err)))
+            # Only the failures within the policy's window count (and a final one, which ends the job):
+            # the list stays as long as the restart budget, not as long as the job.
+            window = self.policy.config.restart_window_s
+            self.failures = [f for f in self.failures if f.time > t0 - window or f.kind in FINAL_KINDS]
         if not kept:
             self._drop_members(dead)
         # waited_s: since the failure was noticed, in the salvage and the probe
         self.sm.note("failure", reason=str(err), step=self.step_done, cause="failure",
-                     details={"kind": err.kind, "unresponsive_nodes": sorted(dead),
+                     details={"kind": kind, "unresponsive_nodes": sorted(dead),
                               "waited_s": round(time.time() - t0, 3)})
         record = Reconfig(cause="failure", detected=t0, step_before=self.step_done,
                           old_layout=self.plan.layout.to_dict() if self.plan else None)
@@ -719,7 +720,7 @@ class Coordinator:
         except WorkerFailure as e:
             # the members hold nothing the checkpoint does not: those that answer at once stay warm, those
             # stuck (a rendezvous with a rank on a dead node waits out its timeout) are not waited for
-            return self._recover(e, tried=nodes, patience_s=1.0)
+            return self._recover(e, tried=nodes, during=During.RESTORE)
         return self._formed(p, old, formed.step, start.started, start.stopped, cause=cause, reason=reason,
                             detected=detected, record=record,
                             transfer={"path": "storage", "start_s": start_s, "standby": start.from_standby,

@@ -39,6 +39,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from service.pool.group import FailureKind
+
 
 @dataclass(frozen=True, slots=True)
 class Noop:
@@ -69,7 +71,7 @@ class Fail:
 
 Decision = Noop | Resize | Wait | Fail
 
-FINAL_KINDS = frozenset({"error:ConfigError"})
+FINAL_KINDS = frozenset({FailureKind.CONFIG_REJECTED})
 """Failure kinds that fail the job at the first one: a worker found the configuration unusable, which
 no restart changes."""
 
@@ -80,8 +82,8 @@ class Failure:
 
     time: float
     """Unix seconds (same clock as `now`)."""
-    kind: str
-    """What failed, coarse enough to repeat: e.g. "worker_crash", "node_died", "oom", "start_timeout"."""
+    kind: FailureKind
+    """What failed, coarse enough to repeat (one node's loss is NODE_LOST whoever noticed it)."""
     error: str = ""
     """The error text, quoted in a Fail reason."""
 

@@ -7,20 +7,44 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from typing import Protocol, runtime_checkable
 
 from parallel.planner import Plan
 from workers.report import Salvaged
 
 
+class FailureKind(StrEnum):
+    """What went wrong, one spelling per kind: the retry budget counts failures by it, and the failure
+    policy (service.control.failure) answers by it. A node's loss is NODE_LOST whoever notices it first
+    (the watcher, a probe beside a wait, a worker's death on that node once a probe finds it dead)."""
+
+    NODE_LOST = "node_lost"
+    """A node hosting workers is gone or does not answer a probe."""
+    WORKER_DIED = "worker_died"
+    """A worker process died (its actor is gone) on a node not known to be dead."""
+    TIMED_OUT = "timed_out"
+    """A call on the workers did not end in time (a collective hung, a start never answered)."""
+    WORKER_RAISED = "worker_raised"
+    """A worker raised an exception."""
+    CONFIG_REJECTED = "config_rejected"
+    """A worker found the job's configuration unusable (ConfigError): no restart mends it."""
+    START_FAILED = "start_failed"
+    """Workers could not be placed in time."""
+    OUT_OF_STEP = "out_of_step"
+    """The ranks resumed or handed over at different steps."""
+    COORDINATOR_RESTARTED = "coordinator_restarted"
+    """The job's coordinator process was lost and started again."""
+
+
 class WorkerFailure(RuntimeError):
     """A worker died or raised. `kind` groups repeated failures of the same sort for the retry budget;
-    `nodes`: nodes the group's own probe found unresponsive (kind "node"), which the recovery neither
+    `nodes`: nodes the group's own probe found unresponsive (NODE_LOST), which the recovery neither
     waits for nor probes again."""
 
-    def __init__(self, kind: str, message: str, *, nodes: Collection[str] = ()):
+    def __init__(self, kind: FailureKind, message: str, *, nodes: Collection[str] = ()):
         super().__init__(message)
-        self.kind = kind
+        self.kind = FailureKind(kind)
         self.nodes = frozenset(nodes)
 
 

@@ -6,7 +6,7 @@ share a node. On a planned resize, surviving actors are kept and only re-join th
 only missing ranks are started and only extra ones stopped. After an unplanned failure the
 survivors may be stuck in a collective with a dead peer: `salvage` aborts their group, and those that
 answer leave it and are kept (to heal from, or as warm processes for a resume from storage). While it
-waits on workers (a start, a form, a transfer) the group probes their nodes (`service.pool.placement.
+waits on workers (a start, a form, a hand-over, a transfer, a checkpoint) the group probes their nodes (`service.pool.placement.
 probe_nodes`), so a node that dies meanwhile fails the wait within seconds. A group with an `owner` (a
 coordinator in a named actor, which Ray restarts when its process dies) starts its workers as detached
 actors in detached placement groups: they outlive the coordinator's process, the restarted coordinator
@@ -33,9 +33,10 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from parallel.planner import Plan
 from service.pool.detached import find_workers, release_workers, standby_kind, standby_node, worker_prefix
-from service.pool.group import CarriedOn, Formed, Moved, Salvage, Started, WorkerFailure
+from service.pool.group import CarriedOn, FailureKind, Formed, Moved, Salvage, Started, WorkerFailure
 from service.pool.placement import on_node, probe_nodes
 from workers.config import JobConfig
+from workers.strict import ConfigError
 from workers.report import Salvaged
 
 __all__ = ["CONTROL", "Role", "WorkerGroup", "WorkerHandle"]
@@ -200,7 +201,7 @@ class WorkerGroup:
             now = time.monotonic()
             if now >= deadline:
                 self._unread += refs
-                raise WorkerFailure("timeout", f"workers did not finish {what} within {timeout_s:.0f}s")
+                raise WorkerFailure(FailureKind.TIMED_OUT, f"workers did not finish {what} within {timeout_s:.0f}s")
             # woken by each answer, not only by the last: a rank that failed fails the wait at once
             done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, min(deadline, next_probe) - now))
             for ref in done:
@@ -234,12 +235,12 @@ class WorkerGroup:
         refs = [m.actor.join.remote(rank=r, world_size=self.size, master_addr=head.ip, master_port=port,
                                     plan=plan.to_dict(), adopt=adopt) for r, m in enumerate(self.members)]
         res = self._await_probing(refs, "form", timeout_s=300)
-        steps = {r["step"] for r in res}
+        steps = {r.step for r in res}
         if len(steps) != 1:
-            raise WorkerFailure("form", f"ranks resumed at different steps {sorted(steps)}")
-        parts = {k: max(r.get(k, 0.0) for r in res) for k in res[0] if k.endswith("_s") or k.startswith("build.")}
+            raise WorkerFailure(FailureKind.OUT_OF_STEP, f"ranks resumed at different steps {sorted(steps)}")
+        parts = {k: max(r.parts.get(k, 0.0) for r in res) for k in res[0].parts}
         return Formed(step=steps.pop(), form_s=time.perf_counter() - t0, form_parts=parts,
-                      snapshot_bytes=max(r.get("snapshot_bytes", 0) for r in res))
+                      snapshot_bytes=max(r.snapshot_bytes for r in res))
 
     def reshard(self, old: Plan, new: Plan, nodes: list[str], *, survivors: list[int] | None = None,
                 serve: dict[int, int] | None = None, snapshot_step: int | None = None) -> Moved:
@@ -254,9 +255,10 @@ class WorkerGroup:
         then, so a shutdown releases them all)."""
         t0 = time.perf_counter()
         if survivors is None:
-            steps = set(self._get([m.actor.hand_over.remote() for m in self.members], "hand over", timeout=600))
+            steps = set(self._await_probing([m.actor.hand_over.remote() for m in self.members], "hand over",
+                                            timeout_s=600))
             if len(steps) != 1:
-                raise WorkerFailure("hand over", f"ranks handed over different steps {sorted(steps)}")
+                raise WorkerFailure(FailureKind.OUT_OF_STEP, f"ranks handed over different steps {sorted(steps)}")
         old_ranks = survivors if survivors is not None else list(range(self.size))
         old_members = list(self.members)
         members, leavers, started, start = self._arrange(nodes, stop_leavers_first=False)
@@ -282,9 +284,9 @@ class WorkerGroup:
         self._set_members(members)
         formed = self.form(new, adopt=True)
         return Moved(step=formed.step, started=start.started, stopped=start.stopped,
-                     bytes_moved=sum(r["bytes_received"] for r in moved), handover_s=t1 - t0, transfer_s=t2 - t1,
+                     bytes_moved=sum(r.bytes_received for r in moved), handover_s=t1 - t0, transfer_s=t2 - t1,
                      form_s=formed.form_s, form_parts=formed.form_parts, snapshot_bytes=formed.snapshot_bytes,
-                     transfer_parts={k: max(r["timings"].get(k, 0.0) for r in moved) for k in moved[0]["timings"]})
+                     transfer_parts={k: max(r.timings.get(k, 0.0) for r in moved) for k in moved[0].timings})
 
     def run(self, *, until_step: int, steps: int, should_abort=lambda: False) -> list[dict]:
         """`steps` training steps on every rank (the same count everywhere); rank 0's metrics. Polls
@@ -303,7 +305,7 @@ class WorkerGroup:
                 self._get([ref], "run", also=refs)  # raises WorkerFailure if that rank failed
             if pending and should_abort():
                 self._unread += refs
-                raise WorkerFailure("node", "a node hosting workers died during a step")
+                raise WorkerFailure(FailureKind.NODE_LOST, "a node hosting workers died during a step")
             if pending and len(pending) < len(refs):
                 now = time.monotonic()
                 next_probe = next_probe or now + next(gaps)
@@ -394,9 +396,11 @@ class WorkerGroup:
 
     def checkpoint(self, *, blocking: bool = True) -> int:
         """Save at the current step; blocking waits for the commit, else returns once the save is under
-        way (it stages during the next step and commits in the background)."""
-        steps = set(self._get([m.actor.checkpoint.remote(blocking=blocking) for m in self.members],
-                              "checkpoint", timeout=600))
+        way (it stages during the next step and commits in the background). Probes the members' nodes
+        while it waits, as every wait on workers does: a node that dies during the save fails it within
+        seconds (WorkerFailure NODE_LOST), not after Ray's own detection."""
+        steps = set(self._await_probing([m.actor.checkpoint.remote(blocking=blocking) for m in self.members],
+                                        "checkpoint", timeout_s=600))
         return max(steps)
 
     def leave(self) -> None:
@@ -429,11 +433,11 @@ class WorkerGroup:
     @staticmethod
     def _failure(e: RayError, what: str, timeout: float | None) -> WorkerFailure:
         if isinstance(e, RayActorError):
-            return WorkerFailure("died", f"a worker died during {what}: {str(e).splitlines()[0]}")
+            return WorkerFailure(FailureKind.WORKER_DIED, f"a worker died during {what}: {str(e).splitlines()[0]}")
         if isinstance(e, GetTimeoutError):
-            return WorkerFailure("timeout", f"workers did not finish {what} within {timeout:.0f}s")
+            return WorkerFailure(FailureKind.TIMED_OUT, f"workers did not finish {what} within {timeout:.0f}s")
         cause = getattr(e, "cause", None)
-        kind = f"error:{type(cause).__name__}" if cause is not None else "error"
+        kind = FailureKind.CONFIG_REJECTED if isinstance(cause, ConfigError) else FailureKind.WORKER_RAISED
         msg = str(cause) if cause is not None else str(e).splitlines()[-1]
         return WorkerFailure(kind, f"a worker raised during {what}: {msg}")
 
@@ -631,7 +635,7 @@ class WorkerGroup:
         """Each launched actor's `info`, in order; WorkerFailure as soon as one fails, when a placement
         group is not placed within `start_timeout_s` ("start"), or when the workers have not answered
         60 s after that ("timeout"). While some have not answered, probe the nodes (`probe_gaps`)
-        they are starting on (each one's target, and where its placement group landed): WorkerFailure("node")
+        they are starting on (each one's target, and where its placement group landed): WorkerFailure(NODE_LOST)
         when one does not answer, instead of waiting out Ray's own detection of a dead node (~15 s for
         an actor on it; for good for a placement group that cannot fit without it)."""
         from ray.util import placement_group_table
@@ -656,11 +660,11 @@ class WorkerGroup:
             now = time.monotonic()
             if now >= place_by and (unplaced := [(nid, t.get("state")) for ref, (nid, _) in pending.items()
                                                  if (t := tables[ref]).get("state") != "CREATED"]):
-                raise WorkerFailure("start", f"could not place {len(unplaced)} of {len(launched)} worker(s) within "
+                raise WorkerFailure(FailureKind.START_FAILED, f"could not place {len(unplaced)} of {len(launched)} worker(s) within "
                                              f"{self.start_timeout_s:.0f}s (" + ", ".join(
                                                  f"on {nid[:8]}: {state}" for nid, state in unplaced) + ")")
             if now >= deadline:
-                raise WorkerFailure("timeout", f"workers did not finish start within {deadline - t0:.0f}s")
+                raise WorkerFailure(FailureKind.TIMED_OUT, f"workers did not finish start within {deadline - t0:.0f}s")
             if now >= next_probe:
                 # where the pending landed (an unplaced bundle's node is "") and where each was meant to
                 # go: a placement group aimed at a dead node the GCS still lists lands elsewhere (the
@@ -671,11 +675,11 @@ class WorkerGroup:
         return [infos[w.ping] for w in launched]
 
     def _probe_or_fail(self, nodes: list[str], during: str) -> None:
-        """WorkerFailure("node") if one of `nodes` does not answer a probe: a call waiting on a worker
+        """WorkerFailure(NODE_LOST) if one of `nodes` does not answer a probe: a call waiting on a worker
         there would otherwise wait out Ray's own detection of the dead node (~15 s or more), and a
         placement group there would wait for good."""
         if dead := set(nodes) - probe_nodes(nodes, timeout_s=self.probe_timeout_s):
-            raise WorkerFailure("node", f"node(s) {', '.join(n[:8] for n in sorted(dead))} stopped answering "
+            raise WorkerFailure(FailureKind.NODE_LOST, f"node(s) {', '.join(n[:8] for n in sorted(dead))} stopped answering "
                                         f"{during}", nodes=dead)
 
     def prewarm(self, nodes: list[str]) -> int:

@@ -22,7 +22,7 @@ def runner(tmp_path, cluster, gate, job_id="job1"):
 def transitions_after_restart(r) -> list[str]:
     ev = r.events_since(0)
     i = max(i for i, e in enumerate(ev) if e["kind"] == "failure"
-            and e["details"].get("kind") == "coordinator_restart")
+            and e["details"].get("kind") == "coordinator_restarted")
     return [e["to_state"] for e in ev[i + 1:] if e["kind"] == "transition"]
 
 

@@ -11,7 +11,7 @@ import pytest
 from parallel.layout import Layout
 from parallel.planner import PlanError
 from service.control.coordinator import Coordinator
-from service.pool.group import WorkerFailure
+from service.pool.group import FailureKind, WorkerFailure
 from tests.fakes import advance, make_coordinator
 from service.control.commands import Pause, Resume, SetWorkers, Stop
 
@@ -71,7 +71,7 @@ def test_a_node_the_watcher_still_calls_alive_is_left_out_after_a_failed_probe(t
     """The stale-view case: Ray still lists a killed node as alive, but it cannot place work."""
     c, cluster, G = make_coordinator(tmp_path, {"a": 2, "b": 2}, interval=5)
     advance(c, lambda c: c.step_done >= 6)
-    G.fail_next.append("died")
+    G.fail_next.append(FailureKind.WORKER_DIED)
     c.group_probe = lambda nodes, timeout_s: {n for n in nodes if n != "b"}  # b: alive per the watcher only
     advance(c, lambda c: len(changes(c)) == 1)
     (rc,) = changes(c)
@@ -97,10 +97,10 @@ def test_a_node_that_dies_just_after_the_probe_is_caught_when_the_restart_fails_
 
     def scale_to(self, nodes):
         if set(nodes) & gone:
-            raise WorkerFailure("died", "a worker died during start")
+            raise WorkerFailure(FailureKind.WORKER_DIED, "a worker died during start")
         return start(self, nodes)
     G.scale_to = scale_to
-    G.fail_next.append("died")
+    G.fail_next.append(FailureKind.WORKER_DIED)
     advance(c, lambda c: len(changes(c)) == 1)
     (rc,) = changes(c)
     assert rc.cause == "failure" and rc.world_size == 2 and "b" not in c.group.nodes()
@@ -115,7 +115,7 @@ def test_a_suspect_that_answers_a_later_probe_is_used_again_at_once(tmp_path):
     advance(c, lambda c: c.step_done >= 6)
     slow = {"b"}
     c.group_probe = lambda nodes, timeout_s: {n for n in nodes if n not in slow}
-    G.fail_next.append("died")
+    G.fail_next.append(FailureKind.WORKER_DIED)
     advance(c, lambda c: str(c.sm.state) == "WAITING_FOR_CAPACITY")
     assert "min_workers=4" in c.sm.reason
     slow.clear()  # b answers again
@@ -231,10 +231,10 @@ def test_waits_for_capacity_below_min_workers_and_resumes(tmp_path):
 
 def test_repeated_failures_of_one_kind_end_in_failed_with_the_error(tmp_path):
     c, _, G = make_coordinator(tmp_path, {"a": 2})
-    G.fail_next.extend(["error:ValueError"] * 5)
+    G.fail_next.extend([FailureKind.WORKER_RAISED] * 5)
     advance(c, lambda c: c.sm.state.is_terminal)
     assert str(c.sm.state) == "FAILED"
-    assert "error:ValueError failed 3 times" in c.sm.reason and "boom" in c.sm.reason
+    assert "worker_raised failed 3 times" in c.sm.reason and "boom" in c.sm.reason
 
 
 def test_user_resize_pause_resume_stop(tmp_path):
@@ -339,7 +339,7 @@ def test_a_node_the_groups_own_probe_found_dead_is_neither_waited_for_nor_probed
     c.group_probe = lambda nodes, timeout_s: probed.append(sorted(nodes)) or set(nodes) - {"b"}
     advance(c, lambda c: c.step_done >= 7)
     G.run = lambda self, **kw: (_ for _ in ()).throw(
-        WorkerFailure("node", "node(s) b stopped answering during run", nodes={"b"}))
+        WorkerFailure(FailureKind.NODE_LOST, "node(s) b stopped answering during run", nodes={"b"}))
     c.step()
     del G.run
     assert c.group.salvaged_gone == {"b"} and probed == [["a"]]
@@ -369,7 +369,7 @@ def test_the_probe_of_the_failed_groups_nodes_runs_while_the_survivors_salvage(t
     G.salvage = meeting_salvage
     c.group_probe = meeting_probe
     advance(c, lambda c: c.step_done >= 7)
-    G.fail_next.append("died")  # b is not dead per the watcher: it is probed, and found unresponsive
+    G.fail_next.append(FailureKind.WORKER_DIED)  # b is not dead per the watcher: it is probed, and found unresponsive
     advance(c, lambda c: len(c.reconfigs) == 2 and c.step_done >= 8)
     (fail,) = [e for e in c.events_since(0) if e["kind"] == "failure"]
     assert fail["details"]["unresponsive_nodes"] == ["b"] and not both.broken
@@ -417,7 +417,7 @@ def test_a_recovery_that_resumes_at_the_last_step_is_still_recorded(tmp_path):
 
     def dies_once(self, *, blocking=True):
         G.checkpoint = real
-        raise WorkerFailure("died", "a worker died during checkpoint")
+        raise WorkerFailure(FailureKind.WORKER_DIED, "a worker died during checkpoint")
     G.checkpoint = dies_once
     advance(c, lambda c: c.sm.state.is_terminal)
     assert str(c.sm.state) == "SUCCEEDED"
@@ -484,10 +484,10 @@ def test_each_state_but_the_final_one_has_one_handler_and_every_lifecycle_state_
 def test_a_configuration_error_on_a_worker_fails_the_job_without_a_restart(tmp_path):
     c, _, G = make_coordinator(tmp_path, {"a": 2})
     advance(c, lambda c: c.step_done >= 2)
-    G.fail_next.append("error:ConfigError")  # as a worker's ConfigError comes back (WorkerGroup._failure)
+    G.fail_next.append(FailureKind.CONFIG_REJECTED)  # as a worker's ConfigError comes back (WorkerGroup._failure)
     advance(c, lambda c: c.sm.state.is_terminal)
     assert str(c.sm.state) == "FAILED" and "configuration cannot run" in c.sm.reason
-    assert [f.kind for f in c.failures] == ["error:ConfigError"]  # failed at the first, never re-formed
+    assert [f.kind for f in c.failures] == [FailureKind.CONFIG_REJECTED]  # failed at the first, never re-formed
     assert len([e for e in c.events_since(0) if e["kind"] == "resize"]) == 1
 
 

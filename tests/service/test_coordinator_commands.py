@@ -5,7 +5,7 @@ keeps a bounded window of metrics however long the job."""
 from __future__ import annotations
 
 from service.control.metrics_ring import RecentMetrics
-from service.pool.group import WorkerFailure
+from service.pool.group import FailureKind, WorkerFailure
 from tests.fakes import advance, make_coordinator
 from service.control.commands import Pause, SetWorkers, Stop
 
@@ -24,7 +24,7 @@ def test_a_failed_checkpoint_before_stop_is_an_event_and_not_a_clean_stop(tmp_pa
     advance(c, lambda c: c.step_done >= 7)
 
     def broken(self, *, blocking=True):
-        raise WorkerFailure("died", "disk full")
+        raise WorkerFailure(FailureKind.WORKER_DIED, "disk full")
 
     c.group.__class__.checkpoint = broken
     c.send(Stop())
@@ -38,7 +38,7 @@ def test_a_failed_checkpoint_before_stop_is_an_event_and_not_a_clean_stop(tmp_pa
 def test_a_failed_checkpoint_before_pause_is_an_event_and_the_job_still_pauses(tmp_path):
     c, _, _ = make_coordinator(tmp_path, {"a": 2, "b": 2})
     advance(c, lambda c: c.step_done >= 7)
-    c.group.__class__.checkpoint = lambda self, *, blocking=True: (_ for _ in ()).throw(WorkerFailure("died", "x"))
+    c.group.__class__.checkpoint = lambda self, *, blocking=True: (_ for _ in ()).throw(WorkerFailure(FailureKind.WORKER_DIED, "x"))
     c.send(Pause())
     advance(c, lambda c: str(c.sm.state) == "PAUSED")
     assert any(e["kind"] == "failure" and e["details"].get("kind") == "checkpoint_before_pause"

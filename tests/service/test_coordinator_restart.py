@@ -41,7 +41,7 @@ def test_a_restarted_coordinator_resumes_from_the_last_commit_and_keeps_the_hist
     events = second.events_since(0)
     assert events[:len(before)] == before  # history continues, same indexes
     restart = events[len(before)]
-    assert restart["kind"] == "failure" and restart["details"]["kind"] == "coordinator_restart"
+    assert restart["kind"] == "failure" and restart["details"]["kind"] == "coordinator_restarted"
     assert restart["step"] == 8 and "resuming from the last committed checkpoint" in restart["reason"]
     rc = second.reconfigs[0]
     assert rc.cause == "failure" and rc.step_before == 8 and rc.resumed_step == committed

@@ -41,7 +41,7 @@ def test_a_killed_coordinator_actor_is_restarted_and_finishes_the_job(local_ray,
         assert "FAILED" not in seen  # never declared dead while Ray brought the actor back
         assert done.step == 60 and done.reconfigurations.get("failure") == 1
         kinds = [(e["kind"], e["details"].get("kind")) for e in mgr.events(job_id)]
-        assert ("failure", "coordinator_restart") in kinds
+        assert ("failure", "coordinator_restarted") in kinds
         steps = [m["step"] for m in mgr.metrics(job_id)]
         assert steps == list(range(1, 61))
     finally:

@@ -7,6 +7,7 @@ import itertools
 import pytest
 
 from service.control.policy import Fail, Failure, Noop, PolicyConfig, Resize, ScalingPolicy, Wait
+from service.pool.group import FailureKind as K
 
 
 def policy(**kw) -> ScalingPolicy:
@@ -196,38 +197,38 @@ def test_size_for_cannot_invent_workers():
 # -- failure budget -------------------------------------------------------------------------------------
 def test_fail_when_one_kind_repeats_more_than_max_restarts_in_window():
     p = policy(max_restarts=2, restart_window_s=100.0)
-    fs = [Failure(time=10.0, kind="worker_crash", error="segfault"),
-          Failure(time=20.0, kind="worker_crash", error="CUDA error: illegal memory access")]
+    fs = [Failure(time=10.0, kind=K.WORKER_DIED, error="segfault"),
+          Failure(time=20.0, kind=K.WORKER_DIED, error="CUDA error: illegal memory access")]
     assert isinstance(p.decide(30.0, current_workers=0, usable_workers=4, failures=fs), Resize)
-    fs.append(Failure(time=30.0, kind="worker_crash", error="NCCL timeout on rank 3"))
+    fs.append(Failure(time=30.0, kind=K.WORKER_DIED, error="NCCL timeout on rank 3"))
     d = p.decide(30.0, current_workers=0, usable_workers=4, failures=fs)
-    assert d == Fail("worker_crash failed 3 times in the last 100 s (max_restarts=2); "
+    assert d == Fail("worker_died failed 3 times in the last 100 s (max_restarts=2); "
                      "last error: NCCL timeout on rank 3")
 
 
 def test_kinds_are_counted_separately():
     p = policy(max_restarts=1)
-    fs = [Failure(time=1.0, kind="oom", error="a"), Failure(time=2.0, kind="node_died", error="b")]
+    fs = [Failure(time=1.0, kind=K.WORKER_RAISED, error="a"), Failure(time=2.0, kind=K.NODE_LOST, error="b")]
     assert isinstance(p.decide(3.0, current_workers=0, usable_workers=2, failures=fs), Resize)
 
 
 def test_failures_leave_the_window():
     p = policy(max_restarts=1, restart_window_s=60.0)
-    fs = [Failure(time=0.0, kind="oom", error="old"), Failure(time=50.0, kind="oom", error="new")]
+    fs = [Failure(time=0.0, kind=K.WORKER_RAISED, error="old"), Failure(time=50.0, kind=K.WORKER_RAISED, error="new")]
     assert isinstance(p.decide(59.9, current_workers=0, usable_workers=2, failures=fs), Fail)
     assert isinstance(p.decide(60.0, current_workers=0, usable_workers=2, failures=fs), Resize)  # t=0 now out
 
 
 def test_zero_restarts_fails_on_first_failure_and_fail_beats_wait():
     p = policy(max_restarts=0, min_workers=4)
-    d = p.decide(1.0, current_workers=0, usable_workers=0, failures=[Failure(time=1.0, kind="start_timeout")])
-    assert d == Fail("start_timeout failed 1 times in the last 3600 s (max_restarts=0); last error: (none)")
+    d = p.decide(1.0, current_workers=0, usable_workers=0, failures=[Failure(time=1.0, kind=K.START_FAILED)])
+    assert d == Fail("start_failed failed 1 times in the last 3600 s (max_restarts=0); last error: (none)")
 
 
 def test_most_recent_exhausted_kind_is_reported():
     p = policy(max_restarts=0)
-    fs = [Failure(time=5.0, kind="oom", error="late"), Failure(time=1.0, kind="node_died", error="early")]
-    assert "oom" in p.decide(6.0, current_workers=1, usable_workers=1, failures=fs).reason
+    fs = [Failure(time=5.0, kind=K.WORKER_RAISED, error="late"), Failure(time=1.0, kind=K.NODE_LOST, error="early")]
+    assert "worker_raised" in p.decide(6.0, current_workers=1, usable_workers=1, failures=fs).reason
 
 
 # -- exhaustive sweep against a direct statement of the rules -----------------------------------------
@@ -308,11 +309,11 @@ def test_a_users_resize_is_an_input_that_acts_at_once_in_either_direction():
 
 def test_a_configuration_error_on_a_worker_fails_the_job_at_once():
     p = ScalingPolicy(PolicyConfig(min_workers=1, max_restarts=3))
-    bad = [Failure(time=1.0, kind="error:ConfigError", error="a worker raised during form: data.token_dtype ...")]
+    bad = [Failure(time=1.0, kind=K.CONFIG_REJECTED, error="a worker raised during form: data.token_dtype ...")]
     d = p.decide(2.0, current_workers=0, usable_workers=4, failures=bad)
     assert isinstance(d, Fail) and "configuration cannot run" in d.reason and "data.token_dtype" in d.reason
     # other kinds are retried as before
-    other = [Failure(time=1.0, kind="died", error="a worker died")]
+    other = [Failure(time=1.0, kind=K.WORKER_DIED, error="a worker died")]
     assert isinstance(p.decide(2.0, current_workers=0, usable_workers=4, failures=other), Resize)
 
 

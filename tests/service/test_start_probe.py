@@ -1,7 +1,7 @@
 """A node that dies while the group starts workers on it fails the start at the next probe of the nodes
 still starting, instead of when Ray's health checks declare the node dead. Seen in the chaos
 benchmark's double fault (a worker kill, then its node, 0.3 s apart): killed once its worker's
-placement group was placed, the start waited ~15 s for the actor's death (kind "died"); killed before,
+placement group was placed, the start waited ~15 s for the actor's death (kind "worker_died"); killed before,
 the placement group waited out the whole start timeout (kind "start", 63 s to recover). A spare
 pre-started there (a growth settling) is awaited the same way: before, the start waited ~15 s for the
 spare's death, then started another on the dead node."""
@@ -77,7 +77,7 @@ def test_a_node_that_dies_as_its_worker_starts_fails_the_start_at_the_probe(tmp_
             g.scale_to([node.node_id])
         took = time.monotonic() - t0
         assert killed.wait(timeout=60)
-        assert e.value.kind == "node" and node.node_id[:8] in str(e.value), (e.value.kind, str(e.value), took)
+        assert e.value.kind == "node_lost" and node.node_id[:8] in str(e.value), (e.value.kind, str(e.value), took)
         assert took < 12, took  # the 1 s probe, not Ray's own detection (>= 15 s) nor the start timeout
         assert g.members == [] and g.spares == []
 
@@ -87,8 +87,8 @@ def test_a_member_node_that_dies_before_a_group_call_fails_it_at_the_probe(tmp_p
     """The chaos double fault with warm survivors: a failure's survivors are kept for the storage
     resume, and one's node dies right after; the re-form's calls on it (leave; the head's free port and
     the ranks' join) waited for Ray to declare the actor dead, 6-9 s later there. They probe the members'
-    nodes, so the call fails within seconds whichever notices first: the probe (kind "node"), or Ray,
-    which on a quiet box may already know the actor is dead (kind "died", in milliseconds)."""
+    nodes, so the call fails within seconds whichever notices first: the probe (kind "node_lost"), or Ray,
+    which on a quiet box may already know the actor is dead (kind "worker_died", in milliseconds)."""
     from dataclasses import replace
 
     from parallel.planner import plan
@@ -106,7 +106,7 @@ def test_a_member_node_that_dies_before_a_group_call_fails_it_at_the_probe(tmp_p
         with pytest.raises(WorkerFailure) as e:
             g.form(p) if call == "form" else g.leave()
         took = time.monotonic() - t0
-        assert (e.value.kind == "node" and nodes[0].node_id[:8] in str(e.value)) or e.value.kind == "died", \
+        assert (e.value.kind == "node_lost" and nodes[0].node_id[:8] in str(e.value)) or e.value.kind == "worker_died", \
             (e.value.kind, str(e.value), took)
         assert took < 5, took  # at worst the first probe (0.5 s) and its timeout (1 s)
         g.shutdown()

@@ -294,7 +294,7 @@ def test_a_rank_still_running_after_the_others_answered_is_probed(local_ray, mon
         if node_dead:
             with pytest.raises(WorkerFailure) as e:
                 g.run(until_step=10, steps=1)
-            assert e.value.kind == "node" and e.value.nodes == {"b"}
+            assert e.value.kind == "node_lost" and e.value.nodes == {"b"}
             assert time.monotonic() - t0 < slow_s / 2  # at a probe, not when the rank's call ends
         else:
             assert g.run(until_step=10, steps=1) == [{"step": 1}]

@@ -1,0 +1,60 @@
+"""Where a job's training stands: the bookkeeping the coordinator's handlers share.
+
+`Progress` keeps the last step done, the last committed checkpoint's step, the recent metrics rows and
+the reconfiguration records, and takes in what each kind of call brings back: the rows of a training
+chunk (`trained`), the rows a salvage or a takeover recovered from workers (`recovered`), the first
+step at a new layout (`closed`). Its readers (the coordinator's `status`, `metrics_since`) take the same
+lock its writers do, so a status never shows a step whose metrics are not in yet.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+from service.control.metrics_ring import RecentMetrics
+from service.control.reconfiguration import Reconfig, Reconfigs
+
+
+class Progress:
+    def __init__(self, lock: threading.RLock | None = None):
+        self.lock = lock if lock is not None else threading.RLock()
+        self.step_done = 0
+        """The last step every rank finished (as rank 0's metrics say)."""
+        self.committed_step = 0
+        """The step of the last committed durable checkpoint."""
+        self.metrics: dict[int, dict] = RecentMetrics()  # bounded: the store and metrics.jsonl keep the rest
+        self.reconfigs = Reconfigs()  # bounded: events.jsonl keeps every resize
+
+    def trained(self, rows: list[dict]) -> None:
+        """Rank 0's rows of a training chunk, oldest first: they are the steps done now."""
+        with self.lock:
+            for m in rows:
+                self.metrics[m["step"]] = m
+            if rows:
+                self.step_done = rows[-1]["step"]
+                self.committed_step = max(self.committed_step, rows[-1].get("committed_step", 0))
+
+    def recovered(self, rows: Iterable[dict], *, at: int | None = None, committed: int = 0) -> None:
+        """Rows of steps the workers finished that the coordinator never read (a salvage's, a takeover's):
+        kept where no row of that step is. `at`: the step the state they keep is at (the job's step
+        from now on); None: the latest of the rows and the step already done."""
+        rows = list(rows)
+        with self.lock:
+            for r in rows:
+                self.metrics.setdefault(r["step"], r)
+            self.step_done = at if at is not None else max([self.step_done, *(r["step"] for r in rows)])
+            self.committed_step = max(self.committed_step, committed)
+
+    def closed(self, record: Reconfig, first: dict) -> None:
+        """The first step at the layout `record` formed has run (its row `first`): the record is complete."""
+        record.first_step(first, self.metrics.get(record.step_before))
+        self.reconfigs.append(record)
+
+    def steps_per_call(self, chunk_seconds: float) -> int:
+        """As many steps as fit in `chunk_seconds` at the last measured step time (1 until measured)."""
+        last = self.metrics.get(self.step_done)
+        step_time = last.get("step_time") if last else None
+        if not step_time:
+            return 1
+        return max(1, min(100, int(chunk_seconds / step_time)))
