@@ -23,6 +23,7 @@ from parallel.checkpoint.state import collect
 from parallel.parallelize import materialize
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "checkpoint_format2")
+KEYED4 = os.path.join(os.path.dirname(__file__), "..", "fixtures", "checkpoint_keyed4")
 CONFIG = dict(n_layers=2, dim=16, n_heads=2, n_kv_heads=2, ffn_hidden=32, vocab_size=32)
 
 
@@ -44,6 +45,30 @@ def test_a_format2_checkpoint_of_four_ranks_loads_into_one(tmp_path):
     assert info["valid"] and info["format_version"] == 2
     full, _ = load_full_model_state(str(root))
     assert all(torch.equal(full[k.removeprefix("model.")], t) for k, t in want.items() if k.startswith("model."))
+
+
+def test_a_checkpoint_with_keyed_indexes_of_version_4_loads_into_one(tmp_path):
+    """Keyed indexes whose records carry all their block digests (``format_version`` 4), written by
+    that format's writer (the fixture's `make_fixture.py`): a one-process load reads their records
+    and verifies every block (several per chunk) against them."""
+    root = tmp_path / "ckpt"
+    shutil.copytree(os.path.join(KEYED4, "step-00000001"), root / "step-00000001")
+    head = (root / "step-00000001" / "index-r00001.json").read_bytes()[:128]
+    assert b'"format_version":4,' in head
+    want = load_file(os.path.join(KEYED4, "expected.safetensors"))
+    model = build_model(model_config("tiny", **CONFIG))
+    materialize(model, seed=99, device=torch.device("cpu"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    m = CheckpointManager(str(root)).load_latest(model, opt)
+    assert m.format_version == 3 and m.step == 1 and m.placement is not None
+    assert max(c.n_blocks for t in m.tensors.values() for c in t.chunks) > 4
+    got, steps = collect(model, opt)
+    assert got.keys() == want.keys()
+    for k, t in want.items():
+        assert torch.equal(got[k], t), f"{k} differs"
+    assert set(steps.values()) == {1}
+    info = inspect(str(root))
+    assert info["valid"] and info["format_version"] == 3
 
 
 @pytest.mark.dist
