@@ -102,12 +102,12 @@ def test_a_rank_loading_part_of_chunks_reads_and_verifies_only_the_digests_of_th
     """The keyed fixture's indexes rewritten by today's writer (block digests apart from the records): a
     rank whose boxes cut chunks in the middle of their blocks reads the digests of the blocks that meet
     its boxes only, loads exactly, and still fails on a corrupt byte inside a block it reads."""
-    from parallel.checkpoint.manifest import KEYED_INDEX_VERSION, Index, Manifest, index_name, key_order
+    from parallel.checkpoint.manifest import (KEYED_INDEX_VERSION, CheckpointError, Index, Manifest, index_name,
+                                              key_order)
     from parallel.checkpoint.placement import index_keys_for
     from parallel.checkpoint.storage import LocalStorage
     from parallel.checkpoint.tensor_io import Target, read_into
     from parallel.checkpoint.validate import read_indexes
-    from parallel.checkpoint.manifest import CheckpointError
     from parallel.sharding import Box
 
     step = tmp_path / "step-00000001"
