@@ -18,7 +18,8 @@ manifest: the checkpoint metadata a rank reads on load, built in memory as `Chec
   (nothing written) and read by the loader's own `validate.read_indexes` through a storage that counts
   bytes: format 3, the top manifest, then of each index of the saved ranks whose boxes meet the rank's
   own (`placement.index_keys_for`; each index keyed, as a placed save writes it: one chunk record per
-  key it writes with its block digests) the preamble, the header and the records of the keys it meets;
+  key it writes, then every record's block digests) the preamble, the header, the records of the keys
+  it meets and the digests of the blocks whose rows meet its boxes;
   beside it the whole format-2 manifest every rank read before (up to
   `--format2-max` ranks). Both against "its own boxes' metadata": the index the rank would write for
   every box it holds under the loading layout. Sampled loading ranks (`--ranks`); also the time of a
@@ -194,11 +195,11 @@ def _index(rank: int, boxes: dict, shared: bool = False, keys: list[str] | None 
 class _Counted:
     """A read-only `Storage` over index files built on demand (`make(name) -> bytes`), counting the bytes
     and requests the loader's reads (`validate.read_indexes`) ask for: its header reads (preamble and
-    header) apart from its record reads."""
+    header), record reads (whole JSON lines) and digest reads apart."""
 
     def __init__(self, make) -> None:
         self.make, self.cache = make, {}
-        self.head_bytes = self.record_bytes = self.requests = 0
+        self.head_bytes = self.record_bytes = self.digest_bytes = self.requests = 0
 
     def join(self, *parts: str) -> str:
         return "/".join(parts)
@@ -224,8 +225,10 @@ class _Counted:
         for (a, _), got in zip(ranges, out):
             if a <= PREAMBLE_BYTES:
                 self.head_bytes += len(got)
-            else:
+            elif got.endswith(b"\n"):
                 self.record_bytes += len(got)
+            else:  # the digest section: hex, no newline
+                self.digest_bytes += len(got)
         return out
 
 
@@ -293,22 +296,20 @@ def cmd_manifest(a) -> dict:
         rule_s = time.perf_counter() - t
         for name in (index_name(w, sh) for w, sh in need):  # built before the clock starts
             storage._data(name)
-        storage.head_bytes = storage.record_bytes = storage.requests = 0
+        storage.head_bytes = storage.record_bytes = storage.digest_bytes = storage.requests = 0
+        boxes = {k: (b.offsets, b.sizes) for k, b in mine.items()}
         t = time.perf_counter()  # the load's metadata work: read, parse, merge, check its cover
         m = Manifest.from_json(top)
-        indexes, problems = read_indexes(storage, "ckpt", m, need, gap=a.gap)
+        indexes, problems = read_indexes(storage, "ckpt", m, need, gap=a.gap, boxes=boxes)
         part, more = m.merged(indexes, whole=False)
-        problems += more + part.coverage_problems({k: (b.offsets, b.sizes) for k, b in mine.items()})
+        problems += more + part.coverage_problems(boxes)
         load_s = time.perf_counter() - t
-        # The records of the saved chunks that meet its boxes, as a whole-JSON index spells them.
-        needed = sum(len(json.dumps({k: c.to_dict()}, separators=(",", ":")))
-                     for k, b in mine.items() for c in part.tensors[k].meeting(b.offsets, b.sizes))
         own = len(_index(r, mine, keys=order))
-        read = len(top) + storage.head_bytes + storage.record_bytes
+        read = len(top) + storage.head_bytes + storage.record_bytes + storage.digest_bytes
         rows.append({"rank": r, "indexes_read": len(need), "shared_read": sum(sh for _, sh in need),
                      "head_bytes": storage.head_bytes, "record_bytes": storage.record_bytes,
-                     "requests": storage.requests, "read_bytes": read, "own_bytes": own, "needed_bytes": needed,
-                     "ratio": read / own, "needed_ratio": needed / own, "index_ratio": (read - len(top)) / own,
+                     "digest_bytes": storage.digest_bytes, "requests": storage.requests, "read_bytes": read,
+                     "own_bytes": own, "ratio": read / own, "index_ratio": (read - len(top)) / own,
                      "plan_s": rule_s, "load_metadata_s": load_s, "problems": len(problems)})
     save = []
     for r in sample_ranks(old, old, 8):  # what a saving rank does with metadata: its boxes, the rule
@@ -321,7 +322,6 @@ def cmd_manifest(a) -> dict:
            "top_bytes": len(top), "ranks_timed": len(rows),
            "max_ratio": worst["ratio"], "median_ratio": sorted(x["ratio"] for x in rows)[len(rows) // 2],
            "max_index_ratio": max(x["index_ratio"] for x in rows),
-           "max_needed_ratio": max(x["needed_ratio"] for x in rows),
            "worst": worst, "max_indexes_read": max(x["indexes_read"] for x in rows),
            "max_requests": max(x["requests"] for x in rows),
            "max_load_metadata_s": max(x["load_metadata_s"] for x in rows), "max_plan_s": max(x["plan_s"] for x in rows),

@@ -20,6 +20,9 @@ from typing import Any, Callable
 
 ALGORITHMS = ("xxh3-128", "blake3", "sha256", "none")
 DEFAULT = "xxh3-128"
+DIGEST_CHARS = {"xxh3-128": 32, "blake3": 64, "sha256": 64, "none": 0}
+"""Characters of one hex digest of each algorithm (`digest_fn`'s output): a keyed index stores a chunk's
+block digests back to back at this width, so a loader can read those of some blocks alone."""
 
 
 def check_algorithm(name: str) -> str:

@@ -152,7 +152,7 @@ def my_part(storage: Any, path: str, manifest: Manifest, model: torch.nn.Module,
     else:
         wanted = index_keys_for(placement.boxmap(manifest.optimizer_states()),
                                 {k: Box(o, s) for k, (o, s) in boxes.items()})
-    indexes, problems = read_indexes(storage, path, manifest, wanted, transient=transient)
+    indexes, problems = read_indexes(storage, path, manifest, wanted, transient=transient, boxes=boxes)
     part, more = manifest.merged(indexes, whole=False)
     problems += more
     if problems or (transient and len(indexes) < len(wanted)):

@@ -13,12 +13,18 @@ placement which saved ranks wrote the tiles that meet its own boxes, and which k
 one too, `null`: its loaders read every index whole.
 
 Index layouts: a placed save writes keyed indexes (`KEYED_INDEX_VERSION`): a preamble of
-`PREAMBLE_BYTES` (the header's length and crc32), a header (files, step, rank, and a table of the
-length of each key's record, in the top manifest's sorted key order, runs of keys it does not hold
-as one negative count), then one JSON record per line (a chunk; an optimizer state's also carries its
-parameter's step counter). A loader reads the preamble, the header, then the byte ranges of the
-records it needs (`validate.read_index_keys`). The fallback save, and every save before indexes were
-keyed, writes an index as one JSON document (``format_version`` 3), read whole.
+`PREAMBLE_BYTES` (the header's length and crc32), a header (files, step, rank, the size of the digest
+section, and a table of the length of each key's record, in the top manifest's sorted key order, runs
+of keys it does not hold as one negative count), then one JSON record per line (a chunk's geometry:
+its file's number in the header's sorted file names, offsets, sizes, rows per block, and where its
+block digests lie in the digest section and how many there are; an optimizer state's also carries its
+parameter's step counter), then the digest section: every chunk's block digests back to back, hex, at
+the algorithm's fixed width (`checksum.DIGEST_CHARS`). A loader reads the preamble, the header, the
+byte ranges of the records it needs, then those of the digests of the blocks whose rows meet its
+boxes (`validate.read_index_keys`): a rank that needs half of a chunk reads its geometry and half of
+its digests. Keyed indexes of version 4 (written before; still read) carry all their digests inside
+each record. The fallback save, and every save before indexes were keyed, writes an index as one JSON
+document (``format_version`` 3), read whole.
 
 Format 2 (still read): one manifest naming every chunk of every rank with its block digests. Checksums
 (formats 2 and 3): each file records its algorithm and the digest of its header; each chunk records the
@@ -35,13 +41,14 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from bisect import bisect_left
 import time
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from parallel.checkpoint.checksum import ALGORITHMS, digest_fn
+from parallel.checkpoint.checksum import ALGORITHMS, DIGEST_CHARS, digest_fn
 
 FORMAT = "elastron-checkpoint"
 FORMAT_VERSION = 3
@@ -51,14 +58,17 @@ WHOLE_FORMAT = 2
 unless told otherwise)."""
 MANIFEST_NAME = "manifest.json"
 INDEX_FORMAT = "elastron-checkpoint-index"
-KEYED_INDEX_VERSION = 4
-"""The ``format_version`` of an index readable by key (`Index.to_bytes` with a key order): a fixed-size
-preamble, a header with a table of where each key's record lies, then the records. An index that is one
-JSON document (``format_version`` 3: the fallback save's, and every index written before) is read whole."""
+KEYED_INDEX_VERSION = 5
+"""The ``format_version`` of the index readable by key that `Index.to_bytes` writes with a key order: a
+fixed-size preamble, a header with a table of where each key's record lies, the records, then the block
+digests. An index that is one JSON document (``format_version`` 3: the fallback save's, and every index
+written before indexes were keyed) is read whole."""
+KEYED_VERSIONS = (4, 5)
+"""Keyed index versions this code reads: 4 kept each chunk's block digests in its record."""
 PREAMBLE_BYTES = 128
 """A keyed index's first line: ``{"format":...,"format_version":4,"header_bytes":N,"header_crc32":C}``
 padded with spaces to this many bytes, the last a newline."""
-_KEYED_MAGIC = f'{{"format":"{INDEX_FORMAT}","format_version":{KEYED_INDEX_VERSION},'.encode()
+_KEYED_MAGIC = re.compile(f'\\{{"format":"{INDEX_FORMAT}","format_version":\\d+,"header_bytes":'.encode())
 
 
 def index_name(rank: int, shared: bool = False) -> str:
@@ -113,7 +123,11 @@ class Chunk:
     block_rows: int = 0
     """Rows (along dim 0) per checksummed block; 0 in format 1, which checksummed whole files."""
     digests: tuple[str, ...] = ()
-    """One digest per block of `block_rows` rows, in order (empty when the file's algorithm is none)."""
+    """One digest per block of `block_rows` rows, in order (empty when the file's algorithm is none);
+    with `blocks`, those of blocks [blocks[0], blocks[1]) only."""
+    blocks: tuple[int, int] | None = None
+    """None: `digests` holds every block's. (first, end): a loader read only the digests of these blocks
+    (`validate.read_index_keys`): those whose rows meet its box."""
 
     @property
     def rows(self) -> int:
@@ -123,8 +137,32 @@ class Chunk:
     def n_blocks(self) -> int:
         return -(-self.rows // self.block_rows) if self.block_rows else 0
 
+    def digest(self, b: int) -> str | None:
+        """The digest of block `b`; None if it is not held (beyond the chunk's blocks, or not read)."""
+        i = b - (self.blocks[0] if self.blocks else 0)
+        if self.blocks is not None and b >= self.blocks[1]:
+            return None
+        return self.digests[i] if 0 <= i < len(self.digests) else None
+
+    def blocks_meeting(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[int, int]:
+        """(First, end) of the blocks whose rows meet the box [offsets, offsets + sizes): the blocks a
+        load of the box reads and verifies (blocks are rows of dim 0; a 0-d chunk has one)."""
+        if not self.block_rows:
+            return 0, 0
+        if not self.sizes:
+            return 0, self.n_blocks
+        lo = max(offsets[0], self.offsets[0]) - self.offsets[0]
+        hi = min(offsets[0] + sizes[0], self.offsets[0] + self.sizes[0]) - self.offsets[0]
+        if hi <= lo:
+            return 0, 0
+        return lo // self.block_rows, -(-hi // self.block_rows)
+
     def to_dict(self) -> dict[str, Any]:
-        """The chunk's JSON record (in a format-2 manifest's tensor, or a format-3 index)."""
+        """The chunk's JSON record (in a format-2 manifest's tensor, or a format-3 index of one
+        document)."""
+        if self.blocks is not None:
+            raise ValueError(f"a chunk in {self.file} holds the digests of blocks {list(self.blocks)} only: "
+                             "it cannot be written as a record")
         d: dict[str, Any] = {"file": self.file, "offsets": list(self.offsets), "sizes": list(self.sizes)}
         if self.block_rows:
             d["block_rows"] = self.block_rows
@@ -451,6 +489,12 @@ def _block_problems(key: str, c: Chunk, f: FileEntry | None) -> list[str]:
         return []
     if c.block_rows < 1:
         return [f"tensor {key}: chunk in {c.file} has no checksum blocks"]
+    if c.blocks is not None:  # a part read by a loader: checked against its record as it was read
+        b0, b1 = c.blocks
+        if f.algorithm != "none" and not (0 <= b0 <= b1 <= c.n_blocks and len(c.digests) == b1 - b0):
+            return [f"tensor {key}: chunk in {c.file} has {len(c.digests)} digests for its blocks {b0}-{b1} "
+                    f"of {c.n_blocks}"]
+        return []
     if f.algorithm != "none" and len(c.digests) != c.n_blocks:
         return [f"tensor {key}: chunk in {c.file} has {len(c.digests)} block digests, expected {c.n_blocks}"]
     return []
@@ -548,17 +592,22 @@ class Index:
     def to_bytes(self, keys: list[str] | None = None) -> bytes:
         """The index file. `keys`: the checkpoint's keys in order (`key_order` of the top manifest's
         tensors): a keyed index (`KEYED_INDEX_VERSION`), whose header maps each key to the byte range
-        of its chunk record, so a loader reads the records of the keys it meets and no other. Each
+        of its chunk record, and each record to its block digests in the digest section, so a loader
+        reads the records of the keys it meets and the digests of the blocks it reads, no other. Each
         record of an optimizer state carries its parameter's step counter (``step``). None: one JSON
         document (`to_json`)."""
         if keys is None:
             return self.to_json().encode()
+        where = index_name(self.rank, self.shared)
         unknown = sorted(set(self.chunks) - set(keys))
         if unknown:
-            raise ValueError(f"{index_name(self.rank, self.shared)}: key {unknown[0]} is not in the key order")
+            raise ValueError(f"{where}: key {unknown[0]} is not in the key order")
+        names = sorted(self.files)
+        number = {n: i for i, n in enumerate(names)}
         table: list[int] = []
         records: list[bytes] = []
-        skip = 0
+        digests: list[bytes] = []
+        at = skip = 0
         for key in keys:
             c = self.chunks.get(key)
             if c is None:
@@ -567,7 +616,18 @@ class Index:
             if skip:
                 table.append(-skip)
                 skip = 0
-            rec = c.to_dict()
+            if c.file not in number or c.blocks is not None:
+                raise ValueError(f"{where}: the chunk of {key} is in {c.file}, which the index does not list"
+                                 if c.file not in number else f"{where}: the chunk of {key} lacks some digests")
+            rec: dict[str, Any] = {"file": number[c.file], "offsets": list(c.offsets), "sizes": list(c.sizes)}
+            if c.block_rows:
+                width = DIGEST_CHARS[self.files[c.file].algorithm]
+                if any(len(d) != width for d in c.digests):
+                    raise ValueError(f"{where}: a block digest of {key} is not {width} characters long")
+                rec["block_rows"] = c.block_rows
+                rec["digests"] = [at, len(c.digests)]
+                digests.append("".join(c.digests).encode("ascii"))
+                at += len(digests[-1])
             if key.startswith(OPTIM_PREFIX) and _param(key) in self.optimizer_steps:
                 rec["step"] = self.optimizer_steps[_param(key)]
             records.append(json.dumps(rec, separators=(",", ":")).encode() + b"\n")
@@ -576,12 +636,12 @@ class Index:
             table.append(-skip)
         header = json.dumps({
             "step": self.step, "rank": self.rank, "shared": self.shared,
-            "files": {k: f.to_dict() for k, f in sorted(self.files.items())},
-            "keys": len(keys), "keys_crc32": _keys_crc(keys), "table": table,
+            "files": {k: self.files[k].to_dict() for k in names},
+            "keys": len(keys), "keys_crc32": _keys_crc(keys), "table": table, "digest_bytes": at,
         }, separators=(",", ":")).encode() + b"\n"
         pre = json.dumps({"format": INDEX_FORMAT, "format_version": KEYED_INDEX_VERSION,
                           "header_bytes": len(header), "header_crc32": zlib.crc32(header)}, separators=(",", ":"))
-        return pre.ljust(PREAMBLE_BYTES - 1).encode() + b"\n" + header + b"".join(records)
+        return pre.ljust(PREAMBLE_BYTES - 1).encode() + b"\n" + header + b"".join(records) + b"".join(digests)
 
     @classmethod
     def from_bytes(cls, data: bytes, *, rank: int, step: int, shared: bool = False,
@@ -592,11 +652,13 @@ class Index:
         if size is None:
             return cls.from_json(data, rank=rank, step=step, shared=shared)
         head = IndexHeader.parse(data[PREAMBLE_BYTES:PREAMBLE_BYTES + size[0]], size[1], rank=rank, step=step,
-                                 shared=shared, keys=keys)
+                                 shared=shared, keys=keys, version=size[2])
         if len(data) != head.end:
             raise ManifestError(f"{index_name(rank, shared)} is {len(data)} bytes, its key table says {head.end} "
                                 "(truncated or corrupted)")
-        return head.index({k: data[a:a + n] for k, (a, n) in head.spans.items()})
+        records = head.records({k: data[a:a + n] for k, (a, n) in head.spans.items()})
+        return head.index(records, {k: (b0, b1, data[a:a + n])
+                                    for k, (a, n, (b0, b1)) in head.digest_ranges(records).items()})
 
     @classmethod
     def from_json(cls, text: str | bytes, *, rank: int, step: int, shared: bool = False) -> "Index":
@@ -651,22 +713,37 @@ def _param(key: str) -> str:
     return key[len(OPTIM_PREFIX):].split(".", 1)[1]
 
 
-def header_size(preamble: bytes, *, rank: int, shared: bool = False) -> tuple[int, int] | None:
-    """(Header bytes, header crc32) from the first `PREAMBLE_BYTES` bytes of a keyed index; None when
-    the file is an index of one JSON document (read it whole). Raises ManifestError for a keyed
-    index whose preamble is damaged."""
-    if not preamble.startswith(_KEYED_MAGIC):
+def header_size(preamble: bytes, *, rank: int, shared: bool = False) -> tuple[int, int, int] | None:
+    """(Header bytes, header crc32, keyed version) from the first `PREAMBLE_BYTES` bytes of a keyed
+    index; None when the file is an index of one JSON document (read it whole). Raises ManifestError
+    for a keyed index whose preamble is damaged or of a version this code does not read."""
+    if not _KEYED_MAGIC.match(preamble):
         return None
     where = index_name(rank, shared)
     try:
         d = json.loads(preamble) if len(preamble) == PREAMBLE_BYTES and preamble.endswith(b"\n") else None
     except ValueError:
         d = None
-    n, crc = (d.get("header_bytes"), d.get("header_crc32")) if isinstance(d, dict) else (None, None)
-    if not (_is_int(n) and n > 0 and _is_int(crc)):
+    n, crc, v = ((d.get("header_bytes"), d.get("header_crc32"), d.get("format_version")) if isinstance(d, dict)
+                 else (None, None, None))
+    if not (_is_int(n) and n > 0 and _is_int(crc) and _is_int(v)):
         raise ManifestError(f"{where}: its preamble (the first {PREAMBLE_BYTES} bytes) is damaged: the checkpoint "
                             "is corrupted")
-    return n, crc
+    if v not in KEYED_VERSIONS:
+        raise ManifestError(f"{where} is a keyed index of version {v}; this code reads versions "
+                            f"{', '.join(map(str, KEYED_VERSIONS))}: load it with a newer Elastron")
+    return n, crc, v
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One key's record of a keyed index, parsed: its chunk (version 4: with every block digest;
+    version 5: none yet), its parameter's step counter, and where its digests lie (version 5)."""
+
+    chunk: Chunk
+    step: int | None
+    digests: tuple[int, int] | None
+    """(Offset in the digest section, count); None in version 4."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -681,12 +758,16 @@ class IndexHeader:
     """Key -> (byte offset in the file, length) of its chunk record."""
     end: int
     """The file's size, as the table gives it."""
+    version: int = KEYED_INDEX_VERSION
+    digests_at: int = 0
+    """Where the digest section starts (version 5: after the last record)."""
 
     @classmethod
-    def parse(cls, data: bytes, crc: int, *, rank: int, step: int, shared: bool, keys: list[str]) -> "IndexHeader":
+    def parse(cls, data: bytes, crc: int, *, rank: int, step: int, shared: bool, keys: list[str],
+              version: int = KEYED_INDEX_VERSION) -> "IndexHeader":
         """Check and parse the header bytes (after the preamble, whose `crc` they must match) of the
-        index of saving rank `rank` of `step`, against the top manifest's key order `keys`; raises
-        ManifestError naming the file and what is wrong."""
+        keyed index (of `version`) of saving rank `rank` of `step`, against the top manifest's key
+        order `keys`; raises ManifestError naming the file and what is wrong."""
         where = index_name(rank, shared)
         if zlib.crc32(data) != crc:
             raise ManifestError(f"{where}: its header (key table, files) fails its crc32 check: the checkpoint is "
@@ -698,9 +779,11 @@ class IndexHeader:
         if d.get("keys") != len(keys) or d.get("keys_crc32") != _keys_crc(keys):
             raise ManifestError(f"{where}: its key table was written for {d.get('keys')!r} keys in another order than "
                                 f"the manifest's {len(keys)} (an index of another checkpoint?)")
-        table, files_d = d.get("table"), d.get("files")
+        table, files_d, digest_bytes = d.get("table"), d.get("files"), d.get("digest_bytes", 0 if version < 5 else None)
         if not isinstance(files_d, dict) or not isinstance(table, list) or not all(_is_int(x) and x != 0 for x in table):
             raise ManifestError(f"{where}: its header needs 'files' and a key table of non-zero integers")
+        if not _is_int(digest_bytes) or digest_bytes < 0:
+            raise ManifestError(f"{where}: its header needs the size of its digest section (digest_bytes)")
         files = {str(k): _file(k, v) for k, v in files_d.items()}
         bad = sorted(n for n in files if not n.startswith(shard_prefix(rank)))
         if bad:
@@ -719,7 +802,8 @@ class IndexHeader:
         if pos != len(keys):
             raise ManifestError(f"{where}: its key table spans {pos} keys, the manifest has {len(keys)}: the "
                                 "checkpoint is corrupted")
-        return cls(rank=rank, step=step, shared=shared, files=files, spans=spans, end=at)
+        return cls(rank=rank, step=step, shared=shared, files=files, spans=spans, end=at + digest_bytes,
+                   version=version, digests_at=at)
 
     def ranges(self, keys, gap: int = 0) -> list[tuple[int, int, list[str]]]:
         """(Offset, length, keys) of the records of those of `keys` this index holds, in file order; two
@@ -733,28 +817,86 @@ class IndexHeader:
                 out.append((at, n, [key]))
         return out
 
-    def index(self, records: dict[str, bytes]) -> "Index":
-        """The `Index` of the records read (key -> its record's bytes): those chunks, the step counters
-        they carry, and every file the header lists."""
+    def records(self, raw: dict[str, bytes]) -> dict[str, Record]:
+        """Parse the records read (key -> its record's bytes); raises ManifestError naming the file and
+        the key for a truncated or malformed one."""
         where = index_name(self.rank, self.shared)
-        chunks: dict[str, Chunk] = {}
-        steps: dict[str, int] = {}
-        for key, raw in records.items():
-            if len(raw) != self.spans[key][1]:
+        names = sorted(self.files)
+        out: dict[str, Record] = {}
+        for key, data in raw.items():
+            if len(data) != self.spans[key][1]:
                 raise ManifestError(f"{where} ends inside the record of {key} (truncated)")
             try:
-                rec = json.loads(raw)
+                rec = json.loads(data)
             except (ValueError, UnicodeDecodeError, RecursionError):
                 rec = None
             if not isinstance(rec, dict):
-                raise ManifestError(f"{where}: the record of {key} at bytes {self.spans[key][0]}+{len(raw)} is not a "
+                raise ManifestError(f"{where}: the record of {key} at bytes {self.spans[key][0]}+{len(data)} is not a "
                                     "JSON object (corrupted key table or records)")
-            chunks[key] = _chunk(key, rec)
-            if "step" in rec:
-                if not _is_int(rec["step"]) or not key.startswith(OPTIM_PREFIX):
-                    raise ManifestError(f"{where}: the record of {key} has a malformed step counter")
+            step = rec.get("step")
+            if step is not None and (not _is_int(step) or not key.startswith(OPTIM_PREFIX)):
+                raise ManifestError(f"{where}: the record of {key} has a malformed step counter")
+            if self.version < 5:
+                out[key] = Record(_chunk(key, rec), step, None)
+                continue
+            f, span = rec.get("file"), rec.get("digests", [0, 0])
+            if not (_is_int(f) and 0 <= f < len(names)) or not (
+                    isinstance(span, list) and len(span) == 2 and all(_is_int(x) and x >= 0 for x in span)):
+                raise ManifestError(f"{where}: the record of {key} needs a file number below {len(names)} and "
+                                    "digests [offset, count]")
+            c = _chunk(key, {**rec, "file": names[f], "digests": []})
+            algorithm = self.files[c.file].algorithm
+            if c.block_rows and algorithm != "none" and span[1] != c.n_blocks:
+                raise ManifestError(f"{where}: the record of {key} has {span[1]} block digests, its "
+                                    f"{c.rows} rows in blocks of {c.block_rows} need {c.n_blocks}")
+            if span[0] + span[1] * DIGEST_CHARS[algorithm] > self.end - self.digests_at:
+                raise ManifestError(f"{where}: the digests of {key} lie beyond its digest section (corrupted)")
+            out[key] = Record(c, step, (span[0], span[1]))
+        return out
+
+    def digest_ranges(self, records: dict[str, Record], blocks: dict[str, tuple[int, int]] | None = None
+                      ) -> dict[str, tuple[int, int, tuple[int, int]]]:
+        """Key -> (offset in the file, length, (first, end) block) of the digests to read: of the blocks
+        `blocks` gives for the key (every block of a key it does not name). Empty for version 4, whose
+        records carry their digests."""
+        out: dict[str, tuple[int, int, tuple[int, int]]] = {}
+        for key, r in records.items():
+            if r.digests is None:
+                continue
+            at, count = r.digests
+            b0, b1 = (blocks or {}).get(key, (0, count))
+            b0, b1 = min(b0, count), min(max(b0, b1), count)
+            width = DIGEST_CHARS[self.files[r.chunk.file].algorithm]
+            out[key] = (self.digests_at + at + b0 * width, (b1 - b0) * width, (b0, b1))
+        return out
+
+    def index(self, records: dict[str, Record], digests: dict[str, tuple[int, int, bytes]] | None = None
+              ) -> "Index":
+        """The `Index` of the records read: those chunks, the step counters they carry, and every file
+        the header lists. `digests` (version 5): key -> (first block, end block, the bytes read at the
+        offset `digest_ranges` gave); a chunk whose digests cover only some of its blocks says which
+        (`Chunk.blocks`); a key absent gets none."""
+        where = index_name(self.rank, self.shared)
+        chunks: dict[str, Chunk] = {}
+        steps: dict[str, int] = {}
+        for key, r in records.items():
+            c = r.chunk
+            if r.digests is not None:
+                b0, b1, raw = (digests or {}).get(key, (0, 0, b""))
+                width = DIGEST_CHARS[self.files[c.file].algorithm]
+                if len(raw) != (b1 - b0) * width:
+                    raise ManifestError(f"{where} ends inside the block digests of {key} (truncated)")
+                try:
+                    text = raw.decode("ascii")
+                except UnicodeDecodeError:
+                    raise ManifestError(f"{where}: the block digests of {key} are not text (corrupted)") from None
+                ds = tuple(text[i * width:(i + 1) * width] for i in range(b1 - b0))
+                whole = (b0, b1) == (0, r.digests[1])
+                c = Chunk(c.file, c.offsets, c.sizes, c.block_rows, ds, None if whole else (b0, b1))
+            chunks[key] = c
+            if r.step is not None:
                 p = _param(key)
-                if steps.setdefault(p, rec["step"]) != rec["step"]:
+                if steps.setdefault(p, r.step) != r.step:
                     raise ManifestError(f"{where}: its records disagree on the optimizer step of {p}")
         return Index(rank=self.rank, step=self.step, shared=self.shared, files=dict(self.files), chunks=chunks,
                      optimizer_steps=steps)

@@ -107,11 +107,13 @@ def check_manifest(path: str, text: str | None, why_missing: str | None,
 
 def read_indexes(storage: Storage, path: str, manifest: Manifest, wanted, *,
                  transient: list[str] | None = None, optional_shared: bool = False,
-                 gap: int | None = None) -> tuple[list[Index], list[str]]:
+                 gap: int | None = None, boxes=None) -> tuple[list[Index], list[str]]:
     """(The parsed indexes `wanted` of the format-3 checkpoint at `path`, problems). `wanted`: (saving
     rank, shared) pairs, each index read whole; or a dict from such pairs to the keys needed of it
     (`placement.index_keys_for`), of which a keyed index gives only the records of those keys, read as
-    byte ranges after its header (an index of one JSON document is read whole). A missing or
+    byte ranges after its header (an index of one JSON document is read whole), and of those records'
+    block digests, with `boxes` (key -> (offsets, sizes) the rank loads), only those of the blocks whose
+    rows meet its box (`Chunk.blocks_meeting`: what the load reads and verifies). A missing or
     malformed index is a problem (a missing shared one not, with `optional_shared`: a rank that
     writes no shared box writes none); another read error goes to `transient` when given."""
     out, problems = [], []
@@ -128,7 +130,8 @@ def read_indexes(storage: Storage, path: str, manifest: Manifest, wanted, *,
                 out.append(Index.from_bytes(storage.read_bytes(ipath), rank=r, step=manifest.step, shared=shared,
                                             keys=keys))
             else:
-                out.append(read_index_keys(storage, ipath, r, shared, manifest.step, keys, need, gap=gap))
+                out.append(read_index_keys(storage, ipath, r, shared, manifest.step, keys, need, gap=gap,
+                                           boxes=boxes))
         except FileNotFoundError:
             if not (shared and optional_shared):
                 problems.append(f"{name} is missing")
@@ -140,14 +143,32 @@ def read_indexes(storage: Storage, path: str, manifest: Manifest, wanted, *,
 
 
 RECORD_GAP = 0
-"""Records of a keyed index at most this many bytes apart are read in one range (`IndexHeader.ranges`)."""
+"""Records (and block digests) of a keyed index at most this many bytes apart are read in one range
+(`IndexHeader.ranges`, `coalesce`)."""
+
+
+def coalesce(spans, gap: int) -> list[tuple[int, int, list]]:
+    """(Offset, length, names) of one read per run of `spans` ((offset, length, name) each) at most
+    `gap` bytes apart, in file order; empty spans are left out."""
+    out: list[tuple[int, int, list]] = []
+    for at, n, name in sorted(spans, key=lambda x: x[:2]):
+        if not n:
+            continue
+        if out and at - (out[-1][0] + out[-1][1]) <= gap:
+            out[-1] = (out[-1][0], max(out[-1][1], at + n - out[-1][0]), out[-1][2] + [name])
+        else:
+            out.append((at, n, [name]))
+    return out
 
 
 def read_index_keys(storage: Storage, ipath: str, rank: int, shared: bool, step: int, keys: list[str],
-                    need, *, gap: int | None = None) -> Index:
+                    need, *, gap: int | None = None, boxes=None) -> Index:
     """The index at `ipath` with only the records of the keys `need` (an index of one JSON document:
-    whole). Reads the preamble, the header, then the records' byte ranges (those at most `gap` bytes
-    apart, default `RECORD_GAP`, in one range)."""
+    whole). Reads the preamble, the header, the records' byte ranges (those at most `gap` bytes apart,
+    default `RECORD_GAP`, in one range), then (a version-5 index) the byte ranges of their block
+    digests: with `boxes` (key -> (offsets, sizes)) only of the blocks whose rows meet the key's box,
+    else all."""
+    gap = RECORD_GAP if gap is None else gap
     (pre,) = storage.read_ranges(ipath, [(0, PREAMBLE_BYTES)])
     size = header_size(pre, rank=rank, shared=shared)
     if size is None:  # one JSON document: written before indexes were keyed, or by the fallback save
@@ -155,14 +176,23 @@ def read_index_keys(storage: Storage, ipath: str, rank: int, shared: bool, step:
     (raw,) = storage.read_ranges(ipath, [(PREAMBLE_BYTES, size[0])])
     if len(raw) != size[0]:
         raise ManifestError(f"{index_name(rank, shared)} ends inside its header (truncated)")
-    head = IndexHeader.parse(raw, size[1], rank=rank, step=step, shared=shared, keys=keys)
-    ranges = head.ranges(need, RECORD_GAP if gap is None else gap)
-    records: dict[str, bytes] = {}
+    head = IndexHeader.parse(raw, size[1], rank=rank, step=step, shared=shared, keys=keys, version=size[2])
+    ranges = head.ranges(need, gap)
+    found: dict[str, bytes] = {}
     for (at, _, ks), data in zip(ranges, storage.read_ranges(ipath, [(a, n) for a, n, _ in ranges])):
         for k in ks:
             a, n = head.spans[k]
-            records[k] = data[a - at:a - at + n]
-    return head.index(records)
+            found[k] = data[a - at:a - at + n]
+    records = head.records(found)
+    blocks = None if boxes is None else {k: r.chunk.blocks_meeting(*boxes[k]) for k, r in records.items() if k in boxes}
+    spans = head.digest_ranges(records, blocks)
+    reads = coalesce([(a, n, k) for k, (a, n, _) in spans.items()], gap)
+    digests = {k: (b0, b1, b"") for k, (_, _, (b0, b1)) in spans.items()}
+    for (at, _, ks), data in zip(reads, storage.read_ranges(ipath, [(a, n) for a, n, _ in reads])):
+        for k in ks:
+            a, n, (b0, b1) = spans[k]
+            digests[k] = (b0, b1, data[a - at:a - at + n])
+    return head.index(records, digests)
 
 
 def whole(storage: Storage, path: str, manifest: Manifest) -> tuple[Manifest, list[str]]:

@@ -23,6 +23,7 @@ from parallel.checkpoint.state import collect
 from parallel.parallelize import materialize
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "checkpoint_format2")
+KEYED4 = os.path.join(os.path.dirname(__file__), "..", "fixtures", "checkpoint_keyed4")
 CONFIG = dict(n_layers=2, dim=16, n_heads=2, n_kv_heads=2, ffn_hidden=32, vocab_size=32)
 
 
@@ -44,6 +45,30 @@ def test_a_format2_checkpoint_of_four_ranks_loads_into_one(tmp_path):
     assert info["valid"] and info["format_version"] == 2
     full, _ = load_full_model_state(str(root))
     assert all(torch.equal(full[k.removeprefix("model.")], t) for k, t in want.items() if k.startswith("model."))
+
+
+def test_a_checkpoint_with_keyed_indexes_of_version_4_loads_into_one(tmp_path):
+    """Keyed indexes whose records carry all their block digests (``format_version`` 4), written by
+    that format's writer (the fixture's `make_fixture.py`): a one-process load reads their records
+    and verifies every block (several per chunk) against them."""
+    root = tmp_path / "ckpt"
+    shutil.copytree(os.path.join(KEYED4, "step-00000001"), root / "step-00000001")
+    head = (root / "step-00000001" / "index-r00001.json").read_bytes()[:128]
+    assert b'"format_version":4,' in head
+    want = load_file(os.path.join(KEYED4, "expected.safetensors"))
+    model = build_model(model_config("tiny", **CONFIG))
+    materialize(model, seed=99, device=torch.device("cpu"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    m = CheckpointManager(str(root)).load_latest(model, opt)
+    assert m.format_version == 3 and m.step == 1 and m.placement is not None
+    assert max(c.n_blocks for t in m.tensors.values() for c in t.chunks) > 4
+    got, steps = collect(model, opt)
+    assert got.keys() == want.keys()
+    for k, t in want.items():
+        assert torch.equal(got[k], t), f"{k} differs"
+    assert set(steps.values()) == {1}
+    info = inspect(str(root))
+    assert info["valid"] and info["format_version"] == 3
 
 
 @pytest.mark.dist
@@ -71,3 +96,54 @@ def test_a_save_whose_boxes_the_placement_does_not_predict_falls_back_and_loads(
         assert got.keys() == want.keys() and set(steps.values()) == {1}
         for k, t in want.items():
             assert torch.equal(got[k], t), f"{name}: {k} differs"
+
+
+def test_a_rank_loading_part_of_chunks_reads_and_verifies_only_the_digests_of_their_blocks(tmp_path):
+    """The keyed fixture's indexes rewritten by today's writer (block digests apart from the records): a
+    rank whose boxes cut chunks in the middle of their blocks reads the digests of the blocks that meet
+    its boxes only, loads exactly, and still fails on a corrupt byte inside a block it reads."""
+    from parallel.checkpoint.manifest import (KEYED_INDEX_VERSION, CheckpointError, Index, Manifest, index_name,
+                                              key_order)
+    from parallel.checkpoint.placement import index_keys_for
+    from parallel.checkpoint.storage import LocalStorage
+    from parallel.checkpoint.tensor_io import Target, read_into
+    from parallel.checkpoint.validate import read_indexes
+    from parallel.sharding import Box
+
+    step = tmp_path / "step-00000001"
+    shutil.copytree(os.path.join(KEYED4, "step-00000001"), step)
+    top = Manifest.from_json((step / "manifest.json").read_text())
+    keys = key_order(top.tensors)
+    for p in step.glob("index-*.json"):
+        rank, shared = int(p.name[7:12]), p.name.endswith("-shared.json")
+        p.write_bytes(Index.from_bytes(p.read_bytes(), rank=rank, step=1, shared=shared, keys=keys).to_bytes(keys))
+    assert f'"format_version":{KEYED_INDEX_VERSION},'.encode() in (step / index_name(1)).read_bytes()[:128]
+    want = load_file(os.path.join(KEYED4, "expected.safetensors"))
+    # Rows 3-10 of every matrix: inside the first FSDP shard's chunks, cutting their first and last blocks.
+    boxes = {k: ((3, 0), (8, t.shape[1])) for k, t in top.tensors.items() if len(t.shape) == 2}
+    wanted = index_keys_for(top.placement_of().boxmap(top.optimizer_states()),
+                            {k: Box(o, s) for k, (o, s) in boxes.items()})
+    st = LocalStorage(str(tmp_path))
+    indexes, problems = read_indexes(st, str(step), top, wanted, boxes=boxes)
+    part, more = top.merged(indexes, whole=False)
+    assert problems == more == part.coverage_problems(boxes) == []
+    chunks = [c for k in boxes for c in part.tensors[k].chunks]
+    assert sum(c.blocks is not None for c in chunks) >= len(boxes)  # cut chunks: some of their digests
+    assert 0 < sum(len(c.digests) for c in chunks) < sum(c.n_blocks for c in chunks)
+    targets = {k: Target(torch.empty(s), o) for k, (o, s) in boxes.items()}
+    read_into(st, str(step), part, targets)
+    for k, (o, s) in boxes.items():
+        assert torch.equal(targets[k].local, want[k][3:11]), k
+    # A flipped byte in row 5 of a chunk (a block this rank reads) fails its checksum.
+    key = "model.layers.0.feed_forward.w1.weight"
+    c = next(c for c in part.tensors[key].meeting((3, 0), (8, 16)) if c.offsets[0] <= 5 < c.offsets[0] + c.sizes[0])
+    path = step / c.file
+    data = bytearray(path.read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    start = json.loads(data[8:8 + n])[key]["data_offsets"][0]
+    data[8 + n + start + (5 - c.offsets[0]) * c.sizes[1] * 4] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"{c.file} fails its xxh3-128 checksum"):
+        read_into(st, str(step), part, {key: Target(torch.empty(8, 16), (3, 0))})
+    info = inspect(str(tmp_path))  # tools read every index whole, digests included, and find the flip
+    assert not info["valid"] and any(c.file in p for p in info["problems"])

@@ -1,9 +1,10 @@
 """Tier 1: keyed format-3 indexes (`manifest.Index.to_bytes` with a key order, `validate.read_indexes`
 with the keys a rank meets), pure: no torch.distributed, indexes written to a temporary directory.
 
-A loading rank must read, of each index it needs, the preamble, the header and the records of exactly
+A loading rank must read, of each index it needs, the preamble, the header, the records of exactly
 the chunks that meet its boxes (found here by scanning every saved rank's boxes, which the loader
-avoids), and nothing else; a damaged key table must be a clear error naming the file.
+avoids) and the digests of exactly the blocks of those chunks whose rows meet its boxes, and nothing
+else; a damaged key table must be a clear error naming the file.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 
 from models.config import model_config
 from models.llama import build_model
-from parallel.checkpoint.manifest import (PREAMBLE_BYTES, CheckpointError, Chunk, FileEntry, Index, Manifest,
+from parallel.checkpoint.manifest import (KEYED_INDEX_VERSION, PREAMBLE_BYTES, CheckpointError, Chunk, FileEntry, Index, Manifest,
                                           ManifestError, TensorEntry, index_name, key_order, shard_prefix)
 from parallel.checkpoint.placement import Placement, index_keys_for, shared, writes
 from parallel.checkpoint.storage import LocalStorage
@@ -50,6 +51,17 @@ def _file(w: int) -> str:
     return f"{shard_prefix(w)}00.safetensors"
 
 
+def _rows(b) -> int:
+    """Rows per block of a saved box: three blocks or fewer per chunk."""
+    return max(1, -(-b.sizes[0] // 3)) if b.sizes else 1
+
+
+def _digests(w: int, key: str, b) -> tuple[str, ...]:
+    """Distinct 32-character digests, one per block (the box's writer, key and block number in them)."""
+    n = -(-(b.sizes[0] if b.sizes else 1) // _rows(b))
+    return tuple(f"{w:04x}{abs(hash(key)) % (1 << 64):016x}{i:012x}" for i in range(n))
+
+
 def save(tmp_path, layout: Layout) -> tuple[Manifest, list]:
     """Write the indexes (keyed) and the top manifest of a checkpoint saved under `layout`, as a placed
     save writes them (fake digests, no data files); return the manifest and what each rank wrote."""
@@ -67,8 +79,8 @@ def save(tmp_path, layout: Layout) -> tuple[Manifest, list]:
             if not boxes:
                 continue
             wrote += [(w, k, b, sh) for k, b in boxes.items()]
-            chunks = {k: Chunk(file=_file(w), offsets=b.offsets, sizes=b.sizes, block_rows=max(1, b.sizes[0]),
-                               digests=("ab" * 16,)) for k, b in boxes.items()}
+            chunks = {k: Chunk(file=_file(w), offsets=b.offsets, sizes=b.sizes, block_rows=_rows(b),
+                               digests=_digests(w, k, b)) for k, b in boxes.items()}
             index = Index(rank=w, step=5, shared=sh, chunks=chunks, optimizer_steps={n: 5 for n in PARAMS},
                           files={_file(w): FileEntry(size=1 << 20, digest="cd" * 16, algorithm="xxh3-128",
                                                      blockwise=True)})
@@ -87,27 +99,45 @@ def test_a_loader_reads_exactly_the_records_of_the_keys_its_boxes_meet(tmp_path,
         mine = loading.held(rank)
         st = CountingStorage(str(tmp_path))
         wanted = index_keys_for(placement.boxmap(top.optimizer_states()), mine)
-        indexes, problems = read_indexes(st, str(tmp_path), top, wanted)
+        boxes = {k: (b.offsets, b.sizes) for k, b in mine.items()}
+        indexes, problems = read_indexes(st, str(tmp_path), top, wanted, boxes=boxes)
         assert problems == [] and st.whole == []
         part, more = top.merged(indexes, whole=False)
-        assert more == [] and part.coverage_problems({k: (b.offsets, b.sizes) for k, b in mine.items()}) == []
-        # Per index: the preamble, the header, then whole records only, each read once.
+        assert more == [] and part.coverage_problems(boxes) == []
+        # Per index: the preamble, the header, whole records only, then digests only, each read once.
         got: Counter = Counter()
+        digest_bytes = 0
         for name in {n for n, _, _ in st.ranges}:
             reads = sorted((a, data) for n, a, data in st.ranges if n == name)
             assert reads[0][0] == 0 and len(reads[0][1]) == PREAMBLE_BYTES
             assert reads[1][0] == PREAMBLE_BYTES and reads[1][1].endswith(b"\n")
             end = PREAMBLE_BYTES + len(reads[1][1])
             for a, data in reads[2:]:
-                assert a >= end and data.endswith(b"\n"), f"{name}: a range that overlaps or cuts a record"
+                assert a >= end, f"{name}: ranges that overlap"
                 end = a + len(data)
+                if not data.endswith(b"\n"):  # the digest section (after every record)
+                    assert b"\n" not in data and len(data) % 32 == 0
+                    digest_bytes += len(data)
+                    continue
                 for line in data.split(b"\n")[:-1]:
                     rec = json.loads(line)
                     got[(name, tuple(rec["offsets"]), tuple(rec["sizes"]))] += 1
             assert end <= sizes[name]
-        want = Counter((index_name(w, sh), tuple(b.offsets), tuple(b.sizes)) for w, k, b, sh in wrote
-                       if k in mine and mine[k].intersect(b) is not None)
+        meeting = [(w, k, b, sh) for w, k, b, sh in wrote if k in mine and mine[k].intersect(b) is not None]
+        want = Counter((index_name(w, sh), tuple(b.offsets), tuple(b.sizes)) for w, k, b, sh in meeting)
         assert got == want, f"{old} -> {new}, rank {rank}"
+        # Digests: those of the blocks whose rows meet the rank's box, found by a scan of every block.
+        want_digests = {}
+        for w, k, b, sh in meeting:
+            n = b.sizes[0] if b.sizes else 1
+            lo, hi = (mine[k].offsets[0], mine[k].offsets[0] + mine[k].sizes[0]) if b.sizes else (0, 1)
+            at = b.offsets[0] if b.sizes else 0
+            want_digests[(k, b.offsets)] = tuple(
+                d for i, d in enumerate(_digests(w, k, b))
+                if any(lo <= at + r < hi for r in range(i * _rows(b), min((i + 1) * _rows(b), n))))
+        got_digests = {(k, c.offsets): tuple(c.digest(i) for i in range(*(c.blocks or (0, c.n_blocks))))
+                       for k in mine for c in part.tensors[k].chunks}
+        assert got_digests == want_digests and digest_bytes == 32 * sum(map(len, want_digests.values()))
         assert set(part.optimizer_steps) == {k.split(".", 2)[2] for k in mine if k.startswith("optim.")}
         partial.append((sum(len(d) for _, _, d in st.ranges), sum(sizes[index_name(w, sh)] for w, sh in wanted)))
     assert any(got < whole for got, whole in partial)  # some rank needs only part of an index it reads
@@ -138,7 +168,7 @@ def _damage(path, fix_crc: bool, edit) -> None:
     pre = data[:PREAMBLE_BYTES]
     if fix_crc:  # a header rewritten consistently (a writer bug, a forgery): the table itself is wrong
         import zlib
-        pre = json.dumps({"format": "elastron-checkpoint-index", "format_version": 4, "header_bytes": len(head),
+        pre = json.dumps({"format": "elastron-checkpoint-index", "format_version": KEYED_INDEX_VERSION, "header_bytes": len(head),
                           "header_crc32": zlib.crc32(head)}, separators=(",", ":")).ljust(PREAMBLE_BYTES - 1).encode() + b"\n"
     path.write_bytes(pre + head + data[PREAMBLE_BYTES + n:])
 
@@ -175,7 +205,7 @@ def test_a_truncated_keyed_index_says_so(tmp_path):
     path = tmp_path / index_name(0)
     path.write_bytes(path.read_bytes()[:-10])
     _, problems = read_indexes(LocalStorage(str(tmp_path)), str(tmp_path), top, {(0, False): set(top.tensors)})
-    assert len(problems) == 1 and "index-r00000.json ends inside the record" in problems[0]
+    assert len(problems) == 1 and "index-r00000.json ends inside the block digests" in problems[0]
     _, problems = read_indexes(LocalStorage(str(tmp_path)), str(tmp_path), top, [(0, False)])
     assert len(problems) == 1 and "index-r00000.json is" in problems[0] and "truncated" in problems[0]
 
