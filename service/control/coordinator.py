@@ -51,6 +51,10 @@ logger = logging.getLogger(__name__)
 S = JobState
 
 
+_RESTARTS = (FailureKind.COORDINATOR_RESTARTED, "coordinator_restart")
+"""How an earlier coordinator's restart is named in the job's events (the second: before FailureKind)."""
+
+
 class Coordinator:
     worker_group_cls: Callable[..., Group] = WorkerGroup  # seam: tests swap in a fake group
 
@@ -142,6 +146,10 @@ class Coordinator:
                if adopt else "resuming from the last committed checkpoint")
         why = (f"the coordinator restarted (its previous process was lost in state {last_state} at step "
                f"{last_step}); {how}")
+        # The earlier restarts count too (Ray restarts the actor any number of times; the policy's budget,
+        # max_restarts within restart_window_s as for every failure kind, is what ends a crash loop).
+        self.failures.extend(Failure(time=e.time, kind=FailureKind.COORDINATOR_RESTARTED, error=e.reason or "")
+                             for e in prior if e.kind == "failure" and (e.details or {}).get("kind") in _RESTARTS)
         self.failures.append(Failure(time=time.time(), kind=FailureKind.COORDINATOR_RESTARTED, error=why))
         self.sm.note("failure", reason=why, step=last_step, cause="failure",
                      details={"kind": FailureKind.COORDINATOR_RESTARTED, "previous_events": len(prior)})

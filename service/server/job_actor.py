@@ -66,11 +66,14 @@ class JobActorBody(JobRunner):
 
 _actor_cls = None
 
-MAX_RESTARTS = 3
-"""How often Ray restarts a job's coordinator actor whose process died. A restarted coordinator finds
-the job's events in the run directory, takes over the workers the old one left running (detached
-actors), whose group trains on or heals from their state; what it cannot take over resumes from the
-last committed checkpoint."""
+MAX_RESTARTS = 1000
+"""How often, over the job's whole life, Ray restarts a job's coordinator actor whose process died. A
+restarted coordinator finds the job's events in the run directory, takes over the workers the old one
+left running (detached actors), whose group trains on or heals from their state; what it cannot take
+over resumes from the last committed checkpoint. What ends a crash loop is the job's own budget, as for
+every failure kind: more than `max_restarts` restarts within `restart_window_s` fail the job (the
+coordinator reads the earlier restarts back from the job's events). Ray's cap only bounds a loop that
+dies before it can read them; it was 3, which ended a long job at its 4th restart however far apart."""
 
 
 def job_actor_class():

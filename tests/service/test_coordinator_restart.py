@@ -184,3 +184,22 @@ def test_a_heal_from_workers_a_step_ahead_of_the_lost_coordinator_moves_from_the
     assert rc.step_before == 8 and rc.resumed_step == 8 and rc.steps_lost == 0
     assert rc.transfer["path"] == ("in place" if intact else "peers")
     assert second.metrics_since(7)[0] == row(first.group)  # step 8, as the workers reported it
+
+
+def test_a_coordinator_restarted_more_often_than_its_budget_in_the_window_ends_the_job(tmp_path):
+    """Ray restarts the coordinator's actor without a lifetime cap that matters (a long job may see many
+    restarts over weeks); the job's own budget ends a crash loop: each restart is a failure of kind
+    coordinator_restarted, the earlier ones read back from the job's events, and the policy fails the job
+    once more than `max_restarts` (here 2) fall within `restart_window_s`."""
+    first, cluster, group_cls = make_coordinator(tmp_path, {"a": 2, "b": 2})
+    advance(first, lambda c: c.step_done >= 3)
+    c = first
+    for n in (1, 2):  # within the budget: each restarted coordinator trains on
+        c = again(c, group_cls, cluster)
+        assert [f.kind for f in c.failures] == ["coordinator_restarted"] * n
+        advance(c, lambda x, s=c.step_done: x.step_done >= max(s, 3) + 1 or x.sm.state.is_terminal)
+        assert not c.sm.state.is_terminal
+    third = again(c, group_cls, cluster)
+    advance(third, lambda x: x.sm.state.is_terminal)
+    assert str(third.sm.state) == "FAILED"
+    assert "coordinator_restarted failed 3 times" in third.sm.reason and "max_restarts=2" in third.sm.reason
