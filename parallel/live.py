@@ -10,8 +10,11 @@ A resize on live workers goes:
      as its own message, sent from where it lies in the old shard when it is a contiguous run of it
      (small pieces packed into one message per (sender, receiver) pair), all of them posted at once
      (batched point-to-point: gloo on CPU, NCCL on GPU);
-  3. the new training group is formed, the new model and optimizer are built, and `fill()` copies the
-     received pieces into their shards (the same box intersection a checkpoint load uses).
+  3. the new training group is formed, the new model and optimizer are built, and `fill()` gives them
+     the received pieces: a piece that is a whole plain-tensor shard (replicated tensors, a survivor's
+     own shard: the join of a replica) becomes that shard, its buffer kept as it is, so its bytes are
+     neither copied nor faulted in again; any other piece is copied into its shard (the same box
+     intersection a checkpoint load uses).
 The result is bitwise what a save under the old layout and a load under the new one give
 (tests/distributed/test_live_reshard.py). Non-tensor state (step, data position, RNG, AdamW step
 counters) travels as JSON from the old rank 0.
@@ -25,11 +28,12 @@ import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from parallel.checkpoint import state as state_mod
 from parallel.checkpoint.manifest import CheckpointError
@@ -45,6 +49,19 @@ class Held:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     boxes: dict[str, Box] = field(default_factory=dict)
     optimizer_steps: dict[str, int] = field(default_factory=dict)
+    movable: bool = False
+    """Whether a new rank on the same worker may take these tensors as its own shards instead of copying
+    them: true for the shards of a trainer that is handed over and then dropped
+    (`workers.reshard.hand_over`), false for copies something else still keeps (peer snapshots)."""
+
+
+class Got(NamedTuple):
+    """A piece of one tensor that a new rank gets from `transfer`."""
+
+    box: Box
+    data: torch.Tensor
+    movable: bool
+    """Whether `fill` may make `data` the shard itself: a receive buffer, or a movable `Held`'s tensor."""
 
 
 def hold(model: nn.Module, optimizer: torch.optim.Optimizer) -> Held:
@@ -64,7 +81,7 @@ def _slice(t: torch.Tensor, have: Box, want: Box) -> torch.Tensor:
 def transfer(plan: list[Transfer], *, old_rank: int | None, new_rank: int | None, held: Held | dict[int, Held] | None,
              dtypes: dict[str, torch.dtype], old_to_group: dict[int, int], new_to_group: dict[int, int],
              group: Any = None, device: torch.device | str = "cpu",
-             timings: dict[str, float] | None = None) -> dict[str, list[tuple[Box, torch.Tensor]]]:
+             timings: dict[str, float] | None = None) -> dict[str, list[Got]]:
     """Run this worker's part of `plan` on `group` (collective over every worker in it). `old_rank` /
     `new_rank`: this worker's rank in each layout (None if it has none there); `*_to_group`: layout
     rank -> rank in `group`. `held`: its old shards, or {old rank: shards} when it serves several old
@@ -73,7 +90,7 @@ def transfer(plan: list[Transfer], *, old_rank: int | None, new_rank: int | None
     untouched until `fill` has run."""
     me = dist.get_rank(group)
     helds = held if isinstance(held, dict) else ({old_rank: held} if held is not None else {})
-    received: dict[str, list[tuple[Box, torch.Tensor]]] = defaultdict(list)
+    received: dict[str, list[Got]] = defaultdict(list)
     sends: dict[int, list[Transfer]] = defaultdict(list)
     recvs: dict[int, list[Transfer]] = defaultdict(list)
     for t in plan:
@@ -83,7 +100,7 @@ def transfer(plan: list[Transfer], *, old_rank: int | None, new_rank: int | None
             raise CheckpointError(f"live reshard: the plan has worker {me} send {t.key} {t.box} of old rank "
                                   f"{t.src}, which it does not hold ({h.boxes.get(t.key) if h else None})")
         if src == dst == me:  # a survivor keeps this piece: `fill` copies it straight from the old shard
-            received[t.key].append((t.box, _slice(h.tensors[t.key], h.boxes[t.key], t.box)))
+            received[t.key].append(Got(t.box, _slice(h.tensors[t.key], h.boxes[t.key], t.box), h.movable))
         elif src == me:
             sends[dst].append(t)
         elif dst == me:
@@ -126,7 +143,7 @@ def transfer(plan: list[Transfer], *, old_rank: int | None, new_rank: int | None
         pos = 0
         for t in msg:
             n = _nbytes(t, dtypes)
-            received[t.key].append((t.box, buf[pos:pos + n].view(dtypes[t.key]).reshape(t.box.sizes)))
+            received[t.key].append(Got(t.box, buf[pos:pos + n].view(dtypes[t.key]).reshape(t.box.sizes), True))
             pos += n
     clock.lap("unpack")
     return dict(received)
@@ -209,24 +226,61 @@ def _peer(group: Any, rank_in_group: int) -> int:
     return rank_in_group if group is None else dist.get_global_rank(group, rank_in_group)
 
 
-def fill(model: nn.Module, optimizer: torch.optim.Optimizer, pieces: dict[str, list[tuple[Box, torch.Tensor]]],
-         optimizer_steps: dict[str, int]) -> None:
-    """Copy received pieces into this worker's shards of the new model and optimizer (creating AdamW
-    state as a checkpoint load does). Raises CheckpointError if a shard is not covered exactly."""
+@dataclass(slots=True)
+class Filled:
+    """What `fill` did with the bytes it was given (a seam for tests and benchmarks)."""
+
+    moved: int = 0
+    """Bytes of pieces that became shards as they were (no copy, no fresh pages)."""
+    copied: int = 0
+    """Bytes copied into freshly allocated shards."""
+
+
+def fill(model: nn.Module, optimizer: torch.optim.Optimizer, pieces: dict[str, list[Got]],
+         optimizer_steps: dict[str, int]) -> Filled:
+    """Give this worker's shards of the new model and optimizer their values from the received pieces
+    (creating AdamW state as a checkpoint load does). A movable piece that is a whole shard of a plain
+    tensor (not a DTensor: FSDP and TP keep their shards inside storage of their own) becomes that
+    shard: the parameter or moment takes the piece's memory and its own unset allocation is dropped
+    unwritten, so neither a copy nor the first touch of fresh pages is paid. Every other piece is copied
+    in. Raises CheckpointError if a shard is not covered exactly."""
+    out = Filled()
+    whole: dict[str, torch.Tensor] = {}
 
     def read(targets: dict[str, Target]) -> None:
         with torch.no_grad():
             for key, target in targets.items():
                 want = Box(tuple(target.offsets), tuple(target.local.shape))
+                mine = [g for g in pieces.get(key, ()) if want.intersect(g.box) is not None]
+                if len(mine) == 1 and _takes(mine[0], want, target.local):
+                    whole[key] = mine[0].data  # taken below, once it is known whether the shard is plain
+                    continue
                 got = 0
-                for box, t in pieces.get(key, ()):
+                for box, t, _ in mine:
                     part = want.intersect(box)
-                    if part is None:
-                        continue
                     _slice(target.local, want, part).copy_(_slice(t, box, part))
                     got += part.numel
+                out.copied += got * target.local.element_size()
                 if got != want.numel:
                     raise CheckpointError(f"live reshard: {key} received {got} of the {want.numel} elements "
                                           f"of this rank's box {want}")
 
     state_mod.load(model, optimizer, read, optimizer_steps)
+    if whole:
+        live, _ = state_mod.collect(model, optimizer)
+        with torch.no_grad():
+            for key, data in whole.items():
+                n = data.numel() * data.element_size()
+                if isinstance(live[key], DTensor):
+                    state_mod.local_box(live[key])[0].copy_(data)
+                    out.copied += n
+                else:  # the same tensor object (what the optimizer and the modules refer to), new memory
+                    live[key].data = data
+                    out.moved += n
+    return out
+
+
+def _takes(g: Got, want: Box, local: torch.Tensor) -> bool:
+    """Whether `g` can stand in for the whole shard `local` (box `want`) as it is."""
+    return (g.movable and g.box == want and g.data.dtype == local.dtype and g.data.device == local.device
+            and g.data.is_contiguous() and local.is_contiguous())

@@ -61,16 +61,20 @@ receives (or for the batch, where it is one work), the received pieces' views.""
 
 
 def hand_over(trainer: Any) -> Handover:
-    """Collect `trainer`'s shards and state before its group goes away (waits for a save in flight)."""
+    """Collect `trainer`'s shards and state before its group goes away (waits for a save in flight).
+    `trainer` must not train again: a new rank on this worker takes its shards over without a copy."""
     trainer.flush_checkpoint()
     held = hold(trainer.model, trainer.optimizer)
+    held.movable = True  # the trainer is dropped after: a new rank on this worker may keep its shards
     return Handover(held=held, state=trainer.checkpoint_state() if trainer.rank == 0 else None)
 
 
 def hand_over_salvaged(trainer: Any, state: dict[str, Any]) -> Handover:
     """A survivor's shards after a failure (no save to wait for, no collective): every survivor carries
-    the JSON state, since the old rank 0 may be the one that died."""
-    return Handover(held=hold(trainer.model, trainer.optimizer), state=state)
+    the JSON state, since the old rank 0 may be the one that died. `trainer` must not train again."""
+    held = hold(trainer.model, trainer.optimizer)
+    held.movable = True  # the broken trainer is dropped after
+    return Handover(held=held, state=state)
 
 
 @contextmanager

@@ -315,14 +315,16 @@ class Trainer:
         self.resumed_from = m
         return m
 
-    def adopt(self, pieces: dict, optimizer_steps: dict[str, int], state: dict) -> None:
-        """Take over the state another layout's workers sent over the network (`parallel.live`): copy
-        the pieces into this rank's shards, then restore step, data position and RNG from `state` (what
-        `checkpoint_state()` gave on the old rank 0)."""
+    def adopt(self, pieces: dict, optimizer_steps: dict[str, int], state: dict) -> "Filled":
+        """Take over the state another layout's workers sent over the network (`parallel.live`): the
+        pieces become this rank's shards (whole plain-tensor shards as they are, others copied in:
+        `parallel.live.fill`), then step, data position and RNG are restored from `state` (what
+        `checkpoint_state()` gave on the old rank 0). Returns the bytes moved and copied."""
         from parallel.live import fill
 
-        fill(self.model, self.optimizer, pieces, optimizer_steps)
+        filled = fill(self.model, self.optimizer, pieces, optimizer_steps)
         self.restore_state(int(state["lr_schedule"]["step"]), state, where="live reshard")
+        return filled
 
     def restore_state(self, step: int, state: dict, *, where: str) -> None:
         """Step, data position and RNG from a checkpoint's (or a live reshard's) JSON state."""

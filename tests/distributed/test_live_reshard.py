@@ -27,7 +27,7 @@ CFG = {
 
 
 def live_body(cfg_dict: dict, old: str, new: str, ports: list[int], run_dir: str,
-              pack_below: int | None = None) -> list[str]:
+              pack_below: int | None = None, all_moved: bool = False) -> list[str]:
     import torch
     import torch.distributed as dist
 
@@ -75,7 +75,10 @@ def live_body(cfg_dict: dict, old: str, new: str, ports: list[int], run_dir: str
         init(ports[2], new_l.world_size)
         fed = Trainer(JobConfig.from_dict({**cfg_dict, "checkpoint": {"async_save": False}}), layout=new_l,
                       device=device).build(resume=False, init_weights=False)  # as a worker that adopts builds it
-        fed.adopt(received.pieces, received.optimizer_steps, received.state)
+        filled = fed.adopt(received.pieces, received.optimizer_steps, received.state)
+        if all_moved and (filled.copied or not filled.moved):
+            problems.append(f"rank {rank} copied {filled.copied} bytes, moved {filled.moved}: every piece is a "
+                            "whole shard here and should have become it without a copy")
         resumed = Trainer(cfg, layout=new_l, device=device, run_dir=run_dir).build()
         if resumed.resumed_from is None or resumed.step != 3 or fed.step != 3:
             problems.append(f"steps: live {fed.step}, resumed {resumed.step}")
@@ -125,4 +128,13 @@ def test_live_reshard_with_pieces_sent_one_by_one(tmp_path, old, new, pack_below
     ports = [free_port() for _ in range(3)]
     problems = [p for r in run_ranks(world, live_body, CFG, old, new, ports, str(tmp_path), pack_below)
                 for p in r]
+    assert problems == []
+
+
+def test_join_of_a_replica_takes_the_pieces_as_shards(tmp_path):
+    """2 -> 3 replicas (a join): the joiner receives whole tensors and the survivors keep their own, so
+    every byte becomes a shard as it is (nothing copied), and the result is still bitwise the checkpoint's."""
+    ports = [free_port() for _ in range(3)]
+    problems = [p for r in run_ranks(3, live_body, CFG, "dp_replicate=2", "dp_replicate=3", ports, str(tmp_path),
+                                     None, True) for p in r]
     assert problems == []
