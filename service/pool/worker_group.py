@@ -18,6 +18,7 @@ Every actor the group holds is one `WorkerHandle` in `workers`, with its role: a
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 from collections import Counter, defaultdict
@@ -74,6 +75,14 @@ class WorkerHandle:
 
 
 FIRST_PROBE_S = 0.5
+
+WORKER_ENV = {"MALLOC_ARENA_MAX": "2"}
+"""Environment a worker process starts with (Ray `runtime_env`; a value set in the coordinator's own
+environment wins). glibc gives each thread that allocates an arena of its own, up to 8 per core, and
+keeps the memory a step frees in the arena that held it; a Ray actor runs its calls on threads that
+change over its life, so over tens of reconfigurations the step's transient peak came to be kept in many
+arenas at once: +150 to +250 MB of free heap in a survivor (benchmarks/soak.py, `small`). Two arenas
+bound that; no step-time cost measured (benchmarks/throughput.py, CPU seconds per step)."""
 """A wait on workers probes their nodes first after this long: soon enough to catch a node that died
 just before the call (a second fault right after a first), late enough that a quick call (a live
 resize's form) never pays for a probe."""
@@ -485,6 +494,7 @@ class WorkerGroup:
 
         cls = ray.remote(concurrency_groups={CONTROL: 1})(Worker)  # `abort` must run while `run` is stuck
         owned = self.owner is not None
+        options.setdefault("runtime_env", {"env_vars": {k: os.environ.get(k, v) for k, v in WORKER_ENV.items()}})
         return cls.options(max_concurrency=1, **options, **({"namespace": self.namespace} if owned else {})).remote(
             self.cfg, self.run_dir, threads=max(1, int(self.cpus)),
             owner=(self.owner, self.namespace) if owned else None)

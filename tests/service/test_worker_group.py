@@ -181,6 +181,9 @@ def test_members_with_no_state_to_salvage_are_kept_as_spares_and_the_next_start_
     try:
         g.scale_to([me, me])
         pids = sorted(i["pid"] for i in ray.get([m.actor.info.remote() for m in g.members], timeout=30))
+        # each worker process started with glibc's arena cap (read at process start: its initial environment)
+        env = ray.get([m.actor.__ray_call__.remote(_initial_env) for m in g.members], timeout=30)
+        assert env == [{"MALLOC_ARENA_MAX": "2"}] * 2, env
         g.form(p)
         g.run(until_step=1, steps=1)
         assert sorted(g.salvage().kept) == [0, 1]  # the first failure: both vouch for their state, and drop it
@@ -303,3 +306,10 @@ def test_a_rank_still_running_after_the_others_answered_is_probed(local_ray, mon
     finally:
         for ref in calls:
             ray.cancel(ref, force=True)
+
+
+def _initial_env(_worker) -> dict:
+    """The glibc malloc variables a worker's process was started with."""
+    with open("/proc/self/environ", "rb") as f:
+        pairs = [e.decode().split("=", 1) for e in f.read().split(b"\0") if e.startswith(b"MALLOC_")]
+    return dict(pairs)
