@@ -13,6 +13,8 @@ data (byte corpus of the stdlib), checkpoint every 5 steps, the event at step ~1
         (`--dp-mode replicate`: replicas, so a kill can heal from the survivors). Ray Train runs the
         same model under DDP.
 Scenarios (Elastron's systems differ only in `parallel.reshard`: live or storage):
+  (`--tp N`: Elastron runs under `parallel.tp` N, on nodes of N slots each, two TP groups at most: a TP group
+  stays in one node. Ray Train runs DDP as without.)
   resize 2 nodes, the user asks for 1 worker (`coord.resize`). Ray Train has no planned resize: not run.
   join   2 nodes, then one joins:                  event -> first step at world size 3
   kill   3 nodes, one dies without notice (kill_node): event -> first step at world size 2
@@ -72,6 +74,8 @@ class State:
     """How long the first steps may take (process start, model build) before the run is abandoned."""
     peer_interval: int | None = None
     """Elastron's `checkpoint.peer_interval` (peer snapshots every N steps, 0 off); None: the job's default."""
+    tp: int | None = None
+    """Elastron's `parallel.tp` (the planner picks the world size: a multiple of it); None: the planner's choice."""
 
 
 STATES = {
@@ -88,11 +92,17 @@ def _cfg(state: State, steps: int, reshard: str) -> dict:
         "data": {"source": "corpus", "seq_len": state.seq_len, "max_bytes": 300_000},
         "train": {"steps": steps, "global_batch_size": state.global_batch_size,
                   "micro_batch_size": state.micro_batch_size, "lr": state.lr, "warmup_steps": 2},
-        "parallel": {"min_workers": 1, "max_workers": 3, "dp_mode": state.dp_mode, "reshard": reshard},
+        "parallel": {"min_workers": 1, "max_workers": _max_workers(state), "dp_mode": state.dp_mode, "reshard": reshard,
+                     **({} if state.tp is None else {"tp": state.tp})},
         "checkpoint": {"interval_steps": 5, "keep_last": 2,
                        **({} if state.peer_interval is None else {"peer_interval": state.peer_interval})},
         "resources": {"device": "cpu", "cpus_per_worker": 1},
     }
+
+
+def _max_workers(state: State) -> int:
+    """3 workers; under TP two TP groups (a TP group stays in one node: nodes get tp slots each)."""
+    return 3 if state.tp is None else 2 * state.tp
 
 
 def state_bytes(state: State) -> int:
@@ -132,7 +142,8 @@ def measure_elastron(*, cluster, scenario: str, workdir: str, state: State, resh
     from service.pool.cluster import drain_node, kill_node
     from workers.config import JobConfig
 
-    added = [cluster.add_node(num_cpus=1) for _ in range(START_NODES[scenario])]
+    slots = state.tp or 1
+    added = [cluster.add_node(num_cpus=slots) for _ in range(START_NODES[scenario])]
     cluster.wait_for_nodes()
     coord = Coordinator(Job.of(JobConfig.from_dict(_cfg(state, steps, reshard)), job_id=f"{reshard}-{scenario}",
                                run_dir=Path(workdir) / f"elastron-{reshard}-{scenario}"),
@@ -150,7 +161,7 @@ def measure_elastron(*, cluster, scenario: str, workdir: str, state: State, resh
             t_event = time.time()
             coord.send(SetWorkers(workers=target))
         elif scenario == "join":
-            added.append(cluster.add_node(num_cpus=1))
+            added.append(cluster.add_node(num_cpus=slots))
             t_event = time.time()
             target = before + 1
         else:
@@ -160,7 +171,9 @@ def measure_elastron(*, cluster, scenario: str, workdir: str, state: State, resh
                 kill_node(cluster, victim)  # raylet, agents and workers at once, as a machine dies
             else:
                 drain_node(victim.node_id, message="benchmark: spot reclaim", deadline_remaining_s=60)
-            target = before - 1
+            # the planner's world size for the slots left, a multiple of tp (tp=2: 3 nodes of 2 slots, a group
+            # of 4 on two of them; after the kill the third node's slots replace the dead node's)
+            target = min(_max_workers(state), (len(added) - 1) * slots) // slots * slots
         n_rc = len(coord.reconfigs)
         # Every reconfiguration after the event counts; the measurement ends at the first step of the
         # one that reaches the target size (intermediate ones, if any, are reported).
@@ -421,6 +434,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="Elastron's parallel.dp_mode instead of the state's (replicate: a kill can heal from peers)")
     ap.add_argument("--peer-interval", type=int, default=None,
                     help="Elastron's checkpoint.peer_interval (0: no peer snapshots); default: the job's default")
+    ap.add_argument("--tp", type=int, help="Elastron's parallel.tp (Ray Train's DDP has no TP: it runs as without)")
     ap.add_argument("--settle", type=float, default=1.0, help="Elastron: stable capacity needed before growing")
     ap.add_argument("--steady-steps", type=int, default=10, help="steady: measured steps per job")
     ap.add_argument("--steady-rounds", type=int, default=1, help="steady: pairs of jobs (snapshots on, off)")
@@ -438,6 +452,8 @@ def main(argv: list[str] | None = None) -> int:
         state = replace(state, dp_mode=args.dp_mode)
     if args.peer_interval is not None:
         state = replace(state, peer_interval=args.peer_interval)
+    if args.tp is not None:
+        state = replace(state, tp=args.tp)
     meta = {"state": args.state, "state_bytes": state_bytes(state), "workload": asdict(state),
             "date": time.strftime("%Y-%m-%d"), "commit": _commit(), "argv": sys.argv[1:]}
     print(json.dumps(meta), flush=True)
