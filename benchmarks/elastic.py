@@ -12,7 +12,8 @@ data (byte corpus of the stdlib), checkpoint every 5 steps, the event at step ~1
         (`parallel.dp_mode: shard`), so every change of size moves shards between workers
         (`--dp-mode replicate`: replicas, so a kill can heal from the survivors). Ray Train runs the
         same model under DDP.
-Scenarios (Elastron's systems differ only in `parallel.reshard`: live or storage):
+Scenarios (Elastron's systems differ in `parallel.reshard`, live or storage, and elastron-storage runs with
+peer snapshots off, `checkpoint.peer_interval` 0, so that a kill restores from storage):
   (`--tp N`: Elastron runs under `parallel.tp` N, on nodes of N slots each, two TP groups at most: a TP group
   stays in one node. Ray Train runs DDP as without.)
   resize 2 nodes, the user asks for 1 worker (`coord.resize`). Ray Train has no planned resize: not run.
@@ -490,7 +491,9 @@ def main(argv: list[str] | None = None) -> int:
                                          lr=state.lr, warmup_timeout_s=state.start_timeout_s)
                 else:
                     try:
-                        r = measure_elastron(cluster=cluster, scenario=sc, workdir=work, state=state,
+                        # elastron-storage is the path without peer memory: peer snapshots off too
+                        st = state if system == "elastron-live" else replace(state, peer_interval=0)
+                        r = measure_elastron(cluster=cluster, scenario=sc, workdir=work, state=st,
                                              reshard=system.split("-")[1], settle=args.settle)
                     except Exception as e:  # noqa: BLE001 - keep the other runs
                         r = {"system": system, "scenario": sc, "error": f"{type(e).__name__}: {e}"}
