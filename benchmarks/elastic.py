@@ -106,6 +106,14 @@ def _max_workers(state: State) -> int:
     return 3 if state.tp is None else 2 * state.tp
 
 
+def world_for(state: State, nodes: int) -> int:
+    """The world size the planner picks on `nodes` nodes of `state.tp or 1` slots: a multiple of tp, at most
+    `_max_workers` (tp=2: 3 nodes of 2 slots hold a group of 4 on two of them; after a kill the third
+    node's slots replace the dead node's, 4 again)."""
+    slots = state.tp or 1
+    return min(_max_workers(state), nodes * slots) // slots * slots
+
+
 def state_bytes(state: State) -> int:
     """fp32 weights + the two AdamW moments of the whole model (each DP replica holds this much)."""
     from models.llama import build_model
@@ -172,9 +180,7 @@ def measure_elastron(*, cluster, scenario: str, workdir: str, state: State, resh
                 kill_node(cluster, victim)  # raylet, agents and workers at once, as a machine dies
             else:
                 drain_node(victim.node_id, message="benchmark: spot reclaim", deadline_remaining_s=60)
-            # the planner's world size for the slots left, a multiple of tp (tp=2: 3 nodes of 2 slots, a group
-            # of 4 on two of them; after the kill the third node's slots replace the dead node's)
-            target = min(_max_workers(state), (len(added) - 1) * slots) // slots * slots
+            target = world_for(state, len(added) - 1)
         n_rc = len(coord.reconfigs)
         # Every reconfiguration after the event counts; the measurement ends at the first step of the
         # one that reaches the target size (intermediate ones, if any, are reported).
