@@ -12,11 +12,18 @@ data (byte corpus of the stdlib), checkpoint every 5 steps, the event at step ~1
         (`parallel.dp_mode: shard`), so every change of size moves shards between workers
         (`--dp-mode replicate`: replicas, so a kill can heal from the survivors). Ray Train runs the
         same model under DDP.
-Scenarios (Elastron's systems differ only in `parallel.reshard`: live or storage):
+Scenarios (Elastron's systems differ in `parallel.reshard`, live or storage, and elastron-storage runs with
+peer snapshots off, `checkpoint.peer_interval` 0, so that a kill restores from storage):
+  (`--tp N`: Elastron runs under `parallel.tp` N, on nodes of N slots each, two TP groups at most: a TP group
+  stays in one node. Ray Train runs DDP as without.)
   resize 2 nodes, the user asks for 1 worker (`coord.resize`). Ray Train has no planned resize: not run.
   join   2 nodes, then one joins:                  event -> first step at world size 3
   kill   3 nodes, one dies without notice (kill_node): event -> first step at world size 2
   drain  3 nodes, one drained (preemption, 60 s deadline): event -> first step without that node
+  steady 3 nodes, no event: the snapshot's cost. Elastron only (live), jobs back to back on the same nodes
+         with `checkpoint.peer_interval` 1 and 0, alternating (`--steady-rounds` pairs, `--steady-steps`
+         steps each); per job the median step (the trainer's step time) and the median interval between
+         two steps' ends (what a snapshot taken between steps would add), the first 3 steps left out.
 Ray Train v2 (`elastic_raytrain.measure_raytrain`) checkpoints with torch.distributed.checkpoint.
 
 Per run: event -> first step at the new size, the stall (the end of the last step at the old size to
@@ -45,9 +52,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-SCENARIOS = ("resize", "join", "kill", "drain")
+SCENARIOS = ("resize", "join", "kill", "drain", "steady")
 SYSTEMS = ("elastron-live", "elastron-storage", "raytrain")
-START_NODES = {"resize": 2, "join": 2, "kill": 3, "drain": 3}
+START_NODES = {"resize": 2, "join": 2, "kill": 3, "drain": 3, "steady": 3}
+STEADY_WARMUP = 3  # steps left out of the steady medians (process warm-up, the first snapshot's buffers)
 EVENT_STEP = 12  # between two checkpoints (every 5 steps): the event does not meet a background save
 
 
@@ -67,6 +75,8 @@ class State:
     """How long the first steps may take (process start, model build) before the run is abandoned."""
     peer_interval: int | None = None
     """Elastron's `checkpoint.peer_interval` (peer snapshots every N steps, 0 off); None: the job's default."""
+    tp: int | None = None
+    """Elastron's `parallel.tp` (the planner picks the world size: a multiple of it); None: the planner's choice."""
 
 
 STATES = {
@@ -83,11 +93,25 @@ def _cfg(state: State, steps: int, reshard: str) -> dict:
         "data": {"source": "corpus", "seq_len": state.seq_len, "max_bytes": 300_000},
         "train": {"steps": steps, "global_batch_size": state.global_batch_size,
                   "micro_batch_size": state.micro_batch_size, "lr": state.lr, "warmup_steps": 2},
-        "parallel": {"min_workers": 1, "max_workers": 3, "dp_mode": state.dp_mode, "reshard": reshard},
+        "parallel": {"min_workers": 1, "max_workers": _max_workers(state), "dp_mode": state.dp_mode, "reshard": reshard,
+                     **({} if state.tp is None else {"tp": state.tp})},
         "checkpoint": {"interval_steps": 5, "keep_last": 2,
                        **({} if state.peer_interval is None else {"peer_interval": state.peer_interval})},
         "resources": {"device": "cpu", "cpus_per_worker": 1},
     }
+
+
+def _max_workers(state: State) -> int:
+    """3 workers; under TP two TP groups (a TP group stays in one node: nodes get tp slots each)."""
+    return 3 if state.tp is None else 2 * state.tp
+
+
+def world_for(state: State, nodes: int) -> int:
+    """The world size the planner picks on `nodes` nodes of `state.tp or 1` slots: a multiple of tp, at most
+    `_max_workers` (tp=2: 3 nodes of 2 slots hold a group of 4 on two of them; after a kill the third
+    node's slots replace the dead node's, 4 again)."""
+    slots = state.tp or 1
+    return min(_max_workers(state), nodes * slots) // slots * slots
 
 
 def state_bytes(state: State) -> int:
@@ -127,7 +151,8 @@ def measure_elastron(*, cluster, scenario: str, workdir: str, state: State, resh
     from service.pool.cluster import drain_node, kill_node
     from workers.config import JobConfig
 
-    added = [cluster.add_node(num_cpus=1) for _ in range(START_NODES[scenario])]
+    slots = state.tp or 1
+    added = [cluster.add_node(num_cpus=slots) for _ in range(START_NODES[scenario])]
     cluster.wait_for_nodes()
     coord = Coordinator(Job.of(JobConfig.from_dict(_cfg(state, steps, reshard)), job_id=f"{reshard}-{scenario}",
                                run_dir=Path(workdir) / f"elastron-{reshard}-{scenario}"),
@@ -145,7 +170,7 @@ def measure_elastron(*, cluster, scenario: str, workdir: str, state: State, resh
             t_event = time.time()
             coord.send(SetWorkers(workers=target))
         elif scenario == "join":
-            added.append(cluster.add_node(num_cpus=1))
+            added.append(cluster.add_node(num_cpus=slots))
             t_event = time.time()
             target = before + 1
         else:
@@ -155,7 +180,7 @@ def measure_elastron(*, cluster, scenario: str, workdir: str, state: State, resh
                 kill_node(cluster, victim)  # raylet, agents and workers at once, as a machine dies
             else:
                 drain_node(victim.node_id, message="benchmark: spot reclaim", deadline_remaining_s=60)
-            target = before - 1
+            target = world_for(state, len(added) - 1)
         n_rc = len(coord.reconfigs)
         # Every reconfiguration after the event counts; the measurement ends at the first step of the
         # one that reaches the target size (intermediate ones, if any, are reported).
@@ -296,6 +321,8 @@ def table(rows: list[dict]) -> str:
               "steps redone/lost | Ray Train ÷ this |"),
              "|---|---|---|---|---|---|---|---|---|"]
     for sc in SCENARIOS:
+        if sc == "steady":
+            continue  # steady_table
         got = {_system(r): r for r in rows if r["scenario"] == sc}
         rt = got.get("raytrain")
         for name in SYSTEMS:
@@ -336,6 +363,75 @@ def _loss_agreement(rows: list[dict]) -> dict:
     return out
 
 
+def measure_steady(*, cluster, workdir: str, state: State, steps: int, rounds: int) -> dict:
+    """The median step with peer snapshots every step against off: 3 workers, `rounds` pairs of jobs back
+    to back (on, off, on, off, ...), `steps` steps each after `STEADY_WARMUP`; one row with every job's
+    medians and the ratio of the pooled medians."""
+    import ray  # noqa: F401 - the cluster's driver is connected by main
+
+    from service.control.commands import Stop
+    from service.control.coordinator import Coordinator, CoordinatorOptions
+    from service.control.job import Job
+    from service.pool.cluster import kill_node
+    from workers.config import JobConfig
+
+    added = [cluster.add_node(num_cpus=1) for _ in range(START_NODES["steady"])]
+    cluster.wait_for_nodes()
+    jobs: list[dict] = []
+    try:
+        for i, interval in enumerate([1, 0] * rounds):
+            st = replace(state, peer_interval=interval)
+            n = STEADY_WARMUP + steps  # the job runs 5 more, so that it is still running when stopped
+            coord = Coordinator(Job.of(JobConfig.from_dict(_cfg(st, n + 5, "live")), job_id=f"steady-{i}-{interval}",
+                                       run_dir=Path(workdir) / f"steady-{i}-{interval}"),
+                                options=CoordinatorOptions(chunk_seconds=0.2, poll_interval_s=0.1))
+            t = threading.Thread(target=coord.run, daemon=True)
+            t.start()
+            try:
+                _wait(lambda: coord.step_done >= n, state.start_timeout_s + 60 * n, f"{n} steady steps")
+                metrics = sorted(coord.metrics_since(0), key=lambda m: m["step"])
+                world = coord.group.size if coord.group is not None else None
+            finally:
+                coord.send(Stop())
+                t.join(timeout=180)
+            kept = [m for m in metrics if m["step"] > STEADY_WARMUP]
+            gaps = [b["time"] - a["time"] for a, b in zip(metrics, metrics[1:]) if a["step"] >= STEADY_WARMUP]
+            jobs.append({"peer_interval": interval, "world_size": world,
+                         "step_time_s": [m["step_time"] for m in kept], "interval_s": gaps,
+                         "median_step_s": statistics.median(m["step_time"] for m in kept),
+                         "median_interval_s": statistics.median(gaps),
+                         "losses": {str(m["step"]): m["loss"] for m in metrics}})
+            print(json.dumps({k: v for k, v in jobs[-1].items() if k != "losses"}), flush=True)
+    finally:
+        for node in added:
+            try:
+                kill_node(cluster, node)
+            except Exception as e:  # noqa: BLE001
+                print(f"removing node {node.node_id} failed ({e}); it may already be gone", file=sys.stderr)
+
+    def pooled(interval: int, key: str) -> float:
+        return statistics.median(x for j in jobs if j["peer_interval"] == interval for x in j[key])
+
+    on_step, off_step = pooled(1, "step_time_s"), pooled(0, "step_time_s")
+    on_gap, off_gap = pooled(1, "interval_s"), pooled(0, "interval_s")
+    return {"system": "elastron-live", "scenario": "steady", "jobs": jobs,
+            "median_step_on_s": on_step, "median_step_off_s": off_step, "step_ratio": on_step / off_step,
+            "median_interval_on_s": on_gap, "median_interval_off_s": off_gap, "interval_ratio": on_gap / off_gap}
+
+
+def steady_table(rows: list[dict]) -> str:
+    lines = ["| peer snapshots | median step | median interval between step ends | jobs |", "|---|---|---|---|"]
+    for r in rows:
+        if r["scenario"] != "steady" or "jobs" not in r:
+            continue
+        for on, name in ((1, "every step"), (0, "off")):
+            k = "on" if on else "off"
+            lines.append(f"| {name} | {_fmt(r[f'median_step_{k}_s'])} | {_fmt(r[f'median_interval_{k}_s'])} | "
+                         f"{sum(j['peer_interval'] == on for j in r['jobs'])} |")
+        lines.append(f"| on ÷ off | {r['step_ratio']:.3f}× | {r['interval_ratio']:.3f}× | |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--state", choices=tuple(STATES), default="tiny")
@@ -345,7 +441,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="Elastron's parallel.dp_mode instead of the state's (replicate: a kill can heal from peers)")
     ap.add_argument("--peer-interval", type=int, default=None,
                     help="Elastron's checkpoint.peer_interval (0: no peer snapshots); default: the job's default")
+    ap.add_argument("--tp", type=int, help="Elastron's parallel.tp (Ray Train's DDP has no TP: it runs as without)")
     ap.add_argument("--settle", type=float, default=1.0, help="Elastron: stable capacity needed before growing")
+    ap.add_argument("--steady-steps", type=int, default=10, help="steady: measured steps per job")
+    ap.add_argument("--steady-rounds", type=int, default=1, help="steady: pairs of jobs (snapshots on, off)")
     ap.add_argument("--json", help="write all results here (merged into the file if it exists)")
     args = ap.parse_args(argv)
 
@@ -360,6 +459,8 @@ def main(argv: list[str] | None = None) -> int:
         state = replace(state, dp_mode=args.dp_mode)
     if args.peer_interval is not None:
         state = replace(state, peer_interval=args.peer_interval)
+    if args.tp is not None:
+        state = replace(state, tp=args.tp)
     meta = {"state": args.state, "state_bytes": state_bytes(state), "workload": asdict(state),
             "date": time.strftime("%Y-%m-%d"), "commit": _commit(), "argv": sys.argv[1:]}
     print(json.dumps(meta), flush=True)
@@ -371,6 +472,19 @@ def main(argv: list[str] | None = None) -> int:
     ray.init(address=cluster.address, log_to_driver=False)
     try:
         for sc in args.scenarios:
+            if sc == "steady":
+                t0 = time.time()
+                try:
+                    r = measure_steady(cluster=cluster, workdir=work, state=state, steps=args.steady_steps,
+                                       rounds=args.steady_rounds)
+                except Exception as e:  # noqa: BLE001 - keep the other runs
+                    r = {"system": "elastron-live", "scenario": sc, "error": f"{type(e).__name__}: {e}"}
+                r["load_avg_1m"], r["run_s"] = os.getloadavg()[0], round(time.time() - t0, 1)
+                print(json.dumps({k: v for k, v in r.items() if k != "jobs"}, default=str), flush=True)
+                rows.append(r)
+                if args.json:
+                    _write(args.json, meta, rows)
+                continue
             for system in args.systems:
                 t0 = time.time()
                 if system == "raytrain":
@@ -383,7 +497,9 @@ def main(argv: list[str] | None = None) -> int:
                                          lr=state.lr, warmup_timeout_s=state.start_timeout_s)
                 else:
                     try:
-                        r = measure_elastron(cluster=cluster, scenario=sc, workdir=work, state=state,
+                        # elastron-storage is the path without peer memory: peer snapshots off too
+                        st = state if system == "elastron-live" else replace(state, peer_interval=0)
+                        r = measure_elastron(cluster=cluster, scenario=sc, workdir=work, state=st,
                                              reshard=system.split("-")[1], settle=args.settle)
                     except Exception as e:  # noqa: BLE001 - keep the other runs
                         r = {"system": system, "scenario": sc, "error": f"{type(e).__name__}: {e}"}
@@ -397,6 +513,8 @@ def main(argv: list[str] | None = None) -> int:
         cluster.shutdown()
     print()
     print(table(rows))
+    if any(r["scenario"] == "steady" for r in rows):
+        print(steady_table(rows))
     print(json.dumps(_loss_agreement(rows), indent=1))
     return 0
 
