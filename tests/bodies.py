@@ -139,7 +139,7 @@ def snapshot_peer_silent_body(timeout_s: float, slack_s: float, wait_s: float) -
     import workers.snapshots
     from workers.snapshots import PeerSnapshots
 
-    workers.snapshots.ROUND_SLACK_S = slack_s
+    workers.snapshots.ROUND_SLACK_S = workers.snapshots.ROUND_MIN_S = slack_s
     rank = dist.get_rank()
     snaps = PeerSnapshots.start(["a", "b"][rank], shard_bytes=1 << 18, available_bytes=None, timeout_s=timeout_s)
     w = torch.ones(256, 256)

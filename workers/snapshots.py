@@ -41,9 +41,21 @@ AFFORDABLE = 0.5
 
 ROUND_SLACK_S = 10.0
 ROUND_FLOOR_BYTES_PER_S = 50e6
-"""A round's sends and receives must end within ROUND_SLACK_S + its bytes at this rate (a hundredth of a
-slow data-centre link), else it fails: a peer that died mid-round (gloo ends no pending send or receive
-when a peer is SIGKILLed) then holds the round's two buffers for seconds, not for the group's timeout."""
+"""A group's first round must end within ROUND_SLACK_S + its bytes at this rate (a hundredth of a slow
+data-centre link), else it fails: a peer that died mid-round (gloo ends no pending send or receive when
+a peer is SIGKILLed) then holds the round's two buffers for seconds, not for the group's timeout."""
+ROUND_MARGIN = 4.0
+ROUND_MIN_S = 5.0
+"""Each later round: within ROUND_MARGIN x the last complete round's time, and at least ROUND_MIN_S
+(`next_bound`); a round that fails doubles the bound for the next (the box's load rose)."""
+
+
+def next_bound(bound_s: float | None, *, ok: bool, round_s: float) -> float | None:
+    """The bound of the next round after one that took `round_s` and completed (`ok`) or failed under
+    `bound_s` (None: the first round's bound from its bytes)."""
+    if ok:
+        return max(ROUND_MIN_S, ROUND_MARGIN * round_s)
+    return None if bound_s is None else 2 * bound_s
 
 
 @dataclass(slots=True)
@@ -113,7 +125,9 @@ class PeerSnapshots:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.round_s = 0.0
-        """Seconds the last round's background send and receive took."""
+        """Seconds the last complete round's background send and receive took."""
+        self.bound_s: float | None = None
+        """How long the next round's waits may last (None: the first round's bound, from its bytes)."""
         self.memory_bytes = 0
         """The host memory the snapshots take on this rank, as estimated at start."""
         self.last_error: BaseException | None = None
@@ -188,7 +202,7 @@ class PeerSnapshots:
             works = [dist.isend(sizes, self.buddy, group=g)]
             works += [dist.irecv(got_sizes[r], r, group=g) for r in kept]
             for w in works:
-                w.wait(timedelta(seconds=min(ROUND_SLACK_S, self.timeout_s)))
+                w.wait(timedelta(seconds=min(self.bound_s or ROUND_SLACK_S, self.timeout_s)))
             heads = {r: torch.empty(int(got_sizes[r][0]), dtype=torch.uint8) for r in kept}
             fills = {}
             for r in kept:
@@ -203,16 +217,19 @@ class PeerSnapshots:
             for r in kept:
                 works += [dist.irecv(heads[r], r, group=g), dist.irecv(fills[r].buf, r, group=g)]
             moved = own.buf.numel() + sum(c.buf.numel() for c in fills.values())
-            deadline = timedelta(seconds=min(ROUND_SLACK_S + moved / ROUND_FLOOR_BYTES_PER_S, self.timeout_s))
+            bound = self.bound_s or ROUND_SLACK_S + moved / ROUND_FLOOR_BYTES_PER_S
+            deadline = timedelta(seconds=min(bound, self.timeout_s))
             for w in works:
                 w.wait(deadline)
             for r in kept:
                 fills[r].header = json.loads(bytes(heads[r].numpy()))
                 fills[r].step = int(fills[r].header["step"])
             self.round_s = time.perf_counter() - t0
+            self.bound_s = next_bound(self.bound_s, ok=True, round_s=self.round_s)
         except BaseException as e:  # a peer died mid-round: what was filling stays incomplete
             # kept without its traceback, whose frames would keep this round's buffers alive
             self._error = self.last_error = e.with_traceback(None)
+            self.bound_s = next_bound(self.bound_s, ok=False, round_s=time.perf_counter() - t0)
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Wait for the round in flight; False if it is still running after `timeout_s` (it is then

@@ -7,7 +7,7 @@ import pytest
 
 from tests.bodies import snapshot_off_body, snapshot_peer_silent_body, snapshot_rounds_body
 from tests.multiproc import run_ranks
-from workers.snapshots import Copy, Slot
+from workers.snapshots import ROUND_MARGIN, ROUND_MIN_S, Copy, Slot, next_bound
 
 
 def test_each_rank_keeps_its_buddys_copy_of_the_last_two_steps():
@@ -32,16 +32,28 @@ def test_snapshots_start_only_where_every_rank_has_a_buddy_and_the_memory(nodes,
     assert run_ranks(2, snapshot_off_body, nodes, available) == buddies
 
 
-def test_a_round_whose_peer_stops_answering_ends_within_its_slack_and_frees_its_buffers():
-    """A round waits on its buddy about as long as its bytes need (ROUND_SLACK_S plus a bandwidth floor),
-    well within the snapshot group's timeout (gloo's default for a new group, 30 minutes, kept a killed
+def test_a_round_whose_peer_stops_answering_ends_within_its_bound_and_frees_its_buffers():
+    """A round waits on its buddy about as long as rounds take (`next_bound`; the first one as long as its
+    bytes need), well within the snapshot group's timeout (gloo's default for a new group, 30 minutes, kept a killed
     peer's survivor holding every snapshot buffer of the old group, ~3 copies of its shard per failure:
     found by benchmarks/soak.py); once it has ended and the snapshots are closed, none of their buffers is
-    alive. Here: slack 2 s, group timeout 60 s, the round must end within 30 s."""
+    alive. Here: slack and floor 2 s, group timeout 60 s, the round must end within 30 s."""
     out = run_ranks(2, snapshot_peer_silent_body, 60.0, 2.0, 30.0, timeout=150)[0]
     assert out["ended"] and out["failed"], out
     # its own copies of rounds 1 and 2 and the kept copy of round 1 (round 2's receive never began)
     assert out["buffers"] == 3 and out["alive_buffers"] == 0 and out["round_threads"] == 0, out
+
+
+@pytest.mark.parametrize("bound, ok, took, after", [
+    (None, True, 0.5, ROUND_MIN_S),           # a quick first round: the floor
+    (None, True, 3.0, 12.0),                  # 4x a slow round
+    (12.0, True, 0.2, ROUND_MIN_S),           # the bound follows the rounds down
+    (5.0, False, 5.0, 10.0),                  # a failed round doubles it (the load rose)
+    (None, False, 7.0, None),                 # a failed first round: the next is bounded by its bytes again
+])
+def test_a_rounds_bound_follows_the_last_complete_round(bound, ok, took, after):
+    assert ROUND_MARGIN == 4.0 and ROUND_MIN_S == 5.0
+    assert next_bound(bound, ok=ok, round_s=took) == after
 
 
 def _slot(a: int, b: int) -> Slot:
