@@ -141,7 +141,7 @@ class PeerSnapshots:
         cannot afford the memory (two buffers of its own shards and of each copy it keeps).
 
         `timeout_s`: the snapshot group's timeout (the training group's is the same), the longest any wait
-        of a round may last (ROUND_SLACK_S bounds them further). Gloo's default for a new group is 30
+        of a round may last (`next_bound` bounds them further). Gloo's default for a new group is 30
         minutes, and a SIGKILLed peer does not end a pending send or receive before that: its survivor's
         round would hold the buffers it was sending and filling all that time."""
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -247,7 +247,7 @@ class PeerSnapshots:
 
     def close(self, timeout_s: float = 1.0) -> None:
         """Drop every copy (the group that took them is gone). A round still in flight after `timeout_s`
-        keeps only the two buffers it is sending and filling, until its waits end (the group's timeout)."""
+        keeps only the two buffers it is sending and filling, until its waits end (the round's bound)."""
         self.wait(timeout_s)
         self.own, self.kept = Slot(), {}
 

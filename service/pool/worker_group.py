@@ -75,6 +75,9 @@ class WorkerHandle:
 
 
 FIRST_PROBE_S = 0.5
+"""A wait on workers probes their nodes first after this long: soon enough to catch a node that died
+just before the call (a second fault right after a first), late enough that a quick call (a live
+resize's form) never pays for a probe."""
 
 WORKER_ENV = {"MALLOC_ARENA_MAX": "2"}
 """Environment a worker process starts with (Ray `runtime_env`; a value set in the coordinator's own
@@ -83,9 +86,6 @@ keeps the memory a step frees in the arena that held it; a Ray actor runs its ca
 change over its life, so over tens of reconfigurations the step's transient peak came to be kept in many
 arenas at once: +150 to +250 MB of free heap in a survivor (benchmarks/soak.py, `small`). Two arenas
 bound that; no step-time cost measured (benchmarks/throughput.py, CPU seconds per step)."""
-"""A wait on workers probes their nodes first after this long: soon enough to catch a node that died
-just before the call (a second fault right after a first), late enough that a quick call (a live
-resize's form) never pays for a probe."""
 
 
 def probe_gaps(cap_s: float) -> Iterator[float]:

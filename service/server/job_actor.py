@@ -73,7 +73,7 @@ left running (detached actors), whose group trains on or heals from their state;
 over resumes from the last committed checkpoint. What ends a crash loop is the job's own budget, as for
 every failure kind: more than `max_restarts` restarts within `restart_window_s` fail the job (the
 coordinator reads the earlier restarts back from the job's events). Ray's cap only bounds a loop that
-dies before it can read them; it was 3, which ended a long job at its 4th restart however far apart."""
+dies before it can read them."""
 
 
 def job_actor_class():
