@@ -24,10 +24,11 @@ Each event counts the reconfigurations it caused (the job's `resize` events: a d
 node and back onto a new one; a kill one or two, as a standby can take the dead worker's place at once). After each event, once the job has trained `--steps-after` steps at full
 size, the resident memory (RSS, from /proc) of every process is sampled: each training worker and
 standby (the `ray::Worker` processes under the nodes' raylets), the coordinator (the job's actor) and
-the API server; on CUDA the workers' `memory_allocated`/`memory_reserved` would come from their own
-processes (this benchmark runs on CPU nodes). Written: the JSON (every sample), and with matplotlib a PNG
-of memory against reconfiguration number; the check is every process's RSS at the end against its value
-after the 3rd reconfiguration at the same world size (target: at most 1.10x), for processes alive at both.
+the API server; where the workers train on CUDA, also each worker's `memory_allocated`/`memory_reserved`,
+which its own process reports (`Worker.memory`, on its control lane). Written: the JSON (every sample),
+and with matplotlib a PNG of memory against reconfiguration number; the check is every process's RSS at
+its last sample against its value after its 3rd reconfiguration at the same world size (target: at most
+1.10x) and, on CUDA, each worker's `memory_reserved` the same way (at most 1.05x).
 """
 
 from __future__ import annotations
@@ -52,6 +53,45 @@ from benchmarks.chaos_env import ChaosEnv, wait  # noqa: E402
 KINDS = ("shrink", "grow", "kill_worker", "drain", "takeover")
 TARGET = 1.10
 """Every process's RSS at the end over its value after the 3rd reconfiguration, at most."""
+CUDA_TARGET = 1.05
+"""Every CUDA worker's `memory_reserved` at the end over its value after the 3rd reconfiguration, at most."""
+
+
+def worker_memory(*, timeout_s: float = 10.0) -> dict[int, object]:
+    """pid -> `workers.report.Memory` of every worker actor of the cluster's jobs that answers within
+    `timeout_s` (on the control lane, so a worker inside a step answers too)."""
+    import ray
+    from ray.exceptions import RayError
+
+    asked = []
+    for e in ray.util.list_named_actors(all_namespaces=True):
+        if e["name"].startswith("elastron-worker-"):
+            try:
+                actor = ray.get_actor(e["name"], namespace=e["namespace"])
+            except ValueError:  # ended meanwhile
+                continue
+            asked.append(actor.memory.options(concurrency_group="control").remote())
+    done, _ = ray.wait(asked, num_returns=len(asked), timeout=timeout_s)
+    out = {}
+    for ref in done:
+        try:
+            m = ray.get(ref)
+        except RayError:  # died meanwhile
+            continue
+        out[m.pid] = m
+    return out
+
+
+def cuda_columns(procs: dict[str, int], memory: dict[int, object]) -> dict[str, dict[str, float]]:
+    """`memory_allocated` and `memory_reserved` (MB) per process name, for the workers on CUDA among `procs`
+    (empty on CPU)."""
+    out: dict[str, dict[str, float]] = {"cuda_allocated_mb": {}, "cuda_reserved_mb": {}}
+    for name, pid in procs.items():
+        m = memory.get(pid)
+        if m is not None and m.cuda_reserved_mb is not None:
+            out["cuda_allocated_mb"][name] = m.cuda_allocated_mb
+            out["cuda_reserved_mb"][name] = m.cuda_reserved_mb
+    return out
 
 
 def job_config(preset: str, nodes: int, reshard: str, steps: int) -> dict:
@@ -183,12 +223,16 @@ class Soak:
         heaps = {name: h for name, pid in procs.items() if not name.startswith(("server", "coordinator"))
                  and (h := glibc_heaps(pid)) is not None}
         s = {"reconfigs": self.reconfigs(), "kind": kind, "seconds": round(time.time() - t0, 1), "step": j["step"],
-             "world_size": j["world_size"], "events": j.get("events"), "rss_mb": rss, "glibc_heaps": heaps}
+             "world_size": j["world_size"], "events": j.get("events"), "rss_mb": rss, "glibc_heaps": heaps,
+             **cuda_columns(procs, memory := worker_memory()),
+             "reporting": sorted(name for name, pid in procs.items() if pid in memory)}
         self.samples.append(s)
         if self.partial is not None:
             self.partial.write_text(json.dumps({"partial": True, "samples": self.samples}, indent=1))
         self.log(f"#{s['reconfigs']:>3} {kind:<11} step {s['step']:>5} w={s['world_size']} "
-                 + " ".join(f"{k}={v:.0f}" for k, v in sorted(rss.items())))
+                 + " ".join(f"{k}={v:.0f}" for k, v in sorted(rss.items()))
+                 + f" | memory() answered by {len(s['reporting'])}"
+                 + "".join(f" {k} reserved={v:.0f}" for k, v in sorted(s["cuda_reserved_mb"].items())))
         return s
 
     # -- the events ----------------------------------------------------------------------------------------
@@ -267,14 +311,14 @@ def verdict(samples: list[dict], *, base_at: int = 3) -> dict:
             for name, v in last["rss_mb"].items() if name in base["rss_mb"]}
 
 
-def lifetimes(samples: list[dict], *, base_at: int = 3) -> dict:
-    """Every process sampled, alive at the end or not: its RSS at its first sample after reconfiguration
-    `base_at` of its own life (the first `base_at` of a new process load what it keeps, so its 3rd is its
-    steady state) at the world size of its last sample, at its last sample, their ratio, and the
-    reconfigurations between the two. A process sampled only once or twice has no entry."""
+def lifetimes(samples: list[dict], *, base_at: int = 3, key: str = "rss_mb") -> dict:
+    """Every process sampled, alive at the end or not: its `key` (RSS; or a CUDA column) at its first sample
+    after reconfiguration `base_at` of its own life (the first `base_at` of a new process load what it keeps,
+    so its 3rd is its steady state) at the world size of its last sample, at its last sample, their ratio,
+    and the reconfigurations between the two. A process sampled only once or twice has no entry."""
     seen: dict[str, list[dict]] = {}
     for s in samples:
-        for name in s["rss_mb"]:
+        for name in s.get(key, {}):
             seen.setdefault(name, []).append(s)
     out = {}
     for name, ss in seen.items():
@@ -284,9 +328,9 @@ def lifetimes(samples: list[dict], *, base_at: int = 3) -> dict:
                      and s is not last), None)
         if base is None:
             continue
-        out[name] = {"base_reconfigs": base["reconfigs"], "base_mb": base["rss_mb"][name],
-                     "end_reconfigs": last["reconfigs"], "end_mb": last["rss_mb"][name],
-                     "ratio": round(last["rss_mb"][name] / base["rss_mb"][name], 3)}
+        out[name] = {"base_reconfigs": base["reconfigs"], "base_mb": base[key][name],
+                     "end_reconfigs": last["reconfigs"], "end_mb": last[key][name],
+                     "ratio": round(last[key][name] / base[key][name], 3) if base[key][name] else None}
     return out
 
 
@@ -319,10 +363,19 @@ def plot(samples: list[dict], path: Path, title: str) -> bool:
 
 
 def passed(out: dict) -> bool:
-    """The target: no error, and every process sampled at its 3rd and later within TARGET (`lifetimes`:
-    a survivor replaced before the end counts too, not only those alive at both ends)."""
-    worst = out.get("max_ratio_per_process")
-    return out.get("error") is None and worst is not None and worst <= TARGET
+    """The target: no error, every process sampled at its 3rd and later within TARGET (`lifetimes`: a
+    survivor replaced before the end counts too, not only those alive at both ends), and where workers
+    ran on CUDA, each one's `memory_reserved` within CUDA_TARGET."""
+    worst, cuda = out.get("max_ratio_per_process"), out.get("max_cuda_reserved_ratio")
+    return (out.get("error") is None and worst is not None and worst <= TARGET
+            and (cuda is None or cuda <= CUDA_TARGET))
+
+
+def cuda_verdict(samples: list[dict]) -> tuple[dict, float | None]:
+    """Per CUDA worker, its `memory_reserved` after its 3rd reconfiguration and at its last sample
+    (`lifetimes`), and the worst ratio; ({}, None) where no worker ran on CUDA."""
+    lives = lifetimes(samples, key="cuda_reserved_mb")
+    return lives, max((r["ratio"] for r in lives.values() if r["ratio"] is not None), default=None)
 
 
 def report(path: Path) -> int:
@@ -331,13 +384,18 @@ def report(path: Path) -> int:
     out = json.loads(path.read_text())
     lives = out["per_process"] = lifetimes(out["samples"])
     out["max_ratio_per_process"] = max((r["ratio"] for r in lives.values()), default=None)
+    out["cuda_reserved_per_worker"], out["max_cuda_reserved_ratio"] = cuda_verdict(out["samples"])
     out["passed"] = passed(out)
     path.write_text(json.dumps(out, indent=2))
     print("| process | after its 3rd (reconfiguration #, MB) | at its last (#, MB) | ratio |\n|---|---|---|---|")
     for name, r in sorted(lives.items(), key=lambda kv: (kv[0].split("-")[0], kv[1]["base_reconfigs"])):
         print(f"| {name} | #{r['base_reconfigs']}: {r['base_mb']:.1f} | #{r['end_reconfigs']}: {r['end_mb']:.1f} | "
               f"x{r['ratio']:.3f} |")
-    print(f"max ratio {out['max_ratio_per_process']} (target <= {TARGET}); {'PASSED' if out['passed'] else 'FAILED'}")
+    for name, r in sorted(out["cuda_reserved_per_worker"].items()):
+        print(f"| {name} (CUDA reserved) | #{r['base_reconfigs']}: {r['base_mb']:.1f} | #{r['end_reconfigs']}: "
+              f"{r['end_mb']:.1f} | x{r['ratio']} |")
+    print(f"max ratio {out['max_ratio_per_process']} (target <= {TARGET}); CUDA reserved "
+          f"{out['max_cuda_reserved_ratio']} (target <= {CUDA_TARGET}); {'PASSED' if out['passed'] else 'FAILED'}")
     return 0
 
 
@@ -377,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
            "error": error, "samples": soak.samples, "ratios_vs_3rd": ratios,
            "per_process": lives, "max_ratio_per_process": max((r["ratio"] for r in lives.values()), default=None),
            "max_ratio": max((r["ratio"] for r in ratios.values()), default=None),
+           **dict(zip(("cuda_reserved_per_worker", "max_cuda_reserved_ratio"), cuda_verdict(soak.samples))),
            "reconfigurations": (result.get("job") or {}).get("reconfigurations")}
     out["passed"] = passed(out)
     out_json.write_text(json.dumps(out, indent=2))
@@ -386,7 +445,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<22} after #{r['base_reconfigs']} {r['base_mb']:>8.1f} MB  end {r['end_mb']:>8.1f} MB  "
               f"x{r['ratio']:.3f}")
     print(f"alive at both ends: max ratio {out['max_ratio']}; every process after its 3rd: "
-          f"{out['max_ratio_per_process']} (target <= {TARGET}); {'PASSED' if out['passed'] else 'FAILED'}")
+          f"{out['max_ratio_per_process']} (target <= {TARGET}); CUDA reserved per worker: "
+          f"{out['max_cuda_reserved_ratio']} (target <= {CUDA_TARGET}; None: no worker on CUDA); "
+          f"{'PASSED' if out['passed'] else 'FAILED'}")
     return 0 if out["passed"] else 1
 
 

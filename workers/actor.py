@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from workers.config import JobConfig
-    from workers.report import Joined, Resharded, Salvaged, Standing
+    from workers.report import Joined, Memory, Resharded, Salvaged, Standing
 
 logger = logging.getLogger(__name__)
 
@@ -475,3 +475,19 @@ class Worker:
 
     def step(self) -> int | None:
         return None if self.trainer is None else self.trainer.step
+
+    def memory(self) -> Memory:
+        """This process's memory now (for a soak or an operator; answers on the control lane while a call
+        trains): its RSS and, on CUDA, torch's `memory_allocated`/`memory_reserved` on its device."""
+        import psutil
+        import torch
+
+        from workers.report import Memory
+
+        pid, rss = os.getpid(), psutil.Process().memory_info().rss / 2**20
+        device = self.trainer.device if self.trainer is not None else None
+        if device is None or device.type != "cuda":
+            return Memory(pid=pid, rss_mb=round(rss, 1), device=str(device) if device is not None else "none")
+        return Memory(pid=pid, rss_mb=round(rss, 1), device=str(device),
+                      cuda_allocated_mb=round(torch.cuda.memory_allocated(device) / 2**20, 1),
+                      cuda_reserved_mb=round(torch.cuda.memory_reserved(device) / 2**20, 1))

@@ -104,6 +104,20 @@ class Standing:
     rows: tuple[dict, ...] = ()
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Memory:
+    """What a worker's process holds now (`Worker.memory`, on the control lane): its resident set and, where
+    it trains on CUDA, what torch's caching allocator has handed out and what it keeps reserved from the
+    device (None elsewhere)."""
+
+    pid: int
+    rss_mb: float
+    device: str
+    """The trainer's device ("cpu", "cuda:0"); "none" before the worker has joined a group."""
+    cuda_allocated_mb: float | None = None
+    cuda_reserved_mb: float | None = None
+
+
 class Reporter:
     """Rank 0's writer of step metrics; does nothing on other ranks or without a run directory."""
 
