@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -49,18 +50,21 @@ KEEP_LAST = 3
 TOL = 1e-4
 
 
-def job_config(steps: int, *, interval: int = 4, standby_per_node: int | None = None) -> dict:
+def job_config(steps: int, *, interval: int = 4, standby_per_node: int | None = None,
+               dp_mode: str | None = None) -> dict:
     """lr 1e-3: at 3e-3 this tiny model's training is chaotic enough that the last-bit differences
     between layouts (the order gradients are summed in) grow ~e-fold every ~35 steps and cross 1e-4
     after a few hundred steps with no fault at all; at 1e-3 a dp=2 run stays within 2e-7 of one process
-    over 400 steps (docs/benchmarks.md, chaos section)."""
+    over 400 steps (docs/benchmarks.md, chaos section). `dp_mode`: the job's `parallel.dp_mode` (None: its
+    default, replicas at this size; "shard": FSDP, so a kill without notice forms the next group from the
+    survivors' peer snapshots rather than healing from whole replicas)."""
     return {
         "name": "chaos",
         "model": {"preset": "tiny"},
         "data": {"source": "corpus", "seq_len": 32, "max_bytes": 300_000},
         "train": {"steps": steps, "global_batch_size": 8, "micro_batch_size": 2, "lr": 1e-3, "warmup_steps": 2,
                   "seed": 11},
-        "parallel": {"min_workers": 1, "max_workers": 3},
+        "parallel": {"min_workers": 1, "max_workers": 3, **({} if dp_mode is None else {"dp_mode": dp_mode})},
         "checkpoint": {"interval_steps": interval, "keep_last": KEEP_LAST},
         "resources": {"device": "cpu", "cpus_per_worker": 1,
                       **({} if standby_per_node is None else {"standby_per_node": standby_per_node})},
@@ -86,6 +90,9 @@ class FaultRecord:
     """The recovery counted from the first strike: without the benchmark's own choice of a victim."""
     steps_lost: int | None = None
     resumed_step: int | None = None
+    paths: list[str] = field(default_factory=list)
+    """How the state reached each re-formed group the fault caused (`transfer.path` of its resize events:
+    live, peers, memory, storage, in place)."""
     survived: bool = False
     note: str = ""
 
@@ -97,11 +104,11 @@ def logged_rows(run_dir: Path) -> list[dict]:
 
 class ChaosRun:
     def __init__(self, workdir: Path, *, faults: int, seed: int, steps: int, gap: int, log=print,
-                 kinds: tuple[str, ...] = KINDS, standby_per_node: int | None = None):
+                 kinds: tuple[str, ...] = KINDS, standby_per_node: int | None = None, dp_mode: str | None = None):
         """`kinds`: the fault kinds the schedule draws from (a targeted run); `standby_per_node`: the job's
-        `resources.standby_per_node` (None: the default)."""
+        `resources.standby_per_node` (None: the default); `dp_mode`: its `parallel.dp_mode` (`job_config`)."""
         self.workdir, self.n, self.seed, self.steps, self.gap, self.log = workdir, faults, seed, steps, gap, log
-        self.kinds, self.standby_per_node = kinds, standby_per_node
+        self.kinds, self.standby_per_node, self.dp_mode = kinds, standby_per_node, dp_mode
         self.env = ChaosEnv(workdir, nodes=3, log=log)
         self.records: list[FaultRecord] = []
         self.job_id = ""
@@ -131,7 +138,8 @@ class ChaosRun:
     def run(self) -> dict:
         self.env.start()
         try:
-            created = self.api("submit", job_config(self.steps, standby_per_node=self.standby_per_node),
+            created = self.api("submit", job_config(self.steps, standby_per_node=self.standby_per_node,
+                                                         dp_mode=self.dp_mode),
                                steps=self.steps)
             self.job_id = created["id"]
             self.run_dir = Path(self.job()["run_dir"])
@@ -207,6 +215,7 @@ class ChaosRun:
             return recovery(rec, self.api("events", self.job_id), logged_rows(self.run_dir))
         rec.recovery_s, rec.steps_lost, rec.resumed_step = wait(reformed, 240, f"the job to recover from {rec.kind}",
                                                                 interval=0.2)
+        rec.paths = paths(rec, self.api("events", self.job_id))
 
     def _regrow(self) -> None:
         """Replace lost nodes and wait for the job to grow back to its starting size, or to have finished
@@ -240,6 +249,17 @@ def recovery(rec: FaultRecord, events: list[dict], rows: list[dict], *,
         return None
     lost = max(e["details"].get("steps_lost") or 0 for e in resizes)
     return round(row["time"] - rec.injected, 2), lost, last["details"].get("resumed_step")
+
+
+def paths(rec: FaultRecord, events: list[dict], *, until: float = float("inf")) -> list[str]:
+    """The `transfer.path` of each re-form that `recovery` counts for fault `rec`, in order."""
+    kinds = (rec.expect or "").split("|")
+    after = [e for e in events if rec.injected <= e["time"] < until]
+    seen = next((e for e in after if e["kind"] in kinds), None)
+    if seen is None:
+        return []
+    return [(e["details"].get("transfer") or {}).get("path", "?") for e in after
+            if e["kind"] == "resize" and e["time"] >= seen["time"] and e.get("cause") != "grow"]
 
 
 # -- checks --------------------------------------------------------------------------------------------------
@@ -316,6 +336,8 @@ def summary(run: ChaosRun, result: dict, problems: list[str]) -> dict:
                        "p75": q[2] if q else None, "max": max(rec_s, default=None)},
         "from_strike_s": {"median": statistics.median(struck) if struck else None, "max": max(struck, default=None)},
         "steps_lost_total": sum(r.steps_lost or 0 for r in recs),
+        "paths": dict(Counter(p for r in recs for p in r.paths)),
+        "dp_mode": run.dp_mode,
         "final": {k: result["job"].get(k) for k in ("state", "step", "loss", "reconfigurations", "steps_lost")},
         "records": [asdict(r) for r in recs],
     }
@@ -332,6 +354,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kinds", default=",".join(KINDS),
                     help=f"comma-separated fault kinds to draw from, for a targeted run (default: all: {','.join(KINDS)})")
     ap.add_argument("--standby-per-node", type=int, help="the job's resources.standby_per_node (default: its default)")
+    ap.add_argument("--dp-mode", choices=("replicate", "shard"),
+                    help="the job's parallel.dp_mode (default: its default, replicas at this size; shard: FSDP, so a "
+                         "kill forms the next group from peer snapshots)")
     a = ap.parse_args(argv)
     kinds = tuple(k for k in a.kinds.split(",") if k)
     if not kinds or (bad := [k for k in kinds if k not in FAULTS]):
@@ -341,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     run = ChaosRun(workdir, faults=a.faults, seed=a.seed, steps=steps, gap=a.gap, kinds=kinds,
-                   standby_per_node=a.standby_per_node)
+                   standby_per_node=a.standby_per_node, dp_mode=a.dp_mode)
     result = run.run()
     reference = reference_losses(workdir, steps)
     out = summary(run, result, check(run, result, reference))
@@ -353,15 +378,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def render(out: dict) -> str:
-    lines = [f"{'#':>3} {'fault':<24} {'step':>5} {'recovery s':>10} {'lost':>5} {'resumed':>7}  events"]
+    lines = [f"{'#':>3} {'fault':<24} {'step':>5} {'recovery s':>10} {'lost':>5} {'resumed':>7}  {'paths':<14} events"]
     for r in out["records"]:
         lines.append(f"{r['index']:>3} {r['kind']:<24} {r['step']:>5} {str(r['recovery_s']):>10} "
-                     f"{str(r['steps_lost']):>5} {str(r['resumed_step']):>7}  {','.join(sorted(set(r['events'])))}")
+                     f"{str(r['steps_lost']):>5} {str(r['resumed_step']):>7}  {','.join(r.get('paths') or ()) or '-':<14} "
+                     f"{','.join(sorted(set(r['events'])))}")
     rs = out["recovery_s"]
     lines.append(f"faults survived / injected: {out['faults_survived']}/{out['faults_injected']} "
                  f"(planned {out['faults_planned']}); recovery s min {rs['min']} median {rs['median']} max {rs['max']} "
                  f"(from the strike: median {out['from_strike_s']['median']} max {out['from_strike_s']['max']}); "
-                 f"steps lost {out['steps_lost_total']}; {'PASSED' if out['passed'] else 'FAILED'}")
+                 f"steps lost {out['steps_lost_total']}; state moved by {out.get('paths')}; "
+                 f"{'PASSED' if out['passed'] else 'FAILED'}")
     lines += [f"  problem: {p}" for p in out["problems"]]
     return "\n".join(lines)
 

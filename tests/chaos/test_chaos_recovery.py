@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks.chaos import FaultRecord, recovery
+from benchmarks.chaos import FaultRecord, job_config, paths, recovery
 
 
 def ev(t: float, kind: str, cause: str = "failure", **details) -> dict:
@@ -35,6 +35,24 @@ def test_the_growth_back_onto_replaced_nodes_and_the_next_fault_are_not_part_of_
               ev(320.5, "failure"), ev(323.0, "resize", resumed_step=68, steps_lost=3)]
     rows = [{"step": 57, "time": 302.6}, {"step": 65, "time": 310.4}, {"step": 69, "time": 323.5}]
     assert recovery(rec, events, rows, until=320.0) == (2.6, 4, 56)
+
+
+def test_the_paths_of_a_faults_re_forms_are_those_recovery_counts():
+    """A kill under FSDP formed from peer memory, then a second failure fell back to storage; the growth
+    back and the next fault's re-form are not this fault's."""
+    rec = FaultRecord(index=3, kind="double", step=80, injected=400.0, expect="failure")
+    events = [ev(399.0, "resize", transfer={"path": "live"}), ev(400.3, "failure"),
+              ev(402.0, "resize", transfer={"path": "memory", "snapshot_step": 79}),
+              ev(405.0, "failure"), ev(409.0, "resize", transfer={"path": "storage"}),
+              ev(412.0, "resize", cause="grow", transfer={"path": "live"}),
+              ev(420.5, "failure"), ev(423.0, "resize", transfer={"path": "peers"})]
+    assert paths(rec, events, until=420.0) == ["memory", "storage"]
+    assert paths(rec, events[:2]) == []  # failure seen, no re-form yet
+
+
+def test_the_chaos_job_names_its_dp_mode_only_when_asked():
+    assert "dp_mode" not in job_config(100)["parallel"]
+    assert job_config(100, dp_mode="shard")["parallel"]["dp_mode"] == "shard"
 
 
 def test_a_targeted_schedule_draws_only_the_kinds_asked_for_each_once_per_round():
