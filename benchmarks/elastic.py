@@ -400,6 +400,7 @@ def measure_steady(*, cluster, workdir: str, state: State, steps: int, rounds: i
                          "step_time_s": [m["step_time"] for m in kept], "interval_s": gaps,
                          "median_step_s": statistics.median(m["step_time"] for m in kept),
                          "median_interval_s": statistics.median(gaps),
+                         **snapshot_costs(kept),
                          "losses": {str(m["step"]): m["loss"] for m in metrics}})
             print(json.dumps({k: v for k, v in jobs[-1].items() if k != "losses"}), flush=True)
     finally:
@@ -414,9 +415,19 @@ def measure_steady(*, cluster, workdir: str, state: State, steps: int, rounds: i
 
     on_step, off_step = pooled(1, "step_time_s"), pooled(0, "step_time_s")
     on_gap, off_gap = pooled(1, "interval_s"), pooled(0, "interval_s")
+    take = {f"median_take_{part}_s": pooled(1, f"take_{part}_s") for part in ("wait", "agree", "copy")
+            if any(j.get(f"take_{part}_s") for j in jobs if j["peer_interval"] == 1)}
     return {"system": "elastron-live", "scenario": "steady", "jobs": jobs,
             "median_step_on_s": on_step, "median_step_off_s": off_step, "step_ratio": on_step / off_step,
-            "median_interval_on_s": on_gap, "median_interval_off_s": off_gap, "interval_ratio": on_gap / off_gap}
+            "median_interval_on_s": on_gap, "median_interval_off_s": off_gap, "interval_ratio": on_gap / off_gap,
+            **take}
+
+
+def snapshot_costs(rows: list[dict]) -> dict[str, list[float]]:
+    """Per part of `PeerSnapshots.take` (wait for the previous round, agree on the committed step, copy
+    into host memory), its seconds on rank 0 at every step of `rows` that took a snapshot."""
+    taken = [r["snapshot"] for r in rows if r.get("snapshot")]
+    return {f"take_{part}_s": [t[f"{part}_s"] for t in taken] for part in ("wait", "agree", "copy")} if taken else {}
 
 
 def steady_table(rows: list[dict]) -> str:
@@ -429,6 +440,10 @@ def steady_table(rows: list[dict]) -> str:
             lines.append(f"| {name} | {_fmt(r[f'median_step_{k}_s'])} | {_fmt(r[f'median_interval_{k}_s'])} | "
                          f"{sum(j['peer_interval'] == on for j in r['jobs'])} |")
         lines.append(f"| on ÷ off | {r['step_ratio']:.3f}× | {r['interval_ratio']:.3f}× | |")
+        if "median_take_copy_s" in r:
+            lines.append(f"| of a snapshot, in the training thread (median) | wait for the last round "
+                         f"{_fmt(r.get('median_take_wait_s'))}, agree {_fmt(r.get('median_take_agree_s'))}, "
+                         f"copy {_fmt(r.get('median_take_copy_s'))} | | |")
     return "\n".join(lines)
 
 

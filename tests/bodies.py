@@ -102,15 +102,16 @@ def snapshot_rounds_body(nodes: list[str], steps: int) -> dict:
 
     rank = dist.get_rank()
     snaps = PeerSnapshots.start(nodes[rank], shard_bytes=1 << 10, available_bytes=None)
-    committed = []
+    committed, costs = [], []
     for step in range(1, steps + 1):
         w = torch.full((4, 3), float(rank * 100 + step))
         held = Held(tensors={"model.w": w, "optim.exp_avg.model.w": w[:2]},
                     boxes={"model.w": Box((rank * 4, 0), (4, 3)), "optim.exp_avg.model.w": Box((rank * 2, 0), (2, 3))},
                     optimizer_steps={"model.w": step})
-        snaps.take(step, held, {"lr_schedule": {"step": step}})
+        taken = snaps.take(step, held, {"lr_schedule": {"step": step}})
         w.fill_(-1.0)  # the live shard moves on: the copy must not
         committed.append(snaps.committed)
+        costs.append((taken.committed, taken.wait_s, taken.agree_s, taken.copy_s))
     snaps.wait()
     kept = {}
     for r in snaps.kept:
@@ -118,7 +119,7 @@ def snapshot_rounds_body(nodes: list[str], steps: int) -> dict:
         h = helds[r]
         kept[r] = {k: (h.tensors[k].flatten().tolist()[0], tuple(h.boxes[k].offsets)) for k in h.tensors}
     own, state = snaps.handover(steps, [rank])
-    return {"holdings": snaps.holdings(), "committed": committed, "kept": kept, "state": state,
+    return {"holdings": snaps.holdings(), "committed": committed, "costs": costs, "kept": kept, "state": state,
             "own": own[rank].tensors["model.w"].flatten().tolist()[0], "steps": own[rank].optimizer_steps}
 
 

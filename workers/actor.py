@@ -16,12 +16,14 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from workers.config import JobConfig
     from workers.report import Joined, Memory, Resharded, Salvaged, Standing
+    from workers.snapshots import Taken
 
 logger = logging.getLogger(__name__)
 
@@ -425,9 +427,9 @@ class Worker:
             for _ in range(steps):
                 if self.trainer.step >= until_step:
                     break
-                out.append(self.trainer.train_step().to_dict())
+                out.append(row := self.trainer.train_step().to_dict())
                 if self.snapshots is not None and self.trainer.step % every == 0:
-                    self._snapshot()
+                    row["snapshot"] = asdict(self._snapshot())
         except BaseException:
             self._broken = True
             raise
@@ -436,11 +438,11 @@ class Worker:
             row["committed_step"] = committed
         return out
 
-    def _snapshot(self) -> None:
+    def _snapshot(self) -> Taken:
         from parallel.live import hold
 
         t = self.trainer
-        self.snapshots.take(t.step, hold(t.model, t.optimizer), t.checkpoint_state())
+        return self.snapshots.take(t.step, hold(t.model, t.optimizer), t.checkpoint_state())
 
     def _committed_step(self) -> int:
         ck = getattr(self.trainer, "checkpointer", None)

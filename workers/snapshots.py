@@ -110,6 +110,20 @@ class Slot:
         return sum(c.buf.numel() for c in self.copies if c.buf is not None)
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Taken:
+    """What one snapshot cost the training thread (`PeerSnapshots.take`), in seconds: waiting for the
+    previous round's send and receive to end (`wait_s`), the ranks' agreement on the newest step every
+    rank holds whole (`agree_s`) and the copy of the shards into host memory (`copy_s`). The new round's
+    send and receive run after it, beside the next step."""
+
+    wait_s: float
+    agree_s: float
+    copy_s: float
+    committed: int
+    """The newest snapshot step every rank holds whole, as agreed in this take."""
+
+
 class PeerSnapshots:
     """This rank's snapshots: its own slot and the slots of the ranks whose buddy it is."""
 
@@ -170,17 +184,23 @@ class PeerSnapshots:
         return out
 
     # -- a round ---------------------------------------------------------------------------------------
-    def take(self, step: int, held: Held, state: dict[str, Any]) -> None:
+    def take(self, step: int, held: Held, state: dict[str, Any]) -> Taken:
         """Snapshot `held` (this rank's shards after step `step`'s update) and `state` (collective: every
-        rank calls it at the same steps)."""
+        rank calls it at the same steps); returns what it cost this thread."""
+        t0 = time.perf_counter()
         self.wait()
+        t1 = time.perf_counter()
         done = torch.tensor([self._complete_step()], dtype=torch.int64)
         dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self.group)
         self.committed = int(done.item())
+        t2 = time.perf_counter()
         own = self.own.spare(self.committed)
         _fill(own, step, held, state)
+        t3 = time.perf_counter()
         self._thread = threading.Thread(target=self._round, args=(own,), name="peer-snapshot", daemon=True)
         self._thread.start()
+        return Taken(wait_s=round(t1 - t0, 4), agree_s=round(t2 - t1, 4), copy_s=round(t3 - t2, 4),
+                     committed=self.committed)
 
     def _complete_step(self) -> int:
         """The newest step whose own copy and every kept copy are complete here (-1: none)."""

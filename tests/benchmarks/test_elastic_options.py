@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from benchmarks.elastic import STATES, _cfg, steady_table, world_for
+from benchmarks.elastic import STATES, _cfg, snapshot_costs, steady_table, world_for
 
 ONE_GB = STATES["1gb"]
 
@@ -37,3 +37,17 @@ def test_steady_table_shows_both_medians_and_their_ratio():
     assert "| every step | 3.00 s | 3.30 s | 1 |" in text
     assert "| off | 2.00 s | 3.00 s | 1 |" in text
     assert "| on ÷ off | 1.500× | 1.100× | |" in text
+
+
+def test_the_snapshot_costs_are_read_from_the_rows_of_steps_that_took_one():
+    rows = [{"step": 4, "snapshot": {"wait_s": 0.5, "agree_s": 0.01, "copy_s": 0.2, "committed": 2}},
+            {"step": 5},  # peer_interval 2: no snapshot at this step
+            {"step": 6, "snapshot": {"wait_s": 0.0, "agree_s": 0.02, "copy_s": 0.3, "committed": 4}}]
+    assert snapshot_costs(rows) == {"take_wait_s": [0.5, 0.0], "take_agree_s": [0.01, 0.02],
+                                    "take_copy_s": [0.2, 0.3]}
+    assert snapshot_costs([{"step": 1}]) == {}
+    row = {"scenario": "steady", "jobs": [{"peer_interval": 1}, {"peer_interval": 0}],
+           "median_step_on_s": 3.0, "median_step_off_s": 2.0, "step_ratio": 1.5,
+           "median_interval_on_s": 3.3, "median_interval_off_s": 3.0, "interval_ratio": 1.1,
+           "median_take_wait_s": 0.25, "median_take_agree_s": 0.02, "median_take_copy_s": 0.25}
+    assert "wait for the last round 0.25 s, agree 0.02 s, copy 0.25 s" in steady_table([row])

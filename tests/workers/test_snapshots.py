@@ -16,6 +16,8 @@ def test_each_rank_keeps_its_buddys_copy_of_the_last_two_steps():
         sender = (rank - 1) % 3
         assert res["holdings"] == {rank: (2, 3), sender: (2, 3)}
         assert res["committed"] == [-1, 1, 2]  # a round commits when the next one starts
+        assert [c[0] for c in res["costs"]] == res["committed"]  # what each take says it agreed on
+        assert all(s >= 0 for c in res["costs"] for s in c[1:])  # wait, agree, copy: measured seconds
         assert res["kept"] == {sender: {"model.w": (sender * 100 + 3.0, (sender * 4, 0)),
                                         "optim.exp_avg.model.w": (sender * 100 + 3.0, (sender * 2, 0))}}
         assert res["own"] == rank * 100 + 3.0 and res["steps"] == {"model.w": 3}

@@ -77,7 +77,7 @@ def survivor_body(cfg_dict: dict, run_dir: str, ports: list[int]) -> list[dict]:
     addr = "127.0.0.1"
     try:
         w.join(rank=rank, world_size=2, master_addr=addr, master_port=next(port), plan=two)
-        w.run(until_step=1000, steps=1)
+        first = w.run(until_step=1000, steps=1)
         out = []
         for path, size in (("live", 1), ("live", 2), ("storage", 1), ("storage", 2), ("live", 1), ("live", 2)):
             old = 3 - size
@@ -104,7 +104,7 @@ def survivor_body(cfg_dict: dict, run_dir: str, ports: list[int]) -> list[dict]:
                     w.snapshots.wait()  # the step's snapshot round, still receiving in the background
                 out.append(census())
         w.leave()
-        return out
+        return {"census": out, "first_snapshot": first[0].get("snapshot")}
     finally:
         gc.enable()
 
@@ -112,7 +112,11 @@ def survivor_body(cfg_dict: dict, run_dir: str, ports: list[int]) -> list[dict]:
 @pytest.mark.dist
 def test_a_survivor_holds_after_the_6th_reconfiguration_what_it_held_after_the_2nd(tmp_path):
     ports = [free_port() for _ in range(14)]
-    after = run_ranks(2, survivor_body, CFG, str(tmp_path), ports)[0]
+    got = run_ranks(2, survivor_body, CFG, str(tmp_path), ports)[0]
+    after = got["census"]
+    # the step's row says what its snapshot cost the training thread (the first round: nothing to wait for)
+    assert set(got["first_snapshot"]) == {"wait_s", "agree_s", "copy_s", "committed"}
+    assert got["first_snapshot"]["committed"] == -1 and got["first_snapshot"]["copy_s"] > 0
     assert after[1]["modules"] > 0 and after[1]["tensor_bytes"] > 0  # the census sees the trainer
     # two workers: its own copy and its buddy's of the one round taken; one worker: none
     assert after[1]["snapshot_buffers"] == 2 and after[0]["snapshot_buffers"] == 0
