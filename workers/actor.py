@@ -261,10 +261,12 @@ class Worker:
                                              timeout_s=timeout_s)
 
     def _drop_snapshots(self) -> None:
-        """Free the copies of the previous group's snapshots; a round of that group still waiting on a dead
-        peer holds its two buffers until the group's timeout ends it."""
+        """Free the copies of the previous group's snapshots, without waiting for its round in flight:
+        `leave()` has let a sound group's round end, and a broken group's round waits on a dead peer until
+        its bound ends it (it holds only its two buffers until then): waiting for it would delay the new
+        group's first step."""
         if self.snapshots is not None:
-            self.snapshots.close(timeout_s=1.0)
+            self.snapshots.close(timeout_s=0.0)
             self.snapshots = None
 
     @staticmethod
