@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -460,6 +461,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--settle", type=float, default=1.0, help="Elastron: stable capacity needed before growing")
     ap.add_argument("--steady-steps", type=int, default=10, help="steady: measured steps per job")
     ap.add_argument("--steady-rounds", type=int, default=1, help="steady: pairs of jobs (snapshots on, off)")
+    ap.add_argument("--keep-workdir", action="store_true",
+                    help="keep the runs' directories (checkpoints, events, metrics) instead of removing them")
     ap.add_argument("--json", help="write all results here (merged into the file if it exists)")
     args = ap.parse_args(argv)
 
@@ -526,6 +529,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         ray.shutdown()
         cluster.shutdown()
+        if args.keep_workdir:
+            print(f"run directories kept in {work}", file=sys.stderr)
+        else:  # each 1 GB run leaves 1-5 GB of checkpoints: a few runs filled this box's disk
+            shutil.rmtree(work, ignore_errors=True)
     print()
     print(table(rows))
     if any(r["scenario"] == "steady" for r in rows):
