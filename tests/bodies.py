@@ -167,6 +167,43 @@ def snapshot_peer_silent_body(timeout_s: float, slack_s: float, wait_s: float) -
     return out
 
 
+def snapshot_buddy_silent_body(slack_s: float, poll_s: float) -> dict:
+    """Three ranks on three nodes (buddies 0 -> 1 -> 2 -> 0) take a round of 16 MiB shards; in the second,
+    rank 2 stops answering (it neither sends nor receives). Rank 1 still receives rank 0's copy, while its
+    send to rank 2 cannot end (16 MiB does not fit the socket's buffers). Rank 1 reports whether rank 0's
+    copy of step 2 counts among its holdings within `poll_s` (well inside the round's bound, `slack_s`),
+    and whether its round was still waiting then."""
+    import time
+
+    import torch
+
+    import workers.snapshots
+    from parallel.live import Held
+    from parallel.sharding import Box
+    from workers.snapshots import PeerSnapshots
+
+    workers.snapshots.ROUND_SLACK_S = workers.snapshots.ROUND_MIN_S = slack_s
+    rank = dist.get_rank()
+    snaps = PeerSnapshots.start("abc"[rank], shard_bytes=1 << 24, available_bytes=None)
+    w = torch.ones(2048, 2048)  # 16 MiB
+    held = Held(tensors={"model.w": w}, boxes={"model.w": Box((rank * 2048, 0), (2048, 2048))}, optimizer_steps={})
+    snaps.take(1, held, {})
+    snaps.wait()
+    if rank == 2:
+        snaps._round = lambda own: None  # round 2: this rank neither sends nor receives
+    snaps.take(2, held, {})
+    out: dict = {}
+    if rank == 1:
+        t0 = time.monotonic()
+        while 2 not in snaps.holdings().get(0, ()) and time.monotonic() - t0 < poll_s:
+            time.sleep(0.01)
+        out["holdings"] = snaps.holdings()
+        out["round_waiting"] = snaps._thread is not None and snaps._thread.is_alive()
+    snaps.wait()  # the rounds that wait on rank 2 end at their bound
+    dist.barrier()  # rank 2 stays until the others are done
+    return out
+
+
 def snapshot_off_body(nodes: list[str], available: list[int | None] | None = None):
     """Start peer snapshots with ranks on `nodes`, rank r having `available[r]` bytes of memory free;
     return the buddy it got, or None when they are off."""

@@ -331,7 +331,9 @@ class Worker:
         t, self.trainer, self.handover, self.received = self.trainer, None, None, None
         snaps = self.snapshots
         if snaps is not None:
-            snaps.wait(timeout_s=1.0)  # a round with the dead peer ends at once (its sockets closed) or never
+            # not waited for: a round with a dead peer waits on it until its bound (a SIGKILLed peer ends
+            # no pending send or receive); each copy it keeps counts once its own receive has ended
+            snaps.wait(timeout_s=0.0)
         copies = {"snapshots": snaps.holdings(), "old_rank": snaps.rank} if snaps is not None else {}
         try:
             if t is None:

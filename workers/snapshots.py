@@ -211,39 +211,36 @@ class PeerSnapshots:
 
     def _round(self, own: Copy) -> None:
         """Send `own` to the buddy and receive the copies kept here (the snapshot group spans every rank
-        of the default group, so group ranks are global ranks)."""
+        of the default group, so group ranks are global ranks). The sends are posted first and depend on
+        no receive, and each copy kept here counts as soon as its own receives end: a peer that died
+        keeps no other rank's copy from arriving, nor a salvage from the copies that did."""
         t0 = time.perf_counter()
         try:
             g = self.group
             head = json.dumps(own.header).encode()
             sizes = torch.tensor([len(head), own.buf.numel()], dtype=torch.int64)
+            head_t = torch.frombuffer(bytearray(head), dtype=torch.uint8)  # referenced until the waits end
             kept = sorted(self.kept)
             got_sizes = {r: torch.empty(2, dtype=torch.int64) for r in kept}
-            works = [dist.isend(sizes, self.buddy, group=g)]
-            works += [dist.irecv(got_sizes[r], r, group=g) for r in kept]
-            for w in works:
-                w.wait(timedelta(seconds=min(self.bound_s or ROUND_SLACK_S, self.timeout_s)))
-            heads = {r: torch.empty(int(got_sizes[r][0]), dtype=torch.uint8) for r in kept}
-            fills = {}
+            recv_sizes = {r: dist.irecv(got_sizes[r], r, group=g) for r in kept}
+            sends = [dist.isend(t, self.buddy, group=g) for t in (sizes, head_t, own.buf)]
+            moved = own.buf.numel() * (1 + len(kept))  # a kept copy is about this rank's own size
+            bound = self.bound_s or ROUND_SLACK_S + moved / ROUND_FLOOR_BYTES_PER_S
+            deadline = timedelta(seconds=min(bound, self.timeout_s))
             for r in kept:
+                recv_sizes[r].wait(deadline)
                 c = self.kept[r].spare(self.committed)
                 c.step = -1  # filling: not complete until the receive is
                 n = int(got_sizes[r][1])
                 if c.buf is None or c.buf.numel() != n:
                     c.buf = torch.empty(n, dtype=torch.uint8)
-                fills[r] = c
-            head_t = torch.frombuffer(bytearray(head), dtype=torch.uint8)  # referenced until the waits end
-            works = [dist.isend(head_t, self.buddy, group=g), dist.isend(own.buf, self.buddy, group=g)]
-            for r in kept:
-                works += [dist.irecv(heads[r], r, group=g), dist.irecv(fills[r].buf, r, group=g)]
-            moved = own.buf.numel() + sum(c.buf.numel() for c in fills.values())
-            bound = self.bound_s or ROUND_SLACK_S + moved / ROUND_FLOOR_BYTES_PER_S
-            deadline = timedelta(seconds=min(bound, self.timeout_s))
-            for w in works:
+                got_head = torch.empty(int(got_sizes[r][0]), dtype=torch.uint8)
+                for w in (dist.irecv(got_head, r, group=g), dist.irecv(c.buf, r, group=g)):
+                    w.wait(deadline)
+                c.header = json.loads(bytes(got_head.numpy()))
+                c.step = int(c.header["step"])
+            for w in sends:
                 w.wait(deadline)
-            for r in kept:
-                fills[r].header = json.loads(bytes(heads[r].numpy()))
-                fills[r].step = int(fills[r].header["step"])
             self.round_s = time.perf_counter() - t0
             self.bound_s = next_bound(self.bound_s, ok=True, round_s=self.round_s)
         except BaseException as e:  # a peer died mid-round: what was filling stays incomplete

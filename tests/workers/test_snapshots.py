@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.bodies import snapshot_off_body, snapshot_peer_silent_body, snapshot_rounds_body
+from tests.bodies import (snapshot_buddy_silent_body, snapshot_off_body, snapshot_peer_silent_body,
+                          snapshot_rounds_body)
 from tests.multiproc import run_ranks
 from workers.snapshots import ROUND_MARGIN, ROUND_MIN_S, Copy, Slot, next_bound
 
@@ -44,6 +45,15 @@ def test_a_round_whose_peer_stops_answering_ends_within_its_bound_and_frees_its_
     assert out["ended"] and out["failed"], out
     # its own copies of rounds 1 and 2 and the kept copy of round 1 (round 2's receive never began)
     assert out["buffers"] == 3 and out["alive_buffers"] == 0 and out["round_threads"] == 0, out
+
+
+@pytest.mark.dist
+def test_a_copy_counts_once_received_while_the_send_to_a_silent_buddy_still_waits():
+    """A salvage reads the holdings without waiting for the round: rank 1 must already count rank 0's copy of
+    the round whose send to the dead rank 2 cannot end."""
+    out = run_ranks(3, snapshot_buddy_silent_body, 8.0, 5.0, timeout=120)[1]
+    assert out["holdings"] == {1: (1, 2), 0: (1, 2)}, out
+    assert out["round_waiting"], out  # counted before its round ended
 
 
 @pytest.mark.parametrize("bound, ok, took, after", [
