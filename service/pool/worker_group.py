@@ -180,7 +180,7 @@ class WorkerGroup:
         t0 = time.perf_counter()
         if survivors is None:
             steps = set(self._await([m.actor.hand_over.remote() for m in self.members], "hand over",
-                                            timeout_s=600))
+                                    timeout_s=600))
             if len(steps) != 1:
                 raise WorkerFailure(FailureKind.OUT_OF_STEP, f"ranks handed over different steps {sorted(steps)}")
         old_ranks = survivors if survivors is not None else list(range(self.size))
@@ -309,7 +309,7 @@ class WorkerGroup:
         while it waits, as every wait on workers does: a node that dies during the save fails it within
         seconds (WorkerFailure NODE_LOST), not after Ray's own detection."""
         steps = set(self._await([m.actor.checkpoint.remote(blocking=blocking) for m in self.members],
-                                        "checkpoint", timeout_s=600))
+                                "checkpoint", timeout_s=600))
         return max(steps)
 
     def leave(self) -> None:
