@@ -271,7 +271,7 @@ def test_a_rank_still_running_after_the_others_answered_is_probed(local_ray, mon
     before that rank's call would end; alive, the wait goes on until it does."""
     from types import SimpleNamespace
 
-    import service.pool.calls as calls
+    import service.pool.calls as pool_calls
     from workers.config import JobConfig
 
     @ray.remote(num_cpus=0)
@@ -292,7 +292,7 @@ def test_a_rank_still_running_after_the_others_answered_is_probed(local_ray, mon
     g = WorkerGroup(JobConfig(), "/tmp", cpus_per_worker=1, gpus_per_worker=0, job_id="t", start_probe_s=1.0)
     g.workers = [WorkerHandle(rank(0.0), "a", None, Role.MEMBER), WorkerHandle(rank(slow_s), "b", None, Role.MEMBER)]
     asked = []
-    monkeypatch.setattr(calls, "probe_nodes", lambda nodes, timeout_s: asked.append(nodes) or
+    monkeypatch.setattr(pool_calls, "probe_nodes", lambda nodes, timeout_s: asked.append(nodes) or
                         {n for n in nodes if not (node_dead and n == "b")})
     t0 = time.monotonic()
     try:
