@@ -149,8 +149,8 @@ class ChaosEnv:
                 info = ray.get(ref)
             except Exception:  # ended meanwhile
                 continue
-            if info["pg"] is not None:
-                out.add(info["pid"])
+            if info.pg is not None:
+                out.add(info.pid)
         return out
 
     def remove_node(self, node) -> None:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from workers.config import JobConfig
-    from workers.report import Joined, Memory, Resharded, Salvaged, Standing
+    from workers.report import Joined, Memory, Resharded, Salvaged, Standing, WorkerInfo
     from workers.snapshots import Taken
 
 logger = logging.getLogger(__name__)
@@ -155,13 +155,15 @@ class Worker:
                              daemon=True).start()
 
     # -- placement and rendezvous --------------------------------------------------------------------
-    def info(self) -> dict[str, Any]:
+    def info(self) -> WorkerInfo:
         """Where it runs, and the placement group holding its slot (for a coordinator that takes it over
         to release; None: a standby not claimed yet)."""
         import ray
 
-        return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
-                "pid": os.getpid(), "pg": self.placement(), "warmed": self.warmed}
+        from workers.report import WorkerInfo
+
+        return WorkerInfo(node_id=ray.get_runtime_context().get_node_id(), ip=ray.util.get_node_ip_address(),
+                          pid=os.getpid(), pg=self.placement(), warmed=self.warmed)
 
     def warm_up(self) -> dict[str, float] | None:
         """A standby pays its process's one-time costs while it waits (`workers.warmup`), so that once
@@ -184,7 +186,7 @@ class Worker:
 
         return self._reservation or get_current_placement_group()
 
-    def claim(self, pg) -> dict[str, Any]:
+    def claim(self, pg) -> WorkerInfo:
         """A standby becomes a member: once `pg` (one bundle of a worker's resources, pinned to this node
         by its `node:IP` resource where IPs are unique) is placed on this worker's node, it holds this
         worker's slot and is released with it. Raises if `pg` landed on another node (nodes sharing an

@@ -9,6 +9,7 @@ import json
 import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from workers.config import JobConfig
 
@@ -40,6 +41,24 @@ class StepMetrics:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkerInfo:
+    """Where a worker runs and what holds its slot (`Worker.info`; `Worker.claim` answers it too, once the
+    slot it was given holds it)."""
+
+    node_id: str
+    """The Ray node it runs on."""
+    ip: str
+    """Its node's address, where rank 0 hosts a rendezvous."""
+    pid: int
+    """Its process."""
+    pg: Any = None
+    """The placement group holding its slot, for a coordinator that takes it over to keep or release
+    (None: a standby not claimed yet)."""
+    warmed: dict[str, float] | None = None
+    """Seconds each one-time cost of its warm-up took (`Worker.warm_up`); None: not warmed up."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

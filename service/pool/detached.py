@@ -25,7 +25,7 @@ def worker_prefix(job_id: str) -> str:
 
 
 STANDBY = "standby-"
-"""After `worker_prefix`, the name of an actor started as a standby (service.pool.worker_group.keep_standby),
+"""After `worker_prefix`, the name of an actor started as a standby (service.pool.reserve.Reserve.keep_standby),
 followed by its node's id (`standby_kind`); claimed as a member it keeps its name."""
 
 

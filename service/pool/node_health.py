@@ -19,7 +19,7 @@ from service.pool.cluster import ClusterSnapshot, NodeInfo
 logger = logging.getLogger(__name__)
 
 Probe = Callable[..., set[str]]
-"""probe(node_ids, timeout_s=...) -> the nodes that still place work (service.pool.worker_group.probe_nodes)."""
+"""probe(node_ids, timeout_s=...) -> the nodes that still place work (service.pool.placement.probe_nodes)."""
 
 
 class NodeHealth:

@@ -37,7 +37,7 @@ def workers_of(job_id: str, *, standby: bool = False) -> dict[str, int]:
     or with `standby` its standbys (idle, holding no placement group)."""
     infos = {n: ray.get(ray.get_actor(n, namespace=NAMESPACE).info.remote(), timeout=30)
              for n in worker_names(job_id)}
-    return {n: i["pid"] for n, i in infos.items() if (i["pg"] is None) == standby}
+    return {n: i.pid for n, i in infos.items() if (i.pg is None) == standby}
 
 
 @pytest.fixture

@@ -208,13 +208,13 @@ def test_failure_without_notice_resumes_from_last_commit_and_waits_for_capacity(
     # 1) SIGKILL one worker process: same capacity, restart from the last committed checkpoint.
     import ray
 
-    pid = ray.get(coord.group.members[1].actor.info.remote())["pid"]
+    pid = ray.get(coord.group.members[1].actor.info.remote()).pid
     os.kill(pid, signal.SIGKILL)
     wait_for(coord, lambda: len(coord.reconfigs) >= 2, "recovery from the worker kill")
     # 2) Remove a node: below min_workers, so the job waits with the reason visible, then resumes.
     wait_for(coord, running_at(coord, 9), "step 9")
     victim = next(n for n in added if n.node_id in not_driver(coord.group.nodes()))
-    doomed = [ray.get(m.actor.info.remote())["pid"] for m in coord.group.members if m.node_id == victim.node_id]
+    doomed = [ray.get(m.actor.info.remote()).pid for m in coord.group.members if m.node_id == victim.node_id]
     cluster.remove_node(victim, allow_graceful=False)
     # A worker outlives its killed raylet by a moment and could still finish the last steps: release
     # the hold once the node's workers are gone, as they would be on a machine that vanished.
@@ -265,7 +265,7 @@ def test_a_killed_fsdp_shard_is_served_from_its_buddys_memory(cluster, nodes, re
     coord, t = start(tmp_path, steps=8, hold=hold, parallel={"min_workers": 2, "max_workers": 2, "dp_mode": "shard"},
                      checkpoint={"interval_steps": 1000, "keep_last": 3, "peer_interval": 1})
     wait_for(coord, running_at(coord, 4), "step 4")
-    pid = ray.get(coord.group.members[1].actor.info.remote())["pid"]
+    pid = ray.get(coord.group.members[1].actor.info.remote()).pid
     os.kill(pid, signal.SIGKILL)
     hold.release()
     (kill,) = finish(coord, t, reference)
@@ -289,7 +289,7 @@ def test_a_killed_pipeline_stage_is_served_from_its_buddys_memory_with_its_optim
     coord, t = start(tmp_path, steps=8, hold=hold, parallel={"min_workers": 2, "max_workers": 3, "pp": 3},
                      checkpoint={"interval_steps": 1000, "keep_last": 3, "peer_interval": 1})
     wait_for(coord, running_at(coord, 4), "step 4")
-    pid = ray.get(coord.group.members[1].actor.info.remote())["pid"]
+    pid = ray.get(coord.group.members[1].actor.info.remote()).pid
     os.kill(pid, signal.SIGKILL)
     hold.release()
     (kill,) = finish(coord, t, reference)  # losses of every step, the two after the kill included

@@ -13,6 +13,7 @@ from service.pool.group import WorkerFailure
 from service.pool.worker_group import Role, WorkerGroup, WorkerHandle
 from tests.ray_local import local_ray  # noqa: F401  (a fixture)
 from workers.config import JobConfig
+from workers.report import WorkerInfo
 
 ray = pytest.importorskip("ray")
 from ray.util import placement_group_table  # noqa: E402
@@ -26,7 +27,7 @@ def _cpus_free(n: float, timeout_s: float = 15) -> None:
         time.sleep(0.05)
 
 
-def _settled_standby(g: WorkerGroup) -> dict:
+def _settled_standby(g: WorkerGroup) -> WorkerInfo:
     (standby,) = g.standby
     return ray.get(standby.ping, timeout=60)
 
@@ -38,8 +39,8 @@ def test_a_crashed_member_is_replaced_by_the_standby_which_then_holds_the_slot(l
         g.scale_to([me])
         assert g.keep_standby() == 1 and g.keep_standby() == 0  # one per node hosting members
         standby = _settled_standby(g)
-        assert standby["pg"] is None and standby["node_id"] == me
-        assert set(standby["warmed"]) == {"import", "cuda_context", "first_step"}  # paid while it waited
+        assert standby.pg is None and standby.node_id == me
+        assert set(standby.warmed) == {"import", "cuda_context", "first_step"}  # paid while it waited
         _cpus_free(1.0)  # the member holds one CPU, the standby none
         crashed = g.members[0]
         slot = crashed.pg.id
@@ -48,8 +49,8 @@ def test_a_crashed_member_is_replaced_by_the_standby_which_then_holds_the_slot(l
         start = g.scale_to([me])
         assert (start.started, start.stopped) == (1, 0)
         (m,) = g.members
-        assert ray.get(m.actor.info.remote(), timeout=30)["pid"] == standby["pid"]  # no new process
-        assert m.pg is not None and ray.get(m.actor.info.remote(), timeout=30)["pg"].id == m.pg.id
+        assert ray.get(m.actor.info.remote(), timeout=30).pid == standby.pid  # no new process
+        assert m.pg is not None and ray.get(m.actor.info.remote(), timeout=30).pg.id == m.pg.id
         assert m.pg.id == slot  # claimed with the slot the dead member left: no new placement group
         _cpus_free(1.0)  # the claimed standby's placement group holds the slot
         assert g.standby == [] and g.keep_standby() == 1  # replenished
@@ -66,13 +67,13 @@ def test_a_dead_standby_is_replaced_standbys_leave_nodes_without_members_none_fo
     try:
         g.scale_to([me])
         g.keep_standby()
-        crashed = _settled_standby(g)["pid"]
+        crashed = _settled_standby(g).pid
         os.kill(crashed, 9)  # a standby that dies is replaced, and is no failure of the group
         deadline = time.monotonic() + 30
         while g.keep_standby() == 0:
             assert time.monotonic() < deadline, "the dead standby was not replaced"
             time.sleep(0.1)
-        pid = _settled_standby(g)["pid"]
+        pid = _settled_standby(g).pid
         assert pid != crashed and len(g.members) == 1
         g.scale_to([])
         assert g.keep_standby() == 0 and g.standby == []
@@ -121,7 +122,7 @@ def test_a_growths_spare_warms_up_says_so_and_gets_its_standby_once_a_member(loc
         while not g.warm([me]):
             assert time.monotonic() < deadline, "the spare never reported warm"
             time.sleep(0.05)
-        assert ray.get(g.spares[0].ping)["warmed"] is not None and not g.warm([me, me])
+        assert ray.get(g.spares[0].ping).warmed is not None and not g.warm([me, me])
         assert g.prewarm([me]) == 0  # it has its spare
         g.scale_to([me])  # the growth takes the spare; now its node gets a standby
         assert (g.size, g.keep_standby(), g.keep_standby()) == (1, 1, 0)
@@ -151,7 +152,7 @@ def test_after_a_failure_that_kept_no_member_the_standbys_are_claimed(local_ray,
         assert g.size == 0 and len(g.standby) == 1
         start = g.scale_to([me])
         assert (start.started, start.stopped) == (1, 0) and start.from_standby == 1
-        assert ray.get(g.members[0].actor.info.remote(), timeout=30)["pid"] == standby["pid"]
+        assert ray.get(g.members[0].actor.info.remote(), timeout=30).pid == standby.pid
     finally:
         g.shutdown()
     _cpus_free(2.0)
@@ -174,7 +175,7 @@ def test_a_start_that_fails_keeps_the_workers_that_came_up_as_spares_for_the_nex
         standby = _settled_standby(g)
         g.stop_members()
         (claimed,) = g.standby
-        monkeypatch.setattr(g, "_launch", lambda nodes: [
+        monkeypatch.setattr(g.launcher, "launch", lambda nodes: [
             WorkerHandle(None, n, None, Role.SPARE, ping=dies_after.remote(claimed.ping)) for n in nodes])
         with pytest.raises(WorkerFailure, match="this worker's start failed"):
             g.scale_to([me, me])  # claims the standby, launches one more: that one fails
@@ -184,7 +185,7 @@ def test_a_start_that_fails_keeps_the_workers_that_came_up_as_spares_for_the_nex
         monkeypatch.undo()
         start = g.scale_to([me])
         assert (start.started, start.from_standby) == (1, 0)
-        assert ray.get(g.members[0].actor.info.remote(), timeout=30)["pid"] == standby["pid"]
+        assert ray.get(g.members[0].actor.info.remote(), timeout=30).pid == standby.pid
     finally:
         g.shutdown()
     _cpus_free(2.0)
@@ -218,7 +219,7 @@ def test_a_standby_still_starting_when_its_group_is_taken_over_is_kept_not_start
         (kept,) = h.standby
         assert kept.ping not in ray.wait([kept.ping], timeout=0)[0]  # taken over before it answered
         assert kept.node_id == me and kept.actor._actor_id == starting.actor._actor_id
-        assert ray.get(kept.ping, timeout=60)["pg"] is None  # it came up as a standby
+        assert ray.get(kept.ping, timeout=60).pg is None  # it came up as a standby
         assert h.keep_standby() == 0 and len(h.standby) == 1  # nothing started in its place
         names = [e["name"] for e in ray.util.list_named_actors(all_namespaces=True)
                  if e["name"].startswith("elastron-worker-t6-")]

@@ -137,7 +137,7 @@ def test_a_draining_node_counts_as_answering_the_probe():
 def test_waits_probe_early_and_often_then_every_cap():
     from itertools import islice
 
-    from service.pool.worker_group import probe_gaps
+    from service.pool.calls import probe_gaps
 
     assert list(islice(probe_gaps(3.0), 6)) == [0.5, 1.0, 2.0, 3.0, 3.0, 3.0]
     assert list(islice(probe_gaps(0.2), 3)) == [0.2, 0.2, 0.2]  # a cap below the first gap wins

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from service.pool.calls import replies
 from service.pool.group import WorkerFailure
 from service.pool.worker_group import Role, WorkerGroup, WorkerHandle
 from tests.ray_local import local_ray  # noqa: F401  (a fixture)
@@ -79,7 +80,7 @@ def test_the_other_ranks_errors_after_a_failed_step_are_read_not_reported_as_unh
 
     ray_log, ours = _Collect(), _Collect()
     logging.getLogger("ray._private.worker").addHandler(ray_log)
-    group_log = logging.getLogger("service.pool.worker_group")
+    group_log = logging.getLogger("service.pool.calls")
     group_log.addHandler(ours)
     level, group_log.level = group_log.level, logging.DEBUG
     try:
@@ -120,11 +121,11 @@ def test_the_salvage_wait_stops_for_members_a_probe_found_dead(local_ray):
     quick, silent = answer.remote(0.0), answer.remote(60.0)
     found: set = set()
     t0 = time.monotonic()
-    ready = WorkerGroup._replies([quick, silent], timeout_s=60, grace_s=1, skip=lambda: found)
+    ready = replies([quick, silent], timeout_s=60, grace_s=1, skip=lambda: found)
     assert ready == {quick} and time.monotonic() - t0 >= 1  # the grace was waited out: nothing said it was dead
     found.add(silent)
     t0 = time.monotonic()
-    ready = WorkerGroup._replies([answer.remote(0.0), silent], timeout_s=60, grace_s=30, skip=lambda: found)
+    ready = replies([answer.remote(0.0), silent], timeout_s=60, grace_s=30, skip=lambda: found)
     assert len(ready) == 1 and silent not in ready and time.monotonic() - t0 < 30  # not its grace
 
 
@@ -180,7 +181,7 @@ def test_members_with_no_state_to_salvage_are_kept_as_spares_and_the_next_start_
     p = _plan_for_two(cfg)
     try:
         g.scale_to([me, me])
-        pids = sorted(i["pid"] for i in ray.get([m.actor.info.remote() for m in g.members], timeout=30))
+        pids = sorted(i.pid for i in ray.get([m.actor.info.remote() for m in g.members], timeout=30))
         # each worker process started with glibc's arena cap (read at process start: its initial environment)
         env = ray.get([m.actor.__ray_call__.remote(_initial_env) for m in g.members], timeout=30)
         assert env == [{"MALLOC_ARENA_MAX": "2"}] * 2, env
@@ -192,7 +193,7 @@ def test_members_with_no_state_to_salvage_are_kept_as_spares_and_the_next_start_
         assert g.size == 0 and len(g.spares) == 2
         start = g.scale_to([me, me])
         assert (start.started, start.stopped, start.rejoined) == (0, 0, 2)  # members again, from the spares: no process started
-        assert sorted(i["pid"] for i in ray.get([m.actor.info.remote() for m in g.members], timeout=30)) == pids
+        assert sorted(i.pid for i in ray.get([m.actor.info.remote() for m in g.members], timeout=30)) == pids
         formed = g.form(p)
         assert g.spares == [] and formed.step == 0  # no checkpoint was written: from the start again
         assert {"pg_s", "build_s", "adopt_s", "build.allocate"} <= formed.form_parts.keys()  # where a form goes
@@ -240,6 +241,7 @@ def test_a_spare_counts_on_the_node_it_runs_on_not_the_one_it_was_aimed_at(local
     from ray.util.placement_group import placement_group, remove_placement_group
 
     from workers.config import JobConfig
+    from workers.report import WorkerInfo
 
     me = ray.get_runtime_context().get_node_id()
     g = WorkerGroup(JobConfig(), "/tmp", cpus_per_worker=1, gpus_per_worker=0, job_id="t")
@@ -250,11 +252,11 @@ def test_a_spare_counts_on_the_node_it_runs_on_not_the_one_it_was_aimed_at(local
 
     pg = placement_group([{"CPU": 1}])
     ray.get(pg.ready(), timeout=30)
-    answered = WorkerHandle(None, "aimed-elsewhere", None, Role.SPARE, ping=ray.put({"node_id": me}))
+    answered = WorkerHandle(None, "aimed-elsewhere", None, Role.SPARE, ping=ray.put(WorkerInfo(node_id=me, ip="", pid=0)))
     starting = WorkerHandle(None, "aimed-elsewhere-too", pg, Role.SPARE, ping=slow.remote())  # not answered yet
     g.workers = [answered, starting]
     try:
-        assert g._take_spares([me, me]) == [answered, starting]  # from its answer; from where its group landed
+        assert g.reserve.take_spares([me, me]) == [answered, starting]  # from its answer; from where its group landed
         assert (answered.node_id, starting.node_id) == (me, me) and g.spares == []
     finally:
         ray.cancel(starting.ping, force=True)
@@ -269,7 +271,7 @@ def test_a_rank_still_running_after_the_others_answered_is_probed(local_ray, mon
     before that rank's call would end; alive, the wait goes on until it does."""
     from types import SimpleNamespace
 
-    import service.pool.worker_group as wg
+    import service.pool.calls as pool_calls
     from workers.config import JobConfig
 
     @ray.remote(num_cpus=0)
@@ -290,7 +292,7 @@ def test_a_rank_still_running_after_the_others_answered_is_probed(local_ray, mon
     g = WorkerGroup(JobConfig(), "/tmp", cpus_per_worker=1, gpus_per_worker=0, job_id="t", start_probe_s=1.0)
     g.workers = [WorkerHandle(rank(0.0), "a", None, Role.MEMBER), WorkerHandle(rank(slow_s), "b", None, Role.MEMBER)]
     asked = []
-    monkeypatch.setattr(wg, "probe_nodes", lambda nodes, timeout_s: asked.append(nodes) or
+    monkeypatch.setattr(pool_calls, "probe_nodes", lambda nodes, timeout_s: asked.append(nodes) or
                         {n for n in nodes if not (node_dead and n == "b")})
     t0 = time.monotonic()
     try:

@@ -1,0 +1,128 @@
+"""A group's reserve: workers started ahead of need, which the next start takes instead of starting
+processes.
+
+A spare is started in a slot of its own (ahead of a growth, `prewarm`; or a member a salvage kept
+idle); a standby runs idle on a member's node reserving nothing, and a start claims it with a slot
+(`take_standby`). Both warm up (`Worker.warm_up`) while they wait.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from service.pool.detached import standby_kind
+from service.pool.launch import Launcher
+from service.pool.roster import Role, Roster, WorkerHandle
+from service.pool.slots import Slots
+
+__all__ = ["Reserve"]
+
+
+class Reserve:
+    """The spares and standbys of one group (`roster`), started by `launcher` in slots from `slots`."""
+
+    def __init__(self, *, roster: Roster, slots: Slots, launcher: Launcher):
+        self.roster, self.slots, self.launcher = roster, slots, launcher
+
+    # -- standbys ------------------------------------------------------------------------------------
+    def keep_standby(self, per_node: int) -> int:
+        """Keep `per_node` idle workers started on each node that hosts members (not on a node that only
+        a growth's spare holds yet: the spare's start and warm-up, which the growth waits for, have the
+        node to themselves; its standby follows once it is a member), without waiting for them. A
+        standby reserves nothing: it runs pinned to its node and holds a slot only once claimed as a
+        member (`take_standby`). Each call reads the standbys' last ping (`info`) and sends the next:
+        those that died (or whose node did) are dropped, as are those on nodes that host no member any
+        more. A new standby first warms up (`Worker.warm_up`). Returns how many were started."""
+        hosts = {w.node_id for w in self.roster.members}
+        standby = self.roster.standby
+        done, _ = ray.wait([w.ping for w in standby], num_returns=len(standby), timeout=0)
+        gone = [w for w in standby if w.node_id not in hosts or (w.ping in done and not w.idle())]
+        for w in gone:
+            self.launcher.kill(w.actor)
+        self.roster.drop(gone)
+        for w in self.roster.standby:
+            if w.ping in done:
+                w.ping = w.actor.info.remote()
+        have = Counter(w.node_id for w in self.roster.standby)
+        need = [nid for nid in sorted(hosts) for _ in range(per_node - have[nid])]
+        for nid in need:
+            actor = self.launcher.actor(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False),
+                                        **self.slots.named(standby_kind(nid)))
+            actor.warm_up.remote()  # paid while it waits; its ping (and a claim) answer after it
+            self.roster.add([WorkerHandle(actor, nid, None, Role.STANDBY, ping=actor.info.remote())])
+        return len(need)
+
+    def take_standby(self, nodes: list[str]) -> list[WorkerHandle]:
+        """Standbys on `nodes` (one per entry at most), each claimed (`Worker.claim`) with the slot a
+        stopped member left on its node (`Slots.take_vacant`) or else a new placement group, to be
+        awaited with this start like a fresh worker. A new group's bundle asks for a sliver of the node's
+        `node:IP` resource too: where IPs are unique, a slot that is not free yet (the group of the
+        worker it replaces still being removed) is waited for there, not taken on another node."""
+        want, taken = Counter(nodes), []
+        info: dict[str, dict] | None = None
+        for w in self.roster.standby:
+            if want[w.node_id] > 0:
+                want[w.node_id] -= 1
+                if (pg := self.slots.take_vacant(w.node_id)) is None:
+                    info = info if info is not None else {n["NodeID"]: n for n in ray.nodes()}
+                    pg = self.slots.new(w.node_id, node=info.get(w.node_id), **self.slots.named())
+                w.pg = pg
+                w.ping = w.actor.claim.remote(w.pg)
+                taken.append(w)
+        self.roster.drop(taken)
+        return taken
+
+    # -- spares --------------------------------------------------------------------------------------
+    def prewarm(self, nodes: list[str]) -> int:
+        """Start actors on `nodes` in the background while the group keeps training (a growth is
+        settling), each warming up (`Worker.warm_up`) once started, so the resize itself only moves state
+        and re-forms the process group. Returns how many were started; nodes that already have a sound
+        spare are skipped (one whose start failed is stopped and started again)."""
+        self.launcher.stop([w for w in self.roster.spares if not w.sound()])
+        have = Counter(w.node_id for w in self.placed_spares())
+        need = [nid for nid, k in (Counter(nodes) - have).items() for _ in range(k)]
+        launched = self.launcher.launch(need)
+        for w in launched:
+            w.actor.warm_up.remote()
+            w.ping = w.actor.info.remote()  # answers once the warm-up has run: `warm` reads it
+        self.roster.add(launched)
+        return len(need)
+
+    def warm(self, nodes: list[str]) -> bool:
+        """Whether a spare has started and warmed up on each entry of `nodes` (its `info`, sent after its
+        warm-up, has answered): a growth onto them then waits for no process."""
+        want = Counter(nodes)
+        for w in self.placed_spares():
+            if want[w.node_id] > 0 and w.answer() is not None:
+                want[w.node_id] -= 1
+        return not +want
+
+    def take_spares(self, nodes: list[str]) -> list[WorkerHandle]:
+        """Spares on `nodes`, taken out of the group to be awaited with this start (a spare that failed,
+        or whose node died, fails the start like a fresh worker would)."""
+        want, taken = Counter(nodes), []
+        for w in self.placed_spares():
+            if want[w.node_id] > 0:
+                want[w.node_id] -= 1
+                taken.append(w)
+        self.roster.drop(taken)
+        return taken
+
+    def placed_spares(self) -> list[WorkerHandle]:
+        """The spares, each with the node it really runs on: a spare's placement group targets its node
+        softly, so where that node could not take it (full, or dead but still listed) it lands on another
+        and holds that node's slot; counted on its target, it would be taken for neither node, and a start
+        on the other would wait for good for the slot it holds. From its `info` answer, else from where
+        its placement group landed."""
+        from ray.util import placement_group_table
+
+        for w in self.roster.spares:
+            if (answer := w.answer()) is not None:
+                w.node_id = answer.node_id
+            elif w.pg is not None and (landed := [n for n in (placement_group_table(w.pg).get("bundles_to_node_id")
+                                                                 or {}).values() if n]):
+                w.node_id = landed[0]
+        return self.roster.spares

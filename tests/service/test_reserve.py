@@ -1,0 +1,43 @@
+"""The reserve without Ray running: a start takes spares by the node they answered from, and a growth
+counts as warm only once a spare has answered on each node it needs (the Ray-backed paths are in
+test_standby.py and test_worker_group.py)."""
+
+from __future__ import annotations
+
+from service.pool.reserve import Reserve
+from service.pool.roster import Role, Roster, WorkerHandle
+from service.pool.slots import Slots
+from workers.report import WorkerInfo
+
+
+def _reserve(monkeypatch, answers: dict[int, str]) -> tuple[Reserve, Roster]:
+    """A reserve whose handles answer from the node `answers` gives by their id (none: not answered)."""
+    monkeypatch.setattr(WorkerHandle, "answer", lambda self: WorkerInfo(node_id=answers[id(self)], ip="", pid=1)
+                        if id(self) in answers else None)
+    roster = Roster()
+    return Reserve(roster=roster, slots=Slots(cpus=1, gpus=0, job_id="j", owner=None), launcher=None), roster
+
+
+def test_a_start_takes_the_spares_on_the_nodes_they_answered_from_one_per_entry(monkeypatch):
+    answers: dict[int, str] = {}
+    reserve, roster = _reserve(monkeypatch, answers)
+    member = WorkerHandle(None, "a", None, Role.MEMBER)
+    landed = WorkerHandle(None, "a", None, Role.SPARE)  # aimed at a, answered from b
+    on_b, on_c = WorkerHandle(None, "b", None, Role.SPARE), WorkerHandle(None, "c", None, Role.SPARE)
+    answers.update({id(landed): "b", id(on_b): "b", id(on_c): "c"})
+    roster.workers = [member, landed, on_b, on_c]
+    assert reserve.take_spares(["a", "b"]) == [landed]
+    assert landed.node_id == "b" and roster.workers == [member, on_b, on_c]
+    assert reserve.take_spares(["b", "b", "c"]) == [on_b, on_c] and roster.workers == [member]
+
+
+def test_a_growth_is_warm_once_a_spare_has_answered_on_each_node_it_needs(monkeypatch):
+    answers: dict[int, str] = {}
+    reserve, roster = _reserve(monkeypatch, answers)
+    first, second = WorkerHandle(None, "a", None, Role.SPARE), WorkerHandle(None, "a", None, Role.SPARE)
+    roster.workers = [first, second]
+    answers[id(first)] = "a"
+    assert reserve.warm(["a"]) and not reserve.warm(["a", "a"])  # the second is still starting
+    answers[id(second)] = "a"
+    assert reserve.warm(["a", "a"]) and not reserve.warm(["a", "b"])
+    assert roster.spares == [first, second]  # asking takes nothing
