@@ -493,7 +493,8 @@ class Worker:
         from workers.report import Memory
 
         pid, rss = os.getpid(), psutil.Process().memory_info().rss / 2**20
-        device = self.trainer.device if self.trainer is not None else None
+        t = self.trainer  # the default lane may drop it meanwhile
+        device = t.device if t is not None else None
         if device is None or device.type != "cuda":
             return Memory(pid=pid, rss_mb=round(rss, 1), device=str(device) if device is not None else "none")
         return Memory(pid=pid, rss_mb=round(rss, 1), device=str(device),
