@@ -228,19 +228,24 @@ class ChaosRun:
             wait(grown, 240, f"the job to grow back to {self.world_size} workers", interval=0.2)
 
 
-def recovery(rec: FaultRecord, events: list[dict], rows: list[dict], *,
-             until: float = float("inf")) -> tuple[float, int, int] | None:
-    """(recovery seconds, steps lost, step resumed from) once the job re-formed after fault `rec` and
-    trained a step, from its events and metrics.jsonl rows; None before that. Only what follows the
-    injection (and comes before `until`, the next injection) counts: the fault's failure/preemption
-    event, the re-forms it caused (not the growth back onto replaced nodes), then the first step trained
-    after the last of those re-forms."""
+def reforms(rec: FaultRecord, events: list[dict], *, until: float = float("inf")) -> list[dict] | None:
+    """The `resize` events of the re-forms fault `rec` caused, in order: after its injection (and before
+    `until`, the next injection), from the fault's failure/preemption event on, not the growth back onto
+    replaced nodes. None before that event."""
     kinds = (rec.expect or "").split("|")
     after = [e for e in events if rec.injected <= e["time"] < until]
     seen = next((e for e in after if e["kind"] in kinds), None)
     if seen is None:
         return None
-    resizes = [e for e in after if e["kind"] == "resize" and e["time"] >= seen["time"] and e.get("cause") != "grow"]
+    return [e for e in after if e["kind"] == "resize" and e["time"] >= seen["time"] and e.get("cause") != "grow"]
+
+
+def recovery(rec: FaultRecord, events: list[dict], rows: list[dict], *,
+             until: float = float("inf")) -> tuple[float, int, int] | None:
+    """(recovery seconds, steps lost, step resumed from) once the job re-formed after fault `rec` and
+    trained a step, from its events and metrics.jsonl rows; None before that. The re-forms are those
+    `reforms` counts; the first step trained after the last of them ends the recovery."""
+    resizes = reforms(rec, events, until=until)
     if not resizes:
         return None
     last = resizes[-1]
@@ -253,13 +258,7 @@ def recovery(rec: FaultRecord, events: list[dict], rows: list[dict], *,
 
 def paths(rec: FaultRecord, events: list[dict], *, until: float = float("inf")) -> list[str]:
     """The `transfer.path` of each re-form that `recovery` counts for fault `rec`, in order."""
-    kinds = (rec.expect or "").split("|")
-    after = [e for e in events if rec.injected <= e["time"] < until]
-    seen = next((e for e in after if e["kind"] in kinds), None)
-    if seen is None:
-        return []
-    return [(e["details"].get("transfer") or {}).get("path", "?") for e in after
-            if e["kind"] == "resize" and e["time"] >= seen["time"] and e.get("cause") != "grow"]
+    return [(e["details"].get("transfer") or {}).get("path", "?") for e in reforms(rec, events, until=until) or ()]
 
 
 # -- checks --------------------------------------------------------------------------------------------------

@@ -132,26 +132,7 @@ class ChaosEnv:
         """Pids of the job's workers that hold a slot (a placement group: service.pool.worker_group), not its
         standbys. Quick, since victims are chosen inside a fault's timing: a worker still starting answers
         only once started (~2 s), so it is not waited for, nor chosen."""
-        import ray
-
-        asked = []
-        for e in ray.util.list_named_actors(all_namespaces=True):
-            if e["name"].startswith("elastron-worker-"):
-                try:
-                    actor = ray.get_actor(e["name"], namespace=e["namespace"])
-                except ValueError:  # ended meanwhile
-                    continue
-                asked.append(actor.info.options(concurrency_group="control").remote())
-        done, _ = ray.wait(asked, num_returns=len(asked), timeout=0.5)
-        out = set()
-        for ref in done:
-            try:
-                info = ray.get(ref)
-            except Exception:  # ended meanwhile
-                continue
-            if info.pg is not None:
-                out.add(info.pid)
-        return out
+        return {info.pid for info in ask_workers("info", timeout_s=0.5) if info.pg is not None}
 
     def remove_node(self, node) -> None:
         """The node dies as a machine does: its raylet, agents and workers at once (service.pool.cluster.kill_node)."""
@@ -192,3 +173,27 @@ class ChaosEnv:
         self.stop_api(signal.SIGKILL)
         self.start_api()
         return time.time() - t0
+
+
+def ask_workers(method: str, *, timeout_s: float) -> list:
+    """The answers of every worker actor of the cluster's jobs (named `elastron-worker-...`) to `method`,
+    asked on its control lane (so a worker inside a step answers too), from those that answer within
+    `timeout_s`; a worker that ends meanwhile is left out."""
+    import ray
+
+    asked = []
+    for e in ray.util.list_named_actors(all_namespaces=True):
+        if e["name"].startswith("elastron-worker-"):
+            try:
+                actor = ray.get_actor(e["name"], namespace=e["namespace"])
+            except ValueError:  # ended meanwhile
+                continue
+            asked.append(getattr(actor, method).options(concurrency_group="control").remote())
+    done, _ = ray.wait(asked, num_returns=len(asked), timeout=timeout_s)
+    out = []
+    for ref in done:
+        try:
+            out.append(ray.get(ref))
+        except Exception:  # ended meanwhile
+            continue
+    return out

@@ -48,7 +48,7 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.chaos_env import ChaosEnv, wait  # noqa: E402
+from benchmarks.chaos_env import ChaosEnv, ask_workers, wait  # noqa: E402
 
 KINDS = ("shrink", "grow", "kill_worker", "drain", "takeover")
 TARGET = 1.10
@@ -60,26 +60,7 @@ CUDA_TARGET = 1.05
 def worker_memory(*, timeout_s: float = 10.0) -> dict[int, object]:
     """pid -> `workers.report.Memory` of every worker actor of the cluster's jobs that answers within
     `timeout_s` (on the control lane, so a worker inside a step answers too)."""
-    import ray
-    from ray.exceptions import RayError
-
-    asked = []
-    for e in ray.util.list_named_actors(all_namespaces=True):
-        if e["name"].startswith("elastron-worker-"):
-            try:
-                actor = ray.get_actor(e["name"], namespace=e["namespace"])
-            except ValueError:  # ended meanwhile
-                continue
-            asked.append(actor.memory.options(concurrency_group="control").remote())
-    done, _ = ray.wait(asked, num_returns=len(asked), timeout=timeout_s)
-    out = {}
-    for ref in done:
-        try:
-            m = ray.get(ref)
-        except RayError:  # died meanwhile
-            continue
-        out[m.pid] = m
-    return out
+    return {m.pid: m for m in ask_workers("memory", timeout_s=timeout_s)}
 
 
 def cuda_columns(procs: dict[str, int], memory: dict[int, object]) -> dict[str, dict[str, float]]:
