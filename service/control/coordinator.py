@@ -249,13 +249,15 @@ class Coordinator:
         nxt = self.reconfigure.carry_out(d, snap, sound=None, survivors=state.survivors,
                                          cause=d.cause if isinstance(d, Resize) else "failure", detected=time.time(),
                                          record=state.record)
-        if isinstance(nxt, Waiting):  # released: waiting for the cluster, or for the scheduler
-            self._nap(min(0.2, self.opts.poll_interval_s))
-            # A job the scheduler has given nothing waits in its queue, even where the cluster is too small
-            # as well: the scheduler's reason ("the whole cluster fits 4") and place say why.
-            queued = d.by_scheduler or self.grant == {}
-            return replace(nxt, reason=(queued and self.queue[1]) or nxt.reason, by_scheduler=queued)
-        return nxt
+        return self._queued(nxt, d) if isinstance(nxt, Waiting) else nxt
+
+    def _queued(self, waiting: Waiting, d: Wait) -> Waiting:
+        """A job released before it runs waits for the cluster, or in the scheduler's queue: a job the
+        scheduler has given nothing waits there even where the cluster is too small as well (the
+        scheduler's reason, "the whole cluster fits 4", and place say why)."""
+        self._nap(min(0.2, self.opts.poll_interval_s))
+        queued = d.by_scheduler or self.grant == {}
+        return replace(waiting, reason=(queued and self.queue[1]) or waiting.reason, by_scheduler=queued)
 
     def _on_running(self, state: Running, snap: ClusterSnapshot) -> State:
         if self.step_done >= self.total_steps:
