@@ -221,7 +221,7 @@ class Parts:
     def holding(self, workers: int, nodes: list[str], *, step: int) -> Plan:
         """Give the context a group formed for the plan of `workers` on `nodes`, trained to `step` (the
         job's step too); returns that plan."""
-        p = self.reconfigure.plan(workers)
+        p = self.reconfigure.plan_for(workers)
         g = self.ctx.group = self.ctx.new_group()
         g.members, g.plan, g.step = list(nodes), p, step
         self.ctx.plan, self.ctx.progress.step_done = p, step
@@ -257,7 +257,7 @@ def make_parts(tmp_path, nodes, *, interval=5, parallel: dict | None = None, che
         return assign_nodes(p.world_size, {n.node_id: int(n.cpus) for n in snap.alive()}, tp=p.layout.tp)
 
     recovery = Recovery(ctx)
-    reconfigure = Reconfigure(ctx, recovery, plan=plan_for, assign=assign)
+    reconfigure = Reconfigure(ctx, recovery, plan_for=plan_for, assign=assign)
     return Parts(ctx=ctx, recovery=recovery, reconfigure=reconfigure,
                  takeover=Takeover(ctx, recovery, reconfigure, run_dir=tmp_path), cluster=cluster,
                  group_cls=group_cls, events=events)

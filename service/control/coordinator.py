@@ -89,7 +89,7 @@ class Coordinator:
                            watcher=self.watcher, new_group=self._new_group, lock=self._lock)
         """What the parts below share with the coordinator: the group, its plan, the failure ledger."""
         self.recovery = Recovery(self.ctx)
-        self.reconfigure = Reconfigure(self.ctx, self.recovery, plan=self._plan, assign=self._assign)
+        self.reconfigure = Reconfigure(self.ctx, self.recovery, plan_for=self._plan, assign=self._assign)
         self.takeover = Takeover(self.ctx, self.recovery, self.reconfigure, run_dir=self.run_dir)
         self._handlers: dict[type, Callable[[State, ClusterSnapshot], State]] = {
             Adopting: self._on_adopting, Pending: self._on_pending, Starting: self._start_or_wait,

@@ -29,13 +29,13 @@ from service.pool.group import CarriedOn, WorkerFailure
 
 
 class Reconfigure:
-    """`plan(workers)`: the plan for that many workers; `assign(plan, snap)`: the node of each of its
+    """`plan_for(workers)`: the plan for that many workers; `assign(plan, snap)`: the node of each of its
     ranks (both the coordinator's, which knows the model, the grant and the usable nodes)."""
 
-    def __init__(self, ctx: Context, recovery: Recovery, *, plan: Callable[[int], Plan],
+    def __init__(self, ctx: Context, recovery: Recovery, *, plan_for: Callable[[int], Plan],
                  assign: Callable[[Plan, ClusterSnapshot], list[str]]):
         self.ctx, self.recovery = ctx, recovery
-        self.plan, self.assign = plan, assign
+        self.plan_for, self.assign = plan_for, assign
 
     def carry_out(self, d: Resize | Wait, snap: ClusterSnapshot, *, sound: Plan | None, survivors: Survivors | None,
                   cause: str, detected: float, record: Reconfig | None) -> State:
@@ -57,7 +57,7 @@ class Reconfigure:
         if isinstance(source, Release):
             return self.release(d, healing=survivors is not None, record=record)
         try:
-            p = self.plan(d.workers)
+            p = self.plan_for(d.workers)
             nodes = self.assign(p, snap)
         except (PlanError, ValueError) as e:
             c.shutdown_group()

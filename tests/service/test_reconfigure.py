@@ -37,7 +37,7 @@ def test_a_start_with_no_group_restores_from_the_last_committed_checkpoint(tmp_p
 
     assert isinstance(out, Running) and not out.durable_due
     assert out.record.transfer["path"] == "storage" and out.record.resumed_step == 5 and out.record.steps_lost == 2
-    assert parts.ctx.plan == parts.reconfigure.plan(2) and parts.ctx.progress.step_done == 5
+    assert parts.ctx.plan == parts.reconfigure.plan_for(2) and parts.ctx.progress.step_done == 5
     assert parts.ctx.group.size == 2
 
 

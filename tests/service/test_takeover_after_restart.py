@@ -32,7 +32,7 @@ def left_running(parts, p, nodes, *, step: int):
 
 def test_a_restarted_coordinator_with_detached_workers_starts_by_adopting_its_last_plan(tmp_path):
     parts = make_parts(tmp_path, {"a": 2, "b": 2}, owner="elastron-job-job1")
-    p = parts.reconfigure.plan(2)
+    p = parts.reconfigure.plan_for(2)
 
     out = parts.takeover.restarted(lost_coordinators_events(p, step=7, restarts=1))
 
@@ -45,14 +45,14 @@ def test_a_restarted_coordinator_with_detached_workers_starts_by_adopting_its_la
 def test_a_restarted_coordinator_without_detached_workers_starts_pending(tmp_path):
     parts = make_parts(tmp_path, {"a": 2, "b": 2})
 
-    out = parts.takeover.restarted(lost_coordinators_events(parts.reconfigure.plan(2), step=7))
+    out = parts.takeover.restarted(lost_coordinators_events(parts.reconfigure.plan_for(2), step=7))
 
     assert isinstance(out, Pending) and out.record.step_before == 7 and out.survivors is None
 
 
 def test_a_sound_group_left_running_is_adopted_and_trains_on_in_place(tmp_path):
     parts = make_parts(tmp_path, {"a": 2, "b": 2}, owner="elastron-job-job1")
-    p = parts.reconfigure.plan(2)
+    p = parts.reconfigure.plan_for(2)
     left_running(parts, p, ["a", "b"], step=9)  # two steps past what the lost coordinator recorded
     adopting = parts.takeover.restarted(lost_coordinators_events(p, step=7))
 
@@ -66,7 +66,7 @@ def test_a_sound_group_left_running_is_adopted_and_trains_on_in_place(tmp_path):
 def test_workers_left_running_that_cannot_train_on_are_salvaged_to_heal_the_next_group(tmp_path):
     parts = make_parts(tmp_path, {"a": 2, "b": 2}, owner="elastron-job-job1", parallel={"dp_mode": "replicate"})
     parts.group_cls.heals, parts.group_cls.intact = True, False
-    p = parts.reconfigure.plan(2)
+    p = parts.reconfigure.plan_for(2)
     left_running(parts, p, ["a", "b"], step=7)
     adopting = parts.takeover.restarted(lost_coordinators_events(p, step=7))
 
@@ -78,7 +78,7 @@ def test_workers_left_running_that_cannot_train_on_are_salvaged_to_heal_the_next
 
 def test_nothing_left_running_to_adopt_leaves_the_job_pending_without_a_group(tmp_path):
     parts = make_parts(tmp_path, {"a": 2, "b": 2}, owner="elastron-job-job1")
-    p = parts.reconfigure.plan(2)
+    p = parts.reconfigure.plan_for(2)
     adopting = parts.takeover.restarted(lost_coordinators_events(p, step=7))
 
     out = parts.takeover.adopt(adopting, parts.ctx.watcher.poll())
