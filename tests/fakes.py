@@ -1,5 +1,6 @@
 """Fakes shared by the tests, in one place: a cluster, a worker group and a coordinator over them (no Ray,
-no torch ranks), and a gate that holds fake training at a step.
+no torch ranks), the coordinator's parts over them without a coordinator (`make_parts`), and a gate
+that holds fake training at a step.
 
 The fake group models what matters for the coordinator: a step counter, checkpoints committed every
 `interval` steps or on request, and resumption from the last committed step when a group is formed.
@@ -11,11 +12,23 @@ import threading
 import time
 from collections import Counter
 
-from service.pool.cluster import ClusterWatcher
+from dataclasses import dataclass, replace
+
+from parallel.planner import Plan, plan
+from service.control.context import Context
 from service.control.coordinator import Coordinator, CoordinatorOptions
+from service.control.events import Event
 from service.control.job import Job
+from service.control.progress import Progress
+from service.control.reconfigure import Reconfigure
+from service.control.recovery import Recovery
+from service.control.state import StateMachine
+from service.control.takeover import Takeover
+from service.pool.cluster import ClusterWatcher
 from service.pool.group import CarriedOn, FailureKind, Formed, Moved, Salvage, Started, WorkerFailure
-from workers.config import JobConfig
+from service.pool.node_health import NodeHealth
+from service.pool.placement import assign_nodes
+from workers.config import JobConfig, job_constraints
 from workers.report import Salvaged
 
 
@@ -158,27 +171,96 @@ class FakeGroup:
         self.members = []
 
 
+def tiny_job(*, steps=20, interval=5, min_workers=1, max_workers=4, parallel: dict | None = None,
+             resources: dict | None = None, checkpoint: dict | None = None) -> JobConfig:
+    """A tiny job's config; `parallel` and `checkpoint` add to those sections, `resources` is its own."""
+    return JobConfig.from_dict({
+        "data": {"source": "synthetic", "seq_len": 16},
+        "train": {"steps": steps, "global_batch_size": 8, "micro_batch_size": 2},
+        "parallel": {"min_workers": min_workers, "max_workers": max_workers, **(parallel or {})},
+        "checkpoint": {"interval_steps": interval, **(checkpoint or {})},
+        **({"resources": resources} if resources else {}),
+    })
+
+
+def fake_group_cls(cluster: FakeCluster, interval: int) -> type[FakeGroup]:
+    """A FakeGroup class of its own (its disk, its failures to come) on `cluster`."""
+    return type("G", (FakeGroup,), {"disk": Disk(interval), "cluster": cluster, "fail_next": [], "resharded": []})
+
+
 def make_coordinator(tmp_path, nodes, *, steps=20, interval=5, min_workers=1, max_workers=4, settle=0.0,
                      parallel: dict | None = None, resources: dict | None = None, **opts):
     """A coordinator of a tiny job on a FakeCluster of `nodes` (id -> CPUs), with a FakeGroup class of
     its own; `parallel` adds to the job's parallel section, `resources` is its resources section, `opts`
     go to CoordinatorOptions."""
     cluster = FakeCluster(nodes)
-    cfg = JobConfig.from_dict({
-        "data": {"source": "synthetic", "seq_len": 16},
-        "train": {"steps": steps, "global_batch_size": 8, "micro_batch_size": 2},
-        "parallel": {"min_workers": min_workers, "max_workers": max_workers, **(parallel or {})},
-        "checkpoint": {"interval_steps": interval},
-        **({"resources": resources} if resources else {}),
-    })
-    group_cls = type("G", (FakeGroup,), {"disk": Disk(interval), "cluster": cluster, "fail_next": [],
-                                          "resharded": []})
+    cfg = tiny_job(steps=steps, interval=interval, min_workers=min_workers, max_workers=max_workers,
+                   parallel=parallel, resources=resources)
+    group_cls = fake_group_cls(cluster, interval)
     c = Coordinator(Job.of(cfg, job_id="job1", run_dir=tmp_path), watcher=cluster.watcher(),
                     options=CoordinatorOptions(settle_seconds=settle, max_restarts=2, **opts))
     c.worker_group_cls = group_cls
     # The fake cluster's "dead" nodes are exactly those a placement probe would not reach.
     c.group_probe = lambda nodes, timeout_s: {n for n in nodes if n not in cluster.dead}
     return c, cluster, group_cls
+
+
+@dataclass(kw_only=True)
+class Parts:
+    """The coordinator's three parts over one Context, built without a coordinator (make_parts)."""
+
+    ctx: Context
+    recovery: Recovery
+    reconfigure: Reconfigure
+    takeover: Takeover
+    cluster: FakeCluster
+    group_cls: type[FakeGroup]
+    events: list[Event]
+    """Every event the parts emitted, oldest first."""
+
+    def holding(self, workers: int, nodes: list[str], *, step: int) -> Plan:
+        """Give the context a group formed for the plan of `workers` on `nodes`, trained to `step` (the
+        job's step too); returns that plan."""
+        p = self.reconfigure.plan_for(workers)
+        g = self.ctx.group = self.ctx.new_group()
+        g.members, g.plan, g.step = list(nodes), p, step
+        self.ctx.plan, self.ctx.progress.step_done = p, step
+        return p
+
+    def notes(self, kind: str) -> list[Event]:
+        return [e for e in self.events if e.kind == kind]
+
+
+def make_parts(tmp_path, nodes, *, interval=5, parallel: dict | None = None, checkpoint: dict | None = None,
+               **opts) -> Parts:
+    """Recovery, Reconfigure and Takeover of a tiny job on a FakeCluster of `nodes` (id -> CPUs) with a
+    FakeGroup class of its own, sharing a Context as the coordinator's do; `opts` go to CoordinatorOptions.
+    Plans come from the planner, nodes from `assign_nodes` over the alive nodes' CPUs."""
+    cluster = FakeCluster(nodes)
+    cfg = tiny_job(interval=interval, parallel=parallel, checkpoint=checkpoint)
+    group_cls = fake_group_cls(cluster, interval)
+    events: list[Event] = []
+    o = CoordinatorOptions(settle_seconds=0.0, max_restarts=2, **opts)
+    health = NodeHealth(lambda nodes, timeout_s: {n for n in nodes if n not in cluster.dead},
+                        probe_timeout_s=o.probe_timeout_s, suspect_seconds=o.suspect_seconds,
+                        reprobe_interval_s=o.reprobe_interval_s)
+    watcher = cluster.watcher()
+    watcher.poll()
+    ctx = Context(cfg=cfg, opts=o, sm=StateMachine("job1", sink=events.append), progress=Progress(),
+                  health=health, watcher=watcher, new_group=lambda: group_cls(cfg, str(tmp_path)))
+    model, constraints = cfg.model.build(), job_constraints(cfg)
+
+    def plan_for(workers: int) -> Plan:
+        return plan(workers, model, replace(constraints, min_workers=1, max_workers=workers))
+
+    def assign(p: Plan, snap) -> list[str]:
+        return assign_nodes(p.world_size, {n.node_id: int(n.cpus) for n in snap.alive()}, tp=p.layout.tp)
+
+    recovery = Recovery(ctx)
+    reconfigure = Reconfigure(ctx, recovery, plan_for=plan_for, assign=assign)
+    return Parts(ctx=ctx, recovery=recovery, reconfigure=reconfigure,
+                 takeover=Takeover(ctx, recovery, reconfigure, run_dir=tmp_path), cluster=cluster,
+                 group_cls=group_cls, events=events)
 
 
 def advance(c: Coordinator, until, limit=500):

@@ -3,9 +3,10 @@
 `choose_source` is pure: given the policy's decision, whether the running group is sound (a planned
 change: every rank holds its state), what a failed group's survivors hold, and `parallel.reshard`, it
 says which of five sources the coordinator uses. The coordinator acts on the answer in one place
-(`Coordinator._reconfigure`). `from_survivors` is the rule, as pure, for what a failed group's survivors
-offer: their live state (`Heal`, nothing redone), else the peer snapshots in their memory (`Memory`, the
-steps since that snapshot redone), else nothing (the reason goes into the `fallback` event).
+(service.control.reconfigure, `Reconfigure.carry_out`). `from_survivors` is the rule, as pure, for what
+a failed group's survivors offer: their live state (`Heal`, nothing redone), else the peer snapshots in
+their memory (`Memory`, the steps since that snapshot redone), else nothing (the reason goes into the
+`fallback` event).
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ the status's reason says what it waits for."""
 
 _S = JobState
 # PENDING -> RUNNING: a restarted coordinator whose lost predecessor's group still trains takes it over
-# as it is (service.control.coordinator `_on_adopting`); nothing starts, so there is no STARTING.
+# as it is (service.control.takeover, `Takeover.adopt`); nothing starts, so there is no STARTING.
 TRANSITIONS: Mapping[JobState, frozenset[JobState]] = {
     _S.PENDING: frozenset({_S.STARTING, _S.QUEUED, _S.STOPPED, _S.FAILED, _S.PAUSED, _S.RUNNING}),
     _S.STARTING: frozenset({_S.RUNNING, _S.WAITING_FOR_CAPACITY, _S.QUEUED, _S.FAILED, _S.RECOVERING, _S.STOPPED}),

@@ -4,7 +4,8 @@ The coordinator holds exactly one of these (`Coordinator.state`); each `step()` 
 class, which returns the next value. `name` is the lifecycle state the API and the event log show
 (service.control.state.JobState); two values of the same name (a `Running` before and after a chunk of
 steps) are one state to the outside. The resources the job holds across states (its worker group and
-the plan that group runs) stay on the coordinator: what is decided lives here.
+the plan that group runs) are in the context the coordinator shares with its parts
+(service.control.context): what is decided lives here.
 """
 
 from __future__ import annotations
