@@ -20,10 +20,12 @@ peer snapshots off, `checkpoint.peer_interval` 0, so that a kill restores from s
   join   2 nodes, then one joins:                  event -> first step at world size 3
   kill   3 nodes, one dies without notice (kill_node): event -> first step at world size 2
   drain  3 nodes, one drained (preemption, 60 s deadline): event -> first step without that node
-  steady 3 nodes, no event: the snapshot's cost. Elastron only (live), jobs back to back on the same nodes
-         with `checkpoint.peer_interval` 1 and 0, alternating (`--steady-rounds` pairs, `--steady-steps`
-         steps each); per job the median step (the trainer's step time) and the median interval between
-         two steps' ends (what a snapshot taken between steps would add), the first 3 steps left out.
+  steady 3 nodes, no event: the snapshots' cost. Elastron only (live), jobs back to back on the same nodes
+         in rotation (`--steady-rounds` rotations, `--steady-steps` steps each): a snapshot after every
+         step (`peer_budget` 0), none (`peer_interval` 0), and the default (paced by their measured cost,
+         workers.pace); per job the median step (the trainer's step time), the median interval between two
+         steps' ends (what a snapshot taken between steps adds), the snapshots per step, the first 3
+         steps left out. A kill's steps redone depend on the interval: `--peer-budget 0` for one per step.
 Ray Train v2 (`elastic_raytrain.measure_raytrain`) checkpoints with torch.distributed.checkpoint.
 
 Per run: event -> first step at the new size, the stall (the end of the last step at the old size to
@@ -76,6 +78,9 @@ class State:
     """How long the first steps may take (process start, model build) before the run is abandoned."""
     peer_interval: int | None = None
     """Elastron's `checkpoint.peer_interval` (peer snapshots every N steps, 0 off); None: the job's default."""
+    peer_budget: float | None = None
+    """Elastron's `checkpoint.peer_budget` (0: a snapshot exactly every `peer_interval` steps; else they are
+    taken less often where they cost more than that share of the step); None: the job's default."""
     tp: int | None = None
     """Elastron's `parallel.tp` (the planner picks the world size: a multiple of it); None: the planner's choice."""
 
@@ -97,7 +102,8 @@ def _cfg(state: State, steps: int, reshard: str) -> dict:
         "parallel": {"min_workers": 1, "max_workers": _max_workers(state), "dp_mode": state.dp_mode, "reshard": reshard,
                      **({} if state.tp is None else {"tp": state.tp})},
         "checkpoint": {"interval_steps": 5, "keep_last": 2,
-                       **({} if state.peer_interval is None else {"peer_interval": state.peer_interval})},
+                       **({} if state.peer_interval is None else {"peer_interval": state.peer_interval}),
+                       **({} if state.peer_budget is None else {"peer_budget": state.peer_budget})},
         "resources": {"device": "cpu", "cpus_per_worker": 1},
     }
 
@@ -364,10 +370,17 @@ def _loss_agreement(rows: list[dict]) -> dict:
     return out
 
 
+STEADY_MODES = {"every step": {"peer_interval": 1, "peer_budget": 0.0}, "off": {"peer_interval": 0},
+                "paced (default)": {"peer_interval": None, "peer_budget": None}}
+"""The steady scenario's jobs: (`checkpoint.peer_interval`, `checkpoint.peer_budget`) of each, None the
+job's default: a snapshot after every step, none, and the default (every step unless they cost more than
+`peer_budget` of the step, workers.pace)."""
+
+
 def measure_steady(*, cluster, workdir: str, state: State, steps: int, rounds: int) -> dict:
-    """The median step with peer snapshots every step against off: 3 workers, `rounds` pairs of jobs back
-    to back (on, off, on, off, ...), `steps` steps each after `STEADY_WARMUP`; one row with every job's
-    medians and the ratio of the pooled medians."""
+    """The median step with peer snapshots every step, off, and paced by their cost (the default): 3
+    workers, `rounds` rotations of jobs back to back (every step, off, paced, ...), `steps` steps each
+    after `STEADY_WARMUP`; one row with every job's medians and the ratios of the pooled medians to off."""
     import ray  # noqa: F401 - the cluster's driver is connected by main
 
     from service.control.commands import Stop
@@ -380,11 +393,11 @@ def measure_steady(*, cluster, workdir: str, state: State, steps: int, rounds: i
     cluster.wait_for_nodes()
     jobs: list[dict] = []
     try:
-        for i, interval in enumerate([1, 0] * rounds):
-            st = replace(state, peer_interval=interval)
+        for i, mode in enumerate(list(STEADY_MODES) * rounds):
+            st = replace(state, **STEADY_MODES[mode])
             n = STEADY_WARMUP + steps  # the job runs 5 more, so that it is still running when stopped
-            coord = Coordinator(Job.of(JobConfig.from_dict(_cfg(st, n + 5, "live")), job_id=f"steady-{i}-{interval}",
-                                       run_dir=Path(workdir) / f"steady-{i}-{interval}"),
+            coord = Coordinator(Job.of(JobConfig.from_dict(_cfg(st, n + 5, "live")), job_id=f"steady-{i}",
+                                       run_dir=Path(workdir) / f"steady-{i}"),
                                 options=CoordinatorOptions(chunk_seconds=0.2, poll_interval_s=0.1))
             t = threading.Thread(target=coord.run, daemon=True)
             t.start()
@@ -397,10 +410,11 @@ def measure_steady(*, cluster, workdir: str, state: State, steps: int, rounds: i
                 t.join(timeout=180)
             kept = [m for m in metrics if m["step"] > STEADY_WARMUP]
             gaps = [b["time"] - a["time"] for a, b in zip(metrics, metrics[1:]) if a["step"] >= STEADY_WARMUP]
-            jobs.append({"peer_interval": interval, "world_size": world,
+            jobs.append({"mode": mode, **STEADY_MODES[mode], "world_size": world,
                          "step_time_s": [m["step_time"] for m in kept], "interval_s": gaps,
                          "median_step_s": statistics.median(m["step_time"] for m in kept),
                          "median_interval_s": statistics.median(gaps),
+                         "snapshot_steps": [m["step"] for m in metrics if m.get("snapshot")],
                          **snapshot_costs(kept),
                          "losses": {str(m["step"]): m["loss"] for m in metrics}})
             print(json.dumps({k: v for k, v in jobs[-1].items() if k != "losses"}), flush=True)
@@ -410,18 +424,29 @@ def measure_steady(*, cluster, workdir: str, state: State, steps: int, rounds: i
                 kill_node(cluster, node)
             except Exception as e:  # noqa: BLE001
                 print(f"removing node {node.node_id} failed ({e}); it may already be gone", file=sys.stderr)
+    return {"system": "elastron-live", "scenario": "steady", "jobs": jobs, "modes": steady_summary(jobs)}
 
-    def pooled(interval: int, key: str) -> float:
-        return statistics.median(x for j in jobs if j["peer_interval"] == interval for x in j[key])
 
-    on_step, off_step = pooled(1, "step_time_s"), pooled(0, "step_time_s")
-    on_gap, off_gap = pooled(1, "interval_s"), pooled(0, "interval_s")
-    take = {f"median_take_{part}_s": pooled(1, f"take_{part}_s") for part in ("wait", "agree", "copy")
-            if any(j.get(f"take_{part}_s") for j in jobs if j["peer_interval"] == 1)}
-    return {"system": "elastron-live", "scenario": "steady", "jobs": jobs,
-            "median_step_on_s": on_step, "median_step_off_s": off_step, "step_ratio": on_step / off_step,
-            "median_interval_on_s": on_gap, "median_interval_off_s": off_gap, "interval_ratio": on_gap / off_gap,
-            **take}
+def steady_summary(jobs: list[dict]) -> dict[str, dict]:
+    """Per mode: the pooled medians of its jobs (step time, interval between step ends, each part of a
+    snapshot's take), its snapshots per measured step, and the two medians' ratios to the mode "off"."""
+    out: dict[str, dict] = {}
+    for mode in dict.fromkeys(j["mode"] for j in jobs):
+        mine = [j for j in jobs if j["mode"] == mode]
+        m = {"jobs": len(mine),
+             "median_step_s": statistics.median(x for j in mine for x in j["step_time_s"]),
+             "median_interval_s": statistics.median(x for j in mine for x in j["interval_s"]),
+             "snapshots_per_step": sum(len(j.get("take_copy_s", [])) for j in mine)
+             / max(1, sum(len(j["step_time_s"]) for j in mine))}
+        for part in ("wait", "agree", "copy"):
+            if xs := [x for j in mine for x in j.get(f"take_{part}_s", [])]:
+                m[f"median_take_{part}_s"] = statistics.median(xs)
+        out[mode] = m
+    if off := out.get("off"):
+        for m in out.values():
+            m["step_ratio"] = m["median_step_s"] / off["median_step_s"]
+            m["interval_ratio"] = m["median_interval_s"] / off["median_interval_s"]
+    return out
 
 
 def snapshot_costs(rows: list[dict]) -> dict[str, list[float]]:
@@ -432,19 +457,17 @@ def snapshot_costs(rows: list[dict]) -> dict[str, list[float]]:
 
 
 def steady_table(rows: list[dict]) -> str:
-    lines = ["| peer snapshots | median step | median interval between step ends | jobs |", "|---|---|---|---|"]
+    lines = ["| peer snapshots | median step | median interval between step ends | ÷ off | snapshots per step "
+             "| of a snapshot, in the training thread (median) | jobs |", "|---|---|---|---|---|---|---|"]
     for r in rows:
-        if r["scenario"] != "steady" or "jobs" not in r:
+        if r["scenario"] != "steady" or "modes" not in r:
             continue
-        for on, name in ((1, "every step"), (0, "off")):
-            k = "on" if on else "off"
-            lines.append(f"| {name} | {_fmt(r[f'median_step_{k}_s'])} | {_fmt(r[f'median_interval_{k}_s'])} | "
-                         f"{sum(j['peer_interval'] == on for j in r['jobs'])} |")
-        lines.append(f"| on ÷ off | {r['step_ratio']:.3f}× | {r['interval_ratio']:.3f}× | |")
-        if "median_take_copy_s" in r:
-            lines.append(f"| of a snapshot, in the training thread (median) | wait for the last round "
-                         f"{_fmt(r.get('median_take_wait_s'))}, agree {_fmt(r.get('median_take_agree_s'))}, "
-                         f"copy {_fmt(r.get('median_take_copy_s'))} | | |")
+        for mode, m in r["modes"].items():
+            take = (f"wait {_fmt(m.get('median_take_wait_s'))}, agree {_fmt(m.get('median_take_agree_s'))}, "
+                    f"copy {_fmt(m.get('median_take_copy_s'))}" if "median_take_copy_s" in m else "-")
+            ratio = f"{m['interval_ratio']:.3f}×" if "interval_ratio" in m else "-"
+            lines.append(f"| {mode} | {_fmt(m['median_step_s'])} | {_fmt(m['median_interval_s'])} | {ratio} | "
+                         f"{m['snapshots_per_step']:.2f} | {take} | {m['jobs']} |")
     return "\n".join(lines)
 
 
@@ -460,7 +483,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp", type=int, help="Elastron's parallel.tp (Ray Train's DDP has no TP: it runs as without)")
     ap.add_argument("--settle", type=float, default=1.0, help="Elastron: stable capacity needed before growing")
     ap.add_argument("--steady-steps", type=int, default=10, help="steady: measured steps per job")
-    ap.add_argument("--steady-rounds", type=int, default=1, help="steady: pairs of jobs (snapshots on, off)")
+    ap.add_argument("--peer-budget", type=float, default=None,
+                    help="Elastron's checkpoint.peer_budget (0: a snapshot exactly every peer_interval steps, as a "
+                         "kill's steps-redone target needs); default: the job's default")
+    ap.add_argument("--steady-rounds", type=int, default=1,
+                    help="steady: rotations of jobs (snapshots every step, off, paced)")
     ap.add_argument("--keep-workdir", action="store_true",
                     help="keep the runs' directories (checkpoints, events, metrics) instead of removing them")
     ap.add_argument("--json", help="write all results here (merged into the file if it exists)")
@@ -477,6 +504,8 @@ def main(argv: list[str] | None = None) -> int:
         state = replace(state, dp_mode=args.dp_mode)
     if args.peer_interval is not None:
         state = replace(state, peer_interval=args.peer_interval)
+    if args.peer_budget is not None:
+        state = replace(state, peer_budget=args.peer_budget)
     if args.tp is not None:
         state = replace(state, tp=args.tp)
     meta = {"state": args.state, "state_bytes": state_bytes(state), "workload": asdict(state),

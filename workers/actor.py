@@ -252,6 +252,7 @@ class Worker:
         import torch.distributed as dist
 
         from parallel.live import hold
+        from workers.pace import Pace
         from workers.snapshots import PeerSnapshots
 
         self._drop_snapshots()
@@ -259,8 +260,11 @@ class Worker:
             return
         shard = sum(t.numel() * t.element_size()
                     for t in hold(self.trainer.model, self.trainer.optimizer).tensors.values())
+        ck = self.cfg.checkpoint
+        pace = Pace(every=ck.peer_interval, budget=ck.peer_budget, start=self.trainer.step,
+                    cap=max(ck.peer_interval, ck.interval_steps))
         self.snapshots = PeerSnapshots.start(self._node_id(), shard_bytes=shard, available_bytes=_available_memory(),
-                                             timeout_s=timeout_s)
+                                             timeout_s=timeout_s, pace=pace)
 
     def _drop_snapshots(self) -> None:
         """Free the copies of the previous group's snapshots, without waiting for its round in flight:
@@ -428,14 +432,18 @@ class Worker:
         if self.trainer is None:
             raise RuntimeError("worker has not joined a group")
         out = self._rows = []  # kept if a step raises: a salvage reports the steps this call did finish
-        every = self.cfg.checkpoint.peer_interval
+        snaps = self.snapshots
         try:
             for _ in range(steps):
                 if self.trainer.step >= until_step:
                     break
+                busy = snaps is not None and snaps.in_flight()
+                t0 = time.perf_counter()
                 out.append(row := self.trainer.train_step().to_dict())
-                if self.snapshots is not None and self.trainer.step % every == 0:
-                    row["snapshot"] = asdict(self._snapshot())
+                if snaps is not None:
+                    snaps.pace.step_ended(time.perf_counter() - t0, busy=busy)
+                    if snaps.pace.due(self.trainer.step):
+                        row["snapshot"] = asdict(self._snapshot())
         except BaseException:
             self._broken = True
             raise

@@ -275,6 +275,11 @@ class CheckpointConfig:
     rank's on another node (workers.snapshots), so that a rank lost without notice is served from memory
     and only the steps since that snapshot are redone; 0: off. Never written to disk: the durable
     checkpoints above stay, for the loss of the whole cluster."""
+    peer_budget: float = 0.1
+    """The share of training time peer snapshots may cost: where one costs more than this (its copy,
+    and the steps its background send slows), they are taken less often than every `peer_interval`
+    steps, as measured while training (workers.pace), and a kill redoes up to that many steps less one.
+    0: exactly every `peer_interval` steps."""
     checksum: Literal["xxh3-128", "blake3", "sha256", "none"] = "xxh3-128"
     """Checksum of every written block, verified as it is read back: xxh3-128 (fast), blake3
     (cryptographic), sha256, or none (scratch runs only: corruption then goes unnoticed)."""
@@ -287,7 +292,10 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         _positive("checkpoint", self, "interval_steps", "keep_last", "io_threads")
-        _positive("checkpoint", self, "peer_interval", allow_zero=True)
+        _positive("checkpoint", self, "peer_interval", "peer_budget", allow_zero=True)
+        if self.peer_budget > 1:
+            raise ConfigError(f"checkpoint.peer_budget must be <= 1 (a share of training time), got {self.peer_budget}",
+                              loc=('checkpoint', 'peer_budget'))
         if self.resume_from is not None and (not isinstance(self.resume_from, str) or not self.resume_from.strip()):
             raise ConfigError(f"checkpoint.resume_from must be a directory path, got {self.resume_from!r}",
                               loc=('checkpoint', 'resume_from'))

@@ -3,7 +3,8 @@ rank lost without notice can be served from memory (`parallel.peers` pairs the r
 the survivors' copies cover).
 
     snaps = PeerSnapshots.start(node_id, shard_bytes=..., available_bytes=...)  # collective, at `join`
-    snaps.take(step, hold(model, optimizer), state)    # every `checkpoint.peer_interval` steps (collective)
+    if snaps.pace.due(step):                           # every `checkpoint.peer_interval` steps or more (workers.pace)
+        snaps.take(step, hold(model, optimizer), state)  # collective
     snaps.holdings()                                   # {old rank: complete steps}, after a failure
     snaps.handover(step, ranks)                        # the copies of those old ranks at that step
 
@@ -33,6 +34,7 @@ from parallel.checkpoint.host_pool import layout as pool_layout
 from parallel.live import Held
 from parallel.peers import Pairing, pair
 from parallel.sharding import Box
+from workers.pace import Pace
 
 log = logging.getLogger(__name__)
 
@@ -122,13 +124,18 @@ class Taken:
     copy_s: float
     committed: int
     """The newest snapshot step every rank holds whole, as agreed in this take."""
+    interval: int = 1
+    """The steps until the next snapshot, as agreed in this take (`workers.pace`)."""
 
 
 class PeerSnapshots:
     """This rank's snapshots: its own slot and the slots of the ranks whose buddy it is."""
 
-    def __init__(self, *, rank: int, pairing: Pairing, group: Any, timeout_s: float = 120.0) -> None:
+    def __init__(self, *, rank: int, pairing: Pairing, group: Any, timeout_s: float = 120.0,
+                 pace: Pace | None = None) -> None:
         self.rank, self.pairing, self.group = rank, pairing, group
+        self.pace = pace or Pace(every=1, budget=0.0)
+        """When the rounds are taken: every rank calls `take` when `pace.due` says so."""
         self.timeout_s = timeout_s
         """The snapshot group's timeout: no wait of a round lasts longer."""
         self.buddy = pairing.buddy[rank]
@@ -149,7 +156,7 @@ class PeerSnapshots:
 
     @classmethod
     def start(cls, node_id: str, *, shard_bytes: int, available_bytes: int | None,
-              timeout_s: float = 120.0) -> PeerSnapshots | None:
+              timeout_s: float = 120.0, pace: Pace | None = None) -> PeerSnapshots | None:
         """Pair the ranks of the default group by their nodes and make the snapshot group (collective on
         every rank). Returns None, having logged why in one line, when there is no pairing or some rank
         cannot afford the memory (two buffers of its own shards and of each copy it keeps).
@@ -179,28 +186,36 @@ class PeerSnapshots:
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         log.info("peer snapshots on: rank %d keeps its copy on rank %s and copies of ranks %s: about %.0f MiB",
                  rank, pairing.buddy[rank], list(pairing.keeps(rank)), need / 2**20)
-        out = cls(rank=rank, pairing=pairing, group=group, timeout_s=timeout_s)
+        out = cls(rank=rank, pairing=pairing, group=group, timeout_s=timeout_s, pace=pace)
         out.memory_bytes = need
         return out
 
     # -- a round ---------------------------------------------------------------------------------------
     def take(self, step: int, held: Held, state: dict[str, Any]) -> Taken:
         """Snapshot `held` (this rank's shards after step `step`'s update) and `state` (collective: every
-        rank calls it at the same steps); returns what it cost this thread."""
+        rank calls it at the same steps, those `pace.due` names); returns what it cost this thread. The
+        one agreement of the round also settles the interval to the next: the largest any rank proposes."""
         t0 = time.perf_counter()
         self.wait()
         t1 = time.perf_counter()
-        done = torch.tensor([self._complete_step()], dtype=torch.int64)
-        dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self.group)
-        self.committed = int(done.item())
+        # one all-reduce (MIN): the newest step complete everywhere, and the largest proposed interval
+        agree = torch.tensor([self._complete_step(), -self.pace.propose()], dtype=torch.int64)
+        dist.all_reduce(agree, op=dist.ReduceOp.MIN, group=self.group)
+        self.committed, interval = int(agree[0]), -int(agree[1])
         t2 = time.perf_counter()
         own = self.own.spare(self.committed)
         _fill(own, step, held, state)
         t3 = time.perf_counter()
         self._thread = threading.Thread(target=self._round, args=(own,), name="peer-snapshot", daemon=True)
         self._thread.start()
+        self.pace.taken(step, interval, t3 - t0)
         return Taken(wait_s=round(t1 - t0, 4), agree_s=round(t2 - t1, 4), copy_s=round(t3 - t2, 4),
-                     committed=self.committed)
+                     committed=self.committed, interval=interval)
+
+    def in_flight(self) -> bool:
+        """Whether a round still sends or receives in the background."""
+        t = self._thread
+        return t is not None and t.is_alive()
 
     def _complete_step(self) -> int:
         """The newest step whose own copy and every kept copy are complete here (-1: none)."""

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from benchmarks.elastic import STATES, _cfg, snapshot_costs, steady_table, world_for
+from benchmarks.elastic import STATES, _cfg, snapshot_costs, steady_summary, steady_table, world_for
 
 ONE_GB = STATES["1gb"]
 
@@ -24,19 +24,35 @@ def test_the_world_after_a_loss_is_a_multiple_of_tp_within_the_slots_left(tp, no
     assert world_for(replace(ONE_GB, tp=tp), nodes) == world
 
 
-def test_peer_interval_goes_to_the_checkpoint_section_only_when_set():
-    assert "peer_interval" not in _cfg(ONE_GB, 10, "live")["checkpoint"]
+def test_peer_interval_and_budget_go_to_the_checkpoint_section_only_when_set():
+    plain = _cfg(ONE_GB, 10, "live")["checkpoint"]
+    assert "peer_interval" not in plain and "peer_budget" not in plain
     assert _cfg(replace(ONE_GB, peer_interval=0), 10, "storage")["checkpoint"]["peer_interval"] == 0
+    assert _cfg(replace(ONE_GB, peer_budget=0.0), 10, "live")["checkpoint"]["peer_budget"] == 0.0
 
 
-def test_steady_table_shows_both_medians_and_their_ratio():
-    row = {"scenario": "steady", "jobs": [{"peer_interval": 1}, {"peer_interval": 0}],
-           "median_step_on_s": 3.0, "median_step_off_s": 2.0, "step_ratio": 1.5,
-           "median_interval_on_s": 3.3, "median_interval_off_s": 3.0, "interval_ratio": 1.1}
-    text = steady_table([row, {"scenario": "kill"}])
-    assert "| every step | 3.00 s | 3.30 s | 1 |" in text
-    assert "| off | 2.00 s | 3.00 s | 1 |" in text
-    assert "| on ÷ off | 1.500× | 1.100× | |" in text
+def _job(mode: str, steps: list[float], gaps: list[float], copies: list[float] = ()) -> dict:
+    return {"mode": mode, "step_time_s": steps, "interval_s": gaps,
+            **({"take_wait_s": [0.0] * len(copies), "take_agree_s": [0.01] * len(copies), "take_copy_s": list(copies)}
+               if copies else {})}
+
+
+def test_steady_summary_pools_each_modes_jobs_and_divides_by_off():
+    jobs = [_job("every step", [3.0, 3.2], [3.3, 3.5], [0.2, 0.2]), _job("off", [2.0, 2.0], [2.0, 2.2]),
+            _job("paced (default)", [2.1, 2.0, 2.2, 2.0], [2.2, 2.0, 2.4, 2.0], [0.2]),
+            _job("every step", [3.1], [3.4], [0.3])]
+    modes = steady_summary(jobs)
+    assert list(modes) == ["every step", "off", "paced (default)"]
+    every, off, paced = modes.values()
+    assert every["jobs"] == 2 and every["median_step_s"] == 3.1 and every["median_interval_s"] == 3.4
+    assert every["snapshots_per_step"] == 1.0 and every["median_take_copy_s"] == 0.2
+    assert every["interval_ratio"] == pytest.approx(3.4 / 2.1) and off["step_ratio"] == 1.0
+    assert paced["snapshots_per_step"] == 0.25 and paced["median_interval_s"] == 2.1
+    assert "median_take_copy_s" not in off
+    text = steady_table([{"scenario": "steady", "modes": modes}, {"scenario": "kill"}])
+    assert "| every step | 3.10 s | 3.40 s | 1.619× | 1.00 | wait 0.00 s, agree 0.01 s, copy 0.20 s | 2 |" in text
+    assert "| off | 2.00 s | 2.10 s | 1.000× | 0.00 | - | 1 |" in text
+    assert "| paced (default) | 2.05 s | 2.10 s | 1.000× | 0.25 |" in text
 
 
 def test_the_snapshot_costs_are_read_from_the_rows_of_steps_that_took_one():
@@ -46,8 +62,3 @@ def test_the_snapshot_costs_are_read_from_the_rows_of_steps_that_took_one():
     assert snapshot_costs(rows) == {"take_wait_s": [0.5, 0.0], "take_agree_s": [0.01, 0.02],
                                     "take_copy_s": [0.2, 0.3]}
     assert snapshot_costs([{"step": 1}]) == {}
-    row = {"scenario": "steady", "jobs": [{"peer_interval": 1}, {"peer_interval": 0}],
-           "median_step_on_s": 3.0, "median_step_off_s": 2.0, "step_ratio": 1.5,
-           "median_interval_on_s": 3.3, "median_interval_off_s": 3.0, "interval_ratio": 1.1,
-           "median_take_wait_s": 0.25, "median_take_agree_s": 0.02, "median_take_copy_s": 0.25}
-    assert "wait for the last round 0.25 s, agree 0.02 s, copy 0.25 s" in steady_table([row])

@@ -263,7 +263,7 @@ def test_a_killed_fsdp_shard_is_served_from_its_buddys_memory(cluster, nodes, re
     nodes(2)
     hold = Hold(4)
     coord, t = start(tmp_path, steps=8, hold=hold, parallel={"min_workers": 2, "max_workers": 2, "dp_mode": "shard"},
-                     checkpoint={"interval_steps": 1000, "keep_last": 3, "peer_interval": 1})
+                     checkpoint={"interval_steps": 1000, "keep_last": 3, "peer_interval": 1, "peer_budget": 0})
     wait_for(coord, running_at(coord, 4), "step 4")
     pid = ray.get(coord.group.members[1].actor.info.remote()).pid
     os.kill(pid, signal.SIGKILL)
@@ -274,6 +274,9 @@ def test_a_killed_fsdp_shard_is_served_from_its_buddys_memory(cluster, nodes, re
     assert "fallback" not in kinds, timeline(coord)
     assert kill.steps_lost <= 1 and kill.resumed_step == kill.transfer["snapshot_step"], timeline(coord)
     assert kill.world_size == 2 and kill.started == 1
+    # peer_budget 0: a snapshot after every step, whatever it costs (workers.pace)
+    paced = {m["step"]: m["snapshot"]["interval"] for m in coord.metrics_since(0) if m.get("snapshot")}
+    assert all(paced.get(s) == 1 for s in range(1, 4)), paced
 
 
 def test_a_killed_pipeline_stage_is_served_from_its_buddys_memory_with_its_optimizer_state(cluster, nodes, reference,
@@ -287,7 +290,7 @@ def test_a_killed_pipeline_stage_is_served_from_its_buddys_memory_with_its_optim
     nodes(3)
     hold = Hold(4)
     coord, t = start(tmp_path, steps=8, hold=hold, parallel={"min_workers": 2, "max_workers": 3, "pp": 3},
-                     checkpoint={"interval_steps": 1000, "keep_last": 3, "peer_interval": 1})
+                     checkpoint={"interval_steps": 1000, "keep_last": 3, "peer_interval": 1, "peer_budget": 0})
     wait_for(coord, running_at(coord, 4), "step 4")
     pid = ray.get(coord.group.members[1].actor.info.remote()).pid
     os.kill(pid, signal.SIGKILL)
