@@ -128,7 +128,7 @@ def survivor(cfg_dict: dict, run_dir: str, ports: list[int], n: int, top: int) -
         if rank != 0:
             continue
         gc.collect()
-        row = {"reconfigs": i, "kind": f"{path} -> {size}", "step_s": steps[-1]["step_time"], "rss_mb": rss_mb(),
+        row = {"reconfigs": i, "kind": f"{path} -> {size}", "step_s": steps.rows[-1].step_time, "rss_mb": rss_mb(),
                **glibc_heap(),
                "objects": len(gc.get_objects()),
                "traced_mb": tracemalloc.get_traced_memory()[0] / 2 ** 20 if tracemalloc.is_tracing() else None}

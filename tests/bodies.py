@@ -52,7 +52,7 @@ def worker_plan_body(cfg_dict: dict, plan_dict: dict, run_dir: str) -> dict:
     worker.trainer.on_batch = lambda b: shapes.append([tuple(x.shape) for x in b.inputs])
     rows = worker.run(until_step=1, steps=1)
     out = {"micro_batch_size": worker.trainer.micro_batch_size, "n_microbatches": worker.trainer.n_microbatches,
-           "shapes": shapes, "steps": [r["step"] for r in rows]}
+           "shapes": shapes, "steps": [r.step for r in rows.rows]}
     worker.leave()
     return out
 

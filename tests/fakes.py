@@ -29,8 +29,14 @@ from service.pool.group import CarriedOn, FailureKind, Formed, Moved, Salvage, S
 from service.pool.node_health import NodeHealth
 from service.pool.placement import assign_nodes
 from workers.config import JobConfig, job_constraints
-from workers.report import Salvaged
+from workers.report import Salvaged, StepMetrics, Trained
 
+
+
+def metrics_row(step: int, **fields) -> StepMetrics:
+    """The row of a fake step: loss 10/step, time = step, the fields given, zeros for the others."""
+    return StepMetrics(**{"step": step, "loss": 10.0 / step, "lr": 0.0, "grad_norm": 0.0, "tokens": 0, "layout": {},
+                          "world_size": 1, "time": float(step), "step_time": 0.0, "tokens_per_s": 0.0, **fields})
 
 class FakeCluster:
     def __init__(self, nodes: dict[str, int]):
@@ -157,8 +163,7 @@ class FakeGroup:
         if self.step % self.disk.interval == 0:
             self.disk.committed = self.step
         ws = self.plan.world_size and len(self.members)
-        return [{"step": self.step, "loss": 10.0 / self.step, "time": float(self.step), "world_size": ws,
-                 "committed_step": self.disk.committed}]
+        return Trained(rows=(metrics_row(self.step, world_size=ws),), committed_step=self.disk.committed)
 
     def checkpoint(self, *, blocking=True):
         self.disk.committed = self.step  # a background save commits before the next fake step
@@ -301,15 +306,15 @@ class GatedGroup(FakeGroup):
     def run(self, *, until_step, should_abort=lambda: False, **kw):
         # A closed gate returns no rows after a short wait, as a real group does when its chunk ends.
         if self.gate is not None and not self.gate.wait_for(self.step + 1, 0.05):
-            return []
+            return Trained()
         if self.step_s:
             time.sleep(self.step_s)  # simulated training time, so a browser can watch the chart grow
-        rows = super().run(until_step=until_step, should_abort=should_abort, **kw)
-        for r in rows:
-            r["tokens_per_s"] = 1000.0 + 10 * r["step"]
-            r["val_loss"] = 20.0 / r["step"] if r["step"] % 2 == 0 else None  # as train.eval_interval: 2 would
-            r["mfu"] = None if self.mfu_per_step is None else self.mfu_per_step * r["step"]
-        return rows
+        trained = super().run(until_step=until_step, should_abort=should_abort, **kw)
+        for r in trained.rows:
+            r.tokens_per_s = 1000.0 + 10 * r.step
+            r.val_loss = 20.0 / r.step if r.step % 2 == 0 else None  # as train.eval_interval: 2 would
+            r.mfu = None if self.mfu_per_step is None else self.mfu_per_step * r.step
+        return trained
 
 
 class PollingCoordinator(Coordinator):

@@ -16,14 +16,12 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from workers.config import JobConfig
-    from workers.report import Joined, Memory, Resharded, Salvaged, Standing, WorkerInfo
-    from workers.snapshots import Taken
+    from workers.report import Joined, Memory, Resharded, Salvaged, StepMetrics, Standing, Taken, Trained, WorkerInfo
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +133,7 @@ class Worker:
         """This worker's shards of the old layout, between `hand_over()` and its `reshard()`."""
         self.received = None
         """The state a `reshard()` delivered for the new layout, until `join(adopt=True)` takes it."""
-        self._rows: list[dict] = []
+        self._rows: list[StepMetrics] = []
         self._plan: dict | None = None
         """The plan of the training group it is in (`join`), while it is."""
         self._broken = False
@@ -358,19 +356,19 @@ class Worker:
             t = None
             release_dropped()
 
-    def _finished_rows(self, t) -> tuple[dict, ...]:
+    def _finished_rows(self, t) -> tuple[StepMetrics, ...]:
         """The metrics rows of the steps `t` finished in the last `run` call (and its last step's, if
         that call raised after it), oldest first: what a coordinator that lost the call's answer lacks."""
         rows = list(self._rows)
         last = t.last_metrics
-        if last is not None and (not rows or rows[-1]["step"] < last.step):
-            rows.append(last.to_dict())
+        if last is not None and (not rows or rows[-1].step < last.step):
+            rows.append(last)
         return tuple(rows)
 
     def reshard(self, *, rank: int, world_size: int, master_addr: str, master_port: int, old_plan: dict,
                 new_plan: dict, old_rank: int | None, new_rank: int | None, old_to_group: dict[int, int],
                 new_to_group: dict[int, int], nodes: dict[int, str], snapshot_step: int | None = None,
-                timeout_s: float = 120.0) -> dict[str, Any]:
+                timeout_s: float = 120.0) -> Resharded:
         """Take part in the transfer group (old ranks and joiners) and run the exchange plan; a rank of
         the new layout keeps what it received for `join(adopt=True)`. `snapshot_step`: the old ranks'
         state comes from the peer snapshots of that step (this worker sends the copies of every old
@@ -425,10 +423,13 @@ class Worker:
             release_dropped()
 
     # -- training --------------------------------------------------------------------------------------
-    def run(self, *, until_step: int, steps: int) -> list[dict]:
+    def run(self, *, until_step: int, steps: int) -> Trained:
         """Train `steps` steps (fewer if `until_step` comes first). Every rank gets the same count from
         the coordinator: a rank that stopped on its own clock would leave the others blocked in the next
-        step's collectives. Short calls keep the coordinator responsive between them."""
+        step's collectives. Short calls keep the coordinator responsive between them. Returns the steps'
+        rows (with what each peer snapshot cost) and the last committed checkpoint's step."""
+        from workers.report import Trained
+
         if self.trainer is None:
             raise RuntimeError("worker has not joined a group")
         out = self._rows = []  # kept if a step raises: a salvage reports the steps this call did finish
@@ -439,18 +440,15 @@ class Worker:
                     break
                 busy = snaps is not None and snaps.in_flight()
                 t0 = time.perf_counter()
-                out.append(row := self.trainer.train_step().to_dict())
+                out.append(row := self.trainer.train_step())
                 if snaps is not None:
                     snaps.pace.step_ended(time.perf_counter() - t0, busy=busy)
                     if snaps.pace.due(self.trainer.step):
-                        row["snapshot"] = asdict(self._snapshot())
+                        row.snapshot = self._snapshot()
         except BaseException:
             self._broken = True
             raise
-        committed = self._committed_step()
-        for row in out:
-            row["committed_step"] = committed
-        return out
+        return Trained(rows=tuple(out), committed_step=self._committed_step())
 
     def _snapshot(self) -> Taken:
         from parallel.live import hold

@@ -16,6 +16,22 @@ from workers.config import JobConfig
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Taken:
+    """What one snapshot cost the training thread (`PeerSnapshots.take`), in seconds: waiting for the
+    previous round's send and receive to end (`wait_s`), the ranks' agreement on the newest step every
+    rank holds whole (`agree_s`) and the copy of the shards into host memory (`copy_s`). The new round's
+    send and receive run after it, beside the next step."""
+
+    wait_s: float
+    agree_s: float
+    copy_s: float
+    committed: int
+    """The newest snapshot step every rank holds whole, as agreed in this take."""
+    interval: int = 1
+    """The steps until the next snapshot, as agreed in this take (`workers.pace`)."""
+
+
 @dataclass(kw_only=True, slots=True)
 class StepMetrics:
     step: int
@@ -35,12 +51,28 @@ class StepMetrics:
     unknown (CPUs, unlisted GPUs). See workers/mfu.py."""
     val_loss: float | None = None
     """Loss on the held-out split, on steps that evaluate (train.eval_interval); None on the others."""
+    snapshot: Taken | None = None
+    """What the peer snapshot taken after this step cost the training thread (`Worker.run` sets it; None:
+    none was taken). Not in metrics.jsonl: the row is written there before."""
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The row as JSON-ready fields (`snapshot` only where one was taken)."""
+        out = asdict(self)
+        if out["snapshot"] is None:
+            del out["snapshot"]
+        return out
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        return json.dumps(self.to_dict())
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Trained:
+    """What one `Worker.run` call did on a rank: the rows of the steps it trained, oldest first, and the
+    step of the last committed durable checkpoint once they had run."""
+
+    rows: tuple[StepMetrics, ...] = ()
+    committed_step: int = 0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -100,8 +132,8 @@ class Salvaged:
     """The step its shards are at (when held)."""
     old_rank: int | None = None
     """Its rank in the layout that failed (when held)."""
-    rows: tuple[dict, ...] = ()
-    """StepMetrics rows of the steps the interrupted call finished, oldest first (when held)."""
+    rows: tuple[StepMetrics, ...] = ()
+    """The rows of the steps the interrupted call finished, oldest first (when held)."""
     snapshots: dict[int, tuple[int, ...]] = field(default_factory=dict)
     """Peer snapshots it holds: {old rank: complete snapshot steps of that rank's copy} (its own, and
     those it keeps for its buddies; `old_rank` is then set even when its live shards are not held)."""
@@ -120,7 +152,7 @@ class Standing:
     """The Plan.to_dict() it joined with."""
     step: int | None = None
     committed_step: int = 0
-    rows: tuple[dict, ...] = ()
+    rows: tuple[StepMetrics, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

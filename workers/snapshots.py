@@ -35,6 +35,7 @@ from parallel.live import Held
 from parallel.peers import Pairing, pair
 from parallel.sharding import Box
 from workers.pace import Pace
+from workers.report import Taken
 
 log = logging.getLogger(__name__)
 
@@ -110,22 +111,6 @@ class Slot:
 
     def nbytes(self) -> int:
         return sum(c.buf.numel() for c in self.copies if c.buf is not None)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Taken:
-    """What one snapshot cost the training thread (`PeerSnapshots.take`), in seconds: waiting for the
-    previous round's send and receive to end (`wait_s`), the ranks' agreement on the newest step every
-    rank holds whole (`agree_s`) and the copy of the shards into host memory (`copy_s`). The new round's
-    send and receive run after it, beside the next step."""
-
-    wait_s: float
-    agree_s: float
-    copy_s: float
-    committed: int
-    """The newest snapshot step every rank holds whole, as agreed in this take."""
-    interval: int = 1
-    """The steps until the next snapshot, as agreed in this take (`workers.pace`)."""
 
 
 class PeerSnapshots:

@@ -338,11 +338,12 @@ class Coordinator:
 
     def _train_chunk(self, state: Running) -> State:
         try:
-            rows = self.group.run(until_step=self.total_steps, steps=self.progress.steps_per_call(self.opts.chunk_seconds),
-                                  should_abort=lambda: self._halted.is_set() or self._our_nodes_dead(self.watcher.latest))
+            trained = self.group.run(until_step=self.total_steps,
+                                     steps=self.progress.steps_per_call(self.opts.chunk_seconds),
+                                     should_abort=lambda: self._halted.is_set() or self._our_nodes_dead(self.watcher.latest))
         except WorkerFailure as e:
             return state if self._halted.is_set() else self.recovery.recover(e)
-        self.progress.trained(rows)
+        rows = self.progress.trained(trained)
         if not rows or state.record is None:
             return state
         self.progress.closed(state.record, rows[0])

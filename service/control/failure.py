@@ -122,7 +122,7 @@ def live_gap(layout: Layout, answers: Mapping[int, Salvaged], *, last_step: int)
     live = {r: a for r, a in answers.items() if a.held}
     steps = {a.step for a in live.values()}
     rows = max((a.rows for a in live.values()), key=len, default=())
-    last_row = rows[-1]["step"] if rows else last_step
+    last_row = rows[-1].step if rows else last_step
     if not live:
         return "no worker answered with state it can vouch for"
     if len(live) != len(answers):

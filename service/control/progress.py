@@ -14,6 +14,7 @@ from collections.abc import Iterable
 
 from service.control.metrics_ring import RecentMetrics
 from service.control.reconfiguration import Reconfig, Reconfigs
+from workers.report import StepMetrics, Trained
 
 
 class Progress:
@@ -26,20 +27,23 @@ class Progress:
         self.metrics: dict[int, dict] = RecentMetrics()  # bounded: the store and metrics.jsonl keep the rest
         self.reconfigs = Reconfigs()  # bounded: events.jsonl keeps every resize
 
-    def trained(self, rows: list[dict]) -> None:
-        """Rank 0's rows of a training chunk, oldest first: they are the steps done now."""
+    def trained(self, trained: Trained) -> list[dict]:
+        """What rank 0 trained in a chunk: its rows, oldest first, are the steps done now. Returns them as
+        kept (JSON-ready rows)."""
+        rows = [m.to_dict() for m in trained.rows]
         with self.lock:
             for m in rows:
                 self.metrics[m["step"]] = m
             if rows:
                 self.step_done = rows[-1]["step"]
-                self.committed_step = max(self.committed_step, rows[-1].get("committed_step", 0))
+                self.committed_step = max(self.committed_step, trained.committed_step)
+        return rows
 
-    def recovered(self, rows: Iterable[dict], *, at: int | None = None, committed: int = 0) -> None:
+    def recovered(self, rows: Iterable[StepMetrics], *, at: int | None = None, committed: int = 0) -> None:
         """Rows of steps the workers finished that the coordinator never read (a salvage's, a takeover's):
         kept where no row of that step is. `at`: the step the state they keep is at (the job's step
         from now on); None: the latest of the rows and the step already done."""
-        rows = list(rows)
+        rows = [m.to_dict() for m in rows]
         with self.lock:
             for r in rows:
                 self.metrics.setdefault(r["step"], r)

@@ -115,7 +115,7 @@ class Recovery:
                                                                                     copies.items()}, **stopped})
             return None, g.size + salvage.idle > 0
         if isinstance(source, Memory):
-            progress.recovered(rows, at=max([progress.step_done, *steps, *(r["step"] for r in rows)]))
+            progress.recovered(rows, at=max([progress.step_done, *steps, *(r.step for r in rows)]))
             c.sm.note("info", reason=f"cannot heal from the live state: {why}; forming the next group from the "
                                      f"peer snapshots of step {source.step} that the survivors hold",
                       step=progress.step_done, cause="failure",

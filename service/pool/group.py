@@ -11,7 +11,7 @@ from enum import StrEnum
 from typing import Protocol, runtime_checkable
 
 from parallel.planner import Plan
-from workers.report import Salvaged
+from workers.report import Salvaged, StepMetrics, Trained
 
 
 class FailureKind(StrEnum):
@@ -99,7 +99,7 @@ class CarriedOn:
     """The step they are at; None if they do not (`why` says why)."""
     why: str | None = None
     committed_step: int = 0
-    rows: tuple[dict, ...] = ()
+    rows: tuple[StepMetrics, ...] = ()
     """Rank 0's metrics rows of the last call the lost coordinator sent (it never read them)."""
 
 
@@ -183,8 +183,8 @@ class Group(Protocol):
     def carry_on(self, plan: Plan) -> CarriedOn:
         """After `adopt`: whether the members are still `plan`'s training group, every rank sound and at
         one step, so it trains on as it is (members put in rank order); else why not, changing nothing."""
-    def run(self, *, until_step: int, steps: int, should_abort: Callable[[], bool] = ...) -> list[dict]:
-        """Train `steps` steps on every rank; rank 0's metrics rows."""
+    def run(self, *, until_step: int, steps: int, should_abort: Callable[[], bool] = ...) -> Trained:
+        """Train `steps` steps on every rank; what rank 0 trained (its rows, the committed step)."""
     def checkpoint(self, *, blocking: bool = True) -> int:
         """Save at the current step (blocking: wait for the commit); returns the step."""
     def leave(self) -> None:

@@ -37,7 +37,7 @@ from service.pool.roster import Role, Roster, WorkerHandle
 from service.pool.slots import Slots
 from service.pool.takeover import Takeover
 from workers.config import JobConfig
-from workers.report import Salvaged
+from workers.report import Salvaged, Trained
 
 __all__ = ["CONTROL", "WORKER_ENV", "Role", "WorkerGroup", "WorkerHandle"]
 
@@ -212,8 +212,8 @@ class WorkerGroup:
                      form_s=formed.form_s, form_parts=formed.form_parts, snapshot_bytes=formed.snapshot_bytes,
                      transfer_parts={k: max(r.timings.get(k, 0.0) for r in moved) for k in moved[0].timings})
 
-    def run(self, *, until_step: int, steps: int, should_abort=lambda: False) -> list[dict]:
-        """`steps` training steps on every rank (the same count everywhere); rank 0's metrics. Polls
+    def run(self, *, until_step: int, steps: int, should_abort=lambda: False) -> Trained:
+        """`steps` training steps on every rank (the same count everywhere); what rank 0 trained. Polls
         `should_abort` while waiting so a dead node is acted on at once, not after a collective timeout.
         Once some ranks have answered, the nodes of those that have not are probed (`calls.probe_gaps`): the
         ranks end a call together (their steps share collectives), so one missing may have died with its

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -205,9 +206,8 @@ def test_a_settled_growth_trains_on_while_a_periodic_checkpoint_is_written(tmp_p
 
     def run_committing_after_the_call(self, **kw):
         committed = self.disk.committed
-        rows = run(self, **kw)
-        rows[-1]["committed_step"] = committed  # this call's save, if it started one, commits after it
-        return rows
+        # this call's save, if it started one, commits after it
+        return replace(run(self, **kw), committed_step=committed)
 
     G.run = run_committing_after_the_call
     advance(c, lambda c: c.step_done >= 5)

@@ -13,7 +13,7 @@ import pytest
 
 from service.control.coordinator import Coordinator, CoordinatorOptions
 from service.control.state import JobState as S
-from tests.fakes import advance, make_coordinator
+from tests.fakes import advance, make_coordinator, metrics_row
 
 
 def again(first: Coordinator, group_cls, cluster, *, job_id: str = "job1", owner: str | None = None) -> Coordinator:
@@ -167,7 +167,7 @@ def test_a_heal_from_workers_a_step_ahead_of_the_lost_coordinator_moves_from_the
     base = left_running(group_cls, first.group)
 
     def row(self):
-        return {"step": self.step, "loss": 10.0 / self.step, "time": float(self.step)}
+        return metrics_row(self.step)
 
     def salvage(self, **kw):
         got = base.salvage(self, **kw)
@@ -183,7 +183,7 @@ def test_a_heal_from_workers_a_step_ahead_of_the_lost_coordinator_moves_from_the
     rc = second.reconfigs[0]
     assert rc.step_before == 8 and rc.resumed_step == 8 and rc.steps_lost == 0
     assert rc.transfer["path"] == ("in place" if intact else "peers")
-    assert second.metrics_since(7)[0] == row(first.group)  # step 8, as the workers reported it
+    assert second.metrics_since(7)[0] == row(first.group).to_dict()  # step 8, as the workers reported it
 
 
 def test_a_coordinator_restarted_more_often_than_its_budget_in_the_window_ends_the_job(tmp_path):

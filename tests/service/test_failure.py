@@ -9,6 +9,7 @@ from service.control.failure import (PATIENCE_S, RESTORE_PATIENCE_S, During, Fac
                                      respond)
 from service.pool.group import FailureKind as K
 from workers.report import Salvaged
+from tests.fakes import metrics_row
 
 T, R, X, A = During.TRAINING, During.RESTORE, During.TRANSFER, During.TAKEOVER
 NO_SALVAGE = "storage"
@@ -85,7 +86,7 @@ TP2 = Layout(tp=2)
 
 
 def held(rank, step, rows=None):
-    return Salvaged(held=True, step=step, old_rank=rank, rows=tuple({"step": s} for s in (rows or [step])))
+    return Salvaged(held=True, step=step, old_rank=rank, rows=tuple(metrics_row(s) for s in (rows or [step])))
 
 
 @pytest.mark.parametrize("layout, answers, last_step, why", [

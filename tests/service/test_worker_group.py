@@ -156,7 +156,7 @@ def test_a_member_left_alone_in_a_step_is_freed_by_its_peers_salvage_and_kept(lo
     try:
         g.scale_to([me, me])
         g.form(_plan_for_two(cfg))
-        assert [r["step"] for r in g.run(until_step=2, steps=2)] == [1, 2]
+        assert [r.step for r in g.run(until_step=2, steps=2).rows] == [1, 2]
         alone = g.members[0].actor.run.remote(until_step=3, steps=1)  # its peer never gets this call
         salvage = g.salvage(abort=False, timeout_s=30)
         infos = salvage.kept
@@ -197,7 +197,7 @@ def test_members_with_no_state_to_salvage_are_kept_as_spares_and_the_next_start_
         formed = g.form(p)
         assert g.spares == [] and formed.step == 0  # no checkpoint was written: from the start again
         assert {"pg_s", "build_s", "adopt_s", "build.allocate"} <= formed.form_parts.keys()  # where a form goes
-        assert [r["step"] for r in g.run(until_step=1, steps=1)] == [1]
+        assert [r.step for r in g.run(until_step=1, steps=1).rows] == [1]
     finally:
         g.shutdown()
 
@@ -227,7 +227,7 @@ def test_a_member_waiting_in_a_rendezvous_for_a_dead_peer_is_called_off_and_kept
             ray.get(waiting, timeout=30)
         start = g.scale_to([me, me])
         assert (start.started, start.rejoined) == (0, 2)  # both back, no process started
-        assert g.form(_plan_for_two(cfg)).step == 0 and [r["step"] for r in g.run(until_step=1, steps=1)] == [1]
+        assert g.form(_plan_for_two(cfg)).step == 0 and [r.step for r in g.run(until_step=1, steps=1).rows] == [1]
     finally:
         g.shutdown()
 

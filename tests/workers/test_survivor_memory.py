@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import os
 import weakref
+from dataclasses import asdict
 
 import pytest
 
@@ -104,7 +105,8 @@ def survivor_body(cfg_dict: dict, run_dir: str, ports: list[int]) -> list[dict]:
                     w.snapshots.wait()  # the step's snapshot round, still receiving in the background
                 out.append(census())
         w.leave()
-        return {"census": out, "first_snapshot": first[0].get("snapshot")}
+        taken = first.rows[0].snapshot
+        return {"census": out, "first_snapshot": None if taken is None else asdict(taken)}
     finally:
         gc.enable()
 
@@ -115,7 +117,7 @@ def test_a_survivor_holds_after_the_6th_reconfiguration_what_it_held_after_the_2
     got = run_ranks(2, survivor_body, CFG, str(tmp_path), ports)[0]
     after = got["census"]
     # the step's row says what its snapshot cost the training thread (the first round: nothing to wait for)
-    assert set(got["first_snapshot"]) == {"wait_s", "agree_s", "copy_s", "committed"}
+    assert set(got["first_snapshot"]) == {"wait_s", "agree_s", "copy_s", "committed", "interval"}
     assert got["first_snapshot"]["committed"] == -1 and got["first_snapshot"]["copy_s"] > 0
     assert after[1]["modules"] > 0 and after[1]["tensor_bytes"] > 0  # the census sees the trainer
     # two workers: its own copy and its buddy's of the one round taken; one worker: none
