@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from parallel.checkpoint.checksum import digest_fn
 from parallel.checkpoint.manifest import (ITEMSIZE, MANIFEST_NAME, PREAMBLE_BYTES, Index, IndexHeader, Manifest,
-                                          ManifestError, header_size, index_name, key_order)
+                                          ManifestError, header_size, index_name, manifest_header_size)
 from parallel.checkpoint.storage import Storage
 
 LATEST_NAME = "latest"
@@ -66,15 +66,27 @@ class Check:
         return self.manifest is not None and not self.problems
 
 
-def read_manifest_text(storage: Storage, path: str, *, transient: list[str] | None = None
+def read_manifest_text(storage: Storage, path: str, *, transient: list[str] | None = None, head: bool = False
                        ) -> tuple[str | None, str | None]:
-    """(manifest text, None) or (None, why there is none). A read that fails for another reason than a
-    missing file (an I/O error, an object store's 5xx) goes to `transient` when the caller passes a list
-    for it (the training loader retries those), else it is the reason."""
+    """(manifest text, None) or (None, why there is none). `head`: of a format-4 manifest only the
+    preamble and the header, read by byte range (a loading rank then reads the sections it needs,
+    `read_sections`); a manifest of one JSON document (formats 1-3) is read whole either way. A read
+    that fails for another reason than a missing file (an I/O error, an object store's 5xx) goes to
+    `transient` when the caller passes a list for it (the training loader retries those), else it is the
+    reason."""
     mpath = storage.join(path, MANIFEST_NAME)
     try:
         if not storage.exists(mpath):
             return None, f"no {MANIFEST_NAME} (the save did not commit: interrupted or still running)"
+        if head:
+            (pre,) = storage.read_ranges(mpath, [(0, PREAMBLE_BYTES)])
+            try:
+                size = manifest_header_size(pre)
+            except ManifestError:  # damaged or too new: `Manifest.from_json` says which, from these bytes
+                return pre.decode("utf-8", "replace"), None
+            if size is not None:
+                (header,) = storage.read_ranges(mpath, [(PREAMBLE_BYTES, size[0])])
+                return (pre + header).decode("utf-8"), None
         return storage.read_bytes(mpath).decode("utf-8"), None
     except FileNotFoundError:  # removed between the two calls
         return None, f"no {MANIFEST_NAME}"
@@ -117,7 +129,7 @@ def read_indexes(storage: Storage, path: str, manifest: Manifest, wanted, *,
     malformed index is a problem (a missing shared one not, with `optional_shared`: a rank that
     writes no shared box writes none); another read error goes to `transient` when given."""
     out, problems = [], []
-    keys = key_order(manifest.tensors)
+    keys = manifest.keys_in_order()
     for r, shared in sorted(wanted):
         name = index_name(r, shared)
         if not 0 <= r < manifest.indexes:
@@ -140,6 +152,39 @@ def read_indexes(storage: Storage, path: str, manifest: Manifest, wanted, *,
         except (OSError, MemoryError) as e:
             (transient if transient is not None else problems).append(f"cannot read {name}: {type(e).__name__}: {e}")
     return out, problems
+
+
+def read_sections(storage: Storage, path: str, manifest: Manifest, names, *,
+                  transient: list[str] | None = None) -> tuple[Manifest, list[str]]:
+    """(The format-4 `manifest`, read without its sections, with those that hold the parameters `names`
+    added, problems): what a loading rank reads of the top manifest besides its header, in one request
+    of byte ranges (adjacent sections coalesced). A manifest with no sections to read is returned as it
+    is. A read error other than a missing file goes to `transient` when given."""
+    sec = manifest.sections
+    if sec is None:
+        return manifest, []
+    want = manifest.sections_for(names) - sec.read
+    reads = coalesce([(a, n, i) for i, (a, n, _) in enumerate(sec.spans) if i in want], 0)
+    mpath = storage.join(path, MANIFEST_NAME)
+    try:
+        got = storage.read_ranges(mpath, [(a, n) for a, n, _ in reads])
+    except FileNotFoundError:
+        return manifest, [f"no {MANIFEST_NAME}"]
+    except (OSError, MemoryError) as e:
+        why = f"cannot read {MANIFEST_NAME}: {type(e).__name__}: {e}"
+        if transient is None:
+            return manifest, [why]
+        transient.append(why)
+        return manifest, []
+    raw = {}
+    for (at, _, ids), data in zip(reads, got):
+        for i in ids:
+            a, n, _ = sec.spans[i]
+            raw[i] = data[a - at:a - at + n]
+    try:
+        return manifest.with_sections(raw), []
+    except ManifestError as e:
+        return manifest, [str(e)]
 
 
 RECORD_GAP = 0
