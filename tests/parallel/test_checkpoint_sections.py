@@ -199,3 +199,37 @@ def test_a_checkpoint_whose_top_manifest_is_of_format_3_still_loads(tmp_path):
     got, steps = collect(model2, opt2)
     assert got.keys() == want.keys() and set(steps.values()) == {1}
     assert all(torch.equal(got[k], t) for k, t in want.items())
+
+
+@pytest.mark.dist
+def test_the_loader_of_each_stage_reads_its_sections_of_a_pipeline_save(tmp_path):
+    """Two ranks train under pp=2 with a tied table and save; the loader's own `my_part`, given each
+    stage's model, reads of manifest.json the header (as rank 0 shares it) and the sections of its stage
+    and of the tied table, checks their shapes, and finds its indexes and files without a problem."""
+    from parallel.checkpoint.loader import my_part
+    from parallel.checkpoint.validate import check_manifest
+    from parallel.pipeline import split_stage
+    from tests.bodies import train_body
+    from tests.multiproc import run_ranks
+
+    cfg = {"model": {"preset": "tiny", "overrides": {"n_layers": 2, "tie_embeddings": True}},
+           "data": {"source": "synthetic", "seq_len": 16, "num_samples": 64},
+           "train": {"steps": 2, "global_batch_size": 2, "micro_batch_size": 1, "seed": 3, "lr": 1e-2,
+                     "warmup_steps": 0},
+           "checkpoint": {"async_save": False, "interval_steps": 2}}
+    run_ranks(2, train_body, cfg, "pp=2", 2, str(tmp_path), return_params=False)
+    step = str(tmp_path / "checkpoints" / "step-00000002")
+    mcfg = model_config("tiny", n_layers=2, tie_embeddings=True)
+    expected = {n: (tuple(p.shape), "float32") for n, p in build_model(mcfg).named_parameters()}
+    for stage, sections in ((0, {0, 2}), (1, {1, 2})):
+        st = CountingStorage(step)
+        text, why = read_manifest_text(st, step, head=True)
+        check = check_manifest(step, text, why, expected)
+        assert check.problems == [] and check.manifest.sections.read == frozenset()
+        model = split_stage(build_model(mcfg), stage, 2)
+        part, problems = my_part(st, step, check.manifest, model, expected=expected)
+        assert problems == [] and part.sections.read == sections and st.whole == []
+        spans = check.manifest.sections.spans
+        got = sorted((a, len(data)) for name, a, data in st.ranges if name == MANIFEST_NAME)
+        assert got[:2] == [(0, PREAMBLE_BYTES), (PREAMBLE_BYTES, spans[0][0] - PREAMBLE_BYTES - len(b',"sections":['))]
+        assert sum(n for _, n in got[2:]) == sum(spans[i][1] for i in sections) < sum(n for _, n, _ in spans)
