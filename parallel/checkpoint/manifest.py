@@ -1,9 +1,19 @@
 """The checkpoint manifest: the JSON files that make a checkpoint directory self-describing.
 
-Format 3 (written now). ``manifest.json``, written last (its presence is the commit marker), holds what
-every rank needs: the step, the global shape and dtype of every tensor, the placement the checkpoint
-was saved under (layout, layer count, tied embedding: `placement.py`), the number of index files, and
-all non-tensor state. Each rank of the save writes its own ``index-rNNNNN.json`` before it: its files
+Format 4 (written now). ``manifest.json``, written last (its presence is the commit marker), holds what
+a rank needs besides its boxes' chunks: the step, the placement the checkpoint was saved under (layout,
+layer count, tied embedding: `placement.py`), the number of index files, all non-tensor state, and the
+global shape and dtype of every parameter (and so of its optimizer states). It is laid out so that a
+rank reads only what its pipeline stage holds: a preamble of `PREAMBLE_BYTES` (the header's length and
+crc32), a header (everything but the parameters, the length and crc32 of each section, the number of
+parameters and keys and the crc32 of the sorted keys), then one section per pipeline stage of the saved
+layout (and one for the tied table when two stages hold it; one in all without a placement): the
+shapes and dtypes of its parameters and where their keys fall in the sorted order of every key
+(`Manifest.to_json`). Rank 0 reads the preamble and the header and shares them; each rank reads the
+sections of its own parameters by byte range (`validate.read_sections`) and checks their shapes against
+its model's before any other read. The whole file is also one JSON object: a format-3 reader refuses
+its ``format_version`` as newer than its own, and tools read every section (`Manifest.from_json`).
+Each rank of the save writes its own ``index-rNNNNN.json`` before it: its files
 (size, checksum algorithm, header digest), the chunk it wrote of each tensor (file, offsets, sizes,
 block digests) and the AdamW step counters of its parameters. A loading rank works out from the
 placement which saved ranks wrote the tiles that meet its own boxes, and which keys of each
@@ -12,9 +22,12 @@ placement which saved ranks wrote the tiles that meet its own boxes, and which k
 (`structure_problems`). A checkpoint saved without a placement (a model `BoxMap` cannot place) has
 one too, `null`: its loaders read every index whole.
 
+Format 3 (still read): the same indexes, and a top ``manifest.json`` of one JSON document holding
+every parameter, read whole by every rank.
+
 Index layouts: a placed save writes keyed indexes (`KEYED_INDEX_VERSION`): a preamble of
 `PREAMBLE_BYTES` (the header's length and crc32), a header (files, step, rank, the size of the digest
-section, and a table of the length of each key's record, in the top manifest's sorted key order, runs
+section, and a table of the length of each key's record, in the sorted order of every key (`KeyOrder`), runs
 of keys it does not hold as one negative count), then one JSON record per line (a chunk's geometry:
 its file's number in the header's sorted file names, offsets, sizes, rows per block, and where its
 block digests lie in the digest section and how many there are; an optimizer state's also carries its
@@ -27,7 +40,7 @@ each record. The fallback save, and every save before indexes were keyed, writes
 document (``format_version`` 3), read whole.
 
 Format 2 (still read): one manifest naming every chunk of every rank with its block digests. Checksums
-(formats 2 and 3): each file records its algorithm and the digest of its header; each chunk records the
+(formats 2-4): each file records its algorithm and the digest of its header; each chunk records the
 digests of its row blocks (`block_rows` rows of the chunk each, the last one shorter). Together they
 cover every byte of the file, and a rank that needs only some rows of a chunk (a resharding load) reads
 and verifies only the blocks holding them. Format 1 (still read) had one sha256 per whole file.
@@ -79,7 +92,7 @@ _SECTIONS_CLOSE = b"]}\n"
 
 
 def index_name(rank: int, shared: bool = False) -> str:
-    """The file a saving rank describes its files and chunks in (format 3); `shared`: the one for the
+    """The file a saving rank describes its files and chunks in (formats 3-4); `shared`: the one for the
     boxes held beyond their data-parallel replicas (`placement.shared`), which every rank writes that
     writes any."""
     return f"index-r{rank:05d}{'-shared' if shared else ''}.json"
@@ -165,7 +178,7 @@ class Chunk:
         return lo // self.block_rows, -(-hi // self.block_rows)
 
     def to_dict(self) -> dict[str, Any]:
-        """The chunk's JSON record (in a format-2 manifest's tensor, or a format-3 index of one
+        """The chunk's JSON record (in a format-2 manifest's tensor, or an index of one
         document)."""
         if self.blocks is not None:
             raise ValueError(f"a chunk in {self.file} holds the digests of blocks {list(self.blocks)} only: "
@@ -277,7 +290,7 @@ class Manifest:
     files: dict[str, FileEntry]
     optimizer_steps: dict[str, int] = field(default_factory=dict)
     """AdamW's per-parameter step counters by canonical name. Kept out of the tensor files: DCP's
-    consolidation writes 0-d tensors as zero (FACTS.md), and an integer needs no tensor. Format 3 keeps
+    consolidation writes 0-d tensors as zero (FACTS.md), and an integer needs no tensor. Formats 3-4 keep
     them in the indexes: a merged manifest has those of the indexes read."""
     optimizer_name: str = "AdamW"
     state: dict[str, Any] = field(default_factory=dict)
@@ -286,10 +299,10 @@ class Manifest:
     format_version: int = WHOLE_FORMAT
     created: float = field(default_factory=time.time)
     placement: dict[str, Any] | None = None
-    """Format 3: the layout the checkpoint was saved under (`placement.Placement.to_dict`), None when
+    """Formats 3-4: the layout the checkpoint was saved under (`placement.Placement.to_dict`), None when
     the save could not place its boxes by it (then every index is read)."""
     indexes: int = 0
-    """Format 3: the number of index files (``index-r00000.json`` ...), one per saving rank."""
+    """Formats 3-4: the number of index files (``index-r00000.json`` ...), one per saving rank."""
     scope: str = "whole"
     """What the chunks and files cover: ``whole`` (formats 1-2, or format 3-4 with every index merged),
     ``top`` (a format-3-4 top manifest alone: no chunks), ``part`` (some indexes merged)."""
@@ -318,7 +331,7 @@ class Manifest:
                              if k.startswith(OPTIM_PREFIX)}))
 
     def placement_of(self):
-        """The `placement.Placement` of a format-3 manifest (None without one)."""
+        """The `placement.Placement` of a format-3-4 manifest (None without one)."""
         from parallel.checkpoint.placement import Placement
 
         if self.placement is None:
@@ -573,7 +586,7 @@ class Manifest:
     def structure_problems(self) -> list[str]:
         """Chunks that fall outside their tensor, overlap, leave holes, or name unlisted files; files
         too small for the chunks they are said to hold (so a forged manifest cannot make a loader
-        allocate more than the checkpoint's size). A format-3 top manifest alone (scope ``top``) has
+        allocate more than the checkpoint's size). A format-3-4 top manifest alone (scope ``top``) has
         no chunks: only its dtypes are checked (`coverage_problems` checks a rank's part, once read)."""
         problems: list[str] = []
         if self.scope != "whole":
@@ -602,7 +615,7 @@ class Manifest:
 
     def coverage_problems(self, boxes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]) -> list[str]:
         """Whether the chunks merged in (scope ``part``) tile each of `boxes` (key -> (offsets, sizes) a
-        rank loads) exactly: what one rank checks of a format-3 checkpoint before reading; the ranks'
+        rank loads) exactly: what one rank checks of a format-3-4 checkpoint before reading; the ranks'
         boxes together cover every tensor. Also that every parameter whose moments it loads has its
         step counter. The chunks' own fit and checksums were checked per index (`Index.problems`)."""
         problems: list[str] = []
@@ -731,7 +744,7 @@ def _chunk(key: Any, c: Any) -> Chunk:
 
 
 def _tensor(key: Any, v: Any, *, chunks: bool = True) -> TensorEntry:
-    """A tensor entry; `chunks=False` (a format-3 top manifest): shape and dtype only."""
+    """A tensor entry; `chunks=False` (a format-3-4 top manifest): shape and dtype only."""
     if not isinstance(v, dict) or not isinstance(v.get("dtype"), str) or (
             chunks and not isinstance(v.get("chunks"), list)):
         raise ManifestError(f"manifest tensor {key!r} needs shape, dtype" + (" and chunks" if chunks else ""))
@@ -740,7 +753,7 @@ def _tensor(key: Any, v: Any, *, chunks: bool = True) -> TensorEntry:
 
 
 def _spelled(params: Any, states: Any) -> dict[str, Any]:
-    """A format-3 top manifest's tensors from its parameters and optimizer state names."""
+    """A format-3 top manifest's (or a format-4 section's) tensors from its parameters and optimizer state names."""
     if not isinstance(params, dict) or not isinstance(states, list) or not all(
             isinstance(s, str) and s and "." not in s for s in states):
         raise ManifestError("manifest params must be an object and optimizer.states a list of names")
@@ -823,7 +836,7 @@ def _fits(c: Chunk, t: TensorEntry) -> bool:
 
 @dataclass(kw_only=True, slots=True)
 class Index:
-    """One saving rank's part of a format-3 checkpoint (``index-rNNNNN.json``): its files, the chunk it
+    """One saving rank's part of a format-3-4 checkpoint (``index-rNNNNN.json``): its files, the chunk it
     wrote of each tensor, and the AdamW step counters of the parameters it holds."""
 
     rank: int

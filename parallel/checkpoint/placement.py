@@ -1,4 +1,4 @@
-"""Where a checkpoint's boxes were and who wrote each: the rule a format-3 checkpoint is written and read by.
+"""Where a checkpoint's boxes were and who wrote each: the rule a format-3-4 checkpoint is written and read by.
 
 A `Placement` is what a save knows of the layout it runs under: the degrees, the model's layer count,
 whether the embedding is tied, and the global shape and dtype of every parameter. From it

@@ -7,7 +7,7 @@ can log "checkpoint X: reason" and fall back to the previous one, and `inspect` 
 
 The training loader checks sizes here and verifies format-2/3 checksums while it reads (tensor_io); the
 full verification below (every byte, without torch) is for tools and for format-1 checkpoints, whose
-whole-file sha256 must be checked before their bytes are used. A format-3 checkpoint is checked whole
+whole-file sha256 must be checked before their bytes are used. A format-3-4 checkpoint is checked whole
 here (`check_checkpoint` reads every index); a training rank reads and checks only its part (loader).
 """
 
@@ -120,7 +120,7 @@ def check_manifest(path: str, text: str | None, why_missing: str | None,
 def read_indexes(storage: Storage, path: str, manifest: Manifest, wanted, *,
                  transient: list[str] | None = None, optional_shared: bool = False,
                  gap: int | None = None, boxes=None) -> tuple[list[Index], list[str]]:
-    """(The parsed indexes `wanted` of the format-3 checkpoint at `path`, problems). `wanted`: (saving
+    """(The parsed indexes `wanted` of the format-3-4 checkpoint at `path`, problems). `wanted`: (saving
     rank, shared) pairs, each index read whole; or a dict from such pairs to the keys needed of it
     (`placement.index_keys_for`), of which a keyed index gives only the records of those keys, read as
     byte ranges after its header (an index of one JSON document is read whole), and of those records'
@@ -241,7 +241,7 @@ def read_index_keys(storage: Storage, ipath: str, rank: int, shared: bool, step:
 
 
 def whole(storage: Storage, path: str, manifest: Manifest) -> tuple[Manifest, list[str]]:
-    """A format-3 manifest with every index merged in (formats 1-2: as it is), and the problems found."""
+    """A format-3-4 manifest with every index merged in (formats 1-2: as it is), and the problems found."""
     if manifest.scope != "top":
         return manifest, []
     every = [(r, s) for r in range(manifest.indexes) for s in (False, True)]
