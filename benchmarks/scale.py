@@ -324,7 +324,8 @@ def cmd_manifest(a) -> dict:
         text, _ = read_manifest_text(storage, "ckpt", head=True)
         m, problems = read_sections(storage, "ckpt", Manifest.from_json(text), stage_params(r))
         problems += m.model_problems(expected)
-        indexes, more = read_indexes(storage, "ckpt", m, need, gap=a.gap, boxes=boxes)
+        indexes, more = read_indexes(storage, "ckpt", m, need, gap=a.gap,
+                                     digest_gap=a.gap if a.digest_gap is None else a.digest_gap, boxes=boxes)
         problems += more
         part, more = m.merged(indexes, whole=False)
         problems += more + part.coverage_problems(boxes)
@@ -457,7 +458,10 @@ def main() -> None:
     m.add_argument("--ranks", default="16", help="loading ranks to measure: a count spread over the world, or 'all'")
     m.add_argument("--format2-max", type=int, default=512, help="also build the format-2 manifest up to this many ranks")
     m.add_argument("--gap", type=int, default=None,
-                   help="read records of an index at most this many bytes apart in one range (default: the loader's)")
+                   help="read records (and digests) of an index at most this many bytes apart in one range (default: "
+                        "the loader's)")
+    m.add_argument("--digest-gap", type=int, default=None,
+                   help="read block digests at most this many bytes apart in one range (default: --gap, else the loader's)")
     m.add_argument("--verbose", action="store_true")
     c = sub.add_parser("coordinator")
     c.add_argument("--workers", type=int, default=1024)

@@ -119,7 +119,7 @@ def check_manifest(path: str, text: str | None, why_missing: str | None,
 
 def read_indexes(storage: Storage, path: str, manifest: Manifest, wanted, *,
                  transient: list[str] | None = None, optional_shared: bool = False,
-                 gap: int | None = None, boxes=None) -> tuple[list[Index], list[str]]:
+                 gap: int | None = None, digest_gap: int | None = None, boxes=None) -> tuple[list[Index], list[str]]:
     """(The parsed indexes `wanted` of the format-3-4 checkpoint at `path`, problems). `wanted`: (saving
     rank, shared) pairs, each index read whole; or a dict from such pairs to the keys needed of it
     (`placement.index_keys_for`), of which a keyed index gives only the records of those keys, read as
@@ -143,7 +143,7 @@ def read_indexes(storage: Storage, path: str, manifest: Manifest, wanted, *,
                                             keys=keys))
             else:
                 out.append(read_index_keys(storage, ipath, r, shared, manifest.step, keys, need, gap=gap,
-                                           boxes=boxes))
+                                           digest_gap=digest_gap, boxes=boxes))
         except FileNotFoundError:
             if not (shared and optional_shared):
                 problems.append(f"{name} is missing")
@@ -188,8 +188,10 @@ def read_sections(storage: Storage, path: str, manifest: Manifest, names, *,
 
 
 RECORD_GAP = 0
-"""Records (and block digests) of a keyed index at most this many bytes apart are read in one range
-(`IndexHeader.ranges`, `coalesce`)."""
+"""Records of a keyed index at most this many bytes apart are read in one range (`IndexHeader.ranges`)."""
+DIGEST_GAP = 0
+"""Block digests of a keyed index at most this many bytes apart are read in one range (`coalesce`):
+more reads the digests between too, in fewer requests."""
 
 
 def coalesce(spans, gap: int) -> list[tuple[int, int, list]]:
@@ -207,13 +209,14 @@ def coalesce(spans, gap: int) -> list[tuple[int, int, list]]:
 
 
 def read_index_keys(storage: Storage, ipath: str, rank: int, shared: bool, step: int, keys: list[str],
-                    need, *, gap: int | None = None, boxes=None) -> Index:
+                    need, *, gap: int | None = None, digest_gap: int | None = None, boxes=None) -> Index:
     """The index at `ipath` with only the records of the keys `need` (an index of one JSON document:
     whole). Reads the preamble, the header, the records' byte ranges (those at most `gap` bytes apart,
     default `RECORD_GAP`, in one range), then (a version-5 index) the byte ranges of their block
-    digests: with `boxes` (key -> (offsets, sizes)) only of the blocks whose rows meet the key's box,
-    else all."""
+    digests (at most `digest_gap` apart, default `DIGEST_GAP`, in one): with `boxes` (key -> (offsets,
+    sizes)) only of the blocks whose rows meet the key's box, else all."""
     gap = RECORD_GAP if gap is None else gap
+    digest_gap = DIGEST_GAP if digest_gap is None else digest_gap
     (pre,) = storage.read_ranges(ipath, [(0, PREAMBLE_BYTES)])
     size = header_size(pre, rank=rank, shared=shared)
     if size is None:  # one JSON document: written before indexes were keyed, or by the fallback save
@@ -231,7 +234,7 @@ def read_index_keys(storage: Storage, ipath: str, rank: int, shared: bool, step:
     records = head.records(found)
     blocks = None if boxes is None else {k: r.chunk.blocks_meeting(*boxes[k]) for k, r in records.items() if k in boxes}
     spans = head.digest_ranges(records, blocks)
-    reads = coalesce([(a, n, k) for k, (a, n, _) in spans.items()], gap)
+    reads = coalesce([(a, n, k) for k, (a, n, _) in spans.items()], digest_gap)
     digests = {k: (b0, b1, b"") for k, (_, _, (b0, b1)) in spans.items()}
     for (at, _, ks), data in zip(reads, storage.read_ranges(ipath, [(a, n) for a, n, _ in reads])):
         for k in ks:
