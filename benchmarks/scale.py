@@ -204,6 +204,8 @@ class _Counted:
         self.head_bytes = self.record_bytes = self.digest_bytes = self.requests = 0
         self.top_bytes = self.top_requests = 0
         """Of the top manifest (``manifest.json``), counted apart from the indexes."""
+        self.by_kind: Counter = Counter()
+        """Ranged reads of the indexes by what they read: head, records, digests."""
 
     def join(self, *parts: str) -> str:
         return "/".join(parts)
@@ -236,10 +238,13 @@ class _Counted:
         for (a, _), got in zip(ranges, out):
             if a <= PREAMBLE_BYTES:
                 self.head_bytes += len(got)
+                self.by_kind["head"] += 1
             elif got.endswith(b"\n"):
                 self.record_bytes += len(got)
+                self.by_kind["records"] += 1
             else:  # the digest section: hex, no newline
                 self.digest_bytes += len(got)
+                self.by_kind["digests"] += 1
         return out
 
 
@@ -319,6 +324,7 @@ def cmd_manifest(a) -> dict:
             storage._data(name)
         storage.head_bytes = storage.record_bytes = storage.digest_bytes = storage.requests = 0
         storage.top_bytes = storage.top_requests = 0
+        storage.by_kind.clear()
         boxes = {k: (b.offsets, b.sizes) for k, b in mine.items()}
         t = time.perf_counter()  # the load's metadata work: read, parse, check shapes, merge, check its cover
         text, _ = read_manifest_text(storage, "ckpt", head=True)
@@ -334,6 +340,7 @@ def cmd_manifest(a) -> dict:
         read = storage.top_bytes + storage.head_bytes + storage.record_bytes + storage.digest_bytes
         rows.append({"rank": r, "indexes_read": len(need), "shared_read": sum(sh for _, sh in need),
                      "top_read": storage.top_bytes, "top_requests": storage.top_requests,
+                     "requests_by_kind": dict(storage.by_kind),
                      "sections_read": sorted(m.sections.read),
                      "head_bytes": storage.head_bytes, "record_bytes": storage.record_bytes,
                      "digest_bytes": storage.digest_bytes, "requests": storage.requests, "read_bytes": read,
