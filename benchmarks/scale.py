@@ -15,8 +15,10 @@ plan: the live reshard's planning as one worker does it (`workers.reshard.exchan
   `--baseline REV` also times, on the same box in the same run, the whole-plan flow of git revision REV
   (its `sharding.boxes` of both layouts and `exchange.plan_exchange`, which every worker used to run).
 manifest: the checkpoint metadata a rank reads on load, built in memory as `CheckpointManager` writes it
-  (nothing written) and read by the loader's own `validate.read_indexes` through a storage that counts
-  bytes: format 3, the top manifest, then of each index of the saved ranks whose boxes meet the rank's
+  (nothing written) and read by the loader's own functions through a storage that counts bytes: format
+  4, the top manifest's preamble and header (`validate.read_manifest_text(head=True)`), its sections of
+  the parameters of the rank's pipeline stage (`validate.read_sections`), checked against the model's
+  shapes, then (`validate.read_indexes`) of each index of the saved ranks whose boxes meet the rank's
   own (`placement.index_keys_for`; each index keyed, as a placed save writes it: one chunk record per
   key it writes, then every record's block digests) the preamble, the header, the records of the keys
   it meets and the digests of the blocks whose rows meet its boxes;
@@ -200,9 +202,16 @@ class _Counted:
     def __init__(self, make) -> None:
         self.make, self.cache = make, {}
         self.head_bytes = self.record_bytes = self.digest_bytes = self.requests = 0
+        self.top_bytes = self.top_requests = 0
+        """Of the top manifest (``manifest.json``), counted apart from the indexes."""
+        self.by_kind: Counter = Counter()
+        """Ranged reads of the indexes by what they read: head, records, digests."""
 
     def join(self, *parts: str) -> str:
         return "/".join(parts)
+
+    def exists(self, path: str) -> bool:
+        return True
 
     def _data(self, path: str) -> bytes:
         name = path.rsplit("/", 1)[-1]
@@ -217,18 +226,25 @@ class _Counted:
         return data
 
     def read_ranges(self, path: str, ranges: list[tuple[int, int]]) -> list[bytes]:
-        from parallel.checkpoint.manifest import PREAMBLE_BYTES
+        from parallel.checkpoint.manifest import MANIFEST_NAME, PREAMBLE_BYTES
 
         data = self._data(path)
         out = [data[a:a + n] for a, n in ranges]
+        if path.endswith(MANIFEST_NAME):
+            self.top_bytes += sum(map(len, out))
+            self.top_requests += len(ranges)
+            return out
         self.requests += len(ranges)
         for (a, _), got in zip(ranges, out):
             if a <= PREAMBLE_BYTES:
                 self.head_bytes += len(got)
+                self.by_kind["head"] += 1
             elif got.endswith(b"\n"):
                 self.record_bytes += len(got)
+                self.by_kind["records"] += 1
             else:  # the digest section: hex, no newline
                 self.digest_bytes += len(got)
+                self.by_kind["digests"] += 1
         return out
 
 
@@ -258,12 +274,14 @@ def _format2_bytes(bm: BoxMap, lay: Layout, shapes) -> tuple[int, int]:
 
 
 def cmd_manifest(a) -> dict:
-    """Checkpoint metadata one loading rank reads (format 3: the top manifest, then of the indexes of the
-    saved ranks whose boxes meet its own the preamble, the header and the records of the keys it meets;
-    format 2: the whole manifest), against its own boxes' metadata."""
-    from parallel.checkpoint.manifest import Manifest, TensorEntry, index_name, key_order
+    """Checkpoint metadata one loading rank reads (format 4: the top manifest's header and its stage's
+    sections, then of the indexes of the saved ranks whose boxes meet its own the preamble, the header
+    and the records of the keys it meets; format 2: the whole manifest), against its own boxes'
+    metadata."""
+    from parallel.checkpoint.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, TensorEntry, index_name, key_order
     from parallel.checkpoint.placement import Placement, index_keys_for, shared, writes
-    from parallel.checkpoint.validate import read_indexes
+    from parallel.checkpoint.validate import read_indexes, read_manifest_text, read_sections
+    from parallel.sharding import stage_of
 
     cfg = model(a.model)
     shapes = shapes_of(cfg)
@@ -276,11 +294,19 @@ def cmd_manifest(a) -> dict:
     keys = {f"{p}{n}": s for n, s in shapes.items() for p in ("model.", *(f"optim.{st}." for st in STATES))}
     order = key_order(keys)
     top = Manifest(step=1, tensors={k: TensorEntry(shape=s, dtype="float32", chunks=()) for k, s in keys.items()},
-                   files={}, state={"layout": old.to_dict()}, format_version=3, placement=saved.to_dict(),
-                   indexes=old.world_size, scope="top").to_json()
+                   files={}, state={"layout": old.to_dict()}, format_version=FORMAT_VERSION, placement=saved.to_dict(),
+                   indexes=old.world_size, scope="top").to_json().encode()
     names = {index_name(w, sh): (w, sh) for w in range(old.world_size) for sh in (False, True)}
+    expected = {n: (s, "float32") for n, s in shapes.items()}
+
+    def stage_params(r: int) -> list[str]:  # what the loading rank's model holds (`state.named_state`)
+        p = r // (new.world_size // new.pp)
+        return [n for n in shapes if stage_of(n, cfg.n_layers, new.pp) == p
+                or (cfg.tie_embeddings and n == "tok_embeddings.weight" and p == new.pp - 1)]
 
     def index_of(name: str) -> bytes:  # what saving rank w writes: the boxes the rule gives it
+        if name == MANIFEST_NAME:
+            return top
         w, sh = names[name]
         held = sbm.held(w)
         return _index(w, {k: b for k, b in held.items() if writes(sbm, w, k)
@@ -297,19 +323,28 @@ def cmd_manifest(a) -> dict:
         for name in (index_name(w, sh) for w, sh in need):  # built before the clock starts
             storage._data(name)
         storage.head_bytes = storage.record_bytes = storage.digest_bytes = storage.requests = 0
+        storage.top_bytes = storage.top_requests = 0
+        storage.by_kind.clear()
         boxes = {k: (b.offsets, b.sizes) for k, b in mine.items()}
-        t = time.perf_counter()  # the load's metadata work: read, parse, merge, check its cover
-        m = Manifest.from_json(top)
-        indexes, problems = read_indexes(storage, "ckpt", m, need, gap=a.gap, boxes=boxes)
+        t = time.perf_counter()  # the load's metadata work: read, parse, check shapes, merge, check its cover
+        text, _ = read_manifest_text(storage, "ckpt", head=True)
+        m, problems = read_sections(storage, "ckpt", Manifest.from_json(text), stage_params(r))
+        problems += m.model_problems(expected)
+        indexes, more = read_indexes(storage, "ckpt", m, need, gap=a.gap,
+                                     digest_gap=a.gap if a.digest_gap is None else a.digest_gap, boxes=boxes)
+        problems += more
         part, more = m.merged(indexes, whole=False)
         problems += more + part.coverage_problems(boxes)
         load_s = time.perf_counter() - t
         own = len(_index(r, mine, keys=order))
-        read = len(top) + storage.head_bytes + storage.record_bytes + storage.digest_bytes
+        read = storage.top_bytes + storage.head_bytes + storage.record_bytes + storage.digest_bytes
         rows.append({"rank": r, "indexes_read": len(need), "shared_read": sum(sh for _, sh in need),
+                     "top_read": storage.top_bytes, "top_requests": storage.top_requests,
+                     "requests_by_kind": dict(storage.by_kind),
+                     "sections_read": sorted(m.sections.read),
                      "head_bytes": storage.head_bytes, "record_bytes": storage.record_bytes,
                      "digest_bytes": storage.digest_bytes, "requests": storage.requests, "read_bytes": read,
-                     "own_bytes": own, "ratio": read / own, "index_ratio": (read - len(top)) / own,
+                     "own_bytes": own, "ratio": read / own, "index_ratio": (read - storage.top_bytes) / own,
                      "plan_s": rule_s, "load_metadata_s": load_s, "problems": len(problems)})
     save = []
     for r in sample_ranks(old, old, 8):  # what a saving rank does with metadata: its boxes, the rule
@@ -319,7 +354,7 @@ def cmd_manifest(a) -> dict:
         save.append(time.perf_counter() - t)
     worst = max(rows, key=lambda x: x["ratio"])
     out = {"model": a.model, "saved": str(old), "loaded": str(new), "ranks": f"{old.world_size} -> {new.world_size}",
-           "top_bytes": len(top), "ranks_timed": len(rows),
+           "top_bytes": len(top), "max_top_read": max(x["top_read"] for x in rows), "ranks_timed": len(rows),
            "max_ratio": worst["ratio"], "median_ratio": sorted(x["ratio"] for x in rows)[len(rows) // 2],
            "max_index_ratio": max(x["index_ratio"] for x in rows),
            "worst": worst, "max_indexes_read": max(x["indexes_read"] for x in rows),
@@ -430,7 +465,10 @@ def main() -> None:
     m.add_argument("--ranks", default="16", help="loading ranks to measure: a count spread over the world, or 'all'")
     m.add_argument("--format2-max", type=int, default=512, help="also build the format-2 manifest up to this many ranks")
     m.add_argument("--gap", type=int, default=None,
-                   help="read records of an index at most this many bytes apart in one range (default: the loader's)")
+                   help="read records (and digests) of an index at most this many bytes apart in one range (default: "
+                        "the loader's)")
+    m.add_argument("--digest-gap", type=int, default=None,
+                   help="read block digests at most this many bytes apart in one range (default: --gap, else the loader's)")
     m.add_argument("--verbose", action="store_true")
     c = sub.add_parser("coordinator")
     c.add_argument("--workers", type=int, default=1024)

@@ -6,7 +6,7 @@ On disk, one directory per step under the checkpoints root::
       latest                      "step-00000020" (moved only after a commit)
       step-00000010/
         shard-r00000-00.safetensors   one or more files per rank that writes data (writer.py)
-        index-r00000.json         each rank's files, chunks and block digests (format 3, manifest.py),
+        index-r00000.json         each rank's files, chunks and block digests (formats 3-4, manifest.py),
                                   keyed: a header says where each key's record lies
         index-r00000-shared.json  the same for boxes held beyond their replicas, by the ranks that write any
         ...

@@ -1,7 +1,9 @@
 """Loading the newest good checkpoint, every rank together, falling back only past proven damage.
 
-Each candidate, newest first: rank 0 reads the manifest and shares it; every rank checks it (structure,
-the model's shapes). Format 3: each rank then reads, of the indexes of the saved ranks that wrote what
+Each candidate, newest first: rank 0 reads the manifest and shares it (format 4: its header only); every
+rank checks it (structure, the model's shapes). Format 4: each rank then reads the sections of the top
+manifest that hold the parameters of its pipeline stage and checks their shapes against the model's.
+Formats 3-4: each rank then reads, of the indexes of the saved ranks that wrote what
 meets its boxes, the records of the keys it meets (found from the saved placement,
 `placement.index_keys_for`; a keyed index's header says where each record lies; every index whole if
 the checkpoint has no placement), checks that their chunks tile its boxes and that the files it will
@@ -36,7 +38,8 @@ from parallel.checkpoint import state as state_mod
 from parallel.checkpoint.manifest import CheckpointError, Manifest, describe
 from parallel.checkpoint.placement import index_keys_for
 from parallel.checkpoint.tensor_io import read_into
-from parallel.checkpoint.validate import check_manifest, file_problems, list_step_dirs, read_indexes, read_manifest_text
+from parallel.checkpoint.validate import (check_manifest, file_problems, list_step_dirs, read_indexes, read_manifest_text,
+                                         read_sections)
 from parallel.sharding import Box
 
 log = logging.getLogger("parallel.checkpoint.manager")  # the name operators filter on
@@ -87,7 +90,7 @@ def _attempt(mgr: "Checkpoints", path: str, model: nn.Module, optimizer: torch.o
     comm, st, tm = mgr._comm, mgr.storage, mgr.load_timings
     transient: list[str] = []
     text, why, transient = comm.broadcast(
-        (*read_manifest_text(st, path, transient=transient), transient) if mgr.rank == 0 else None)
+        (*read_manifest_text(st, path, transient=transient, head=True), transient) if mgr.rank == 0 else None)
     out = _Outcome(committed=text is not None, transient=transient)
     if transient:
         return out
@@ -97,8 +100,8 @@ def _attempt(mgr: "Checkpoints", path: str, model: nn.Module, optimizer: torch.o
     if out.manifest is None or out.problems:
         return out
     manifest = out.manifest
-    if manifest.scope == "top":  # format 3: this rank's indexes, their cover of its boxes, its files' sizes
-        manifest, out.problems = my_part(st, path, manifest, model, transient=out.transient)
+    if manifest.scope == "top":  # formats 3-4: this rank's indexes, their cover of its boxes, its files' sizes
+        manifest, out.problems = my_part(st, path, manifest, model, expected=expected, transient=out.transient)
         out.manifest = manifest
         tm.phases["indexes"] = time.perf_counter() - t
     else:
@@ -140,11 +143,21 @@ def _blockwise(manifest: Manifest) -> bool:
 
 
 def my_part(storage: Any, path: str, manifest: Manifest, model: torch.nn.Module, *,
+            expected: dict[str, tuple[tuple[int, ...], str]] | None = None,
             transient: list[str] | None = None) -> tuple[Manifest, list[str]]:
-    """(The format-3 `manifest` with the parts of the indexes this rank needs merged in, problems):
-    which indexes, and which keys' records of each, from the saved placement and this rank's boxes
-    (every index whole without a placement); problems if they do not tile its boxes, or a file it
-    reads is missing or of the wrong size."""
+    """(The format-3-4 `manifest` with the parts of the indexes this rank needs merged in, problems).
+    Format 4, read without its sections: first the sections of this rank's parameters, checked against
+    `expected` (the model's shapes) before anything else is read. Then which indexes, and which keys'
+    records of each, from the saved placement and this rank's boxes (every index whole without a
+    placement); problems if they do not tile its boxes, or a file it reads is missing or of the wrong
+    size."""
+    if manifest.sections is not None and not manifest.sections.complete:
+        n = len(transient) if transient is not None else 0
+        manifest, problems = read_sections(storage, path, manifest, state_mod.named_state(model), transient=transient)
+        if not problems and expected is not None:
+            problems = manifest.model_problems(expected)
+        if problems or (transient is not None and len(transient) > n):
+            return manifest, problems
     boxes = state_mod.boxes_to_load(model, manifest.tensors)
     placement = manifest.placement_of()
     if placement is None:  # the fallback's saves write no shared indexes

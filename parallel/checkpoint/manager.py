@@ -14,19 +14,21 @@ The thread talks to the other ranks on a gloo group of its own, created collecti
 built, so its collectives never interleave with the training loop's (gloo, or NCCL on GPUs) on the
 default group. At most one save is in flight: the next `save()` (or `flush()`) waits for it.
 
-Commit protocol (format 3, `manifest.py`), every rank in the writer thread:
+Commit protocol (format 4, `manifest.py`), every rank in the writer thread:
   1. rank 0 empties the staging directory;                       broadcast (errors abort everywhere)
   2. each rank writes its files, then its index (``index-rNNNNN.json``: sizes, header digests and
      per-block digests, computed over the bytes as they were written: no read-back; keyed by the
      checkpoint's keys when the save is placed, one JSON document in the fallback); it reports only
      whether that worked (and, in the fallback, its tensors' shapes)                gather to rank 0
-  3. rank 0 writes the top manifest last (shapes from the placement, the placement, the number of
-     indexes, the JSON state), commits the directory, moves `latest`, applies retention;
+  3. rank 0 writes the top manifest last (the placement, the number of indexes, the JSON state in its
+     header; the shapes from the placement in one section per pipeline stage), commits the directory,
+     moves `latest`, applies retention;
                                                                  broadcast the outcome
 A failure anywhere leaves the previous checkpoints and the `latest` pointer untouched. No rank handles
 another rank's chunk records.
 
-Load (`loader.py`). Each rank reads the top manifest, of the indexes of the saved ranks that wrote what
+Load (`loader.py`). Each rank reads the top manifest's header (rank 0 reads and shares it) and the
+sections of its stage's parameters, of the indexes of the saved ranks that wrote what
 meets its boxes the header and the records of the keys it meets, and only the blocks of the files that
 overlap its boxes, files in parallel, verifying each block against its index before copying it into
 the live shards (`tensor_io.read_into`); a mismatch fails the load on every rank and the previous

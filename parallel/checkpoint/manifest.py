@@ -1,9 +1,19 @@
 """The checkpoint manifest: the JSON files that make a checkpoint directory self-describing.
 
-Format 3 (written now). ``manifest.json``, written last (its presence is the commit marker), holds what
-every rank needs: the step, the global shape and dtype of every tensor, the placement the checkpoint
-was saved under (layout, layer count, tied embedding: `placement.py`), the number of index files, and
-all non-tensor state. Each rank of the save writes its own ``index-rNNNNN.json`` before it: its files
+Format 4 (written now). ``manifest.json``, written last (its presence is the commit marker), holds what
+a rank needs besides its boxes' chunks: the step, the placement the checkpoint was saved under (layout,
+layer count, tied embedding: `placement.py`), the number of index files, all non-tensor state, and the
+global shape and dtype of every parameter (and so of its optimizer states). It is laid out so that a
+rank reads only what its pipeline stage holds: a preamble of `PREAMBLE_BYTES` (the header's length and
+crc32), a header (everything but the parameters, the length and crc32 of each section, the number of
+parameters and keys and the crc32 of the sorted keys), then one section per pipeline stage of the saved
+layout (and one for the tied table when two stages hold it; one in all without a placement): the
+shapes and dtypes of its parameters and where their keys fall in the sorted order of every key
+(`Manifest.to_json`). Rank 0 reads the preamble and the header and shares them; each rank reads the
+sections of its own parameters by byte range (`validate.read_sections`) and checks their shapes against
+its model's before any other read. The whole file is also one JSON object: a format-3 reader refuses
+its ``format_version`` as newer than its own, and tools read every section (`Manifest.from_json`).
+Each rank of the save writes its own ``index-rNNNNN.json`` before it: its files
 (size, checksum algorithm, header digest), the chunk it wrote of each tensor (file, offsets, sizes,
 block digests) and the AdamW step counters of its parameters. A loading rank works out from the
 placement which saved ranks wrote the tiles that meet its own boxes, and which keys of each
@@ -12,9 +22,12 @@ placement which saved ranks wrote the tiles that meet its own boxes, and which k
 (`structure_problems`). A checkpoint saved without a placement (a model `BoxMap` cannot place) has
 one too, `null`: its loaders read every index whole.
 
+Format 3 (still read): the same indexes, and a top ``manifest.json`` of one JSON document holding
+every parameter, read whole by every rank.
+
 Index layouts: a placed save writes keyed indexes (`KEYED_INDEX_VERSION`): a preamble of
 `PREAMBLE_BYTES` (the header's length and crc32), a header (files, step, rank, the size of the digest
-section, and a table of the length of each key's record, in the top manifest's sorted key order, runs
+section, and a table of the length of each key's record, in the sorted order of every key (`KeyOrder`), runs
 of keys it does not hold as one negative count), then one JSON record per line (a chunk's geometry:
 its file's number in the header's sorted file names, offsets, sizes, rows per block, and where its
 block digests lie in the digest section and how many there are; an optimizer state's also carries its
@@ -27,7 +40,7 @@ each record. The fallback save, and every save before indexes were keyed, writes
 document (``format_version`` 3), read whole.
 
 Format 2 (still read): one manifest naming every chunk of every rank with its block digests. Checksums
-(formats 2 and 3): each file records its algorithm and the digest of its header; each chunk records the
+(formats 2-4): each file records its algorithm and the digest of its header; each chunk records the
 digests of its row blocks (`block_rows` rows of the chunk each, the last one shorter). Together they
 cover every byte of the file, and a rank that needs only some rows of a chunk (a resharding load) reads
 and verifies only the blocks holding them. Format 1 (still read) had one sha256 per whole file.
@@ -45,14 +58,18 @@ import re
 from bisect import bisect_left
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from parallel.checkpoint.checksum import ALGORITHMS, DIGEST_CHARS, digest_fn
 
 FORMAT = "elastron-checkpoint"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 """The newest format this code reads, and the one `CheckpointManager` writes."""
+SECTIONED_VERSIONS = (4,)
+"""Top-manifest formats split into a header and sections (`Manifest.to_json`), read by byte range."""
+INDEX_DOCUMENT_VERSION = 3
+"""The ``format_version`` of an index written as one JSON document (`Index.to_json`)."""
 WHOLE_FORMAT = 2
 """The newest format whose manifest lists every chunk itself (what an in-memory `Manifest` serialises as
 unless told otherwise)."""
@@ -69,10 +86,13 @@ PREAMBLE_BYTES = 128
 """A keyed index's first line: ``{"format":...,"format_version":4,"header_bytes":N,"header_crc32":C}``
 padded with spaces to this many bytes, the last a newline."""
 _KEYED_MAGIC = re.compile(f'\\{{"format":"{INDEX_FORMAT}","format_version":\\d+,"header_bytes":'.encode())
+_SECTIONED_MAGIC = re.compile(f'\\{{"format":"{FORMAT}","format_version":\\d+,"header_bytes":'.encode())
+_SECTIONS_OPEN = b',"sections":['
+_SECTIONS_CLOSE = b"]}\n"
 
 
 def index_name(rank: int, shared: bool = False) -> str:
-    """The file a saving rank describes its files and chunks in (format 3); `shared`: the one for the
+    """The file a saving rank describes its files and chunks in (formats 3-4); `shared`: the one for the
     boxes held beyond their data-parallel replicas (`placement.shared`), which every rank writes that
     writes any."""
     return f"index-r{rank:05d}{'-shared' if shared else ''}.json"
@@ -88,7 +108,7 @@ OPTIM_PREFIX = "optim."
 """Tensor keys of optimizer state: ``optim.<state name>.<canonical name>`` (e.g. optim.exp_avg.output.weight)."""
 
 _FIELDS = ("format", "format_version", "step", "created", "optimizer", "tensors", "files", "placement", "indexes",
-           "params")
+           "params", "header_bytes", "header_crc32", "header", "sections", "parameters", "keys", "keys_crc32")
 
 ITEMSIZE = {
     "float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
@@ -158,7 +178,7 @@ class Chunk:
         return lo // self.block_rows, -(-hi // self.block_rows)
 
     def to_dict(self) -> dict[str, Any]:
-        """The chunk's JSON record (in a format-2 manifest's tensor, or a format-3 index of one
+        """The chunk's JSON record (in a format-2 manifest's tensor, or an index of one
         document)."""
         if self.blocks is not None:
             raise ValueError(f"a chunk in {self.file} holds the digests of blocks {list(self.blocks)} only: "
@@ -217,6 +237,51 @@ class FileEntry:
         return {"size": self.size, "algorithm": self.algorithm, "header_digest": self.digest}
 
 
+@dataclass(frozen=True, slots=True)
+class KeyOrder:
+    """The checkpoint's keys in the order a keyed index's table lists them (sorted), as far as a reader
+    knows them: how many there are and the crc32 of the whole list (which an index header must match),
+    and the place of each key it knows. A format-4 top manifest read in part knows the keys of its
+    sections read only."""
+
+    count: int
+    crc32: int
+    at: dict[int, str]
+    """Place in the order -> key, for the keys known."""
+
+    @classmethod
+    def of(cls, keys: list[str]) -> "KeyOrder":
+        """The order of every key (`keys`, already in order)."""
+        return cls(len(keys), _keys_crc(keys), dict(enumerate(keys)))
+
+
+@dataclass(frozen=True, slots=True)
+class Sections:
+    """Format 4: where the sections of ``manifest.json`` lie, what they hold together, and which of them
+    a `Manifest`'s tensors come from."""
+
+    spans: tuple[tuple[int, int, int], ...]
+    """(Offset in the file, bytes, crc32) of each section. With a placement, section s < pp holds the
+    parameters of pipeline stage s of the saved layout, the one after them the tied table when two
+    stages hold it (`placement.Placement.section`); without one, one section holds them all."""
+    parameters: int
+    """Parameters in all sections."""
+    keys: int
+    keys_crc32: int
+    """How many keys the checkpoint has, and the crc32 of their sorted list (`KeyOrder`)."""
+    states: tuple[str, ...] = ()
+    """The optimizer state names every parameter has (sections spell their keys from them), or none:
+    the sections list their keys one by one."""
+    read: frozenset[int] = frozenset()
+    """The sections whose tensors the manifest holds."""
+    positions: dict[str, int] = field(default_factory=dict, compare=False)
+    """Key -> its place in the sorted order of every key, for the keys of the sections read."""
+
+    @property
+    def complete(self) -> bool:
+        return len(self.read) == len(self.spans)
+
+
 @dataclass(kw_only=True, slots=True)
 class Manifest:
     step: int
@@ -225,7 +290,7 @@ class Manifest:
     files: dict[str, FileEntry]
     optimizer_steps: dict[str, int] = field(default_factory=dict)
     """AdamW's per-parameter step counters by canonical name. Kept out of the tensor files: DCP's
-    consolidation writes 0-d tensors as zero (FACTS.md), and an integer needs no tensor. Format 3 keeps
+    consolidation writes 0-d tensors as zero (FACTS.md), and an integer needs no tensor. Formats 3-4 keep
     them in the indexes: a merged manifest has those of the indexes read."""
     optimizer_name: str = "AdamW"
     state: dict[str, Any] = field(default_factory=dict)
@@ -234,13 +299,16 @@ class Manifest:
     format_version: int = WHOLE_FORMAT
     created: float = field(default_factory=time.time)
     placement: dict[str, Any] | None = None
-    """Format 3: the layout the checkpoint was saved under (`placement.Placement.to_dict`), None when
+    """Formats 3-4: the layout the checkpoint was saved under (`placement.Placement.to_dict`), None when
     the save could not place its boxes by it (then every index is read)."""
     indexes: int = 0
-    """Format 3: the number of index files (``index-r00000.json`` ...), one per saving rank."""
+    """Formats 3-4: the number of index files (``index-r00000.json`` ...), one per saving rank."""
     scope: str = "whole"
-    """What the chunks and files cover: ``whole`` (formats 1-2, or format 3 with every index merged),
-    ``top`` (a format-3 top manifest alone: no chunks), ``part`` (some indexes merged)."""
+    """What the chunks and files cover: ``whole`` (formats 1-2, or format 3-4 with every index merged),
+    ``top`` (a format-3-4 top manifest alone: no chunks), ``part`` (some indexes merged)."""
+    sections: Sections | None = None
+    """Format 4 as read: its sections, and which of them `tensors` holds (None: formats 1-3, or a
+    manifest built in memory, whose tensors are all there)."""
 
     def __post_init__(self) -> None:
         clash = sorted(set(self.state) & set(_FIELDS))
@@ -263,13 +331,34 @@ class Manifest:
                              if k.startswith(OPTIM_PREFIX)}))
 
     def placement_of(self):
-        """The `placement.Placement` of a format-3 manifest (None without one)."""
+        """The `placement.Placement` of a format-3-4 manifest (None without one)."""
         from parallel.checkpoint.placement import Placement
 
         if self.placement is None:
             return None
         params = {n: (tuple(t.shape), t.dtype) for n, t in self.model_tensors().items()}
         return Placement.from_dict(self.placement, params)
+
+    def section_rule(self):
+        """(How many sections a format-4 top manifest has, parameter name -> the section holding it, or
+        None where no section can): by the saved placement's pipeline stages, one section without it."""
+        placement = self.placement_of()
+        if placement is None:
+            return 1, lambda name: 0
+        return placement.n_sections, placement.section
+
+    def sections_for(self, names) -> set[int]:
+        """The sections of a format-4 manifest that hold the parameters `names` (canonical names)."""
+        _, section = self.section_rule()
+        return {i for n in names if (i := section(n)) is not None}
+
+    def keys_in_order(self) -> "list[str] | KeyOrder":
+        """The checkpoint's keys in the order keyed indexes list them (`key_order`); a format-4 manifest
+        with some of its sections read: a `KeyOrder` of the keys of those."""
+        sec = self.sections
+        if sec is None or sec.complete:
+            return key_order(self.tensors)
+        return KeyOrder(sec.keys, sec.keys_crc32, {p: k for k, p in sec.positions.items()})
 
     # -- JSON --------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -300,15 +389,131 @@ class Manifest:
         }
 
     def to_json(self) -> str:
+        if self.format_version in SECTIONED_VERSIONS:
+            return self._sectioned().decode()
         if self.format_version >= 3:  # read by every rank on every load: no indentation
             return json.dumps(self.to_dict(), separators=(",", ":"))
         return json.dumps(self.to_dict(), indent=1)
 
+    def _sectioned(self) -> bytes:
+        """Format 4: a preamble of `PREAMBLE_BYTES` (the header's length and crc32), the header (what a
+        format-3 top manifest holds but the parameters, plus the length and crc32 of each section, the
+        number of parameters and keys and the crc32 of the sorted keys), then the sections: each the
+        shapes and dtypes of its parameters and where their keys fall in the sorted order of every key,
+        as runs ``[first, count]``. A loading rank reads the preamble, the header and the sections of the
+        parameters it holds (`validate.read_sections`). The whole file is also one JSON object whose
+        ``format_version`` a reader of format 3 refuses as too new."""
+        d = self.to_dict()
+        spelled = "params" in d
+        entries = d.pop("params" if spelled else "tensors")
+        del d["format"], d["format_version"]
+        count, section = self.section_rule()
+        groups: list[dict[str, Any]] = [{} for _ in range(count)]
+        for name, e in entries.items():
+            i = section(name if spelled else _param_of(name))
+            if i is None:
+                raise ValueError(f"parameter {name} belongs to no pipeline stage of the placement {self.placement}")
+            groups[i][name] = e
+        order = key_order(self.tensors)
+        place = {k: i for i, k in enumerate(order)}
+        states = d["optimizer"]["states"]
+        parts = []
+        for g in groups:
+            keys = sorted(_spelled(g, states)) if spelled else sorted(g)
+            parts.append(json.dumps({"params" if spelled else "tensors": g, "keys": _runs([place[k] for k in keys])},
+                                    separators=(",", ":")).encode())
+        d.update(parameters=len(self.model_tensors()), keys=len(order), keys_crc32=_keys_crc(order),
+                 sections=[[len(b), zlib.crc32(b)] for b in parts])
+        header = json.dumps(d, separators=(",", ":")).encode()
+        pre = json.dumps({"format": FORMAT, "format_version": self.format_version, "header_bytes": len(header),
+                          "header_crc32": zlib.crc32(header)}, separators=(",", ":"))[:-1] + ',"header":'
+        return (pre.ljust(PREAMBLE_BYTES - 1).encode() + b"\n" + header + _SECTIONS_OPEN + b",".join(parts)
+                + _SECTIONS_CLOSE)
+
     @classmethod
     def from_json(cls, text: str | bytes) -> "Manifest":
         """Parse and type-check a manifest; raises ManifestError saying what is wrong. The text may come
-        from untrusted storage, so every field is checked rather than trusted."""
-        return cls.from_dict(_load_json(text, "manifest"))
+        from untrusted storage, so every field is checked rather than trusted. Format 4: the whole file
+        (every section read), or its preamble and header alone (no section read: add them with
+        `with_sections`)."""
+        raw = text.encode() if isinstance(text, str) else text
+        size = manifest_header_size(raw[:PREAMBLE_BYTES])
+        if size is None:
+            return cls.from_dict(_load_json(text, "manifest"))
+        n, crc, version = size
+        head = cls.from_header(raw[PREAMBLE_BYTES:PREAMBLE_BYTES + n], crc, version)
+        if len(raw) == PREAMBLE_BYTES + n:
+            return head
+        spans = head.sections.spans
+        end = spans[-1][0] + spans[-1][1] + len(_SECTIONS_CLOSE)
+        if len(raw) != end or raw[PREAMBLE_BYTES + n:spans[0][0]] != _SECTIONS_OPEN:
+            raise ManifestError(f"{MANIFEST_NAME} is {len(raw)} bytes, its header says {end} (truncated or corrupted)")
+        return head.with_sections({i: raw[a:a + m] for i, (a, m, _) in enumerate(spans)})
+
+    @classmethod
+    def from_header(cls, data: bytes, crc: int, version: int) -> "Manifest":
+        """A format-4 top manifest from its header bytes (after the preamble, whose `crc` they must
+        match): everything but the parameters, which its sections hold (none read yet)."""
+        if zlib.crc32(data) != crc:
+            raise ManifestError(f"{MANIFEST_NAME}: its header fails its crc32 check: the checkpoint is corrupted")
+        d = _load_json(data, f"{MANIFEST_NAME} header")
+        if not isinstance(d, dict):
+            raise ManifestError(f"{MANIFEST_NAME}: its header must be a JSON object")
+        table, counts = d.pop("sections", None), [d.pop(k, None) for k in ("parameters", "keys", "keys_crc32")]
+        if not (isinstance(table, list) and table and all(
+                isinstance(x, list) and len(x) == 2 and all(_is_int(v) and v >= 0 for v in x) for x in table)
+                and all(_is_int(v) and v >= 0 for v in counts)):
+            raise ManifestError(f"{MANIFEST_NAME}: its header needs a section table of [bytes, crc32] pairs and the "
+                                "number of parameters and keys")
+        opt = d.get("optimizer")
+        states = opt.get("states", []) if isinstance(opt, dict) else []
+        m = cls.from_dict({**d, "format": FORMAT, "format_version": version, "params": {}})
+        need = m.section_rule()[0]
+        if len(table) != need:
+            raise ManifestError(f"{MANIFEST_NAME} has {len(table)} section(s); its placement makes {need} (corrupted)")
+        spans, at = [], PREAMBLE_BYTES + len(data) + len(_SECTIONS_OPEN)
+        for n, c in table:
+            spans.append((at, n, c))
+            at += n + 1  # the comma between sections
+        m.sections = Sections(spans=tuple(spans), parameters=counts[0], keys=counts[1], keys_crc32=counts[2],
+                              states=tuple(states))
+        return m
+
+    def with_sections(self, raw: dict[int, bytes]) -> "Manifest":
+        """This format-4 manifest with the tensors of the sections `raw` (section number -> its bytes)
+        added; raises ManifestError for a section that is truncated, fails its crc32 or is malformed.
+        Once every section is in, the keys must be the ones the header counts."""
+        sec = self.sections
+        if sec is None:
+            raise ValueError("only a format-4 manifest has sections")
+        tensors, positions = dict(self.tensors), dict(sec.positions)
+        for i, data in sorted(raw.items()):
+            where = f"{MANIFEST_NAME} section {i}"
+            if not 0 <= i < len(sec.spans):
+                raise ValueError(f"{MANIFEST_NAME} has no section {i}")
+            if len(data) != sec.spans[i][1]:
+                raise ManifestError(f"{MANIFEST_NAME} ends inside section {i} (truncated)")
+            if zlib.crc32(data) != sec.spans[i][2]:
+                raise ManifestError(f"{where} fails its crc32 check: the checkpoint is corrupted")
+            d = _load_json(data, where)
+            entries = (_spelled(d["params"], list(sec.states)) if isinstance(d, dict) and "params" in d
+                       else d.get("tensors") if isinstance(d, dict) else None)
+            if not isinstance(entries, dict):
+                raise ManifestError(f"{where} needs a 'params' or 'tensors' object")
+            got = {str(k): _tensor(k, v, chunks=False) for k, v in entries.items()}
+            keys = sorted(got)
+            positions.update(zip(keys, _places(d.get("keys"), len(keys), sec.keys, where)))
+            tensors.update(got)
+        if len(set(positions.values())) != len(positions):
+            raise ManifestError(f"{MANIFEST_NAME}: its sections give two keys one place in the key order (corrupted)")
+        sections = replace(sec, read=sec.read | frozenset(raw), positions=positions)
+        if sections.complete:
+            order = key_order(tensors)
+            if (len(order) != sec.keys or _keys_crc(order) != sec.keys_crc32
+                    or any(positions[k] != i for i, k in enumerate(order))):
+                raise ManifestError(f"{MANIFEST_NAME}: its sections hold {len(order)} keys, not the {sec.keys} its "
+                                    "header counts in that order (corrupted)")
+        return replace(self, tensors=tensors, sections=sections)
 
     @classmethod
     def from_dict(cls, d: Any) -> "Manifest":
@@ -374,14 +579,14 @@ class Manifest:
         out = Manifest(step=self.step, tensors=tensors, files=files, optimizer_steps=steps,
                        optimizer_name=self.optimizer_name, state=self.state, format_version=self.format_version,
                        created=self.created, placement=self.placement, indexes=self.indexes,
-                       scope="whole" if whole else "part")
+                       scope="whole" if whole else "part", sections=self.sections)
         return out, problems
 
     # -- checks ------------------------------------------------------------------------------------
     def structure_problems(self) -> list[str]:
         """Chunks that fall outside their tensor, overlap, leave holes, or name unlisted files; files
         too small for the chunks they are said to hold (so a forged manifest cannot make a loader
-        allocate more than the checkpoint's size). A format-3 top manifest alone (scope ``top``) has
+        allocate more than the checkpoint's size). A format-3-4 top manifest alone (scope ``top``) has
         no chunks: only its dtypes are checked (`coverage_problems` checks a rank's part, once read)."""
         problems: list[str] = []
         if self.scope != "whole":
@@ -410,7 +615,7 @@ class Manifest:
 
     def coverage_problems(self, boxes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]) -> list[str]:
         """Whether the chunks merged in (scope ``part``) tile each of `boxes` (key -> (offsets, sizes) a
-        rank loads) exactly: what one rank checks of a format-3 checkpoint before reading; the ranks'
+        rank loads) exactly: what one rank checks of a format-3-4 checkpoint before reading; the ranks'
         boxes together cover every tensor. Also that every parameter whose moments it loads has its
         step counter. The chunks' own fit and checksums were checked per index (`Index.problems`)."""
         problems: list[str] = []
@@ -434,9 +639,18 @@ class Manifest:
     def model_problems(self, expected: dict[str, tuple[tuple[int, ...], str]]) -> list[str]:
         """Differences between the checkpoint's model tensors and the model about to receive them
         (`expected`: canonical name -> (global shape, dtype name)). Shape mismatches come first: they show
-        both shapes, the clearest sign of a different model when only the first problem is shown."""
+        both shapes, the clearest sign of a different model when only the first problem is shown. A
+        format-4 manifest with some sections read compares the parameters of those sections (and the
+        number of parameters in all)."""
         have = self.model_tensors()
         shapes, others = [], []
+        sec = self.sections
+        if sec is not None and not sec.complete:
+            if len(expected) != sec.parameters:
+                others.append(f"the checkpoint has {sec.parameters} parameters but the model {len(expected)} "
+                              "(different model shape)")
+            _, section = self.section_rule()
+            expected = {n: v for n, v in expected.items() if (i := section(n)) is None or i in sec.read}
         for name, (shape, dtype) in sorted(expected.items()):
             t = have.get(name)
             if t is None:
@@ -530,7 +744,7 @@ def _chunk(key: Any, c: Any) -> Chunk:
 
 
 def _tensor(key: Any, v: Any, *, chunks: bool = True) -> TensorEntry:
-    """A tensor entry; `chunks=False` (a format-3 top manifest): shape and dtype only."""
+    """A tensor entry; `chunks=False` (a format-3-4 top manifest): shape and dtype only."""
     if not isinstance(v, dict) or not isinstance(v.get("dtype"), str) or (
             chunks and not isinstance(v.get("chunks"), list)):
         raise ManifestError(f"manifest tensor {key!r} needs shape, dtype" + (" and chunks" if chunks else ""))
@@ -539,11 +753,65 @@ def _tensor(key: Any, v: Any, *, chunks: bool = True) -> TensorEntry:
 
 
 def _spelled(params: Any, states: Any) -> dict[str, Any]:
-    """A format-3 top manifest's tensors from its parameters and optimizer state names."""
+    """A format-3 top manifest's (or a format-4 section's) tensors from its parameters and optimizer state names."""
     if not isinstance(params, dict) or not isinstance(states, list) or not all(
             isinstance(s, str) and s and "." not in s for s in states):
         raise ManifestError("manifest params must be an object and optimizer.states a list of names")
     return {f"{p}{n}": v for n, v in params.items() for p in (MODEL_PREFIX, *(f"{OPTIM_PREFIX}{s}." for s in states))}
+
+
+def _param_of(key: str) -> str:
+    """``model.<p>``, ``optim.<state>.<p>`` -> ``<p>``."""
+    return _param(key) if key.startswith(OPTIM_PREFIX) else key.removeprefix(MODEL_PREFIX)
+
+
+def _runs(places: list[int]) -> list[list[int]]:
+    """Increasing places as runs ``[first, count]`` of consecutive ones."""
+    out: list[list[int]] = []
+    for p in places:
+        if out and out[-1][0] + out[-1][1] == p:
+            out[-1][1] += 1
+        else:
+            out.append([p, 1])
+    return out
+
+
+def _places(runs: Any, n: int, total: int, where: str) -> list[int]:
+    """The `n` places in the key order (of `total` keys) that `runs` (``[first, count]`` each) spell."""
+    if not isinstance(runs, list) or not all(
+            isinstance(r, list) and len(r) == 2 and _is_int(r[0]) and _is_int(r[1]) and r[0] >= 0 and r[1] > 0
+            and r[0] + r[1] <= total for r in runs):
+        raise ManifestError(f"{where}: its 'keys' must be runs [first, count] within the {total} keys")
+    out = [p for a, c in runs for p in range(a, a + c)]
+    if len(out) != n:
+        raise ManifestError(f"{where} places {len(out)} keys but holds {n} (corrupted)")
+    return out
+
+
+def manifest_header_size(preamble: bytes) -> tuple[int, int, int] | None:
+    """(Header bytes, header crc32, format version) from the first `PREAMBLE_BYTES` bytes of a format-4
+    ``manifest.json``; None when the manifest is one JSON document (formats 1-3: read it whole). Raises
+    ManifestError for a damaged preamble or a version newer than this code reads."""
+    if not _SECTIONED_MAGIC.match(preamble):
+        return None
+    text, tail = preamble.rstrip(), b',"header":'
+    d = None
+    if len(preamble) == PREAMBLE_BYTES and preamble.endswith(b"\n") and text.endswith(tail):
+        try:
+            d = json.loads(text[:-len(tail)] + b"}")
+        except ValueError:
+            d = None
+    n, crc, v = ((d.get("header_bytes"), d.get("header_crc32"), d.get("format_version")) if isinstance(d, dict)
+                 else (None, None, None))
+    if not (_is_int(n) and n > 0 and _is_int(crc) and _is_int(v)):
+        raise ManifestError(f"{MANIFEST_NAME}: its preamble (the first {PREAMBLE_BYTES} bytes) is damaged: the "
+                            "checkpoint is corrupted")
+    if v > FORMAT_VERSION:
+        raise ManifestError(f"manifest format_version {v} is newer than this code reads ({FORMAT_VERSION}): load it "
+                            "with a newer Elastron")
+    if v not in SECTIONED_VERSIONS:
+        raise ManifestError(f"{MANIFEST_NAME}: format_version {v} has no preamble (corrupted)")
+    return n, crc, v
 
 
 def _load_json(text: str | bytes, what: str) -> Any:
@@ -568,7 +836,7 @@ def _fits(c: Chunk, t: TensorEntry) -> bool:
 
 @dataclass(kw_only=True, slots=True)
 class Index:
-    """One saving rank's part of a format-3 checkpoint (``index-rNNNNN.json``): its files, the chunk it
+    """One saving rank's part of a format-3-4 checkpoint (``index-rNNNNN.json``): its files, the chunk it
     wrote of each tensor, and the AdamW step counters of the parameters it holds."""
 
     rank: int
@@ -582,7 +850,7 @@ class Index:
 
     def to_json(self) -> str:
         return json.dumps({
-            "format": INDEX_FORMAT, "format_version": FORMAT_VERSION, "step": self.step, "rank": self.rank,
+            "format": INDEX_FORMAT, "format_version": INDEX_DOCUMENT_VERSION, "step": self.step, "rank": self.rank,
             "shared": self.shared,
             "optimizer_steps": dict(sorted(self.optimizer_steps.items())),
             "files": {k: f.to_dict() for k, f in sorted(self.files.items())},
@@ -645,7 +913,7 @@ class Index:
 
     @classmethod
     def from_bytes(cls, data: bytes, *, rank: int, step: int, shared: bool = False,
-                   keys: list[str]) -> "Index":
+                   keys: "list[str] | KeyOrder") -> "Index":
         """Parse a whole index file of either layout (`keys`: the top manifest's key order, which a
         keyed index must have been written with)."""
         size = header_size(data[:PREAMBLE_BYTES], rank=rank, shared=shared)
@@ -763,12 +1031,14 @@ class IndexHeader:
     """Where the digest section starts (version 5: after the last record)."""
 
     @classmethod
-    def parse(cls, data: bytes, crc: int, *, rank: int, step: int, shared: bool, keys: list[str],
+    def parse(cls, data: bytes, crc: int, *, rank: int, step: int, shared: bool, keys: "list[str] | KeyOrder",
               version: int = KEYED_INDEX_VERSION) -> "IndexHeader":
         """Check and parse the header bytes (after the preamble, whose `crc` they must match) of the
         keyed index (of `version`) of saving rank `rank` of `step`, against the top manifest's key
-        order `keys`; raises ManifestError naming the file and what is wrong."""
+        order `keys` (every key, or a `KeyOrder` of those known: the spans of the others are left out);
+        raises ManifestError naming the file and what is wrong."""
         where = index_name(rank, shared)
+        order = keys if isinstance(keys, KeyOrder) else KeyOrder.of(keys)
         if zlib.crc32(data) != crc:
             raise ManifestError(f"{where}: its header (key table, files) fails its crc32 check: the checkpoint is "
                                 "corrupted")
@@ -776,9 +1046,9 @@ class IndexHeader:
         if not isinstance(d, dict) or d.get("rank") != rank or d.get("step") != step or bool(d.get("shared")) != shared:
             raise ManifestError(f"{where} describes rank {d.get('rank') if isinstance(d, dict) else None!r} of step "
                                 f"{d.get('step') if isinstance(d, dict) else None!r}, not rank {rank} of step {step}")
-        if d.get("keys") != len(keys) or d.get("keys_crc32") != _keys_crc(keys):
+        if d.get("keys") != order.count or d.get("keys_crc32") != order.crc32:
             raise ManifestError(f"{where}: its key table was written for {d.get('keys')!r} keys in another order than "
-                                f"the manifest's {len(keys)} (an index of another checkpoint?)")
+                                f"the manifest's {order.count} (an index of another checkpoint?)")
         table, files_d, digest_bytes = d.get("table"), d.get("files"), d.get("digest_bytes", 0 if version < 5 else None)
         if not isinstance(files_d, dict) or not isinstance(table, list) or not all(_is_int(x) and x != 0 for x in table):
             raise ManifestError(f"{where}: its header needs 'files' and a key table of non-zero integers")
@@ -794,13 +1064,14 @@ class IndexHeader:
             if x < 0:
                 pos -= x
                 continue
-            if pos >= len(keys):
+            if pos >= order.count:
                 pos += 1
                 break
-            spans[keys[pos]] = (at, x)
+            if (key := order.at.get(pos)) is not None:
+                spans[key] = (at, x)
             pos, at = pos + 1, at + x
-        if pos != len(keys):
-            raise ManifestError(f"{where}: its key table spans {pos} keys, the manifest has {len(keys)}: the "
+        if pos != order.count:
+            raise ManifestError(f"{where}: its key table spans {pos} keys, the manifest has {order.count}: the "
                                 "checkpoint is corrupted")
         return cls(rank=rank, step=step, shared=shared, files=files, spans=spans, end=at + digest_bytes,
                    version=version, digests_at=at)

@@ -1,4 +1,4 @@
-"""Where a checkpoint's boxes were and who wrote each: the rule a format-3 checkpoint is written and read by.
+"""Where a checkpoint's boxes were and who wrote each: the rule a format-3-4 checkpoint is written and read by.
 
 A `Placement` is what a save knows of the layout it runs under: the degrees, the model's layer count,
 whether the embedding is tied, and the global shape and dtype of every parameter. From it
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from parallel.layout import Layout
-from parallel.sharding import Box, BoxMap, Tile
+from parallel.sharding import Box, BoxMap, Tile, stage_of
 
 MODEL_PREFIX = "model."
 OPTIM_PREFIX = "optim."
@@ -52,6 +52,24 @@ class Placement:
         """The boxes of every key (``model.<p>`` and ``optim.<state>.<p>`` for `states`) under the layout."""
         return BoxMap(self.layout, {n: s for n, (s, _) in self.params.items()}, self.n_layers, tuple(states),
                       tied=self.tied)
+
+    @property
+    def n_sections(self) -> int:
+        """How many sections a format-4 top manifest splits its parameters into under this placement: one
+        per pipeline stage, and one more for the tied table when two stages hold it."""
+        return self.layout.pp + (1 if self.tied and self.layout.pp > 1 else 0)
+
+    def section(self, name: str) -> int | None:
+        """The section of a format-4 top manifest that holds parameter `name`: its pipeline stage's, or
+        the last one for the tied table when two stages hold it; None for a name no stage holds (a
+        layer beyond the model's)."""
+        try:
+            stage = stage_of(name, self.n_layers, self.layout.pp)
+        except ValueError:
+            return None
+        if self.tied and self.layout.pp > 1 and name == "tok_embeddings.weight":
+            return self.layout.pp
+        return stage
 
     def to_dict(self) -> dict[str, Any]:
         """The top manifest's ``placement``; the parameters' shapes are the manifest's tensors."""

@@ -6,7 +6,7 @@ then reads the checkpoint, so the disk idles while the CPU imports. One thread h
 hold this rank's part of the newest checkpoint, sequentially in large blocks (the bytes go nowhere: the
 page cache keeps them), from the start of the build until the load itself begins; the load then finds
 that much already in memory. Which files: those with a chunk that overlaps a box this rank holds under
-its layout (`parallel.sharding.param_box`), worked out from the manifest alone (format 3: from the
+its layout (`parallel.sharding.param_box`), worked out from the manifest alone (formats 3-4: from the
 manifest and the indexes of the saved ranks that wrote what meets those boxes, as the load reads them). Local files only (an
 object store has no page cache to warm); anything unexpected (no manifest, a name the layout does not
 know) and the thread reads nothing or every file: it is a hint, never a correctness matter.
@@ -57,7 +57,7 @@ def files_for_rank(manifest: Manifest, layout: Layout, rank: int, n_layers: int,
 
 def _my_part(storage: LocalStorage, step_dir: str, manifest: Manifest, layout: Layout, rank: int, n_layers: int, *,
              tied: bool) -> Manifest:
-    """A format-3 manifest with the indexes merged in that describe what `rank` holds under `layout`."""
+    """A format-3-4 manifest with the indexes merged in that describe what `rank` holds under `layout`."""
     boxes = {}
     for key, entry in manifest.tensors.items():
         box = param_box(_param_name(key), tuple(entry.shape), layout, rank, n_layers, tied=tied)

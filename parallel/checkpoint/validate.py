@@ -7,7 +7,7 @@ can log "checkpoint X: reason" and fall back to the previous one, and `inspect` 
 
 The training loader checks sizes here and verifies format-2/3 checksums while it reads (tensor_io); the
 full verification below (every byte, without torch) is for tools and for format-1 checkpoints, whose
-whole-file sha256 must be checked before their bytes are used. A format-3 checkpoint is checked whole
+whole-file sha256 must be checked before their bytes are used. A format-3-4 checkpoint is checked whole
 here (`check_checkpoint` reads every index); a training rank reads and checks only its part (loader).
 """
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from parallel.checkpoint.checksum import digest_fn
 from parallel.checkpoint.manifest import (ITEMSIZE, MANIFEST_NAME, PREAMBLE_BYTES, Index, IndexHeader, Manifest,
-                                          ManifestError, header_size, index_name, key_order)
+                                          ManifestError, header_size, index_name, manifest_header_size)
 from parallel.checkpoint.storage import Storage
 
 LATEST_NAME = "latest"
@@ -66,15 +66,27 @@ class Check:
         return self.manifest is not None and not self.problems
 
 
-def read_manifest_text(storage: Storage, path: str, *, transient: list[str] | None = None
+def read_manifest_text(storage: Storage, path: str, *, transient: list[str] | None = None, head: bool = False
                        ) -> tuple[str | None, str | None]:
-    """(manifest text, None) or (None, why there is none). A read that fails for another reason than a
-    missing file (an I/O error, an object store's 5xx) goes to `transient` when the caller passes a list
-    for it (the training loader retries those), else it is the reason."""
+    """(manifest text, None) or (None, why there is none). `head`: of a format-4 manifest only the
+    preamble and the header, read by byte range (a loading rank then reads the sections it needs,
+    `read_sections`); a manifest of one JSON document (formats 1-3) is read whole either way. A read
+    that fails for another reason than a missing file (an I/O error, an object store's 5xx) goes to
+    `transient` when the caller passes a list for it (the training loader retries those), else it is the
+    reason."""
     mpath = storage.join(path, MANIFEST_NAME)
     try:
         if not storage.exists(mpath):
             return None, f"no {MANIFEST_NAME} (the save did not commit: interrupted or still running)"
+        if head:
+            (pre,) = storage.read_ranges(mpath, [(0, PREAMBLE_BYTES)])
+            try:
+                size = manifest_header_size(pre)
+            except ManifestError:  # damaged or too new: `Manifest.from_json` says which, from these bytes
+                return pre.decode("utf-8", "replace"), None
+            if size is not None:
+                (header,) = storage.read_ranges(mpath, [(PREAMBLE_BYTES, size[0])])
+                return (pre + header).decode("utf-8"), None
         return storage.read_bytes(mpath).decode("utf-8"), None
     except FileNotFoundError:  # removed between the two calls
         return None, f"no {MANIFEST_NAME}"
@@ -107,8 +119,8 @@ def check_manifest(path: str, text: str | None, why_missing: str | None,
 
 def read_indexes(storage: Storage, path: str, manifest: Manifest, wanted, *,
                  transient: list[str] | None = None, optional_shared: bool = False,
-                 gap: int | None = None, boxes=None) -> tuple[list[Index], list[str]]:
-    """(The parsed indexes `wanted` of the format-3 checkpoint at `path`, problems). `wanted`: (saving
+                 gap: int | None = None, digest_gap: int | None = None, boxes=None) -> tuple[list[Index], list[str]]:
+    """(The parsed indexes `wanted` of the format-3-4 checkpoint at `path`, problems). `wanted`: (saving
     rank, shared) pairs, each index read whole; or a dict from such pairs to the keys needed of it
     (`placement.index_keys_for`), of which a keyed index gives only the records of those keys, read as
     byte ranges after its header (an index of one JSON document is read whole), and of those records'
@@ -117,7 +129,7 @@ def read_indexes(storage: Storage, path: str, manifest: Manifest, wanted, *,
     malformed index is a problem (a missing shared one not, with `optional_shared`: a rank that
     writes no shared box writes none); another read error goes to `transient` when given."""
     out, problems = [], []
-    keys = key_order(manifest.tensors)
+    keys = manifest.keys_in_order()
     for r, shared in sorted(wanted):
         name = index_name(r, shared)
         if not 0 <= r < manifest.indexes:
@@ -131,7 +143,7 @@ def read_indexes(storage: Storage, path: str, manifest: Manifest, wanted, *,
                                             keys=keys))
             else:
                 out.append(read_index_keys(storage, ipath, r, shared, manifest.step, keys, need, gap=gap,
-                                           boxes=boxes))
+                                           digest_gap=digest_gap, boxes=boxes))
         except FileNotFoundError:
             if not (shared and optional_shared):
                 problems.append(f"{name} is missing")
@@ -142,9 +154,44 @@ def read_indexes(storage: Storage, path: str, manifest: Manifest, wanted, *,
     return out, problems
 
 
+def read_sections(storage: Storage, path: str, manifest: Manifest, names, *,
+                  transient: list[str] | None = None) -> tuple[Manifest, list[str]]:
+    """(The format-4 `manifest`, read without its sections, with those that hold the parameters `names`
+    added, problems): what a loading rank reads of the top manifest besides its header, in one request
+    of byte ranges (adjacent sections coalesced). A manifest with no sections to read is returned as it
+    is. A read error other than a missing file goes to `transient` when given."""
+    sec = manifest.sections
+    if sec is None:
+        return manifest, []
+    want = manifest.sections_for(names) - sec.read
+    reads = coalesce([(a, n, i) for i, (a, n, _) in enumerate(sec.spans) if i in want], 0)
+    mpath = storage.join(path, MANIFEST_NAME)
+    try:
+        got = storage.read_ranges(mpath, [(a, n) for a, n, _ in reads])
+    except FileNotFoundError:
+        return manifest, [f"no {MANIFEST_NAME}"]
+    except (OSError, MemoryError) as e:
+        why = f"cannot read {MANIFEST_NAME}: {type(e).__name__}: {e}"
+        if transient is None:
+            return manifest, [why]
+        transient.append(why)
+        return manifest, []
+    raw = {}
+    for (at, _, ids), data in zip(reads, got):
+        for i in ids:
+            a, n, _ = sec.spans[i]
+            raw[i] = data[a - at:a - at + n]
+    try:
+        return manifest.with_sections(raw), []
+    except ManifestError as e:
+        return manifest, [str(e)]
+
+
 RECORD_GAP = 0
-"""Records (and block digests) of a keyed index at most this many bytes apart are read in one range
-(`IndexHeader.ranges`, `coalesce`)."""
+"""Records of a keyed index at most this many bytes apart are read in one range (`IndexHeader.ranges`)."""
+DIGEST_GAP = 0
+"""Block digests of a keyed index at most this many bytes apart are read in one range (`coalesce`):
+more reads the digests between too, in fewer requests."""
 
 
 def coalesce(spans, gap: int) -> list[tuple[int, int, list]]:
@@ -162,13 +209,14 @@ def coalesce(spans, gap: int) -> list[tuple[int, int, list]]:
 
 
 def read_index_keys(storage: Storage, ipath: str, rank: int, shared: bool, step: int, keys: list[str],
-                    need, *, gap: int | None = None, boxes=None) -> Index:
+                    need, *, gap: int | None = None, digest_gap: int | None = None, boxes=None) -> Index:
     """The index at `ipath` with only the records of the keys `need` (an index of one JSON document:
     whole). Reads the preamble, the header, the records' byte ranges (those at most `gap` bytes apart,
     default `RECORD_GAP`, in one range), then (a version-5 index) the byte ranges of their block
-    digests: with `boxes` (key -> (offsets, sizes)) only of the blocks whose rows meet the key's box,
-    else all."""
+    digests (at most `digest_gap` apart, default `DIGEST_GAP`, in one): with `boxes` (key -> (offsets,
+    sizes)) only of the blocks whose rows meet the key's box, else all."""
     gap = RECORD_GAP if gap is None else gap
+    digest_gap = DIGEST_GAP if digest_gap is None else digest_gap
     (pre,) = storage.read_ranges(ipath, [(0, PREAMBLE_BYTES)])
     size = header_size(pre, rank=rank, shared=shared)
     if size is None:  # one JSON document: written before indexes were keyed, or by the fallback save
@@ -186,7 +234,7 @@ def read_index_keys(storage: Storage, ipath: str, rank: int, shared: bool, step:
     records = head.records(found)
     blocks = None if boxes is None else {k: r.chunk.blocks_meeting(*boxes[k]) for k, r in records.items() if k in boxes}
     spans = head.digest_ranges(records, blocks)
-    reads = coalesce([(a, n, k) for k, (a, n, _) in spans.items()], gap)
+    reads = coalesce([(a, n, k) for k, (a, n, _) in spans.items()], digest_gap)
     digests = {k: (b0, b1, b"") for k, (_, _, (b0, b1)) in spans.items()}
     for (at, _, ks), data in zip(reads, storage.read_ranges(ipath, [(a, n) for a, n, _ in reads])):
         for k in ks:
@@ -196,7 +244,7 @@ def read_index_keys(storage: Storage, ipath: str, rank: int, shared: bool, step:
 
 
 def whole(storage: Storage, path: str, manifest: Manifest) -> tuple[Manifest, list[str]]:
-    """A format-3 manifest with every index merged in (formats 1-2: as it is), and the problems found."""
+    """A format-3-4 manifest with every index merged in (formats 1-2: as it is), and the problems found."""
     if manifest.scope != "top":
         return manifest, []
     every = [(r, s) for r in range(manifest.indexes) for s in (False, True)]

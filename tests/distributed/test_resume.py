@@ -134,12 +134,13 @@ def test_resume_under_another_layout(reference, first_half, tmp_path, first_layo
     shutil.copytree(src, run_dir)
     second = continue_run(run_dir, second_layout, TOTAL)
     assert {r["resumed_from"] for r in second} == {HALF}
-    # Format 3, each save's writers chosen by the placement's rule (no fallback to gathering boxes).
+    # Format 4, each save's writers chosen by the placement's rule (no fallback to gathering boxes).
     for d, step, layout in ((src, HALF, first_layout), (run_dir, TOTAL, second_layout)):
         with open(os.path.join(d, "checkpoints", f"step-{step:08d}", "manifest.json")) as f:
-            top = json.load(f)
-        assert top["format_version"] == 3 and top["placement"]["layout"] == Layout.parse(layout).to_dict()
-        assert top["indexes"] == n_ranks(layout)
+            doc = json.load(f)
+        top = doc["header"]
+        assert doc["format_version"] == 4 and top["placement"]["layout"] == Layout.parse(layout).to_dict()
+        assert top["indexes"] == n_ranks(layout) and len(doc["sections"]) >= Layout.parse(layout).pp
     assert_losses(reference, first, 0)
     assert_losses(reference, second, HALF)
     assert_params(reference, second)

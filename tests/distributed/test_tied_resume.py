@@ -1,7 +1,8 @@
 """Tier 2: a tied embedding table is checkpointed once and resumes under another layout. A run saved under
 pp=2 (first and last stage each hold a copy) continues under dp=2, and one saved under dp=2 continues under
-pp=2 (the last stage reads its copy from the same `tok_embeddings.weight`), with the losses of a straight
-dp=2 run (fp32, 1e-4 relative)."""
+pp=2 (the last stage reads its copy from the same `tok_embeddings.weight`), and one saved under pp=2
+continues under pp=2 (each stage reads its own section of the top manifest and the tied table's), with
+the losses of a straight dp=2 run (fp32, 1e-4 relative)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def straight():
     return run_ranks(2, train_body, CFG, "dp=2", 4, None, return_params=False)[0]["losses"]
 
 
-@pytest.mark.parametrize("first,second", [("pp=2", "dp=2"), ("dp=2", "pp=2")])
+@pytest.mark.parametrize("first,second", [("pp=2", "dp=2"), ("dp=2", "pp=2"), ("pp=2", "pp=2")])
 def test_tied_table_resumes_across_layouts(tmp_path, straight, first, second):
     a = run_ranks(2, train_body, CFG, first, 2, str(tmp_path), return_params=False)
     b = run_ranks(2, train_body, CFG, second, 4, str(tmp_path), return_params=False)

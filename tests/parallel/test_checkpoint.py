@@ -168,15 +168,17 @@ def test_round_trip_is_exact_and_self_describing(run):
     d = os.path.join(root, STEP_DIR.format(4))
     # Only safetensors shards and JSON (the manifest and the rank's index): no DCP .metadata pickle.
     assert sorted(os.listdir(d)) == ["index-r00000.json", "manifest.json", "shard-r00000-00.safetensors"]
-    manifest = json.loads(open(os.path.join(d, "manifest.json")).read())
-    assert manifest["format_version"] == 3 and manifest["indexes"] == 1
+    text = open(os.path.join(d, "manifest.json")).read()
+    doc = json.loads(text)  # format 4: a header and one section per pipeline stage, one JSON object
+    manifest = doc["header"]
+    assert doc["format_version"] == 4 and manifest["indexes"] == 1 and len(doc["sections"]) == 1
     assert manifest["step"] == 4 and manifest["layout"] == {"tp": 1} and manifest["data"]["consumed_samples"] == 32
-    assert manifest["params"]["output.weight"]["shape"] == [64, 32]  # and so its moments'
+    assert doc["sections"][0]["params"]["output.weight"]["shape"] == [64, 32]  # and so its moments'
     assert manifest["optimizer"]["states"] == ["exp_avg", "exp_avg_sq"]
     index = json.loads(open(os.path.join(d, "index-r00000.json")).read())
     assert set(index["optimizer_steps"].values()) == {4}  # step counters live here, not in the files
     assert index["chunks"]["optim.exp_avg.output.weight"]["sizes"] == [64, 32]
-    assert set(index["chunks"]) == set(Manifest.from_json(json.dumps(manifest)).tensors)
+    assert set(index["chunks"]) == set(Manifest.from_json(text).tensors)
     assert not [k for k in index["chunks"] if k.endswith("step")]
     for name, f in index["files"].items():
         assert os.path.getsize(os.path.join(d, name)) == f["size"]

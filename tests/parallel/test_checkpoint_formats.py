@@ -83,8 +83,9 @@ def test_a_save_whose_boxes_the_placement_does_not_predict_falls_back_and_loads(
     results = run_ranks(4, checkpoint_placement_body, roots)
     want = results[0]["full"]
     for name, root in roots.items():
-        top = json.loads((tmp_path / name / "step-00000001" / "manifest.json").read_text())
-        assert top["format_version"] == 3 and top["indexes"] == 4
+        doc = json.loads((tmp_path / name / "step-00000001" / "manifest.json").read_text())
+        top = doc["header"]
+        assert doc["format_version"] == 4 and top["indexes"] == 4
         assert (top["placement"] is not None) == (name == "right")
         shared = [f for f in results[0]["files"][name] if f.endswith("-shared.json")]
         assert bool(shared) == (name == "right")  # the TP-replicated norms

@@ -224,3 +224,25 @@ def test_object_store_reads_take_exactly_the_ranges_asked(tmp_path):
         assert problems == [] and list(one.chunks) == ["model.output.weight"]
     finally:
         st.remove_tree(st.root)
+
+
+def test_a_digest_gap_merges_digest_ranges_alone_and_reads_the_same_digests(tmp_path):
+    top, _ = save(tmp_path, Layout.parse("dp_shard=8"))
+    bm = top.placement_of().boxmap(top.optimizer_states())
+    mine = Placement(layout=Layout.parse("dp_shard=6"), n_layers=3, params=PARAMS).boxmap(STATES).held(1)
+    wanted = index_keys_for(bm, mine)
+    boxes = {k: (b.offsets, b.sizes) for k, b in mine.items()}
+    reads = {}
+    for gap in (0, 1 << 20):
+        st = CountingStorage(str(tmp_path))
+        indexes, problems = read_indexes(st, str(tmp_path), top, wanted, boxes=boxes, digest_gap=gap)
+        assert problems == []
+        kinds = Counter((n, "head" if a <= PREAMBLE_BYTES else "records" if data.endswith(b"\n") else "digests")
+                        for n, a, data in st.ranges)
+        reads[gap] = ([ix.chunks for ix in indexes], kinds)
+    (chunks0, kinds0), (chunks1, kinds1) = reads[0], reads[1 << 20]
+    assert chunks0 == chunks1  # the same digests of the same blocks, the bytes between dropped
+    names = {n for n, _ in kinds0}
+    assert all(kinds1[(n, "records")] == kinds0[(n, "records")] for n in names)  # records: as before
+    assert all(kinds1[(n, "digests")] <= 1 for n in names)
+    assert sum(kinds0[(n, "digests")] for n in names) > len(names)  # there was something to merge
