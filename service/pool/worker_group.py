@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 
 import ray
 from ray.exceptions import RayError
@@ -318,11 +318,13 @@ class WorkerGroup:
         self._await([m.actor.leave.remote() for m in self.members], "leave", timeout_s=60)
 
     # -- the reserve and the takeover ---------------------------------------------------------------------
-    def keep_standby(self) -> int:
-        """Keep `resources.standby_per_node` idle workers started on each node that hosts members, CPU
-        workers only (a GPU is given to a process when it starts), without waiting for them
-        (`Reserve.keep_standby`). Returns how many were started."""
-        return self.reserve.keep_standby(self.cfg.resources.standby_per_node if not self.slots.gpus else 0)
+    def keep_standby(self, free: Mapping[str, int] | None = None) -> int:
+        """Keep `resources.standby_per_node` idle workers started on each node that hosts members, and a
+        node's worth on one node of `free` ({node: worker slots} the job may use) that hosts none, for
+        the loss of a whole node (`service.pool.reserve.standby_targets`); CPU workers only (a GPU is
+        given to a process when it starts), without waiting for them (`Reserve.keep_standby`). Returns
+        how many were started."""
+        return self.reserve.keep_standby(self.cfg.resources.standby_per_node if not self.slots.gpus else 0, free)
 
     def prewarm(self, nodes: list[str]) -> int:
         """Start spares on `nodes` in the background while the group keeps training (`Reserve.prewarm`).
