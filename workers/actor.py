@@ -150,6 +150,9 @@ class Worker:
         in: kept through a failure (`salvage`) and a failed transfer, replaced by the next `join`."""
         self._called_off = threading.Event()
         """Set by `abort`: a rendezvous in progress (`join`, `reshard`) stops waiting for its peers."""
+        self._after_first_step: float | None = None
+        """Set by `join` (the group's timeout): the first step `run` trains is followed by
+        `_set_up_after_first_step`."""
         if owner is not None:
             threading.Thread(target=watch_owner, args=(*owner, self.placement), name="watch-owner",
                              daemon=True).start()
@@ -227,7 +230,8 @@ class Worker:
         device = self._init_group(rank, world_size, master_addr, master_port, timeout_s)
         t1 = time.perf_counter()
         self.trainer = Trainer(self.cfg, plan=Plan.from_dict(plan), device=device,
-                               run_dir=self.run_dir).build(resume=not adopt, init_weights=not adopt)
+                               run_dir=self.run_dir).build(resume=not adopt, init_weights=not adopt,
+                                                           checkpoints_later=adopt)
         t2 = time.perf_counter()
         if adopt:
             got, self.received = self.received, None
@@ -236,16 +240,30 @@ class Worker:
             _malloc_trim()  # no collection while the new group lives (nothing cyclic was dropped here)
         self.rank, self._plan, self._broken = rank, plan, False
         t3 = time.perf_counter()
-        self._start_snapshots(timeout_s)
+        self._drop_snapshots()
+        self._after_first_step = timeout_s
         from workers.report import Joined
 
         return Joined(step=self.trainer.step, parts={"pg_s": t1 - t0, "build_s": t2 - t1, "adopt_s": t3 - t2,
                       **{f"build.{k}": v for k, v in self.trainer.build_times.items()},
-                      "snapshots_s": time.perf_counter() - t3},
-                      snapshot_bytes=self.snapshots.memory_bytes if self.snapshots is not None else 0)
+                      "drop_snapshots_s": time.perf_counter() - t3})
+
+    def _set_up_after_first_step(self) -> dict[str, float | int]:
+        """What the group's later steps need and its first does not, set up after that first step
+        (collective: every rank trains the same steps): the peer snapshots of this group, and the
+        checkpoint manager of a group formed from moved state (`Trainer.start_checkpoints`). Returns the
+        seconds each part took and the snapshots' host memory (`snapshot_bytes`, 0: off)."""
+        timeout_s, self._after_first_step = self._after_first_step, None
+        t0 = time.perf_counter()
+        took: dict[str, float | int] = {f"build.{k}": v for k, v in self.trainer.start_checkpoints().items()}
+        t1 = time.perf_counter()
+        self._start_snapshots(timeout_s)
+        took.update(snapshots_s=time.perf_counter() - t1, checkpoints_s=t1 - t0,
+                    snapshot_bytes=self.snapshots.memory_bytes if self.snapshots is not None else 0)
+        return took
 
     def _start_snapshots(self, timeout_s: float) -> None:
-        """Peer snapshots for the group just formed (collective on every rank), unless off
+        """Peer snapshots for the group formed last (collective on every rank), unless off
         (`checkpoint.peer_interval: 0`), of no use (`parallel.reshard: storage` never forms a group
         from memory) or a lone rank; the previous group's are dropped first. Their rounds wait for a
         peer at most `timeout_s`, as the group's collectives do."""
@@ -416,7 +434,7 @@ class Worker:
             finally:
                 self.trainer = None
         destroy_process_group()
-        self.rank = self._plan = None
+        self.rank = self._plan = self._after_first_step = None
         if dropped:
             release_dropped()
 
@@ -434,6 +452,8 @@ class Worker:
                 if self.trainer.step >= until_step:
                     break
                 out.append(row := self.trainer.train_step().to_dict())
+                if self._after_first_step is not None:
+                    row["set_up_after"] = self._set_up_after_first_step()
                 if self.snapshots is not None and self.trainer.step % every == 0:
                     row["snapshot"] = asdict(self._snapshot())
         except BaseException:

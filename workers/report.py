@@ -69,9 +69,12 @@ class Joined:
     """The step training continues from."""
     parts: dict[str, float] = field(default_factory=dict)
     """Seconds per part of the join: the process group (`pg_s`), the trainer's build (`build_s`, and
-    its parts as `build.*`), the adoption of moved state (`adopt_s`), the peer snapshots (`snapshots_s`)."""
+    its parts as `build.*`), the adoption of moved state (`adopt_s`), dropping the previous group's
+    peer snapshots (`drop_snapshots_s`). The new group's snapshots, and the checkpoint manager of a
+    group formed from moved state, are set up after its first step: that step's metrics row says what
+    they took (`set_up_after`, `Worker._set_up_after_first_step`)."""
     snapshot_bytes: int = 0
-    """Host memory its peer snapshots take (0: off)."""
+    """Host memory its peer snapshots take (0: off, or not set up yet)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
