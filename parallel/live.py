@@ -52,7 +52,8 @@ class Held:
     movable: bool = False
     """Whether a new rank on the same worker may take these tensors as its own shards instead of copying
     them: true for the shards of a trainer that is handed over and then dropped
-    (`workers.reshard.hand_over`), false for copies something else still keeps (peer snapshots)."""
+    (`workers.reshard.hand_over`) and for the peer snapshots a group is formed from (the join that
+    adopts them drops the snapshots after), false for copies something else still keeps."""
 
 
 class Got(NamedTuple):

@@ -398,6 +398,10 @@ class Worker:
             if self.snapshots is None:
                 raise RuntimeError("reshard from snapshots on a worker that holds none")
             helds, state = self.snapshots.handover(snapshot_step, [r for r, g in old_to_group.items() if g == rank])
+            for held in helds.values():
+                # the join that adopts drops these snapshots right after (`_drop_snapshots`): a new rank here
+                # may keep their buffers as its own moments instead of copying them (`parallel.live.fill`)
+                held.movable = True
             own = helds.pop(old_rank, None)
             if own is None:  # it serves only others' copies: the first one stands in as its own
                 old_rank, own = next(iter(helds.items()))
