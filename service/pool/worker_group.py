@@ -142,10 +142,17 @@ class WorkerGroup:
 
     def stop_members(self, *, dead: Collection[str] = ()) -> None:
         """Stop every member, and the spares on `dead` nodes or whose start failed; the other spares and
-        the standbys stay for the next start (`shutdown` stops them too)."""
+        the standbys stay for the next start (`shutdown` stops them too). A member's slot on a node not
+        `dead` stays placed (vacant) for that start, as a salvage leaves a lost member's: the standby or
+        worker that replaces it there takes it at once, where a new placement group would wait for the
+        old one's removal and, its target only soft where nodes share an IP, could land on the node
+        another claim needs (the next start removes the slots it does not take)."""
         self.calls.settle()
+        for m in self.members:
+            if m.pg is not None and m.node_id not in dead:
+                self.slots.leave_vacant(m.node_id, m.pg)
+                m.pg = None
         self.launcher.stop(self.members + [w for w in self.spares if w.node_id in dead or not w.sound()])
-        self.slots.release_vacant()
 
     # -- collective operations ---------------------------------------------------------------------------
     def form(self, plan: Plan, *, adopt: bool = False) -> Formed:
