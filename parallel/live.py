@@ -12,9 +12,9 @@ A resize on live workers goes:
      (batched point-to-point: gloo on CPU, NCCL on GPU);
   3. the new training group is formed, the new model and optimizer are built, and `fill()` gives them
      the received pieces: a piece that is a whole plain-tensor shard (replicated tensors, a survivor's
-     own shard: the join of a replica) becomes that shard, its buffer kept as it is, so its bytes are
-     neither copied nor faulted in again; any other piece is copied into its shard (the same box
-     intersection a checkpoint load uses).
+     own shard: the join of a replica) or a whole shard of an AdamW moment (FSDP and TP moments too)
+     becomes that shard, its buffer kept as it is, so its bytes are neither copied nor faulted in
+     again; any other piece is copied into its shard (the same box intersection a checkpoint load uses).
 The result is bitwise what a save under the old layout and a load under the new one give
 (tests/distributed/test_live_reshard.py). Non-tensor state (step, data position, RNG, AdamW step
 counters) travels as JSON from the old rank 0.
@@ -52,7 +52,8 @@ class Held:
     movable: bool = False
     """Whether a new rank on the same worker may take these tensors as its own shards instead of copying
     them: true for the shards of a trainer that is handed over and then dropped
-    (`workers.reshard.hand_over`), false for copies something else still keeps (peer snapshots)."""
+    (`workers.reshard.hand_over`) and for the peer snapshots a group is formed from (the join that
+    adopts them drops the snapshots after), false for copies something else still keeps."""
 
 
 class Got(NamedTuple):
@@ -240,10 +241,12 @@ def fill(model: nn.Module, optimizer: torch.optim.Optimizer, pieces: dict[str, l
          optimizer_steps: dict[str, int]) -> Filled:
     """Give this worker's shards of the new model and optimizer their values from the received pieces
     (creating AdamW state as a checkpoint load does). A movable piece that is a whole shard of a plain
-    tensor (not a DTensor: FSDP and TP keep their shards inside storage of their own) becomes that
-    shard: the parameter or moment takes the piece's memory and its own unset allocation is dropped
-    unwritten, so neither a copy nor the first touch of fresh pages is paid. Every other piece is copied
-    in. Raises CheckpointError if a shard is not covered exactly."""
+    tensor, or of an optimizer moment (a DTensor the optimizer alone holds), becomes that shard: the
+    tensor takes the piece's memory (a moment: a DTensor of the same mesh, placements and shape over
+    it) and its own unset allocation is dropped unwritten, so neither a copy nor the first touch of
+    fresh pages is paid. Every other piece is copied in, and so is a whole piece of a DTensor parameter
+    (FSDP and TP keep its shard inside storage of their own). Raises CheckpointError if a shard is not
+    covered exactly."""
     out = Filled()
     whole: dict[str, torch.Tensor] = {}
 
@@ -268,14 +271,25 @@ def fill(model: nn.Module, optimizer: torch.optim.Optimizer, pieces: dict[str, l
     state_mod.load(model, optimizer, read, optimizer_steps)
     if whole:
         live, _ = state_mod.collect(model, optimizer)
+        # where each optimizer moment lives, so that a DTensor moment can be replaced by one on the piece
+        moment = {id(v): (st, name) for st in optimizer.state.values() for name, v in st.items()
+                  if isinstance(v, DTensor)}
         with torch.no_grad():
             for key, data in whole.items():
                 n = data.numel() * data.element_size()
-                if isinstance(live[key], DTensor):
-                    state_mod.local_box(live[key])[0].copy_(data)
+                t = live[key]
+                if isinstance(t, DTensor) and id(t) in moment:
+                    # the moment becomes a DTensor of the same spec over the piece: its unset allocation
+                    # (never touched) is dropped, and neither a copy nor fresh pages are paid
+                    st, name = moment[id(t)]
+                    st[name] = DTensor.from_local(data, device_mesh=t.device_mesh, placements=t.placements,
+                                                  run_check=False, shape=t.shape, stride=t.stride())
+                    out.moved += n
+                elif isinstance(t, DTensor):  # a parameter: FSDP and TP keep its shard in storage of their own
+                    state_mod.local_box(t)[0].copy_(data)
                     out.copied += n
                 else:  # the same tensor object (what the optimizer and the modules refer to), new memory
-                    live[key].data = data
+                    t.data = data
                     out.moved += n
     return out
 

@@ -100,7 +100,7 @@ class FakeGroup:
     def warm(self, nodes):
         return True
 
-    def keep_standby(self):
+    def keep_standby(self, free=None):
         return 0
 
     def stop_members(self, *, dead=()):

@@ -148,6 +148,9 @@ class Worker:
         in: kept through a failure (`salvage`) and a failed transfer, replaced by the next `join`."""
         self._called_off = threading.Event()
         """Set by `abort`: a rendezvous in progress (`join`, `reshard`) stops waiting for its peers."""
+        self._after_first_step: float | None = None
+        """Set by `join` (the group's timeout): the first step `run` trains is followed by
+        `_set_up_after_first_step`."""
         if owner is not None:
             threading.Thread(target=watch_owner, args=(*owner, self.placement), name="watch-owner",
                              daemon=True).start()
@@ -225,7 +228,8 @@ class Worker:
         device = self._init_group(rank, world_size, master_addr, master_port, timeout_s)
         t1 = time.perf_counter()
         self.trainer = Trainer(self.cfg, plan=Plan.from_dict(plan), device=device,
-                               run_dir=self.run_dir).build(resume=not adopt, init_weights=not adopt)
+                               run_dir=self.run_dir).build(resume=not adopt, init_weights=not adopt,
+                                                           checkpoints_later=adopt)
         t2 = time.perf_counter()
         if adopt:
             got, self.received = self.received, None
@@ -234,16 +238,30 @@ class Worker:
             _malloc_trim()  # no collection while the new group lives (nothing cyclic was dropped here)
         self.rank, self._plan, self._broken = rank, plan, False
         t3 = time.perf_counter()
-        self._start_snapshots(timeout_s)
+        self._drop_snapshots()
+        self._after_first_step = timeout_s
         from workers.report import Joined
 
         return Joined(step=self.trainer.step, parts={"pg_s": t1 - t0, "build_s": t2 - t1, "adopt_s": t3 - t2,
                       **{f"build.{k}": v for k, v in self.trainer.build_times.items()},
-                      "snapshots_s": time.perf_counter() - t3},
-                      snapshot_bytes=self.snapshots.memory_bytes if self.snapshots is not None else 0)
+                      "drop_snapshots_s": time.perf_counter() - t3})
+
+    def _set_up_after_first_step(self) -> dict[str, float | int]:
+        """What the group's later steps need and its first does not, set up after that first step
+        (collective: every rank trains the same steps): the peer snapshots of this group, and the
+        checkpoint manager of a group formed from moved state (`Trainer.start_checkpoints`). Returns the
+        seconds each part took and the snapshots' host memory (`snapshot_bytes`, 0: off)."""
+        timeout_s, self._after_first_step = self._after_first_step, None
+        t0 = time.perf_counter()
+        took: dict[str, float | int] = {f"build.{k}": v for k, v in self.trainer.start_checkpoints().items()}
+        t1 = time.perf_counter()
+        self._start_snapshots(timeout_s)
+        took.update(snapshots_s=time.perf_counter() - t1, checkpoints_s=t1 - t0,
+                    snapshot_bytes=self.snapshots.memory_bytes if self.snapshots is not None else 0)
+        return took
 
     def _start_snapshots(self, timeout_s: float) -> None:
-        """Peer snapshots for the group just formed (collective on every rank), unless off
+        """Peer snapshots for the group formed last (collective on every rank), unless off
         (`checkpoint.peer_interval: 0`), of no use (`parallel.reshard: storage` never forms a group
         from memory) or a lone rank; the previous group's are dropped first. Their rounds wait for a
         peer at most `timeout_s`, as the group's collectives do."""
@@ -259,7 +277,9 @@ class Worker:
         shard = sum(t.numel() * t.element_size()
                     for t in hold(self.trainer.model, self.trainer.optimizer).tensors.values())
         ck = self.cfg.checkpoint
-        pace = Pace(every=ck.peer_interval, budget=ck.peer_budget, start=self.trainer.step,
+        # set up after the group's first step: it formed at the step before, where its first snapshot
+        # may be due (taken right after this set-up)
+        pace = Pace(every=ck.peer_interval, budget=ck.peer_budget, start=self.trainer.step - 1,
                     cap=max(ck.peer_interval, ck.interval_steps))
         self.snapshots = PeerSnapshots.start(self._node_id(), shard_bytes=shard, available_bytes=_available_memory(),
                                              timeout_s=timeout_s, pace=pace)
@@ -382,6 +402,10 @@ class Worker:
             if self.snapshots is None:
                 raise RuntimeError("reshard from snapshots on a worker that holds none")
             helds, state = self.snapshots.handover(snapshot_step, [r for r, g in old_to_group.items() if g == rank])
+            for held in helds.values():
+                # the join that adopts drops these snapshots right after (`_drop_snapshots`): a new rank here
+                # may keep their buffers as its own moments instead of copying them (`parallel.live.fill`)
+                held.movable = True
             own = helds.pop(old_rank, None)
             if own is None:  # it serves only others' copies: the first one stands in as its own
                 old_rank, own = next(iter(helds.items()))
@@ -418,7 +442,7 @@ class Worker:
             finally:
                 self.trainer = None
         destroy_process_group()
-        self.rank = self._plan = None
+        self.rank = self._plan = self._after_first_step = None
         if dropped:
             release_dropped()
 
@@ -433,16 +457,18 @@ class Worker:
         if self.trainer is None:
             raise RuntimeError("worker has not joined a group")
         out = self._rows = []  # kept if a step raises: a salvage reports the steps this call did finish
-        snaps = self.snapshots
         try:
             for _ in range(steps):
                 if self.trainer.step >= until_step:
                     break
-                busy = snaps is not None and snaps.in_flight()
+                busy = self.snapshots is not None and self.snapshots.in_flight()
                 t0 = time.perf_counter()
                 out.append(row := self.trainer.train_step())
-                if snaps is not None:
-                    snaps.pace.step_ended(time.perf_counter() - t0, busy=busy)
+                took = time.perf_counter() - t0
+                if self._after_first_step is not None:
+                    row.set_up_after = self._set_up_after_first_step()
+                if (snaps := self.snapshots) is not None:
+                    snaps.pace.step_ended(took, busy=busy)
                     if snaps.pace.due(self.trainer.step):
                         row.snapshot = self._snapshot()
         except BaseException:

@@ -313,7 +313,10 @@ class ResourcesConfig:
     standby_per_node: int = 1
     """Idle worker processes kept started on each node hosting the job's workers, reserving nothing
     (~300 MB of memory each): a worker that crashes is replaced by one without a process start (~2.5 s
-    on CPU). CPU workers only (a GPU is given to a process when it starts); 0: none."""
+    on CPU). Besides these, one node the job may use and does not keeps as many as the busiest node has
+    members, so that a node lost without notice is replaced the same way
+    (`service.pool.reserve.standby_targets`). CPU workers only (a GPU is given to a process when it
+    starts); 0: none, anywhere."""
 
     def __post_init__(self) -> None:
         if self.gpus_per_worker is None:

@@ -54,12 +54,17 @@ class StepMetrics:
     snapshot: Taken | None = None
     """What the peer snapshot taken after this step cost the training thread (`Worker.run` sets it; None:
     none was taken). Not in metrics.jsonl: the row is written there before."""
+    set_up_after: dict[str, float] | None = None
+    """On a group's first step: seconds of what its later steps need set up after it (peer snapshots, an
+    adopting group's checkpoint manager) and the snapshots' host memory (`snapshot_bytes`); None on the
+    others (`Worker._set_up_after_first_step`). Not in metrics.jsonl either."""
 
     def to_dict(self) -> dict:
-        """The row as JSON-ready fields (`snapshot` only where one was taken)."""
+        """The row as JSON-ready fields (`snapshot` and `set_up_after` only where they happened)."""
         out = asdict(self)
-        if out["snapshot"] is None:
-            del out["snapshot"]
+        for k in ("snapshot", "set_up_after"):
+            if out[k] is None:
+                del out[k]
         return out
 
     def to_json(self) -> str:
@@ -101,9 +106,12 @@ class Joined:
     """The step training continues from."""
     parts: dict[str, float] = field(default_factory=dict)
     """Seconds per part of the join: the process group (`pg_s`), the trainer's build (`build_s`, and
-    its parts as `build.*`), the adoption of moved state (`adopt_s`), the peer snapshots (`snapshots_s`)."""
+    its parts as `build.*`), the adoption of moved state (`adopt_s`), dropping the previous group's
+    peer snapshots (`drop_snapshots_s`). The new group's snapshots, and the checkpoint manager of a
+    group formed from moved state, are set up after its first step: that step's metrics row says what
+    they took (`set_up_after`, `Worker._set_up_after_first_step`)."""
     snapshot_bytes: int = 0
-    """Host memory its peer snapshots take (0: off)."""
+    """Host memory its peer snapshots take (0: off, or not set up yet)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

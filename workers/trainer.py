@@ -112,6 +112,8 @@ class Trainer:
         """Random initial values `build()` drew on this rank (0 when the state was loaded or adopted)."""
         self.prefetched_bytes = 0
         """Bytes of the checkpoint read into the page cache beside the build, before the resume's load."""
+        self._checkpoints_due = False
+        """`build(checkpoints_later=True)` left the checkpoint manager to `start_checkpoints()`."""
         self.build_times: dict[str, float] = {}
         """Seconds `build()` spent in each of `BUILD_PHASES` it went through (a seam for benchmarks)."""
         self._before_update: dict | None = None
@@ -121,16 +123,22 @@ class Trainer:
         self.val_loader: DataLoader | None = None
 
     # -- construction ------------------------------------------------------------------------------
-    def build(self, *, resume: bool = True, init_weights: bool = True) -> "Trainer":
+    def build(self, *, resume: bool = True, init_weights: bool = True, checkpoints_later: bool = False) -> "Trainer":
         """Build model, optimizer, data and schedule for this rank; `resume`: load the newest committed
         checkpoint (off when the state arrives another way, e.g. `adopt()` after a live reshard, which
         also needs no initial values: `init_weights=False` leaves the shards allocated but unset).
+        `checkpoints_later` (only without `resume`): leave the checkpoint manager and its staging pool
+        to `start_checkpoints()` (collective), which the first save calls if nothing did before: a
+        re-formed group's first step then waits for neither.
 
         The shards are allocated unset and given initial values only when nothing else fills them: a
         resume (or `model.init_from`) writes every element, so a restart never computes random values
         that the load overwrites. `init_elements` says how many this rank drew."""
         cfg, layout = self.cfg, self.layout
         # Checks every rank makes alike, before any collective: a bad option fails fast, never hangs.
+        if resume and checkpoints_later:
+            raise ValueError("Trainer.build(checkpoints_later=True) needs resume=False: a resume reads "
+                             "through the checkpoint manager")
         t = cfg.train
         cuda = self.device.type == "cuda"
         try:
@@ -208,13 +216,8 @@ class Trainer:
         clock.lap("data")
         if prefetch is not None:  # the load reads from here on; two readers would share the disk
             self.prefetched_bytes = prefetch.stop()
-        ckpt_dir = self.checkpoint_dir()
-        if ckpt_dir is not None:
-            c = cfg.checkpoint
-            self.checkpointer = CheckpointManager(ckpt_dir, keep_last=c.keep_last, async_save=c.async_save,
-                                                  checksum=c.checksum, io_threads=c.io_threads,
-                                                  placement=self.placement())
-            clock.lap("checkpointer")
+        self._checkpoints_due = checkpoints_later and self.checkpoint_dir() is not None
+        if not self._checkpoints_due and self._make_checkpointer(clock):
             if resume:
                 self.resume(fresh=True)  # the shards were allocated unset just above
                 clock.lap("resume")
@@ -228,6 +231,32 @@ class Trainer:
             self.checkpointer.prepare(model, self.optimizer)  # the first save finds its staging pool ready
             clock.lap("staging")
         return self
+
+    def _make_checkpointer(self, clock: _Laps) -> bool:
+        """The checkpoint manager (collective: it makes a process group of its own), if checkpoints are
+        on; whether they are."""
+        ckpt_dir = self.checkpoint_dir()
+        if ckpt_dir is None:
+            return False
+        c = self.cfg.checkpoint
+        self.checkpointer = CheckpointManager(ckpt_dir, keep_last=c.keep_last, async_save=c.async_save,
+                                              checksum=c.checksum, io_threads=c.io_threads, placement=self.placement())
+        clock.lap("checkpointer")
+        return True
+
+    def start_checkpoints(self) -> dict[str, float]:
+        """Build the checkpoint manager and its staging pool that `build(checkpoints_later=True)` left
+        (collective: every rank calls it at the same step); nothing if there is none due. Returns the
+        seconds each part took (`checkpointer`, `staging`)."""
+        if not self._checkpoints_due:
+            return {}
+        self._checkpoints_due = False
+        took: dict[str, float] = {}
+        clock = _Laps(took)
+        self._make_checkpointer(clock)
+        self.checkpointer.prepare(self.model, self.optimizer)
+        clock.lap("staging")
+        return took
 
     def _prefetch(self) -> Prefetch | None:
         """Start reading this rank's files of the newest checkpoint of the run (else of
@@ -349,6 +378,7 @@ class Trainer:
     def save_checkpoint(self, *, blocking: bool = True) -> None:
         """Checkpoint the current step (collective). Non-blocking returns after staging; a second save of
         the same step only waits for the first."""
+        self.start_checkpoints()
         if self.checkpointer is None:
             raise CheckpointError("checkpoints are disabled: set checkpoint.dir or give the trainer a run_dir")
         if self.checkpointer.last_saved_step == self.step:
@@ -475,7 +505,7 @@ class Trainer:
         self._mid_step = False
         self.last_metrics = m  # out even if the periodic save below fails (a salvage reports it)
         ckpt = self.cfg.checkpoint
-        if self.checkpointer is not None and self.step % ckpt.interval_steps == 0:
+        if (self.checkpointer is not None or self._checkpoints_due) and self.step % ckpt.interval_steps == 0:
             self.save_checkpoint(blocking=not ckpt.async_save)
         return m
 
@@ -511,6 +541,6 @@ class Trainer:
             out.append(m)
             if on_step is not None:
                 on_step(m)
-        if self.checkpointer is not None:
+        if self.checkpointer is not None or self._checkpoints_due:
             self.save_checkpoint(blocking=True)
         return out

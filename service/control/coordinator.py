@@ -302,13 +302,13 @@ class Coordinator:
     def _prewarm(self, snap: ClusterSnapshot) -> None:
         """While a growth settles, start the workers it will need on the new nodes (they warm up while
         the group trains: the growth waits for them, `_hold_growth`); then keep standby workers beside
-        the members and those spares (`Group.keep_standby`)."""
+        the members and on a node the job may use but does not (`Group.keep_standby`)."""
         if (pending := self.policy.pending_growth) is not None and (extra := self._joiners(pending[0], snap)):
             if started := self.group.prewarm(extra):
                 self.sm.note("capacity", reason=f"starting {started} worker(s) to warm up for the growth to "
                                                 f"{pending[0]} while the group trains", step=self.step_done,
                              details={"nodes": sorted(set(extra))})
-        self.group.keep_standby()
+        self.group.keep_standby(self._slots(snap))
 
     def _joiners(self, workers: int, snap: ClusterSnapshot | None) -> list[str]:
         """The node of each worker a growth to `workers` adds (none if it cannot be planned)."""

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Protocol, runtime_checkable
@@ -155,9 +155,10 @@ class Group(Protocol):
     def stop_members(self, *, dead: Collection[str] = ()) -> None:
         """Stop every member (after a failure that kept none); standbys, and spares off the `dead`
         nodes, stay for the next start."""
-    def keep_standby(self) -> int:
-        """Keep idle workers started beside the members and spares (the job's
-        `resources.standby_per_node`), to replace a member that crashes without a process start;
+    def keep_standby(self, free: Mapping[str, int] | None = None) -> int:
+        """Keep idle workers started beside the members (the job's `resources.standby_per_node`), to
+        replace a member that crashes without a process start, and a node's worth on one node of `free`
+        ({node: worker slots} the job may use) that hosts none, to replace a node lost without notice;
         returns how many it started now."""
     def form(self, plan: Plan, *, adopt: bool = False) -> Formed:
         """(Re-)form the process group for `plan`. `adopt`: take the state a `reshard` transfer

@@ -2,13 +2,17 @@
 processes.
 
 A spare is started in a slot of its own (ahead of a growth, `prewarm`; or a member a salvage kept
-idle); a standby runs idle on a member's node reserving nothing, and a start claims it with a slot
-(`take_standby`). Both warm up (`Worker.warm_up`) while they wait.
+idle); a standby runs idle on a node reserving nothing, and a start claims it with a slot
+(`take_standby`). Both warm up (`Worker.warm_up`) while they wait. Where standbys run is one pure rule
+(`standby_targets`): beside the members, to replace one that crashes, and on one node the job may use
+but does not, enough to replace the whole node that hosts the most members (a node lost without
+notice: its replacements are claimed there, where a restart would start processes).
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Collection, Mapping
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -18,7 +22,25 @@ from service.pool.launch import Launcher
 from service.pool.roster import Role, Roster, WorkerHandle
 from service.pool.slots import Slots
 
-__all__ = ["Reserve"]
+__all__ = ["Reserve", "standby_targets"]
+
+
+def standby_targets(per_node: int, members: Mapping[str, int], free: Mapping[str, int],
+                    spares: Collection[str] = ()) -> dict[str, int]:
+    """{node: standbys to keep there}: `per_node` on each node hosting `members` ({node: members}), and,
+    for the loss of a whole node, on the node the job may use (`free`: {node: worker slots}, its grant
+    applied) that hosts no member and no spare (a growth's spare has its node to itself while it warms
+    up), as many as the node with the most members hosts, at most its slots. That node is the roomiest,
+    then the lowest id: the one `service.pool.placement.assign_nodes` fills first after such a loss. None
+    anywhere when `per_node` is 0 (standbys off) or there is no member."""
+    hosts = {nid: per_node for nid, n in members.items() if n > 0}
+    if per_node <= 0 or not hosts:
+        return {}
+    idle = sorted((nid for nid, k in free.items() if k > 0 and nid not in hosts and nid not in set(spares)),
+                  key=lambda nid: (-free[nid], nid))
+    if idle:
+        hosts[idle[0]] = min(free[idle[0]], max(members.values()))
+    return hosts
 
 
 class Reserve:
@@ -28,26 +50,34 @@ class Reserve:
         self.roster, self.slots, self.launcher = roster, slots, launcher
 
     # -- standbys ------------------------------------------------------------------------------------
-    def keep_standby(self, per_node: int) -> int:
-        """Keep `per_node` idle workers started on each node that hosts members (not on a node that only
-        a growth's spare holds yet: the spare's start and warm-up, which the growth waits for, have the
-        node to themselves; its standby follows once it is a member), without waiting for them. A
-        standby reserves nothing: it runs pinned to its node and holds a slot only once claimed as a
-        member (`take_standby`). Each call reads the standbys' last ping (`info`) and sends the next:
-        those that died (or whose node did) are dropped, as are those on nodes that host no member any
-        more. A new standby first warms up (`Worker.warm_up`). Returns how many were started."""
-        hosts = {w.node_id for w in self.roster.members}
+    def keep_standby(self, per_node: int, free: Mapping[str, int] | None = None) -> int:
+        """Keep idle workers started where `standby_targets` says: `per_node` on each node that hosts
+        members (not on a node that only a growth's spare holds yet: the spare's start and warm-up, which
+        the growth waits for, have the node to themselves; its standby follows once it is a member), and
+        a node's worth on one node of `free` ({node: worker slots} the job may use) that hosts none;
+        without waiting for them. A standby reserves nothing: it runs pinned to its node and holds a slot
+        only once claimed as a member (`take_standby`). Each call reads the standbys' last ping (`info`)
+        and sends the next: those that died (or whose node did) are dropped, as are those beyond what
+        their node should keep (a node that hosts no member any more, or no longer the idle one). A new
+        standby first warms up (`Worker.warm_up`). Returns how many were started."""
+        want = standby_targets(per_node, Counter(w.node_id for w in self.roster.members), free or {},
+                               spares=[w.node_id for w in self.roster.spares])
         standby = self.roster.standby
         done, _ = ray.wait([w.ping for w in standby], num_returns=len(standby), timeout=0)
-        gone = [w for w in standby if w.node_id not in hosts or (w.ping in done and not w.idle())]
+        kept: Counter = Counter()
+        gone = []
+        for w in standby:
+            if (w.ping in done and not w.idle()) or kept[w.node_id] >= want.get(w.node_id, 0):
+                gone.append(w)
+            else:
+                kept[w.node_id] += 1
         for w in gone:
             self.launcher.kill(w.actor)
         self.roster.drop(gone)
         for w in self.roster.standby:
             if w.ping in done:
                 w.ping = w.actor.info.remote()
-        have = Counter(w.node_id for w in self.roster.standby)
-        need = [nid for nid in sorted(hosts) for _ in range(per_node - have[nid])]
+        need = [nid for nid in sorted(want) for _ in range(want[nid] - kept[nid])]
         for nid in need:
             actor = self.launcher.actor(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False),
                                         **self.slots.named(standby_kind(nid)))

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 
 import ray
 from ray.exceptions import RayError
@@ -142,10 +142,17 @@ class WorkerGroup:
 
     def stop_members(self, *, dead: Collection[str] = ()) -> None:
         """Stop every member, and the spares on `dead` nodes or whose start failed; the other spares and
-        the standbys stay for the next start (`shutdown` stops them too)."""
+        the standbys stay for the next start (`shutdown` stops them too). A member's slot on a node not
+        `dead` stays placed (vacant) for that start, as a salvage leaves a lost member's: the standby or
+        worker that replaces it there takes it at once, where a new placement group would wait for the
+        old one's removal and, its target only soft where nodes share an IP, could land on the node
+        another claim needs (the next start removes the slots it does not take)."""
         self.calls.settle()
+        for m in self.members:
+            if m.pg is not None and m.node_id not in dead:
+                self.slots.leave_vacant(m.node_id, m.pg)
+                m.pg = None
         self.launcher.stop(self.members + [w for w in self.spares if w.node_id in dead or not w.sound()])
-        self.slots.release_vacant()
 
     # -- collective operations ---------------------------------------------------------------------------
     def form(self, plan: Plan, *, adopt: bool = False) -> Formed:
@@ -318,11 +325,13 @@ class WorkerGroup:
         self._await([m.actor.leave.remote() for m in self.members], "leave", timeout_s=60)
 
     # -- the reserve and the takeover ---------------------------------------------------------------------
-    def keep_standby(self) -> int:
-        """Keep `resources.standby_per_node` idle workers started on each node that hosts members, CPU
-        workers only (a GPU is given to a process when it starts), without waiting for them
-        (`Reserve.keep_standby`). Returns how many were started."""
-        return self.reserve.keep_standby(self.cfg.resources.standby_per_node if not self.slots.gpus else 0)
+    def keep_standby(self, free: Mapping[str, int] | None = None) -> int:
+        """Keep `resources.standby_per_node` idle workers started on each node that hosts members, and a
+        node's worth on one node of `free` ({node: worker slots} the job may use) that hosts none, for
+        the loss of a whole node (`service.pool.reserve.standby_targets`); CPU workers only (a GPU is
+        given to a process when it starts), without waiting for them (`Reserve.keep_standby`). Returns
+        how many were started."""
+        return self.reserve.keep_standby(self.cfg.resources.standby_per_node if not self.slots.gpus else 0, free)
 
     def prewarm(self, nodes: list[str]) -> int:
         """Start spares on `nodes` in the background while the group keeps training (`Reserve.prewarm`).

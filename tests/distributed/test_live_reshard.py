@@ -27,7 +27,7 @@ CFG = {
 
 
 def live_body(cfg_dict: dict, old: str, new: str, ports: list[int], run_dir: str,
-              pack_below: int | None = None, all_moved: bool = False) -> list[str]:
+              pack_below: int | None = None, all_moved: bool = False, moments_moved: bool = False) -> list[str]:
     import torch
     import torch.distributed as dist
 
@@ -79,6 +79,15 @@ def live_body(cfg_dict: dict, old: str, new: str, ports: list[int], run_dir: str
         if all_moved and (filled.copied or not filled.moved):
             problems.append(f"rank {rank} copied {filled.copied} bytes, moved {filled.moved}: every piece is a "
                             "whole shard here and should have become it without a copy")
+        if moments_moved:  # every piece is a whole shard: the moments and plain tensors taken, DTensor params copied
+            from torch.distributed.tensor import DTensor
+
+            tensors, _ = collect(fed.model, fed.optimizer)
+            nbytes = {k: local_box(t)[0].numel() * t.element_size() for k, t in tensors.items()}
+            taken = sum(n for k, n in nbytes.items() if k.startswith("optim.") or not isinstance(tensors[k], DTensor))
+            want = (taken, sum(nbytes.values()) - taken)
+            if (filled.moved, filled.copied) != want:
+                problems.append(f"rank {rank} moved {filled.moved} and copied {filled.copied} bytes, not {want}")
         resumed = Trainer(cfg, layout=new_l, device=device, run_dir=run_dir).build()
         if resumed.resumed_from is None or resumed.step != 3 or fed.step != 3:
             problems.append(f"steps: live {fed.step}, resumed {resumed.step}")
@@ -138,3 +147,47 @@ def test_join_of_a_replica_takes_the_pieces_as_shards(tmp_path):
     problems = [p for r in run_ranks(3, live_body, CFG, "dp_replicate=2", "dp_replicate=3", ports, str(tmp_path),
                                      None, True) for p in r]
     assert problems == []
+
+
+
+def fill_body(cfg_dict: dict, layout: str) -> dict:
+    """Train one step under `layout`, hand the state over as a worker that is then dropped does, and fill
+    a fresh trainer (built as a worker that adopts builds it) with each tensor's whole shard. Returns
+    what `fill` moved and copied, what it should have by kind, and whether every shard and the next
+    step's loss equal the old trainer's."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from parallel.checkpoint.state import collect, local_box
+    from parallel.layout import Layout
+    from parallel.live import Got
+    from workers.config import JobConfig
+    from workers.reshard import hand_over
+    from workers.trainer import Trainer
+
+    cfg = JobConfig.from_dict({**cfg_dict, "checkpoint": {"async_save": False}})
+    old = Trainer(cfg, layout=Layout.parse(layout), device=torch.device("cpu")).build(resume=False)
+    old.train_step()
+    before, _ = collect(old.model, old.optimizer)
+    before = {k: local_box(t)[0].clone() for k, t in before.items()}
+    held = hand_over(old).held
+    state = old.checkpoint_state()
+    pieces = {k: [Got(held.boxes[k], t, held.movable)] for k, t in held.tensors.items()}
+    new = Trainer(cfg, layout=Layout.parse(layout), device=torch.device("cpu")).build(resume=False, init_weights=False)
+    filled = new.adopt(pieces, held.optimizer_steps, state)
+    after, _ = collect(new.model, new.optimizer)
+    nbytes = {k: local_box(t)[0].numel() * t.element_size() for k, t in after.items()}
+    taken = sum(n for k, n in nbytes.items() if k.startswith("optim.") or not isinstance(after[k], DTensor))
+    moment = next(k for k in after if k.startswith("optim.") and isinstance(after[k], DTensor))
+    return {"filled": (filled.moved, filled.copied), "want": (taken, sum(nbytes.values()) - taken),
+            "equal": all(torch.equal(local_box(after[k])[0], before[k]) for k in before) and before.keys() == after.keys(),
+            "shares": local_box(after[moment])[0].data_ptr() == held.tensors[moment].data_ptr()}
+
+
+def test_a_whole_shard_of_an_optimizer_moment_becomes_the_moment():
+    """FSDP's moments are DTensors the optimizer alone holds: a whole movable piece becomes the moment
+    (a DTensor of the same spec over the piece's memory), no copy; the parameters, whose shards FSDP keeps
+    in storage of its own, are copied in. Every shard ends bitwise as it was."""
+    for got in run_ranks(2, fill_body, CFG, "dp_shard=2"):
+        assert got["filled"] == got["want"] and got["want"][0] > 0 and got["want"][1] > 0
+        assert got["equal"] and got["shares"]

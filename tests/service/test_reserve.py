@@ -1,10 +1,12 @@
 """The reserve without Ray running: a start takes spares by the node they answered from, and a growth
-counts as warm only once a spare has answered on each node it needs (the Ray-backed paths are in
-test_standby.py and test_worker_group.py)."""
+counts as warm only once a spare has answered on each node it needs, and where standbys are kept (the
+Ray-backed paths are in test_standby.py and test_worker_group.py)."""
 
 from __future__ import annotations
 
-from service.pool.reserve import Reserve
+import pytest
+
+from service.pool.reserve import Reserve, standby_targets
 from service.pool.roster import Role, Roster, WorkerHandle
 from service.pool.slots import Slots
 from workers.report import WorkerInfo
@@ -41,3 +43,26 @@ def test_a_growth_is_warm_once_a_spare_has_answered_on_each_node_it_needs(monkey
     answers[id(second)] = "a"
     assert reserve.warm(["a", "a"]) and not reserve.warm(["a", "b"])
     assert roster.spares == [first, second]  # asking takes nothing
+
+
+@pytest.mark.parametrize("per_node, members, free, spares, want", [
+    # tp=2 on 3 nodes of 2 slots, 4 ranks on a and b: one standby beside each, and c holds a node's worth
+    (1, {"a": 2, "b": 2}, {"a": 2, "b": 2, "c": 2}, (), {"a": 1, "b": 1, "c": 2}),
+    # no idle node (every usable node hosts members): beside the members only
+    (1, {"a": 1, "b": 1, "c": 1}, {"a": 1, "b": 1, "c": 1}, (), {"a": 1, "b": 1, "c": 1}),
+    # a growth's spare warms up on c: c gets nothing; d, the next idle one, the node's worth
+    (1, {"a": 2, "b": 2}, {"a": 2, "b": 2, "c": 2, "d": 2}, ("c",), {"a": 1, "b": 1, "d": 2}),
+    # only one idle node takes them: the roomiest, then the lowest id; at most its slots
+    (1, {"a": 3}, {"a": 3, "c": 2, "b": 2, "d": 4}, (), {"a": 1, "d": 3}),
+    (1, {"a": 3}, {"a": 3, "c": 2, "b": 2}, (), {"a": 1, "b": 2}),
+    (1, {"a": 3}, {"a": 3, "c": 1}, (), {"a": 1, "c": 1}),
+    # a node outside the grant offers no slot (0) and gets none
+    (1, {"a": 2}, {"a": 2, "b": 0}, (), {"a": 1}),
+    # per_node counts beside members; the idle node's count is the lost node's members, not per_node
+    (2, {"a": 2, "b": 1}, {"a": 2, "b": 2, "c": 2}, (), {"a": 2, "b": 2, "c": 2}),
+    # standbys off, or no member yet: none anywhere
+    (0, {"a": 2}, {"a": 2, "b": 2}, (), {}),
+    (1, {}, {"a": 2, "b": 2}, (), {}),
+])
+def test_standbys_go_beside_the_members_and_a_nodes_worth_on_one_idle_node(per_node, members, free, spares, want):
+    assert standby_targets(per_node, members, free, spares) == want

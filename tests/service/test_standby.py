@@ -148,11 +148,14 @@ def test_after_a_failure_that_kept_no_member_the_standbys_are_claimed(local_ray,
         g.scale_to([me])
         g.keep_standby()
         standby = _settled_standby(g)
+        slot = g.members[0].pg
         g.stop_members()
         assert g.size == 0 and len(g.standby) == 1
+        assert placement_group_table(slot)["state"] == "CREATED"  # left for the start, not removed
         start = g.scale_to([me])
         assert (start.started, start.stopped) == (1, 0) and start.from_standby == 1
         assert ray.get(g.members[0].actor.info.remote(), timeout=30).pid == standby.pid
+        assert g.members[0].pg.id == slot.id  # claimed with the stopped member's slot: nothing placed anew
     finally:
         g.shutdown()
     _cpus_free(2.0)

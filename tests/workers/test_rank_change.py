@@ -1,5 +1,7 @@
 """A worker that changes rank between two layouts of the same shape (rank 1 of a 2-rank group, then rank 0
-of the next) holds its new rank's box: nothing of the mesh it had before leaks into the new trainer.
+of the next) holds its new rank's box: nothing of the mesh it had before leaks into the new trainer. On the
+way, what a group's first step does not need waits until after it: the peer snapshots, and the checkpoint
+manager of a group that adopted moved state (its first save sets it up).
 DTensor's sharding-propagation caches match meshes by shape and ranks, not by this process's place in
 them; kept across the change, they handed the new model the old mesh and its coordinate, so a live
 transfer's fill failed ("received 0 of the 65536 elements") and a checkpoint resume loaded the other
@@ -31,8 +33,11 @@ def swap_body(cfg_dict: dict, run_dir: str, ports: list[int]) -> dict:
     from workers.actor import Worker
     from workers.config import JobConfig, job_plan
 
+    import os
+
     rank = dist.get_rank()
     dist.destroy_process_group()
+    os.environ["ELASTRON_NODE_ID"] = f"node{rank}"  # two nodes: each rank's peer snapshots go to the other
     cfg = JobConfig.from_dict(cfg_dict)
     two = job_plan(cfg, 2).to_dict()
     port = iter(ports)
@@ -45,15 +50,18 @@ def swap_body(cfg_dict: dict, run_dir: str, ports: list[int]) -> dict:
 
     out = {}
     w.join(rank=rank, world_size=2, master_addr=addr, master_port=next(port), plan=two)
-    w.run(until_step=1000, steps=1)
+    out["joined"] = {"snapshots": w.snapshots is not None, "checkpointer": w.trainer.checkpointer is not None}
+    (row,) = w.run(until_step=1000, steps=1).rows
+    out["first_row"] = {"set_up_after": row.set_up_after, "snapshots": w.snapshots is not None}
     out["before"] = snapshot()
     w.hand_over()
     w.reshard(rank=rank, world_size=2, master_addr=addr, master_port=next(port), old_plan=two, new_plan=two,
               old_rank=rank, new_rank=1 - rank, old_to_group={0: 0, 1: 1}, new_to_group={0: 1, 1: 0},
               nodes={0: "n", 1: "n"})
     w.join(rank=1 - rank, world_size=2, master_addr=addr, master_port=next(port), plan=two, adopt=True)
+    out["adopted"] = {"snapshots": w.snapshots is not None, "checkpointer": w.trainer.checkpointer is not None}
     out["live"] = snapshot()
-    w.checkpoint(blocking=True)
+    w.checkpoint(blocking=True)  # the first save sets up the checkpoint manager the adopting build left
     w.leave()
     w.join(rank=rank, world_size=2, master_addr=addr, master_port=next(port), plan=two)  # from storage
     out["storage"] = snapshot()
@@ -68,6 +76,11 @@ def test_a_worker_that_changes_rank_holds_its_new_ranks_box(tmp_path):
     # where each rank's box starts, by the rank it had: from the first layout, built fresh
     start = {r: got[r]["before"]["boxes"] for r in (0, 1)}
     assert start[0] != start[1]
+    for r in (0, 1):  # what the first step does not need is set up after it (docs/recovery.md)
+        assert got[r]["joined"] == {"snapshots": False, "checkpointer": True}  # a resume needs its manager
+        after = got[r]["first_row"]["set_up_after"]
+        assert got[r]["first_row"]["snapshots"] and after["snapshot_bytes"] > 0 and after["snapshots_s"] >= 0
+        assert got[r]["adopted"] == {"snapshots": False, "checkpointer": False}
     for r in (0, 1):
         assert got[r]["live"]["boxes"] == start[1 - r], f"worker {r}, rank {1 - r} after the live move"
         assert got[r]["storage"]["boxes"] == start[r], f"worker {r}, rank {r} again after the resume"
