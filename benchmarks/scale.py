@@ -344,7 +344,7 @@ def cmd_manifest(a) -> dict:
                      "sections_read": sorted(m.sections.read),
                      "head_bytes": storage.head_bytes, "record_bytes": storage.record_bytes,
                      "digest_bytes": storage.digest_bytes, "requests": storage.requests, "read_bytes": read,
-                     "own_bytes": own, "ratio": read / own, "index_ratio": (read - storage.top_bytes) / own,
+                     "own_bytes": own, "boxes": len(mine), "ratio": read / own, "index_ratio": (read - storage.top_bytes) / own,
                      "plan_s": rule_s, "load_metadata_s": load_s, "problems": len(problems)})
     save = []
     for r in sample_ranks(old, old, 8):  # what a saving rank does with metadata: its boxes, the rule
@@ -357,6 +357,8 @@ def cmd_manifest(a) -> dict:
            "top_bytes": len(top), "max_top_read": max(x["top_read"] for x in rows), "ranks_timed": len(rows),
            "max_ratio": worst["ratio"], "median_ratio": sorted(x["ratio"] for x in rows)[len(rows) // 2],
            "max_index_ratio": max(x["index_ratio"] for x in rows),
+           # A rank with no box to load has an own metadata of an empty index: its ratio is no measure.
+           "max_ratio_loading": max((x["ratio"] for x in rows if x["boxes"]), default=None),
            "worst": worst, "max_indexes_read": max(x["indexes_read"] for x in rows),
            "max_requests": max(x["requests"] for x in rows),
            "max_load_metadata_s": max(x["load_metadata_s"] for x in rows), "max_plan_s": max(x["plan_s"] for x in rows),

@@ -8,8 +8,9 @@ rank reads only what its pipeline stage holds: a preamble of `PREAMBLE_BYTES` (t
 crc32), a header (everything but the parameters, the length and crc32 of each section, the number of
 parameters and keys and the crc32 of the sorted keys), then one section per pipeline stage of the saved
 layout (and one for the tied table when two stages hold it; one in all without a placement): the
-shapes and dtypes of its parameters and where their keys fall in the sorted order of every key
-(`Manifest.to_json`). Rank 0 reads the preamble and the header and shares them; each rank reads the
+shapes and dtypes of its parameters (a run of layers with the same entries, differing only in the
+layer number in their names, written once as a repeat) and where their keys fall in the sorted order
+of every key (`Manifest.to_json`). Rank 0 reads the preamble and the header and shares them; each rank reads the
 sections of its own parameters by byte range (`validate.read_sections`) and checks their shapes against
 its model's before any other read. The whole file is also one JSON object: a format-3 reader refuses
 its ``format_version`` as newer than its own, and tools read every section (`Manifest.from_json`).
@@ -400,7 +401,8 @@ class Manifest:
         format-3 top manifest holds but the parameters, plus the length and crc32 of each section, the
         number of parameters and keys and the crc32 of the sorted keys), then the sections: each the
         shapes and dtypes of its parameters and where their keys fall in the sorted order of every key,
-        as runs ``[first, count]``. A loading rank reads the preamble, the header and the sections of the
+        as runs ``[first, count]``. Consecutive layers whose parameters have the same entries are written
+        once (``repeats``, `_fold`): a section's size grows with the distinct layers, not the layer count. A loading rank reads the preamble, the header and the sections of the
         parameters it holds (`validate.read_sections`). The whole file is also one JSON object whose
         ``format_version`` a reader of format 3 refuses as too new."""
         d = self.to_dict()
@@ -420,8 +422,10 @@ class Manifest:
         parts = []
         for g in groups:
             keys = sorted(_spelled(g, states)) if spelled else sorted(g)
-            parts.append(json.dumps({"params" if spelled else "tensors": g, "keys": _runs([place[k] for k in keys])},
-                                    separators=(",", ":")).encode())
+            listed, repeats = _fold(g)
+            part = {"params" if spelled else "tensors": listed, **({"repeats": repeats} if repeats else {}),
+                    "keys": _runs([place[k] for k in keys])}
+            parts.append(json.dumps(part, separators=(",", ":")).encode())
         d.update(parameters=len(self.model_tensors()), keys=len(order), keys_crc32=_keys_crc(order),
                  sections=[[len(b), zlib.crc32(b)] for b in parts])
         header = json.dumps(d, separators=(",", ":")).encode()
@@ -496,10 +500,12 @@ class Manifest:
             if zlib.crc32(data) != sec.spans[i][2]:
                 raise ManifestError(f"{where} fails its crc32 check: the checkpoint is corrupted")
             d = _load_json(data, where)
-            entries = (_spelled(d["params"], list(sec.states)) if isinstance(d, dict) and "params" in d
-                       else d.get("tensors") if isinstance(d, dict) else None)
-            if not isinstance(entries, dict):
+            spelled = isinstance(d, dict) and "params" in d
+            listed = d.get("params" if spelled else "tensors") if isinstance(d, dict) else None
+            if not isinstance(listed, dict):
                 raise ManifestError(f"{where} needs a 'params' or 'tensors' object")
+            listed = _unfold(listed, d.get("repeats", []), sec.parameters if spelled else sec.keys, where)
+            entries = _spelled(listed, list(sec.states)) if spelled else listed
             got = {str(k): _tensor(k, v, chunks=False) for k, v in entries.items()}
             keys = sorted(got)
             positions.update(zip(keys, _places(d.get("keys"), len(keys), sec.keys, where)))
@@ -763,6 +769,61 @@ def _spelled(params: Any, states: Any) -> dict[str, Any]:
 def _param_of(key: str) -> str:
     """``model.<p>``, ``optim.<state>.<p>`` -> ``<p>``."""
     return _param(key) if key.startswith(OPTIM_PREFIX) else key.removeprefix(MODEL_PREFIX)
+
+
+_NUMBERED = re.compile(r"(.+?\.)(0|[1-9][0-9]*)(\..+)")
+"""A name with a number between dots (the first such: ``layers.<n>.attention.wq.weight``), written
+without leading zeros so that the number spells the name back."""
+
+
+def _fold(entries: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A format-4 section's entries (name -> its JSON entry) as (those listed one by one, repeats): a
+    run of two or more consecutive numbers n whose names ``<prefix><n><rest>`` hold the same rests with
+    the same entries (a model's transformer layers) is written once, ``{"prefix", "first", "count",
+    "entries": {rest: entry}}``; any layer that differs (another shape, dtype or parameter set) ends
+    the run, and names outside every run stay listed (`_unfold` reverses it)."""
+    layers: dict[str, dict[int, dict[str, Any]]] = {}
+    for name, e in entries.items():
+        if m := _NUMBERED.fullmatch(name):
+            layers.setdefault(m[1], {}).setdefault(int(m[2]), {})[m[3]] = e
+    listed, repeats = dict(entries), []
+    for prefix, by_n in sorted(layers.items()):
+        ns = sorted(by_n)
+        i = 0
+        while i < len(ns):
+            j = i + 1
+            while j < len(ns) and ns[j] == ns[j - 1] + 1 and by_n[ns[j]] == by_n[ns[i]]:
+                j += 1
+            if j - i > 1:
+                for n in ns[i:j]:
+                    for rest in by_n[n]:
+                        del listed[f"{prefix}{n}{rest}"]
+                repeats.append({"prefix": prefix, "first": ns[i], "count": j - i,
+                                "entries": dict(sorted(by_n[ns[i]].items()))})
+            i = j
+    return dict(sorted(listed.items())), repeats
+
+
+def _unfold(listed: dict[str, Any], repeats: Any, most: int, where: str) -> dict[str, Any]:
+    """A section's entries from those it lists and its repeats (`_fold`); at most `most` in all (the
+    header's count: a forged repeat cannot make a reader spell millions of names). Raises ManifestError
+    for a malformed repeat or a name given twice."""
+    if not isinstance(repeats, list) or not all(
+            isinstance(r, dict) and isinstance(r.get("prefix"), str) and _is_int(r.get("first")) and r["first"] >= 0
+            and _is_int(r.get("count")) and r["count"] > 0 and isinstance(r.get("entries"), dict) for r in repeats):
+        raise ManifestError(f"{where}: its 'repeats' must be objects with a prefix, first >= 0, count > 0 and "
+                            "entries")
+    total = len(listed) + sum(r["count"] * len(r["entries"]) for r in repeats)
+    if total > most:
+        raise ManifestError(f"{where} holds {total} entries, more than the {most} its header counts (corrupted)")
+    out = dict(listed)
+    for r in repeats:
+        for n in range(r["first"], r["first"] + r["count"]):
+            for rest, e in r["entries"].items():
+                name = f"{r['prefix']}{n}{rest}"
+                if out.setdefault(name, e) is not e:
+                    raise ManifestError(f"{where} gives {name} twice (corrupted)")
+    return out
 
 
 def _runs(places: list[int]) -> list[list[int]]:

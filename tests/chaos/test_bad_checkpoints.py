@@ -26,6 +26,7 @@ from api.cli import main
 from models.config import model_config
 from models.llama import build_model
 from parallel.checkpoint import CheckpointManager
+from parallel.checkpoint.manifest import Manifest
 from parallel.parallelize import materialize
 from tests.chaos.test_bad_inputs import CFG, elastron, one_line, patched, tree, write_cfg
 
@@ -168,9 +169,8 @@ def test_a_checkpoint_of_another_model_shape_is_a_one_line_error_and_stays_untou
     m = re.search(r"model parameter (\S+) has shape \[([\d, ]+)\] in the checkpoint but \[([\d, ]+)\] in the "
                   r"model \(different model shape\)", err)
     assert m, err
-    doc = json.loads((run_copy / "checkpoints" / STEP.format(8) / "manifest.json").read_text())
-    saved = {n: e for section in doc["sections"] for n, e in section["params"].items()}
-    assert saved[m[1]]["shape"] == [int(x) for x in m[2].split(", ")] != \
+    saved = Manifest.from_json((run_copy / "checkpoints" / STEP.format(8) / "manifest.json").read_bytes())
+    assert list(saved.model_tensors()[m[1]].shape) == [int(x) for x in m[2].split(", ")] != \
         [int(x) for x in m[3].split(", ")]
     assert "use the job config these checkpoints were saved with" in err
     assert "step" not in r.stdout  # no training step ran, not even from scratch

@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import zlib
+from dataclasses import replace
 
 import pytest
 import torch
@@ -45,6 +47,13 @@ def top(layout: Layout, params=PARAMS) -> Manifest:
                     scope="top", state={"layout": layout.to_dict()})
 
 
+def listed_in(section: dict) -> set[str]:
+    """The parameter names a section of the raw JSON holds: listed one by one, and spelled by its repeats
+    (a run of layers with the same entries, written once)."""
+    return set(section["params"]) | {f"{r['prefix']}{n}{rest}" for r in section.get("repeats", [])
+                                     for n in range(r["first"], r["first"] + r["count"]) for rest in r["entries"]}
+
+
 def stage_params(layout: Layout, stage: int) -> list[str]:
     """What a rank of `stage` holds (its model's `named_state`): the tied table on the first and last."""
     return [n for n in PARAMS if stage_of(n, CFG.n_layers, layout.pp) == stage
@@ -69,7 +78,7 @@ def test_a_rank_of_stage_s_reads_the_header_and_exactly_the_sections_of_its_para
         part, problems = read_sections(st, str(tmp_path), head, names)
         assert problems == [] and st.whole == []
         # The sections that list one of its parameters, found by scanning the whole file.
-        want = {i for i, s in enumerate(doc["sections"]) if set(s["params"]) & set(names)}
+        want = {i for i, s in enumerate(doc["sections"]) if listed_in(s) & set(names)}
         assert part.sections.read == want
         spans = [part.sections.spans[i] for i in sorted(want)]
         got = sorted((a, len(data)) for _, a, data in st.ranges)
@@ -79,7 +88,7 @@ def test_a_rank_of_stage_s_reads_the_header_and_exactly_the_sections_of_its_para
         assert all(any(a <= x < a + n for a, n, _ in spans) for x, _ in got[2:])
         assert len(want) < len(doc["sections"]) and sum(n for _, n in got) < len(raw)
         # Its tensors: every key of the parameters of those sections, as the whole file has them.
-        listed = {n for i in want for n in doc["sections"][i]["params"]}
+        listed = {n for i in want for n in listed_in(doc["sections"][i])}
         assert set(part.model_tensors()) == listed >= set(names)
         assert {k: (t.shape, t.dtype) for k, t in part.tensors.items()} == {
             k: (whole.tensors[k].shape, whole.tensors[k].dtype) for k in part.tensors}
@@ -165,6 +174,114 @@ def test_a_damaged_or_newer_manifest_is_a_one_line_error(tmp_path):
     # object of this format, whose version it refuses as newer than its own.
     d = json.loads(raw)
     assert d["format"] == FORMAT and d["format_version"] == 4 > 3
+
+
+# -- repeats: a run of layers with the same entries, written once ----------------------------------------
+
+def top_of(params: dict, layout: Layout, n_layers: int, tied: bool = True) -> Manifest:
+    keys = {f"{p}{n}": (s, d) for n, (s, d) in params.items() for p in ("model.", *(f"optim.{st}." for st in STATES))}
+    placement = Placement(layout=layout, n_layers=n_layers, tied=tied, params=params)
+    return Manifest(step=5, tensors={k: TensorEntry(shape=s, dtype=d, chunks=()) for k, (s, d) in keys.items()},
+                    files={}, format_version=4, placement=placement.to_dict(), indexes=layout.world_size,
+                    scope="top", state={"layout": layout.to_dict()})
+
+
+def same_as_written(m: Manifest, back: Manifest) -> None:
+    """`back`, read from `m`'s bytes with every section, is `m` as a format-3 reader would have it."""
+    three = Manifest.from_json(Manifest(**{**{f: getattr(m, f) for f in m.__slots__}, "format_version": 3}).to_json())
+    assert back.tensors == m.tensors == three.tensors
+    assert (back.state, back.placement, back.indexes, back.step) == (three.state, three.placement, three.indexes, 5)
+    assert back.keys_in_order() == key_order(m.tensors)
+
+
+@pytest.mark.parametrize("layout", ["pp=1", "pp=3"])
+def test_a_run_of_layers_with_the_same_entries_is_written_once_and_reads_back_the_same_manifest(tmp_path, layout):
+    lay = Layout.parse(layout)
+    m = top(lay)
+    raw = m.to_json().encode()
+    doc = json.loads(raw)
+    for stage, s in enumerate(doc["sections"][:lay.pp]):
+        held = sorted({int(n.split(".")[1]) for n in stage_params(lay, stage) if n.startswith("layers.")})
+        # Its layers in one repeat; a stage of one layer lists it (a repeat is two or more).
+        assert [(r["first"], r["count"]) for r in s.get("repeats", [])] == (
+            [(held[0], len(held))] if len(held) > 1 else [])
+        assert {n for n in s["params"] if n.startswith("layers.")} == (
+            set() if len(held) > 1 else {n for n in PARAMS if n.startswith(f"layers.{held[0]}.")})
+    assert lay.pp == 1 or any(len(s.get("repeats", [])) == 0 for s in doc["sections"][:lay.pp])
+    same_as_written(m, Manifest.from_json(raw))
+    # A rank reading some sections gets the same entries and key places as the whole file gives.
+    (tmp_path / MANIFEST_NAME).write_bytes(raw)
+    for stage in range(lay.pp):
+        text, _ = read_manifest_text(CountingStorage(str(tmp_path)), str(tmp_path), head=True)
+        part, problems = read_sections(CountingStorage(str(tmp_path)), str(tmp_path), Manifest.from_json(text),
+                                       stage_params(lay, stage))
+        assert problems == [] and part.tensors == {k: m.tensors[k] for k in part.tensors}
+        order = key_order(m.tensors)
+        assert part.sections.positions == {k: order.index(k) for k in part.tensors}
+
+
+def test_layers_that_differ_end_a_run_and_are_listed_one_by_one():
+    params = dict(PARAMS)
+    params["layers.2.feed_forward.w1.weight"] = ((46, 24), "float32")  # another shape
+    params["layers.4.attention_norm.weight"] = ((24,), "bfloat16")  # another dtype
+    del params["layers.1.ffn_norm.weight"]  # another parameter set
+    params["layers.3.extra.7.bias"] = ((5,), "float32")  # a second number in a name: the first one counts
+    assert {"layers.2.feed_forward.w1.weight", "layers.4.attention_norm.weight"} <= set(PARAMS)
+    m = top_of(params, Layout.parse("pp=1"), CFG.n_layers)
+    doc = json.loads(m.to_json())
+    (section,) = doc["sections"]
+    assert section.get("repeats", []) == []  # 0 | 1 | 2 | 3 | 4: no two neighbours alike
+    assert listed_in(section) == set(params)
+    same_as_written(m, Manifest.from_json(m.to_json()))
+    # Layers 0, 3 and 4 alike but 4 in bfloat16: 0 alone, then 1-3 would need 1 and 2 alike too.
+    params = dict(PARAMS, **{"layers.0.attention.wq.weight": ((24, 24), "bfloat16")})
+    m = top_of(params, Layout.parse("pp=1"), CFG.n_layers)
+    (section,) = json.loads(m.to_json())["sections"]
+    assert [(r["first"], r["count"]) for r in section["repeats"]] == [(1, 4)]
+    assert {n for n in section["params"] if n.startswith("layers.")} == {
+        n for n in params if n.startswith("layers.0.")}
+    same_as_written(m, Manifest.from_json(m.to_json()))
+
+
+def test_the_top_manifest_of_the_8b_no_longer_grows_with_its_layer_count():
+    sizes = {}
+    for n_layers in (8, 32):
+        params = {n: (tuple(p.shape), "float32")
+                  for n, p in build_model(model_config("8b", n_layers=n_layers)).named_parameters()}
+        m = top_of(params, Layout.parse("dp_shard=512,tp=8"), n_layers, tied=False)
+        raw = m.to_json().encode()
+        (section,) = json.loads(raw)["sections"]
+        sizes[n_layers] = (len(raw), len(json.dumps(section, separators=(",", ":"))))
+        assert [(r["first"], r["count"]) for r in section["repeats"]] == [(0, n_layers)]
+        same_as_written(m, Manifest.from_json(raw))
+    # One layer's 9 entries and the 3 others, whatever the layer count (21 kB for 32 layers listed one
+    # by one); the header's counts and crcs differ by a few digits.
+    assert sizes[32][1] < 1200 and abs(sizes[32][1] - sizes[8][1]) <= 4
+    assert abs(sizes[32][0] - sizes[8][0]) <= 32 and sizes[32][0] < 1600
+
+
+def test_a_forged_repeat_is_a_one_line_error(tmp_path):
+    m = top(Layout.parse("pp=1"))
+    raw = m.to_json().encode()
+    head = Manifest.from_json(raw[:PREAMBLE_BYTES + json.loads(raw[:PREAMBLE_BYTES].rstrip()[:-len(b',"header":')]
+                                                                          + b"}")["header_bytes"]])
+    (section,) = json.loads(raw)["sections"]
+    (rep,) = section["repeats"]
+
+    def read(s: dict) -> Manifest:
+        b = json.dumps(s, separators=(",", ":")).encode()
+        a = head.sections.spans[0][0]
+        return replace(head, sections=replace(head.sections, spans=((a, len(b), zlib.crc32(b)),))).with_sections({0: b})
+
+    assert read(section).tensors == m.tensors
+    with pytest.raises(ManifestError, match=r"holds 9000000\d+ entries, more than the \d+ its header counts"):
+        read({**section, "repeats": [{**rep, "count": 10 ** 9}]})
+    with pytest.raises(ManifestError, match=r"gives layers\.0\.attention\.wq\.weight twice"):
+        # In place of norm.weight (the header's count holds): a name the repeat gives too.
+        read({**section, "params": {**{n: e for n, e in section["params"].items() if n != "norm.weight"},
+                                    "layers.0.attention.wq.weight": {"shape": [24, 24], "dtype": "float32"}}})
+    with pytest.raises(ManifestError, match=r"'repeats' must be objects with a prefix, first >= 0, count > 0"):
+        read({**section, "repeats": [{**rep, "count": 0}]})
 
 
 def _saved(tmp_path):
