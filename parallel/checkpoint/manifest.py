@@ -720,6 +720,17 @@ def _block_problems(key: str, c: Chunk, f: FileEntry | None) -> list[str]:
     return []
 
 
+def _preamble_fields(d: Any, where: str) -> tuple[int, int, int]:
+    """(header_bytes, header_crc32, format_version) of a parsed preamble (None: it did not parse), else a
+    one-line ManifestError naming the file, `where`."""
+    n, crc, v = ((d.get("header_bytes"), d.get("header_crc32"), d.get("format_version")) if isinstance(d, dict)
+                 else (None, None, None))
+    if not (_is_int(n) and n > 0 and _is_int(crc) and _is_int(v)):
+        raise ManifestError(f"{where}: its preamble (the first {PREAMBLE_BYTES} bytes) is damaged: the checkpoint "
+                            "is corrupted")
+    return n, crc, v
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -862,11 +873,7 @@ def manifest_header_size(preamble: bytes) -> tuple[int, int, int] | None:
             d = json.loads(text[:-len(tail)] + b"}")
         except ValueError:
             d = None
-    n, crc, v = ((d.get("header_bytes"), d.get("header_crc32"), d.get("format_version")) if isinstance(d, dict)
-                 else (None, None, None))
-    if not (_is_int(n) and n > 0 and _is_int(crc) and _is_int(v)):
-        raise ManifestError(f"{MANIFEST_NAME}: its preamble (the first {PREAMBLE_BYTES} bytes) is damaged: the "
-                            "checkpoint is corrupted")
+    n, crc, v = _preamble_fields(d, MANIFEST_NAME)
     if v > FORMAT_VERSION:
         raise ManifestError(f"manifest format_version {v} is newer than this code reads ({FORMAT_VERSION}): load it "
                             "with a newer Elastron")
@@ -1053,11 +1060,7 @@ def header_size(preamble: bytes, *, rank: int, shared: bool = False) -> tuple[in
         d = json.loads(preamble) if len(preamble) == PREAMBLE_BYTES and preamble.endswith(b"\n") else None
     except ValueError:
         d = None
-    n, crc, v = ((d.get("header_bytes"), d.get("header_crc32"), d.get("format_version")) if isinstance(d, dict)
-                 else (None, None, None))
-    if not (_is_int(n) and n > 0 and _is_int(crc) and _is_int(v)):
-        raise ManifestError(f"{where}: its preamble (the first {PREAMBLE_BYTES} bytes) is damaged: the checkpoint "
-                            "is corrupted")
+    n, crc, v = _preamble_fields(d, where)
     if v not in KEYED_VERSIONS:
         raise ManifestError(f"{where} is a keyed index of version {v}; this code reads versions "
                             f"{', '.join(map(str, KEYED_VERSIONS))}: load it with a newer Elastron")
