@@ -36,7 +36,8 @@ def standby_targets(per_node: int, members: Mapping[str, int], free: Mapping[str
     hosts = {nid: per_node for nid, n in members.items() if n > 0}
     if per_node <= 0 or not hosts:
         return {}
-    idle = sorted((nid for nid, k in free.items() if k > 0 and nid not in hosts and nid not in set(spares)),
+    taken = set(hosts) | set(spares)
+    idle = sorted((nid for nid, k in free.items() if k > 0 and nid not in taken),
                   key=lambda nid: (-free[nid], nid))
     if idle:
         hosts[idle[0]] = min(free[idle[0]], max(members.values()))
