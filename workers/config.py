@@ -105,6 +105,21 @@ Location = Annotated[str, Field(strict=True, max_length=MAX_PATH, json_schema_ex
 """A path or URL: bounded here, judged (where it may lie) by service.server.admission."""
 
 
+def _rope_value(v: Any) -> int | float | str:
+    """A value of model.overrides.rope_scaling: a number within +-1e12 (an int stays an int), or a name."""
+    if isinstance(v, str):
+        if len(v) > 64:
+            raise ValueError(f"a name here has at most 64 characters, got {len(v)}")
+        return v
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) <= 1e12:  # NaN fails the comparison
+        return v
+    raise ValueError(f"expected a finite number within +-1e12 or a name, got {type(v).__name__}")
+
+
+RopeValue = Annotated[Any, PlainValidator(_rope_value, json_schema_input_type=Annotated[float, Field(ge=-1e12, le=1e12)]
+                                          | Annotated[str, Field(max_length=64)])]
+
+
 class ModelOverrides(TypedDict, total=False):
     """ModelConfig fields to change from the preset (models.config.ModelConfig documents each), with the
     bounds a spec may give them."""
@@ -133,10 +148,7 @@ class ModelOverrides(TypedDict, total=False):
     """Standard deviation of the initial weights."""
     head_size: Annotated[int | None, Field(strict=True, ge=2, le=1 << 14)]
     """Size of one attention head; null: dim // n_heads."""
-    rope_scaling: Annotated[dict[Annotated[str, Field(strict=True, max_length=64)],
-                                 Annotated[int, Field(strict=True, ge=-(1 << 40), le=1 << 40)]
-                                 | Annotated[float, Field(strict=True, ge=-1e12, le=1e12)]
-                                 | Annotated[str, Field(strict=True, max_length=64)]] | None,
+    rope_scaling: Annotated[dict[Annotated[str, Field(strict=True, max_length=64)], RopeValue] | None,
                             Field(max_length=16)]
     """RoPE frequency scaling as transformers names it ({"rope_type": "llama3", "factor": 8.0, ...}); null:
     plain RoPE."""
