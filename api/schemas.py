@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationErr
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from service.control.commands import SetWorkers
-from service.server.specs import MAX_STEPS, MAX_WORKERS, JobConfig
+from service.server.specs import LOCATION, MAX_STEPS, MAX_WORKERS, JobConfig
 from service.server.job_record import JobRecord
 from service.control.status import JobStatus
 
@@ -67,7 +67,7 @@ class JobSubmit(BaseModel):
     spec: JobSpec = Field(description="The job YAML's content (sections model, data, train, parallel, ...).")
     steps: int | None = Field(None, ge=1, le=MAX_STEPS, description="Total optimizer steps (default: train.steps).")
     workers: int | None = Field(None, ge=1, le=MAX_WORKERS, description="Run on at most this many workers.")
-    run_dir: str | None = Field(None, min_length=1, max_length=255,
+    run_dir: str | None = Field(None, min_length=1, max_length=255, json_schema_extra=LOCATION,
                                 description="Run directory, relative to the server's runs root (default: NAME-ID).")
 
     def spec_dict(self) -> dict:

@@ -13,10 +13,10 @@ from typing import Any
 
 from parallel.layout import Layout
 from parallel.planner import plan
-from workers.config import MAX_GLOBAL_BATCH, MAX_STEPS, MAX_WORKERS, JobConfig, job_constraints, with_steps
+from workers.config import LOCATION, MAX_GLOBAL_BATCH, MAX_STEPS, MAX_WORKERS, JobConfig, job_constraints, with_steps
 from workers.preflight import preflight
 
-__all__ = ["JobConfig", "MAX_GLOBAL_BATCH", "MAX_STEPS", "MAX_WORKERS", "SpecError", "check_plannable", "check_text",
+__all__ = ["JobConfig", "LOCATION", "MAX_GLOBAL_BATCH", "MAX_STEPS", "MAX_WORKERS", "SpecError", "check_plannable", "check_text",
            "safe_name", "validate_spec"]
 
 
