@@ -68,7 +68,10 @@ LOCATION = {"x-elastron-location": True}
 """JSON-schema mark of a field that names a place (a path or a URL): each is judged by the server's one
 location table, service.server.admission.LOCATION_FIELDS (tests/api/test_spec_schema.py checks both ways)."""
 
-_STRICT = ConfigDict(extra="forbid", allow_inf_nan=False, use_attribute_docstrings=True)
+_PARSING = ConfigDict(extra="forbid", allow_inf_nan=False, use_attribute_docstrings=True)
+"""How every section parses: unknown keys and non-finite numbers refused, each field's docstring its
+description in the schema. Strictness is per field (`Field(strict=True)`): a strict dataclass would also
+refuse a section given as a mapping."""
 
 
 def _section(*where: str):
@@ -76,7 +79,7 @@ def _section(*where: str):
     the field by its path in the spec, `where` + the field) instead of pydantic's ValidationError, so that
     building a section in Python and parsing one from a spec fail alike."""
     def make(cls: type) -> type:
-        cls = pydantic_dataclasses.dataclass(kw_only=True, slots=True, frozen=True, config=_STRICT)(cls)
+        cls = pydantic_dataclasses.dataclass(kw_only=True, slots=True, frozen=True, config=_PARSING)(cls)
         validate = cls.__init__
 
         @functools.wraps(validate)
@@ -124,7 +127,7 @@ class ModelOverrides(TypedDict, total=False):
     """ModelConfig fields to change from the preset (models.config.ModelConfig documents each), with the
     bounds a spec may give them."""
 
-    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    __pydantic_config__ = _PARSING  # type: ignore[misc]
 
     dim: _positive_int(1 << 16)
     """Hidden size."""
