@@ -41,7 +41,7 @@ def _shown(v: Any) -> str:
     if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 10**30:
         return f"a {len(str(abs(v)))}-digit number"
     if isinstance(v, (list, tuple, dict, set)):
-        return repr(v) if not v else f"a {type(v).__name__} of {len(v)} entries"
+        return repr(v) if not v else f"a {type(v).__name__} of {len(v)} {'entry' if len(v) == 1 else 'entries'}"
     if isinstance(v, str) and len(v) > _SHOWN:
         return f"{v[:_SHOWN]!r}... ({len(v)} characters)"
     return repr(v)[:2 * _SHOWN]
