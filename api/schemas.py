@@ -1,34 +1,30 @@
 """Request and response models of the HTTP API.
 
-The job spec models are *derived* from the job YAML's dataclasses (workers.config), field by field, with
-their types, defaults and docstrings, so the OpenAPI schema documents exactly what a job YAML may say
-and cannot drift from it. They check shape (unknown fields, types) strictly, as JobConfig.from_dict
-does; the rules between fields (tp must divide the heads, min_workers <= max_workers, ...) stay in
-JobConfig and the job manager, whose errors the API reports in the same 422 format. The job responses
-(JobSummary, JobDetail) wrap service.control.status.JobStatus, with its field docstrings.
+A submitted job's spec is described once, by the job YAML's schema (workers.config, through
+service.server.specs): the request body is judged by it (types, bounds, the rules between fields; one
+422 naming the first field it refuses) and /openapi.json documents it (JobConfig and its sections, each
+field with its bounds). The job responses (JobSummary, JobDetail) wrap service.control.status.JobStatus,
+with its field docstrings.
 """
 
 from __future__ import annotations
 
 import ast
-import dataclasses
 import inspect
 import textwrap
-import typing
-from typing import Any, Literal
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from service.control.commands import SetWorkers
-from models.config import ModelConfig
-from service.server.limits import LIMITS, MAX_STEPS, MAX_WORKERS, MODEL_OVERRIDES
-from service.server.specs import JobConfig
+from service.server.specs import LOCATION, MAX_STEPS, MAX_WORKERS, JobConfig
 from service.server.job_record import JobRecord
 from service.control.status import JobStatus
 
 
 def _field_docs(cls: type) -> dict[str, str]:
-    """Attribute docstrings (a string literal right after the field), as the config module writes them."""
+    """Attribute docstrings (a string literal right after the field), as JobStatus writes them."""
     try:
         body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
     except (OSError, TypeError, SyntaxError, IndexError, AttributeError):
@@ -41,54 +37,21 @@ def _field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def _class_doc(cls: type) -> str | None:
-    doc = (cls.__doc__ or "").strip()
-    return None if not doc or doc.startswith(cls.__name__ + "(") else doc  # not the dataclass's signature
+def _judged_spec(spec: Any) -> dict[str, Any]:
+    """`spec` as written, once the job spec's schema accepts it; else its first refusal, at its field
+    (a ValidationError raised here is reported under the request's `spec`)."""
+    try:
+        JobConfig.from_dict(spec)
+    except ValueError as e:  # ConfigError: one line, and the field's path
+        raise ValidationError.from_exception_data("spec", [InitErrorDetails(
+            type=PydanticCustomError("value_error", "{reason}", {"reason": str(e)}),
+            loc=tuple(getattr(e, "loc", ())), input=None)]) from None
+    return spec
 
 
-_JSON_TYPES = {"integer": int, "number": float, "boolean": bool, "string": str, "object": dict[str, Any]}
-
-
-def _overrides_model() -> type[BaseModel]:
-    """model.overrides as a model: each ModelConfig field with its type, and the bounds the server accepts
-    documented (service.server.limits.MODEL_OVERRIDES judges them, for every spec, with its own message)."""
-    docs = _field_docs(ModelConfig)
-    fields: dict[str, Any] = {}
-    for name, o in MODEL_OVERRIDES.items():
-        tp: Any = Literal[o.choices] if o.choices else _JSON_TYPES[o.kind]
-        bounds = None if o.lo is None else {"minimum": o.lo, "maximum": o.hi}  # judged by the table, documented here
-        fields[name] = (tp | None if o.nullable else tp, Field(None, description=docs.get(name), json_schema_extra=bounds))
-    cfg = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, title="ModelOverrides")
-    return create_model("ModelOverrides", __config__=cfg, __doc__="ModelConfig fields to change from the preset.",
-                        **fields)
-
-
-def _spec_model(cls: type, name: str, section: str = "") -> type[BaseModel]:
-    hints = typing.get_type_hints(cls)
-    docs = _field_docs(cls)
-    fields: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        tp, doc = hints[f.name], docs.get(f.name)
-        if section == "model" and f.name == "overrides":  # typed field by field, not a free dict
-            sub = _overrides_model()
-            fields[f.name] = (sub, Field(default_factory=sub, description=doc))
-            continue
-        # The server's limit is documented here and judged by service.server.limits (one judge, one table).
-        extra = {"maximum": LIMITS[section, f.name]} if (section, f.name) in LIMITS else None
-        if dataclasses.is_dataclass(tp):
-            sub = _spec_model(tp, tp.__name__, f.name)
-            fields[f.name] = (sub, Field(default_factory=sub, description=doc or _class_doc(tp)))
-        elif f.default is not dataclasses.MISSING:
-            fields[f.name] = (tp, Field(default=f.default, description=doc, json_schema_extra=extra))
-        else:
-            fields[f.name] = (tp, Field(default_factory=f.default_factory, description=doc,
-                                        json_schema_extra=extra))
-    cfg = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, title=name)
-    return create_model(name, __config__=cfg, __doc__=_class_doc(cls), **fields)
-
-
-JobSpec = _spec_model(JobConfig, "JobSpec")
-"""The job YAML as a model: `JobSpec.model_validate(yaml.safe_load(open("job.yaml")))`."""
+JobSpec = Annotated[dict[str, Any], PlainValidator(_judged_spec, json_schema_input_type=JobConfig)]
+"""A job spec in a request: judged by, and documented as, the job YAML's schema (JobConfig); kept as the
+user wrote it (fields left out stay defaults)."""
 
 
 class _Out(BaseModel):
@@ -104,12 +67,12 @@ class JobSubmit(BaseModel):
     spec: JobSpec = Field(description="The job YAML's content (sections model, data, train, parallel, ...).")
     steps: int | None = Field(None, ge=1, le=MAX_STEPS, description="Total optimizer steps (default: train.steps).")
     workers: int | None = Field(None, ge=1, le=MAX_WORKERS, description="Run on at most this many workers.")
-    run_dir: str | None = Field(None, min_length=1, max_length=255,
+    run_dir: str | None = Field(None, min_length=1, max_length=255, json_schema_extra=LOCATION,
                                 description="Run directory, relative to the server's runs root (default: NAME-ID).")
 
     def spec_dict(self) -> dict:
         """The spec as the user wrote it (fields they did not give stay out, so defaults stay defaults)."""
-        return self.spec.model_dump(exclude_unset=True)
+        return self.spec
 
 
 class ResizeRequest(BaseModel):

@@ -1,12 +1,12 @@
 """How long the REST API's spec check (`service.server.specs.validate_spec`) takes, for a typical spec and
-for specs with every size at the server's limit (`service.server.limits.LIMITS`).
+for specs with every size at its limit (the spec schema's maxima: `workers.config.spec_maxima`).
 
     .venv/bin/python benchmarks/spec_validation.py [--runs 50] [--profile NAME] [--json out.json]
 
 Specs (each is also what `--profile` takes):
   typical      examples/tiny.yaml.
-  at_limit     every size in LIMITS at its bound (model overrides, data, train, checkpoint, resources,
-               max_workers, max_tp, max_pp, gpus_per_node, memory_budget_gb), 64 data suffixes, a 200-character
+  at_limit     every size at its schema maximum (model overrides but head_size and sliding_window, data, train, checkpoint, resources,
+               max_workers, max_tp, max_pp, gpus_per_node, memory_budget_gb), 64 data suffixes, a 128-character
                name; tp and pp left to the planner, min_workers 1 (100,000 splits into no layout:
                5**5 workers would need pp 3125 > 1024 layers). Accepted.
   forced_pp    at_limit with parallel.pp: 5 (a degree that divides few of the counts on offer). Accepted.
@@ -36,16 +36,29 @@ sys.path.insert(0, str(ROOT))
 
 import yaml  # noqa: E402
 
-from service.server.limits import LIMITS, MAX_LIST  # noqa: E402
 from service.server.specs import SpecError, validate_spec  # noqa: E402
+from workers.config import MAX_LIST, MAX_NAME, spec_maxima  # noqa: E402
+
+
+def sizes() -> dict[tuple[str, str], int | float]:
+    """(section, field) -> its largest value, for the sizes of every section: the integers and the memory
+    budget (a model's under "model": its overrides but head_size and sliding_window)."""
+    out: dict[tuple[str, str], int | float] = {}
+    for path, v in spec_maxima().items():
+        if path[:2] == ("model", "overrides") and isinstance(v, int) and path[2] not in ("head_size", "sliding_window"):
+            out["model", path[2]] = v
+        elif len(path) == 2 and path[0] in ("data", "train", "parallel", "checkpoint", "resources") and (
+                isinstance(v, int) or path == ("parallel", "memory_budget_gb")):
+            out[path] = v
+    return out
 
 
 def at_limit() -> dict:
     """Every size at its bound, in a spec the server accepts (tp and pp are the planner's)."""
-    section = {s: {name: v for (sec, name), v in LIMITS.items() if sec == s}
+    section = {s: {name: v for (sec, name), v in sizes().items() if sec == s}
                for s in ("model", "data", "train", "parallel", "checkpoint", "resources")}
     parallel = {k: v for k, v in section["parallel"].items() if k not in ("tp", "pp", "min_workers")}
-    return {"name": "n" * 200, "model": {"preset": "tiny", "overrides": section["model"]},
+    return {"name": "n" * MAX_NAME, "model": {"preset": "tiny", "overrides": section["model"]},
             "data": {**section["data"], "source": "synthetic", "suffixes": [f".s{i:03d}" for i in range(MAX_LIST)]},
             "train": section["train"], "parallel": {"min_workers": 1, **parallel},
             "checkpoint": section["checkpoint"], "resources": section["resources"]}

@@ -1,58 +1,209 @@
 """The job config: one YAML file with sections model, data, train, parallel, checkpoint, resources.
 
-Each section is a small frozen dataclass; `JobConfig.from_dict` (the strict converter in workers.strict)
-rejects unknown keys and wrong types with a message naming the field (e.g. ``train.steps: expected an
-integer, got 'ten'``), and each section's `__post_init__` the values that cannot work. A spec is parsed once,
-where it enters (the REST API: service.server.specs.validate_spec; a YAML file: load_config), and the JobConfig
-itself is what travels to the coordinator and the workers. Constructing one touches no disk: whether
-data.path is there is `check_data_path`, called where the path is read (and early at the edges).
+This module is the one description of a job spec. Each section is a small frozen dataclass, made a pydantic
+dataclass so that every field carries its type and its bounds beside it (every number has a maximum,
+every string and list a maximum length): the YAML loader (`load_config`, `JobConfig.from_dict`), the REST
+API (its request body and service.server.specs.validate_spec) and /openapi.json all read this one schema.
+Parsing is strict (no coercion: "10" is not an integer, 1 is not true) and refuses unknown keys; an error is
+a ConfigError in one line naming the field (``train.steps: expected an integer, got 'ten' (str)``). The
+rules between fields (tp divides the heads, min_workers <= max_workers, ...) are validators of the same
+sections. Building a section directly (`TrainConfig(steps=0)`, `dataclasses.replace`) checks the same.
+
+A spec is parsed once, where it enters (the REST API, a YAML file), and the JobConfig itself is what
+travels to the coordinator and the workers (pickled by Ray, as a dataclass; `to_dict` and `digest` are
+the dataclass fields as JSON). Constructing one touches no disk: whether data.path is there is
+`check_data_path`, called where the path is read (and early at the edges).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
+from pydantic import ConfigDict, Field, PlainValidator, TypeAdapter, ValidationError, model_validator
+from pydantic import dataclasses as pydantic_dataclasses
+from typing_extensions import TypedDict  # pydantic reads typing's TypedDict only from Python 3.12
 
 from models.config import PRESETS, ModelConfig, model_config
 from parallel.layout import Layout
 from parallel.planner import Constraints, Plan, PlanError, plan
-from workers.strict import ConfigError, build
+from workers.strict import ConfigError, config_error
+
+__all__ = ["CheckpointConfig", "ConfigError", "DataConfig", "JobConfig", "LOCATION", "LoggingConfig",
+           "MAX_GLOBAL_BATCH", "MAX_LIST", "MAX_NAME", "MAX_PATH", "MAX_STEPS", "MAX_WORKERS", "ModelOverrides",
+           "ModelSection", "ParallelConfig", "ResourcesConfig", "SchedulingConfig", "TrainConfig", "WandbConfig",
+           "job_constraints", "job_device_type", "job_plan", "load_config", "spec_maxima", "spec_schema", "with_steps"]
 
 
 DEFAULT_SEQ_LEN = 128
 """data.seq_len when the config names none and the model's context is longer: small enough that a default
 run on a laptop stays cheap whatever context the model was made for."""
 
+# -- the bounds shared by several fields -----------------------------------------------------------------------
+# Generous for real jobs (an 8B Llama is far inside every one) and small enough that validation, the
+# planner (whose work grows with the worker count, the divisors of the global batch and the pipeline depth)
+# and a worker's allocations stay bounded.
 
-def _positive(section: str, obj: Any, *names: str, allow_zero: bool = False) -> None:
-    for n in names:
-        v = getattr(obj, n)
-        if v is None:
-            continue
-        if v < 0 or (v == 0 and not allow_zero):
-            raise ConfigError(f"{section}.{n} must be {'>= 0' if allow_zero else '> 0'}, got {v!r}", loc=(section, n))
+MAX_WORKERS = 100_000
+"""Largest worker count (or parallel degree) a spec may name."""
+MAX_GLOBAL_BATCH = 1 << 24
+"""Largest global (or micro) batch: the planner walks the batch's divisors."""
+MAX_STEPS = 10**12
+"""Largest step count (or step interval)."""
+MAX_LIST = 64
+"""Longest list a spec field may hold (data.suffixes)."""
+MAX_PATH = 4096
+"""Longest path or URL (Linux's PATH_MAX): refused before anything resolves or compares it."""
+MAX_NAME = 128
+"""Longest name or label (the job's name, a W&B project)."""
+MAX_SAMPLES = 1 << 26
+"""Most synthetic samples: a worker holds a permutation of them (8 bytes each, 512 MiB at the bound)."""
+LOCATION = {"x-elastron-location": True}
+"""JSON-schema mark of a field that names a place (a path or a URL): each is judged by the server's one
+location table, service.server.admission.LOCATION_FIELDS (tests/api/test_spec_schema.py checks both ways)."""
+
+_PARSING = ConfigDict(extra="forbid", allow_inf_nan=False, use_attribute_docstrings=True)
+"""How every section parses: unknown keys and non-finite numbers refused, each field's docstring its
+description in the schema. Strictness is per field (`Field(strict=True)`): a strict dataclass would also
+refuse a section given as a mapping."""
 
 
-@dataclass(kw_only=True, slots=True, frozen=True)
+def _section(*where: str):
+    """A frozen, slotted, keyword-only pydantic dataclass whose construction raises ConfigError (naming
+    the field by its path in the spec, `where` + the field) instead of pydantic's ValidationError, so that
+    building a section in Python and parsing one from a spec fail alike."""
+    def make(cls: type) -> type:
+        cls = pydantic_dataclasses.dataclass(kw_only=True, slots=True, frozen=True, config=_PARSING)(cls)
+        validate = cls.__init__
+
+        @functools.wraps(validate)
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            try:
+                validate(self, *args, **kwargs)
+            except ValidationError as e:
+                raise config_error(e, root=cls, prefix=where) from None
+
+        cls.__init__ = __init__
+        return cls
+    return make
+
+
+def _positive_int(hi: int) -> Any:
+    return Annotated[int, Field(strict=True, gt=0, le=hi)]
+
+
+def _count(hi: int) -> Any:
+    """An integer from 0 to `hi`."""
+    return Annotated[int, Field(strict=True, ge=0, le=hi)]
+
+
+Bool = Annotated[bool, Field(strict=True)]
+Location = Annotated[str, Field(strict=True, max_length=MAX_PATH, json_schema_extra=LOCATION)]
+"""A path or URL: bounded here, judged (where it may lie) by service.server.admission."""
+
+
+def _rope_value(v: Any) -> int | float | str:
+    """A value of model.overrides.rope_scaling: a number within +-1e12 (an int stays an int), or a name."""
+    if isinstance(v, str):
+        if len(v) > 64:
+            raise ValueError(f"a name here has at most 64 characters, got {len(v)}")
+        return v
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) <= 1e12:  # NaN fails the comparison
+        return v
+    raise ValueError(f"expected a finite number within +-1e12 or a name, got {type(v).__name__}")
+
+
+RopeValue = Annotated[Any, PlainValidator(_rope_value, json_schema_input_type=Annotated[float, Field(ge=-1e12, le=1e12)]
+                                          | Annotated[str, Field(max_length=64)])]
+
+
+class ModelOverrides(TypedDict, total=False):
+    """ModelConfig fields to change from the preset (models.config.ModelConfig documents each), with the
+    bounds a spec may give them."""
+
+    __pydantic_config__ = _PARSING  # type: ignore[misc]
+
+    dim: _positive_int(1 << 16)
+    """Hidden size."""
+    n_layers: _positive_int(1024)
+    """Number of transformer blocks."""
+    n_heads: _positive_int(1024)
+    """Attention (query) heads."""
+    n_kv_heads: _positive_int(1024)
+    """Key/value heads; must divide n_heads."""
+    vocab_size: _positive_int(1 << 22)
+    """Embedding and output rows."""
+    ffn_hidden: _positive_int(1 << 18)
+    """Hidden size of the SwiGLU MLP."""
+    max_seq_len: _positive_int(1 << 20)
+    """Longest sequence the RoPE table covers."""
+    norm_eps: Annotated[float, Field(strict=True, ge=1e-12, le=1.0)]
+    """RMSNorm epsilon."""
+    rope_theta: Annotated[float, Field(strict=True, ge=1.0, le=1e12)]
+    """RoPE base frequency."""
+    init_std: Annotated[float, Field(strict=True, ge=1e-8, le=10.0)]
+    """Standard deviation of the initial weights."""
+    head_size: Annotated[int | None, Field(strict=True, ge=2, le=1 << 14)]
+    """Size of one attention head; null: dim // n_heads."""
+    rope_scaling: Annotated[dict[Annotated[str, Field(strict=True, max_length=64)], RopeValue] | None,
+                            Field(max_length=16)]
+    """RoPE frequency scaling as transformers names it ({"rope_type": "llama3", "factor": 8.0, ...}); null:
+    plain RoPE."""
+    tie_embeddings: Bool
+    """The output projection is the embedding table."""
+    qkv_bias: Bool
+    """Biases on the q, k and v projections."""
+    out_bias: Bool
+    """A bias on the attention output projection."""
+    qk_norm: Bool
+    """RMSNorm over each head of q and k before RoPE."""
+    sliding_window: Annotated[int | None, Field(strict=True, gt=0, le=1 << 20)]
+    """Sliding-window attention span; null: none."""
+    family: Literal["llama", "mistral", "qwen2", "qwen3"]
+    """The Hugging Face model_type the model is exported as."""
+
+
+class ModelShape(ModelOverrides):
+    """A whole model shape as JSON (model.resolved in `JobConfig.to_dict`): the ModelConfig fields, each
+    within its override's bounds; dim, n_layers, n_heads, n_kv_heads, vocab_size and ffn_hidden required."""
+
+
+_SHAPE = TypeAdapter(ModelShape)
+
+
+def _shape(v: Any) -> ModelConfig | None:
+    """model.resolved: a ModelConfig, or its fields as a mapping (validated with the overrides' bounds)."""
+    if v is None or isinstance(v, ModelConfig):
+        return v
+    given = _SHAPE.validate_python(v)
+    if missing := [f.name for f in dataclasses.fields(ModelConfig)
+                   if f.name not in given and f.default is dataclasses.MISSING]:
+        raise ValueError(f"a model shape needs {', '.join(missing)}")
+    return ModelConfig(**given)
+
+
+@_section("model")
 class ModelSection:
-    preset: str = "tiny"
+    preset: Annotated[str, Field(strict=True, max_length=64)] = "tiny"
     """Name of a preset in models.config.PRESETS (tiny, small, 125m, 1b, 8b)."""
-    overrides: dict[str, Any] = field(default_factory=dict)
+    overrides: ModelOverrides = field(default_factory=dict)
     """ModelConfig fields to change from the preset, e.g. {n_layers: 3}."""
-    init_from: str | None = None
+    init_from: Location | None = None
     """A local Hugging Face Llama directory to start from: its config.json fixes the shape (preset is
     ignored, overrides may set only max_seq_len); a fresh run loads its weights, a resumed one its own
     checkpoint. Read where the job enters (`resolve_init_from`), never by this constructor."""
-    resolved: ModelConfig | None = None
-    """The shape `resolve_init_from` read from init_from's config.json (it replaces whatever was given)."""
+    resolved: Annotated[ModelConfig | None, PlainValidator(_shape, json_schema_input_type=ModelShape | None)] = None
+    """The shape `resolve_init_from` read from init_from's config.json; it replaces whatever a spec gives
+    (only `to_dict`'s output of a resolved config names it), so a spec has no reason to."""
 
-    def __post_init__(self) -> None:
+    @model_validator(mode="after")
+    def _rules(self) -> ModelSection:
         if self.init_from is not None:
             if not self.init_from.strip() or "\x00" in self.init_from:
                 raise ConfigError(f"model.init_from {self.init_from!r} must be a non-blank path without NUL bytes",
@@ -69,6 +220,7 @@ class ModelSection:
         except ValueError as e:  # an unknown preset, or overrides the model cannot take
             where = ("model", "preset") if self.init_from is None and self.preset not in PRESETS else ("model", "overrides")
             raise ConfigError(f"model: {e}", loc=where) from None
+        return self
 
     @property
     def is_resolved(self) -> bool:
@@ -85,85 +237,87 @@ class ModelSection:
         return dataclasses.replace(self.resolved, **self.overrides)
 
 
-@dataclass(kw_only=True, slots=True, frozen=True)
+@_section("data")
 class DataConfig:
     source: Literal["corpus", "synthetic", "tokens"] = "corpus"
     """corpus: byte-level text from a directory; synthetic: seeded random tokens; tokens: a uint16/uint32
     token file (nanoGPT-style memmap)."""
-    path: str | None = None
+    path: Location | None = None
     """Directory of text files (corpus; default: the Python standard library source) or token file."""
-    seq_len: int | None = None
+    seq_len: Annotated[int | None, Field(strict=True, gt=0, le=1 << 20)] = None
     """Tokens per sample (the model sees seq_len inputs and predicts seq_len targets); at most the model's
     max_seq_len. None: the model's context capped at DEFAULT_SEQ_LEN (and at its sliding_window), filled
     in by JobConfig once the model's shape is known, so a resolved JobConfig always holds a number."""
-    max_bytes: int = 4_000_000
+    max_bytes: _positive_int(1 << 40) = 4_000_000
     """Corpus: read at most this many bytes of text (files in sorted order)."""
-    suffixes: list[str] = field(default_factory=lambda: [".py"])
+    suffixes: Annotated[list[Annotated[str, Field(strict=True, max_length=64)]],
+                        Field(max_length=MAX_LIST)] = field(default_factory=lambda: [".py"])
     """Corpus: file name endings to include."""
     token_dtype: Literal["uint16", "uint32"] | None = None
     """Tokens: element type of the token file; None: what `elastron data prepare`'s meta.json beside it
     says, else uint16."""
-    num_samples: int = 100_000
+    num_samples: _positive_int(MAX_SAMPLES) = 100_000
     """Synthetic: number of distinct samples before the order repeats."""
-    val_path: str | None = None
+    val_path: Location | None = None
     """Held-out split for train.eval_interval: a token file (tokens) or a directory of text (corpus).
     Default for tokens: the val.bin `elastron data prepare` wrote beside data.path; synthetic: samples of
     another seed."""
-    allow_tokenizer_mismatch: bool = False
+    allow_tokenizer_mismatch: Bool = False
     """Tokens: train although meta.json's tokenizer is not model.init_from's own tokenizer.json."""
 
-    def __post_init__(self) -> None:
-        _positive("data", self, "seq_len", "max_bytes", "num_samples")
+    @model_validator(mode="after")
+    def _rules(self) -> DataConfig:
         if self.source == "tokens" and not self.path:
             raise ConfigError("data.path is required when data.source is 'tokens'", loc=('data', 'path'))
         if self.val_path is not None and self.source == "synthetic":
             raise ConfigError("data.val_path means nothing for source 'synthetic' (its held-out samples are seeded)",
                               loc=('data', 'val_path'))
+        return self
 
 
-@dataclass(kw_only=True, slots=True, frozen=True)
+@_section("train")
 class TrainConfig:
-    steps: int = 100
+    steps: _positive_int(MAX_STEPS) = 100
     """Optimizer steps of the whole run (also the LR schedule's horizon unless decay_steps is set). A
     `--steps` given on the command line replaces it (`with_steps`): it is the schedule's length too."""
-    global_batch_size: int = 16
+    global_batch_size: _positive_int(MAX_GLOBAL_BATCH) = 16
     """Samples per optimizer step, fixed under every layout."""
-    micro_batch_size: int = 4
+    micro_batch_size: _positive_int(MAX_GLOBAL_BATCH) = 4
     """Samples per forward/backward on one DP rank; gradient accumulation covers the rest."""
-    lr: float = 3e-3
+    lr: Annotated[float, Field(strict=True, gt=0, le=100.0)] = 3e-3
     """Peak learning rate."""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: Annotated[float, Field(strict=True, ge=0, le=1)] = 0.1
     """Final LR as a fraction of the peak (cosine/linear schedules)."""
-    warmup_steps: int = 10
+    warmup_steps: _count(MAX_STEPS) = 10
     """Linear warmup from 0 to lr over this many steps."""
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     """Decay after warmup."""
-    decay_steps: int | None = None
+    decay_steps: Annotated[int | None, Field(strict=True, gt=0, le=MAX_STEPS)] = None
     """Step at which decay ends; default `steps` (so `--steps` moves it too). Set it to keep the schedule
     fixed while a resumed run is given more or fewer steps."""
-    weight_decay: float = 0.1
+    weight_decay: Annotated[float, Field(strict=True, ge=0, le=100.0)] = 0.1
     """AdamW decoupled weight decay."""
-    beta1: float = 0.9
+    beta1: Annotated[float, Field(strict=True, ge=0, lt=1)] = 0.9
     """AdamW beta1."""
-    beta2: float = 0.95
+    beta2: Annotated[float, Field(strict=True, ge=0, lt=1)] = 0.95
     """AdamW beta2."""
-    eps: float = 1e-8
+    eps: Annotated[float, Field(strict=True, ge=0, le=1.0)] = 1e-8
     """AdamW epsilon."""
-    fused_optimizer: bool | None = None
+    fused_optimizer: Bool | None = None
     """AdamW's fused kernel (`fused=True`) instead of the foreach one. None: fused, on CUDA and CPU: one
     kernel per parameter group instead of several passes over parameters and state, and with DTensor
     parameters one sharding propagation instead of one per foreach op, which a fresh trainer pays in
     full on its first step (1.2 s of the first step after every re-form of a 1 GB job on CPU). Both work
     with DTensor parameters; they differ in the last bits of the update."""
-    grad_clip: float = 1.0
+    grad_clip: Annotated[float, Field(strict=True, ge=0, le=1e6)] = 1.0
     """Clip the global gradient norm to this; 0 disables."""
-    seed: int = 0
+    seed: Annotated[int, Field(strict=True, ge=0, le=2**63 - 1)] = 0
     """Seeds initial weights, data order and dropout-free RNG state."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype. bfloat16: bf16 weights (cast at use, or by FSDP2 as it gathers them) and activations
     in forward and backward; fp32 master weights, optimizer state, gradient reduction and loss, with the
     same arithmetic under every layout. See parallel/precision.py."""
-    compile: bool = False
+    compile: Bool = False
     """Compile each transformer block with torch.compile (inductor). Needs a C++ compiler on CPU and
     Triton on CUDA; the first step is slow while kernels compile (they are cached on disk)."""
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
@@ -176,106 +330,89 @@ class TrainConfig:
     accurate, slower). The output head stays in high precision; weights, optimizer state and checkpoints
     stay fp32, so a run resumes or reshards with it switched on or off. Needs torchao and, on CUDA,
     train.dtype bfloat16 on an H100-class GPU (compute capability 8.9+); emulated on CPU."""
-    eval_interval: int = 0
+    eval_interval: _count(MAX_STEPS) = 0
     """Every this many steps, the loss on the held-out split (data.val_path) goes into the metrics as
     val_loss; 0: never."""
-    eval_batches: int = 4
+    eval_batches: _positive_int(10_000) = 4
     """Global batches of the held-out split per evaluation (the same samples every time)."""
 
-    def __post_init__(self) -> None:
-        _positive("train", self, "steps", "global_batch_size", "micro_batch_size", "lr", "decay_steps",
-                  "eval_batches")
-        _positive("train", self, "eval_interval", allow_zero=True)
-        _positive("train", self, "warmup_steps", "weight_decay", "grad_clip", "min_lr_ratio", "eps",
-                  allow_zero=True)
+    @model_validator(mode="after")
+    def _rules(self) -> TrainConfig:
         if self.global_batch_size % self.micro_batch_size:
             raise ConfigError(
                 f"train.global_batch_size={self.global_batch_size} must be a multiple of "
                 f"train.micro_batch_size={self.micro_batch_size}", loc=("train", "global_batch_size"))
-        if not 0 <= self.beta1 < 1 or not 0 <= self.beta2 < 1:
-            raise ConfigError(f"train.beta1/beta2 must be in [0, 1), got {self.beta1}, {self.beta2}",
-                              loc=('train', 'beta1'))
-        if self.min_lr_ratio > 1:
-            raise ConfigError(f"train.min_lr_ratio must be <= 1, got {self.min_lr_ratio}",
-                              loc=('train', 'min_lr_ratio'))
-        if self.activation_checkpointing not in ("none", "full", "selective"):
-            raise ConfigError("train.activation_checkpointing must be one of none, full, selective, "
-                              f"got {self.activation_checkpointing!r}", loc=('train', 'activation_checkpointing'))
-        if self.float8 not in ("none", "tensorwise", "rowwise"):
-            raise ConfigError(f"train.float8 must be one of none, tensorwise, rowwise, got {self.float8!r}",
-                              loc=('train', 'float8'))
+        return self
 
 
-@dataclass(kw_only=True, slots=True, frozen=True)
+@_section("parallel")
 class ParallelConfig:
-    min_workers: int = 1
+    min_workers: _positive_int(MAX_WORKERS) = 1
     """Fewest workers the job may run on; below this it waits for capacity."""
-    max_workers: int = 4
+    max_workers: _positive_int(MAX_WORKERS) = 4
     """Most workers the job will use."""
-    layout: str | None = None
-    """Force a layout, e.g. "dp=2,tp=2,pp=1"; otherwise the planner chooses per world size."""
+    layout: Annotated[str | None, Field(strict=True, max_length=256)] = None
+    """Force a layout, e.g. "dp=2,tp=2,pp=1"; otherwise the planner chooses per world size. Its world size
+    is at most MAX_WORKERS."""
     dp_mode: Literal["auto", "shard", "replicate"] = "auto"
     """How planned layouts spend data parallelism: FSDP2 sharding (shard), replication (replicate), or
     auto: replicate where the replicas fit (a memory_budget_gb that holds them; without one, on CPU
     only), shard otherwise (`parallel.planner.replicate_fits`). In a written layout dp=N means
     dp_shard=N unless this is replicate."""
-    tp: int | None = None
+    tp: Annotated[int | None, Field(strict=True, gt=0, le=MAX_WORKERS)] = None
     """Force this TP degree in planned layouts."""
-    pp: int | None = None
+    pp: Annotated[int | None, Field(strict=True, gt=0, le=MAX_WORKERS)] = None
     """Force this PP degree in planned layouts."""
-    max_tp: int | None = None
+    max_tp: Annotated[int | None, Field(strict=True, gt=0, le=MAX_WORKERS)] = None
     """Upper bound on TP degree (default: GPUs per node)."""
-    max_pp: int | None = None
+    max_pp: Annotated[int | None, Field(strict=True, gt=0, le=MAX_WORKERS)] = None
     """Upper bound on PP degree (default: number of layers)."""
     pp_schedule: Literal["1f1b", "gpipe"] = "1f1b"
     """Pipeline schedule when pp > 1."""
-    sequence_parallel: bool = False
+    sequence_parallel: Bool = False
     """Shard norms/activations along the sequence between TP regions."""
-    gpus_per_node: int | None = None
+    gpus_per_node: Annotated[int | None, Field(strict=True, gt=0, le=MAX_WORKERS)] = None
     """Workers per node; TP groups never span nodes. Default: no limit (CPU)."""
-    memory_budget_gb: float | None = None
+    memory_budget_gb: Annotated[float | None, Field(strict=True, gt=0, le=1 << 20)] = None
     """Per-device memory budget for the planner; default: unlimited on CPU, the GPU's memory on CUDA."""
     reshard: Literal["live", "storage"] = "live"
     """How state moves on a planned resize, a growth or a preemption notice: live (from the workers of the
     old layout to those of the new one over the network, then a durable checkpoint in the background) or
     storage (a blocking checkpoint, then every new rank loads it)."""
 
-    def __post_init__(self) -> None:
-        _positive("parallel", self, "min_workers", "max_workers", "tp", "pp", "max_tp", "max_pp",
-                  "gpus_per_node", "memory_budget_gb")
-        if self.dp_mode not in ("auto", "shard", "replicate"):
-            raise ConfigError(f"parallel.dp_mode must be one of auto, shard, replicate, got {self.dp_mode!r}",
-                              loc=('parallel', 'dp_mode'))
-        if self.reshard not in ("live", "storage"):
-            raise ConfigError(f"parallel.reshard must be live or storage, got {self.reshard!r}",
-                              loc=('parallel', 'reshard'))
+    @model_validator(mode="after")
+    def _rules(self) -> ParallelConfig:
         if self.min_workers > self.max_workers:
             raise ConfigError(
                 f"parallel.min_workers={self.min_workers} is greater than parallel.max_workers={self.max_workers}",
                 loc=("parallel", "min_workers"))
         if self.layout is not None:
             try:
-                Layout.parse(self.layout, dp_mode=self.dp_mode)
+                n = Layout.parse(self.layout, dp_mode=self.dp_mode).world_size
             except ValueError as e:
                 raise ConfigError(f"parallel.layout: {e}", loc=('parallel', 'layout')) from None
+            if n > MAX_WORKERS:
+                raise ConfigError(f"parallel.layout {self.layout!r} needs {n} workers; Elastron accepts at most "
+                                  f"{MAX_WORKERS}", loc=('parallel', 'layout'))
+        return self
 
 
-@dataclass(kw_only=True, slots=True, frozen=True)
+@_section("checkpoint")
 class CheckpointConfig:
-    interval_steps: int = 50
+    interval_steps: _positive_int(MAX_STEPS) = 50
     """Save every this many steps (plus a final save)."""
-    keep_last: int = 3
+    keep_last: _positive_int(10_000) = 3
     """Committed checkpoints to keep; the newest is never deleted."""
-    dir: str | None = None
+    dir: Location | None = None
     """Where checkpoints go (path or fsspec URL); default RUN_DIR/checkpoints."""
-    async_save: bool = True
+    async_save: Bool = True
     """Write in the background; the loop blocks only while state is staged."""
-    peer_interval: int = 1
+    peer_interval: _count(MAX_STEPS) = 1
     """Every this many steps each rank keeps a snapshot of its shards in its host memory and in a buddy
     rank's on another node (workers.snapshots), so that a rank lost without notice is served from memory
     and only the steps since that snapshot are redone; 0: off. Never written to disk: the durable
     checkpoints above stay, for the loss of the whole cluster."""
-    peer_budget: float = 0.1
+    peer_budget: Annotated[float, Field(strict=True, ge=0, le=1)] = 0.1
     """The share of training time peer snapshots may cost: where one costs more than this (its copy,
     and the steps its background send slows), they are taken less often than every `peer_interval`
     steps, as measured while training (workers.pace), and a kill redoes up to that many steps less one.
@@ -283,102 +420,102 @@ class CheckpointConfig:
     checksum: Literal["xxh3-128", "blake3", "sha256", "none"] = "xxh3-128"
     """Checksum of every written block, verified as it is read back: xxh3-128 (fast), blake3
     (cryptographic), sha256, or none (scratch runs only: corruption then goes unnoticed)."""
-    io_threads: int = 2
+    io_threads: _positive_int(64) = 2
     """Files each rank writes, and reads, in parallel."""
-    resume_from: str | None = None
+    resume_from: Location | None = None
     """Start from the checkpoints under this directory even though another job or another model config
     wrote them (without it such a checkpoint is refused). Read only, and only while this job has no
     checkpoint of its own; naming this job's own checkpoint directory only waives the check."""
 
-    def __post_init__(self) -> None:
-        _positive("checkpoint", self, "interval_steps", "keep_last", "io_threads")
-        _positive("checkpoint", self, "peer_interval", "peer_budget", allow_zero=True)
-        if self.peer_budget > 1:
-            raise ConfigError(f"checkpoint.peer_budget must be <= 1 (a share of training time), got {self.peer_budget}",
-                              loc=('checkpoint', 'peer_budget'))
-        if self.resume_from is not None and (not isinstance(self.resume_from, str) or not self.resume_from.strip()):
+    @model_validator(mode="after")
+    def _rules(self) -> CheckpointConfig:
+        if self.resume_from is not None and not self.resume_from.strip():
             raise ConfigError(f"checkpoint.resume_from must be a directory path, got {self.resume_from!r}",
                               loc=('checkpoint', 'resume_from'))
+        return self
 
 
-@dataclass(kw_only=True, slots=True, frozen=True)
+@_section("resources")
 class ResourcesConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device per worker; auto picks cuda when available."""
-    cpus_per_worker: int = 1
+    cpus_per_worker: _positive_int(1024) = 1
     """CPUs reserved per worker actor."""
-    gpus_per_worker: int | None = None
+    gpus_per_worker: _count(64) | None = None
     """GPUs per worker actor; None: 1 with device: cuda, else 0. So `device` is the one switch between a
     CPU machine (auto or cpu) and a GPU cluster (cuda)."""
-    standby_per_node: int = 1
+    standby_per_node: _count(4) = 1
     """Idle worker processes kept started on each node hosting the job's workers, reserving nothing
     (~300 MB of memory each): a worker that crashes is replaced by one without a process start (~2.5 s
     on CPU). Besides these, one node the job may use and does not keeps as many as the busiest node has
     members, so that a node lost without notice is replaced the same way
     (`service.pool.reserve.standby_targets`). CPU workers only (a GPU is given to a process when it
-    starts); 0: none, anywhere."""
+    starts); 0: none, anywhere. At most 4: more crashes at once than that on one node are a node's loss,
+    which the spare node covers."""
 
-    def __post_init__(self) -> None:
+    @model_validator(mode="after")
+    def _rules(self) -> ResourcesConfig:
         if self.gpus_per_worker is None:
             object.__setattr__(self, "gpus_per_worker", 1 if self.device == "cuda" else 0)
-        _positive("resources", self, "cpus_per_worker")
-        _positive("resources", self, "gpus_per_worker", allow_zero=True)
-        _positive("resources", self, "standby_per_node", allow_zero=True)
+        return self
 
 
-@dataclass(kw_only=True, slots=True, frozen=True)
+@_section("scheduling")
 class SchedulingConfig:
-    priority: int = 0
+    priority: Annotated[int, Field(strict=True, ge=-1_000_000, le=1_000_000)] = 0
     """On a shared cluster (the REST service): higher-priority jobs are admitted first, and shrink or pause
     lower-priority ones to get their workers."""
-    weight: float = 1.0
+    weight: Annotated[float, Field(strict=True, gt=0, lt=1e6)] = 1.0
     """Share of the spare workers among jobs of equal priority."""
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.weight, (int, float)) or isinstance(self.weight, bool) or not 0 < self.weight < 1e6:
-            raise ConfigError(f"scheduling.weight must be a number > 0 and < 1e6, got {self.weight!r}",
-                              loc=('scheduling', 'weight'))
-        if not -1_000_000 <= self.priority <= 1_000_000:
-            raise ConfigError(f"scheduling.priority must be between -1000000 and 1000000, got {self.priority}",
-                              loc=('scheduling', 'priority'))
 
-
-@dataclass(kw_only=True, slots=True, frozen=True)
+@_section("logging", "wandb")
 class WandbConfig:
-    project: str = "elastron"
+    project: Annotated[str, Field(strict=True, max_length=MAX_NAME)] = "elastron"
     """W&B project of the run."""
     mode: Literal["online", "offline", "disabled"] = "online"
     """online: sync as it runs; offline: write under RUN_DIR/wandb only (`wandb sync` later)."""
 
 
-@dataclass(kw_only=True, slots=True, frozen=True)
+@_section("logging")
 class LoggingConfig:
-    tensorboard: bool = True
+    tensorboard: Bool = True
     """TensorBoard event files in RUN_DIR/tensorboard: loss, val_loss, LR, grad norm, tokens/s, MFU and
     every reconfiguration (workers.sinks)."""
     wandb: WandbConfig | None = None
     """The same to Weights & Biases (needs the wandb package); none: off."""
 
 
-@dataclass(kw_only=True, slots=True, frozen=True)
+@_section()
 class JobConfig:
-    name: str = "job"
+    """A job spec: the job YAML, section by section."""
+
+    name: Annotated[str, Field(strict=True, max_length=MAX_NAME)] = "job"
     """A label for the job."""
     model: ModelSection = field(default_factory=ModelSection)
+    """The model: a preset and overrides, or a Hugging Face directory to start from."""
     data: DataConfig = field(default_factory=DataConfig)
+    """What the model trains on."""
     train: TrainConfig = field(default_factory=TrainConfig)
+    """The optimizer, its schedule and the numerics."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """How many workers, and how the model is split over them."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Durable checkpoints and in-memory snapshots."""
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+    """What each worker reserves."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Metrics sinks besides the run directory's own files."""
     scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
+    """The job's place among others on a shared cluster."""
 
-    def __post_init__(self) -> None:
+    @model_validator(mode="after")
+    def _rules(self) -> JobConfig:
         if self.train.eval_interval and self.data.source == "corpus" and self.data.val_path is None:
             raise ConfigError("train.eval_interval needs a held-out split: set data.val_path to a directory of text",
                               loc=('train', 'eval_interval'))
         if not self.model.is_resolved:
-            return  # judged by resolve_init_from, which builds this config again with the model's shape
+            return self  # judged by resolve_init_from, which builds this config again with the model's shape
         mc = self.model.build()
         if self.data.seq_len is None:  # the model's context, capped: every reader downstream sees a number
             fits = min(DEFAULT_SEQ_LEN, mc.max_seq_len, mc.sliding_window or mc.max_seq_len)
@@ -402,10 +539,16 @@ class JobConfig:
             except PlanError as e:
                 raise ConfigError(f"parallel.layout {self.parallel.layout!r}: {e}",
                                   loc=('parallel', 'layout')) from None
+        return self
 
     @classmethod
-    def from_dict(cls, d: Any) -> "JobConfig":
-        return build(cls, d)
+    def from_dict(cls, d: Any) -> JobConfig:
+        """The JobConfig of a parsed spec (a YAML file's mapping, a request's JSON), or ConfigError naming
+        the first field it refuses."""
+        try:
+            return _SPEC.validate_python(d)
+        except ValidationError as e:
+            raise config_error(e, root=cls) from None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -414,6 +557,35 @@ class JobConfig:
         """Stable hash of the config (stored in checkpoints)."""
         blob = json.dumps(self.to_dict(), sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+
+_SPEC = TypeAdapter(JobConfig)
+
+
+def spec_schema() -> dict[str, Any]:
+    """The JSON schema of a job spec (what /openapi.json shows under JobConfig)."""
+    return _SPEC.json_schema()
+
+
+def spec_maxima() -> dict[tuple[str, ...], int | float]:
+    """Every number field of a spec with the largest value it accepts, read from the schema
+    ({("data", "seq_len"): 1048576, ("model", "overrides", "dim"): 65536, ...}); an exclusive maximum
+    is not listed (no largest value)."""
+    schema = spec_schema()
+    defs = schema.get("$defs", {})
+    out: dict[tuple[str, ...], int | float] = {}
+
+    def walk(s: dict, path: tuple[str, ...]) -> None:
+        s = defs[s["$ref"].split("/")[-1]] if "$ref" in s else s
+        for alt in s.get("anyOf", [s]):
+            alt = defs[alt["$ref"].split("/")[-1]] if "$ref" in alt else alt
+            if alt.get("type") in ("integer", "number") and "maximum" in alt:
+                out[path] = alt["maximum"]
+            for name, sub in alt.get("properties", {}).items():
+                walk(sub, (*path, name))
+
+    walk(schema, ())
+    return out
 
 
 def job_device_type(cfg: JobConfig) -> str:

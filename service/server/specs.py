@@ -1,5 +1,5 @@
-"""Job requests checked before anything runs: the spec (JobConfig rules, typed model overrides, and a
-layout that can fit) and its strings. Where a request may read and write is service.server.admission's
+"""Job requests checked before anything runs: the spec (workers.config's one schema: types, bounds and the
+rules between fields), a layout that can fit, and its strings. Where a request may read and write is service.server.admission's
 to judge. Errors are SpecError with the request field they concern, so the API can name it.
 """
 
@@ -13,11 +13,10 @@ from typing import Any
 
 from parallel.layout import Layout
 from parallel.planner import plan
-from service.server.limits import MAX_GLOBAL_BATCH, MAX_WORKERS, check_limits
-from workers.config import JobConfig, job_constraints, with_steps
+from workers.config import LOCATION, MAX_GLOBAL_BATCH, MAX_STEPS, MAX_WORKERS, JobConfig, job_constraints, with_steps
 from workers.preflight import preflight
 
-__all__ = ["JobConfig", "MAX_GLOBAL_BATCH", "MAX_WORKERS", "SpecError", "check_plannable", "check_text",
+__all__ = ["JobConfig", "LOCATION", "MAX_GLOBAL_BATCH", "MAX_STEPS", "MAX_WORKERS", "SpecError", "check_plannable", "check_text",
            "safe_name", "validate_spec"]
 
 
@@ -34,12 +33,9 @@ class SpecError(ValueError):
 
 def validate_spec(spec: Any, *, steps: int | None = None, workers: int | None = None) -> JobConfig:
     """The JobConfig of `spec`, parsed once here for the whole job, or SpecError naming the field: the
-    YAML rules (JobConfig.from_dict), plus what would only fail once the job runs: a readable data path
-    and a layout that fits the model on the allowed worker counts (e.g. a tp that does not divide the
-    heads)."""
-    if over := check_limits(spec):  # first: JobConfig plans a forced layout with these sizes
-        raise SpecError(("spec", *over[0]), over[1])
-    _check_forced_world_size(spec)
+    spec's schema (JobConfig.from_dict: types, bounds, rules between fields), plus what would only fail
+    once the job runs: a readable data path and a layout that fits the model on the allowed worker counts
+    (e.g. a tp that does not divide the heads)."""
     try:
         cfg = JobConfig.from_dict(spec)
     except ValueError as e:  # ConfigError, or a ValueError from a check deeper down (e.g. a NUL in a path)
@@ -60,21 +56,6 @@ def validate_spec(spec: Any, *, steps: int | None = None, workers: int | None = 
             raise SpecError(("spec", "data", "path"), f"data.path {d.path!r} is not readable by the server")
     _check_layout(cfg, workers)
     return cfg
-
-
-def _check_forced_world_size(spec: Any) -> None:
-    """A forced parallel.layout's world size within MAX_WORKERS, before JobConfig plans it."""
-    pc = spec.get("parallel") if isinstance(spec, dict) else None
-    text = pc.get("layout") if isinstance(pc, dict) else None
-    if not isinstance(text, str):
-        return
-    try:
-        n = Layout.parse(text).world_size
-    except ValueError:
-        return  # JobConfig reports the syntax
-    if n > MAX_WORKERS:
-        raise SpecError(("spec", "parallel", "layout"),
-                        f"parallel.layout {text!r} needs {n} workers; this server accepts at most {MAX_WORKERS}")
 
 
 def _check_layout(cfg: JobConfig, workers: int | None) -> None:
@@ -98,7 +79,7 @@ def check_plannable(cfg: JobConfig, workers: int | None = None) -> None:
     range with no usable size. Judged where a job enters (the REST API's validate_spec, `elastron run`),
     before anything starts: the coordinator cannot tell such a job from one short of capacity, and would
     wait for capacity that never helps. The planner's work is bounded by the worker count, the batch
-    and the layer count, which service.server.limits keeps small."""
+    and the layer count, which the spec's bounds (workers.config) keep small."""
     pc, hi = cfg.parallel, _most_workers(cfg, workers)
     try:
         plan(hi, cfg.model.build(), job_constraints(cfg, min_workers=min(pc.min_workers, hi), max_workers=hi))

@@ -292,7 +292,8 @@ def test_openapi_lists_every_endpoint_with_the_job_spec_documented(env):
     schemas = doc["components"]["schemas"]
     train = schemas["TrainConfig"]["properties"]
     assert train["steps"]["default"] == 100 and "Optimizer steps" in train["steps"]["description"]
-    assert schemas["JobSpec"]["additionalProperties"] is False
+    assert schemas["JobConfig"]["additionalProperties"] is False  # the job YAML's one schema
+    assert schemas["JobSubmit"]["properties"]["spec"]["$ref"] == "#/components/schemas/JobConfig"
     assert doc["paths"][J]["post"]["responses"].keys() >= {"201", "422", "401", "403"}
 
 

@@ -197,20 +197,21 @@ def test_spec_errors_name_request_fields():
     assert e.value.loc == ("workers",)
     with pytest.raises(SpecError) as e:
         validate_spec({**SPEC, "parallel": {"max_workers": 10**9}})
-    assert e.value.loc == ("spec", "parallel", "max_workers") and "more than this server accepts" in e.value.msg
+    assert e.value.loc == ("spec", "parallel", "max_workers") and "is more than Elastron accepts (at most 100000)" in e.value.msg
 
 
 def test_spec_layout_check_is_the_planners_and_stays_fast_at_the_servers_limits():
     """The submit-time check calls plan(): with every size at the largest value the server accepts
-    (service.server.limits), planning stays cheap; past them, the request is refused before anything plans."""
-    from service.server.limits import LIMITS, MAX_WORKERS
-    from service.server.specs import validate_spec
+    (the spec schema's maxima), planning stays cheap; past them, the request is refused before anything plans."""
+    from service.server.specs import MAX_WORKERS, validate_spec
+    from workers.config import spec_maxima
 
-    at_limit = {"preset": "tiny", "overrides": {k: v for (sec, k), v in LIMITS.items() if sec == "model"}}
+    dims = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden", "max_seq_len")
+    at_limit = {"preset": "tiny", "overrides": {k: spec_maxima()["model", "overrides", k] for k in dims}}
     t0 = time.perf_counter()
     cfg = validate_spec({**SPEC, "model": at_limit, "train": {"global_batch_size": 720720 * 16,
                                                              "micro_batch_size": 1}}, workers=MAX_WORKERS)
-    assert cfg.model.build().n_heads == LIMITS["model", "n_heads"]
+    assert cfg.model.build().n_heads == 1024
     with pytest.raises(SpecError) as e:
         validate_spec({**SPEC, "model": at_limit, "parallel": {"max_workers": MAX_WORKERS, "memory_budget_gb": 1e-9}})
     assert e.value.loc == ("spec", "parallel", "max_workers") and "no parallel layout can run this job" in e.value.msg

@@ -110,8 +110,8 @@ def test_float8_recipe_is_read_and_defaults_to_none():
     assert JobConfig.from_dict({"train": {"float8": "rowwise"}}).train.float8 == "rowwise"
     from workers.config import TrainConfig
 
-    with pytest.raises(ConfigError, match="train.float8 must be one of none, tensorwise, rowwise, got 'int8'"):
-        TrainConfig(float8="int8")
+    with pytest.raises(ConfigError, match=r"train.float8: expected one of \['none', 'tensorwise', 'rowwise'\], got 'int8'"):
+        TrainConfig(float8="int8")  # built in Python, judged as a parsed spec is
 
 
 def test_seq_len_defaults_to_the_models_context_capped_at_128():
