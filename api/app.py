@@ -11,14 +11,12 @@ actors). Startup re-attaches to the jobs' coordinators
 from __future__ import annotations
 
 import logging
-import math
 import os
 import uuid
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
@@ -30,7 +28,7 @@ from api.routes import api_router, ops_router
 from api.routes.dashboard import STATIC_DIR
 from api.routes.ops import make_registry
 from service.server.job_actor import JobUnavailable
-from service.server.job_manager import JobConflict, JobManager, JobNotFound
+from service.server.job_manager import JobConflict, JobForbidden, JobManager, JobNotFound
 from service.server.specs import SpecError
 
 logger = logging.getLogger("elastron.api")
@@ -60,7 +58,8 @@ def default_manager(settings: Settings) -> JobManager:
                       stop_timeout_s=settings.stop_timeout_s, quotas=settings.quotas,
                       shared=settings.schedule, resume_prefixes=settings.resume_prefixes,
                       object_stores=settings.object_stores, azure_account=settings.azure_account,
-                      max_live_jobs=settings.max_live_jobs, lock_timeout_s=settings.lock_timeout_s)
+                      max_live_jobs=settings.max_live_jobs, lock_timeout_s=settings.lock_timeout_s,
+                      max_finished_jobs=settings.max_finished_jobs)
 
 
 class BodyLimit:
@@ -157,15 +156,18 @@ def create_app(*, jobs: JobManager | None = None, settings: Settings | None = No
     async def _conflict(request: Request, e: JobConflict):
         return JSONResponse({"detail": str(e)}, 409)
 
+    @app.exception_handler(JobForbidden)
+    async def _forbidden(request: Request, e: JobForbidden):
+        return JSONResponse({"detail": str(e)}, 403)
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError):
-        # the errors echo the input, which may be what JSON cannot carry (a non-finite number, a lone
-        # surrogate): a 422 must never become a 500 for the value it refuses
-        return JSONResponse({"detail": _json_safe(jsonable_encoder(e.errors()))}, 422)
+        return JSONResponse({"detail": validation_detail(e.errors())}, 422)
 
     @app.exception_handler(SpecError)
     async def _spec(request: Request, e: SpecError):
-        return JSONResponse({"detail": [{"loc": ["body", *e.loc], "msg": e.msg, "type": "value_error"}]}, 422)
+        return JSONResponse({"detail": validation_detail([{"loc": ["body", *e.loc], "msg": e.msg,
+                                                           "type": "value_error"}])}, 422)
 
     @app.exception_handler(JobUnavailable)
     async def _unavailable(request: Request, e: JobUnavailable):
@@ -182,17 +184,31 @@ def create_app(*, jobs: JobManager | None = None, settings: Settings | None = No
     return app
 
 
-def _json_safe(v):
-    """`v` with what strict JSON cannot hold spelled as text: non-finite numbers, unencodable strings."""
-    if isinstance(v, float) and not math.isfinite(v):
-        return repr(v)
-    if isinstance(v, str):
-        return v if v.isascii() or _encodes(v) else v.encode("utf-8", "backslashreplace").decode("utf-8")
-    if isinstance(v, dict):
-        return {_json_safe(k): _json_safe(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_json_safe(x) for x in v]
-    return v
+MAX_ERRORS = 20
+"""A 422 lists at most this many of the request's errors."""
+MAX_LOC = 16
+"""An error's `loc` keeps at most this many parts (a deeply nested value's place, cut)."""
+MAX_TEXT = 1000
+"""Each part of `loc`, and each `msg`, keeps at most this many characters."""
+
+
+def validation_detail(errors) -> list[dict]:
+    """A 422's detail: each error's `loc`, `msg` and `type`, bounded (MAX_ERRORS, MAX_LOC, MAX_TEXT).
+    The value refused (`input`, `ctx`) is not echoed: it may be nested as deep as the parser allows,
+    which a recursive encoder cannot walk, or hold what JSON cannot carry (a non-finite number, a lone
+    surrogate); a 422 must never become a 500 for the value it refuses."""
+    out = []
+    for err in list(errors)[:MAX_ERRORS]:
+        loc = [x if isinstance(x, int) and not isinstance(x, bool) else _json_safe(str(x)[:MAX_TEXT])
+               for x in list(err.get("loc", ()))[:MAX_LOC]]
+        out.append({"loc": loc, "msg": _json_safe(str(err.get("msg", ""))[:MAX_TEXT]),
+                    "type": _json_safe(str(err.get("type", ""))[:MAX_TEXT])})
+    return out
+
+
+def _json_safe(s: str) -> str:
+    """`s` as strict JSON can hold it: what UTF-8 cannot encode (a lone surrogate) spelled as escapes."""
+    return s if s.isascii() or _encodes(s) else s.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _encodes(s: str) -> bool:

@@ -1,5 +1,5 @@
-"""Issue 42, shown by attack: every input of the third security review, and the earlier reviews' inputs,
-replayed over HTTP against one live server (uvicorn) with two user tokens. The store lies where
+"""Issues 42 and 52, shown by attack: every input of the third and fourth security reviews, and the earlier
+reviews' inputs, replayed over HTTP against one live server (uvicorn) with two user tokens. The store lies where
 `elastron serve` puts it by default (RUNS_ROOT/elastron.db). After each input: no 5xx, no reply that shows
 the other user's job, and the store still answers."""
 
@@ -20,7 +20,8 @@ from api.store import JobStore
 from service.control.commands import Stop
 from service.control.status import JobStatus
 from service.server.job_manager import JobManager, JobUnavailable
-from tests.api.helpers import HandleLauncher, SPEC, live_server
+from service.sharing.scheduler import Quota
+from tests.api.helpers import HandleLauncher, SPEC, live_server, wait_for
 from tests.api.test_request_limits import bad_paths
 from tests.api.test_submit_fuzz import bodies
 
@@ -36,14 +37,14 @@ class Handle:
     """A coordinator that runs until stopped; a stuck one answers no command: each gives up after 1 s,
     as a Ray call's timeout does (JobUnavailable)."""
 
-    def __init__(self, stuck: threading.Event | None):
-        self.stuck, self.state = stuck, "RUNNING"
+    def __init__(self, stuck: threading.Event | None, job_id: str = ""):
+        self.stuck, self.state, self.job_id = stuck, "RUNNING", job_id
 
     def status(self):
         return JobStatus(state=self.state, reason="", step=1, total_steps=10, world_size=1)
 
     def events_since(self, index=0):
-        return []
+        return [{"kind": "note", "time": 1.0, "job_id": self.job_id, "reason": "started"}][index:]
 
     def metrics_since(self, step=0):
         return []
@@ -57,7 +58,7 @@ class Handle:
 
 def stuck_launcher(stuck: threading.Event) -> HandleLauncher:
     """Coordinators that are stuck (answer nothing until `stuck` is set) for jobs named "stuck"."""
-    return HandleLauncher(lambda job: Handle(stuck if job.cfg.name == "stuck" else None))
+    return HandleLauncher(lambda job: Handle(stuck if job.cfg.name == "stuck" else None, job.id))
 
 
 class Server:
@@ -109,7 +110,8 @@ def srv(tmp_path_factory):
     mgr = JobManager(JobStore(s.store_url), stuck_launcher(stuck), runs_root=s.runs_root, data_roots=s.data_roots,
                      sync_interval_s=s.sync_interval_s, stop_timeout_s=s.stop_timeout_s,
                      resume_prefixes=s.resume_prefixes, object_stores=s.object_stores, azure_account=s.azure_account,
-                     max_live_jobs=s.max_live_jobs, lock_timeout_s=s.lock_timeout_s)
+                     max_live_jobs=s.max_live_jobs, lock_timeout_s=s.lock_timeout_s,
+                     quotas={"bob": Quota(max_priority=5)}, max_finished_jobs=2)
     with live_server(create_app(jobs=mgr, settings=s)) as url:
         server = Server(url, root, stuck)
         yield server
@@ -347,3 +349,132 @@ def test_the_client_retries_a_delete_the_guard_answered_503():
 
     with Client("http://x", transport=httpx.MockTransport(answer)) as c:
         assert c.delete("j")["deleted"] and seen == ["DELETE"] * 3
+
+
+# -- issue 52: the fourth review ---------------------------------------------------------------------------
+
+def post_raw(srv, path: str, raw: str, tok: str = ALICE) -> httpx.Response:
+    r = srv.c.post(path, content=raw, headers={**h(tok), "content-type": "application/json"})
+    srv.check(r)
+    return r
+
+
+def test_2_a_user_may_not_ask_for_a_priority_above_the_ceiling_the_operator_set(srv):
+    for tok, prio, top in ((ALICE, 1_000_000, 0), (ALICE, 1, 0), (BOB, 6, 5)):
+        r = srv.submit(tok, spec_with(scheduling={"priority": prio}))
+        assert r.status_code == 403 and f"ceiling of {top}" in r.text, r.text
+    for tok, prio in ((ALICE, 0), (ALICE, -3), (BOB, 5), (ADMIN, 1_000_000)):  # the admin has no ceiling
+        r = srv.submit(tok, spec_with(scheduling={"priority": prio}))
+        assert r.status_code == 201, (tok, prio, r.text)
+        srv.forget(tok, r.json()["id"])
+
+
+@pytest.mark.parametrize("shape", ["name", "run_dir", "unknown key", "resize"])
+def test_3_deeply_nested_json_is_a_422_not_a_500(srv, shape):
+    deep = "[" * 480 + "]" * 480  # 960 bytes
+    path, raw = J, {"name": '{"spec": {"name": %s}}' % deep,
+                    "run_dir": '{"spec": %s, "run_dir": %s}' % (json.dumps(SPEC), deep),
+                    "unknown key": '{"spec": %s, "x": {"y": %s}}' % (json.dumps(SPEC), deep)}.get(shape, "")
+    if shape == "resize":
+        a = srv.submit(ALICE).json()["id"]
+        path, raw = f"{J}/{a}/resize", '{"workers": %s}' % deep
+    t0 = time.monotonic()
+    r = post_raw(srv, path, raw)
+    assert r.status_code == 422 and time.monotonic() - t0 < 1.0, r.text
+    assert len(r.content) < 4096 and "[[[" not in r.text  # the value refused is not echoed
+    if shape == "resize":
+        srv.forget(ALICE, a)
+
+
+@pytest.mark.parametrize("field", ["data.path", "data.val_path", "model.init_from", "checkpoint.dir",
+                                   "checkpoint.resume_from", "run_dir"])
+def test_4_a_long_location_is_refused_within_a_second(srv, field):
+    section, _, key = field.partition(".")
+    for where in ("/etc/" + "a/" * 450_000, str(srv.root / "data" / "corpus") + "/a" * 450_000):  # 900 KB
+        spec = spec_with(data={"source": "corpus", "path": str(srv.root / "data" / "corpus")})
+        spec[section] = {**spec.get(section, {}), key: where}
+        body = {"run_dir": where} if field == "run_dir" else {"spec": spec}
+        t0 = time.monotonic()
+        r = srv.c.post(J, json={"spec": SPEC, **body}, headers=h(ALICE))
+        srv.check(r)
+        assert r.status_code == 422 and time.monotonic() - t0 < 1.0, (field, r.status_code, time.monotonic() - t0)
+        assert "at most" in r.text and len(r.content) < 4096  # the length cap (the schema's, or admission's 4096)
+
+
+def test_4_a_location_outside_its_roots_is_judged_before_the_disk_is_looked_at(tmp_path, monkeypatch):
+    from service.server.admission import Admission
+    from service.server.specs import SpecError
+
+    (tmp_path / "data").mkdir()
+    adm = Admission(runs_root=tmp_path / "runs", data_roots=[tmp_path / "data"])
+    calls = []
+    real = Path.resolve
+    monkeypatch.setattr(Path, "resolve", lambda self, *a, **k: calls.append(self) or real(self, *a, **k))
+    for judge, where in ((adm.data, "/etc/" + "a/" * 2000), (adm.write, "/etc/" + "a/" * 2000),
+                         (adm.data, str(tmp_path / "runs" / "x")), (adm.write, str(tmp_path / "data" / "x"))):
+        with pytest.raises(SpecError):
+            judge(where, ("spec", "data", "path"))
+    assert calls == []
+    assert adm.data(str(tmp_path / "data" / "x"), ("spec", "data", "path")).local and calls  # inside: resolved
+
+
+def test_5_a_users_finished_jobs_are_kept_up_to_a_limit_and_names_are_no_metric_labels(srv):
+    mine = set(r["id"] for r in srv.c.get(J, headers=h(ALICE)).json())
+    ids = []
+    for i in range(3):
+        j = srv.submit(ALICE, spec_with(name=f"secret-name-{i}")).json()["id"]
+        assert srv.c.post(f"{J}/{j}/stop", headers=h(ALICE)).status_code == 202
+        wait_for(lambda: srv.c.get(f"{J}/{j}", headers=h(ALICE)).json()["state"] == "STOPPED", what="stopped")
+        ids.append(j)
+    wait_for(lambda: srv.c.get(f"{J}/{ids[0]}/events", headers=h(ALICE)).json(), what="events stored")
+    metrics = srv.c.get("/metrics", headers=h(ADMIN))
+    assert metrics.status_code == 200 and ids[0] in metrics.text and "secret-name" not in metrics.text
+    new = srv.submit(ALICE).json()["id"]  # alice's 4th finished-or-live job: her oldest finished one goes
+    kept = {r["id"] for r in srv.c.get(J, headers=h(ALICE)).json()} - mine
+    assert ids[0] not in kept and {ids[1], ids[2], new} <= kept, (ids, kept)
+    assert srv.c.get(f"{J}/{ids[0]}/events", headers=h(ADMIN)).status_code == 404
+    assert srv.c.get(f"{J}/{ids[1]}/events", headers=h(ALICE)).json()  # the kept ones keep their events
+    for j in (ids[1], ids[2], new):
+        srv.forget(ALICE, j)
+
+
+@pytest.mark.parametrize("root", ["s3://ckpts", "s3://ckpts/", "hdfs://nn:8020", "hdfs://nn/", "s3a://CKPTS",
+                                  "abfs://ckpts@acct.dfs.core.windows.net"])
+def test_6_an_object_stores_root_cannot_be_held(srv, root):
+    r = srv.submit(ALICE, spec_with(checkpoint={"dir": root}))
+    assert r.status_code == 422 and "root of an object store" in r.text, r.text
+    b = srv.submit(BOB, spec_with(checkpoint={"dir": root.rstrip("/") + "/bob"}))  # the store stays usable
+    assert b.status_code == 201, b.text
+    srv.forget(BOB, b.json()["id"])
+
+
+@pytest.mark.parametrize("port", ["\u00b2", "\u0668\u0660\u0662\u0660", "\uff18\uff10\uff12\uff10"])
+def test_7_an_hdfs_port_is_ascii_digits(srv, port):
+    r = srv.submit(ALICE, spec_with(checkpoint={"dir": f"hdfs://nn:{port}/jobs/x"}))
+    assert r.status_code == 422 and "ASCII digits" in r.text, r.text
+
+
+def test_8_a_directory_in_the_runs_root_that_no_job_holds_is_nobodys_to_take(srv):
+    manual = srv.runs / "ops-manual-run"
+    (manual / "checkpoints" / "step-1").mkdir(parents=True)
+    for body in ({"run_dir": "ops-manual-run"}, {"run_dir": "ops-manual-run/sub"},
+                 {"spec": spec_with(checkpoint={"dir": str(manual / "checkpoints")})}):
+        r = srv.c.post(J, json={"spec": SPEC, **body}, headers=h(ALICE))
+        srv.check(r)
+        assert r.status_code == 422 and "no job holds it" in r.text, (body, r.text)
+    r = srv.submit(ALICE, spec_with(checkpoint={"resume_from": str(manual / "checkpoints")}))
+    assert r.status_code == 422, r.text  # nor may she read it
+    adopted = srv.submit(ADMIN, run_dir="ops-manual-run")  # the operator adopts it
+    assert adopted.status_code == 201, adopted.text
+    r = srv.submit(ALICE, run_dir="ops-manual-run")
+    assert r.status_code == 409, r.text  # now a job's: another owner's place
+    srv.forget(ADMIN, adopted.json()["id"])
+
+
+@pytest.mark.parametrize("field", ["data.path", "data.val_path", "model.init_from"])
+def test_10_a_data_field_is_a_path_not_a_url(srv, field):
+    section, _, key = field.partition(".")
+    spec = spec_with(data={"source": "corpus", "path": str(srv.root / "data" / "corpus")}, train={"eval_interval": 10})
+    spec[section] = {**spec.get(section, {}), key: f"file://{srv.root / 'data' / 'corpus'}"}
+    r = srv.submit(ALICE, spec)
+    assert r.status_code == 422 and loc_of(r) == ["body", "spec", section, key] and "not a URL" in r.text, r.text
