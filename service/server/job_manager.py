@@ -650,6 +650,8 @@ class JobManager:
         self._sizers: dict = {}
         self._granted: dict[str, dict[str, int]] = {}
         """The last grant each job was sent: its grant, whether or not its status shows it yet."""
+        self._standby_caps: dict[str, int | None] = {}
+        """The standby cap each job was last sent with its grant."""
         self._round_lock = threading.Lock()
         self.last_round: Round | None = None
 
@@ -667,8 +669,8 @@ class JobManager:
             if snap is None:
                 return None
             views = [v for row in self.store.unsettled() if (v := self._job_view(row)) is not None]
-            for gone in {*self._told, *self._granted, *self._sizers} - {v.job_id for v in views}:
-                for memo in (self._told, self._granted, self._sizers, self._cfgs):
+            for gone in {*self._told, *self._granted, *self._sizers, *self._standby_caps} - {v.job_id for v in views}:
+                for memo in (self._told, self._granted, self._sizers, self._cfgs, self._standby_caps):
                     memo.pop(gone, None)
             r = plan_round(snap, views, self.quotas, in_use=self.launcher.in_use(snap))
             for a in r.actions:
@@ -690,6 +692,7 @@ class JobManager:
         self._told[a.job_id] = a
         if isinstance(a.command, Grant):
             self._granted[a.job_id] = dict(a.command.nodes)
+            self._standby_caps[a.job_id] = a.command.standby
 
     def _job_view(self, row: JobRecord) -> JobView | None:
         cfg = self._cfg_of(row)
@@ -703,6 +706,8 @@ class JobManager:
                        shape=WorkerShape(cpus=cfg.resources.cpus_per_worker, gpus=cfg.resources.gpus_per_worker),
                        state=st.state, cause=st.cause, held=dict(st.held),
                        grant=self._granted.get(row.id, st.grant),  # sent, perhaps not in its status yet
+                       standby_per_node=0 if cfg.resources.gpus_per_worker else cfg.resources.standby_per_node,
+                       standby_cap=self._standby_caps.get(row.id),
                        queue_position=st.queue_position, reason=st.reason, size_for=self._sizer(row.id, cfg))
 
     def _sizer(self, job_id: str, cfg: JobConfig):
@@ -731,16 +736,18 @@ class JobManager:
 
     # -- what the API shows -------------------------------------------------------------------------------------
     def quota_usage(self, *, owner: str | None = None) -> list[dict]:
-        """Per owner: the quota and what the owner's jobs hold now (a user sees only their own)."""
+        """Per owner: the quota and what the owner's jobs hold now (a user sees only their own).
+        `workers_held` counts the members the last round saw and the standby workers the jobs' statuses
+        report (idle processes, which count against the quota: `service.sharing.rounds.standby_caps`)."""
         r = self.last_round
         held: dict[str, int] = {}
         running: dict[str, int] = {}
         if r is not None:
-            owners = {row.id: row.owner or "" for row in self.store.unsettled()}
+            rows = {row.id: row for row in self.store.unsettled()}
             for h in r.ledger.holdings:
-                if h.job_id in owners:
-                    o = owners[h.job_id]
-                    held[o] = held.get(o, 0) + h.workers
+                if h.job_id in rows:
+                    o = rows[h.job_id].owner or ""
+                    held[o] = held.get(o, 0) + h.workers + rows[h.job_id].status.standby
                     running[o] = running.get(o, 0) + 1
         names = sorted({*self.quotas, *held} - {""}) if owner is None else [owner]
         return [{"owner": o, "max_workers": self.quotas.get(o, Quota()).max_workers,
