@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import uuid
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -97,6 +98,47 @@ class BodyLimit:
         return JSONResponse({"detail": self._detail()}, 413)
 
 
+class PerUserLimit:
+    """429 with Retry-After for a request beyond `max_inflight` of its token's requests being answered at
+    once, before its body is read: one user's flood holds a bounded share of the request threads and of
+    memory (bodies being parsed), and other users' reads keep their turn. Requests are counted per token
+    the server knows (the admin, the read-only token, each user); an unknown or missing token counts as
+    one caller ("anonymous", which the auth check then refuses). /healthz is not counted."""
+
+    def __init__(self, app, settings: Settings, max_inflight: int):
+        self.app, self.max_inflight = app, max_inflight
+        self.tokens = [(t.encode(), who) for who, t in (("admin", settings.token), ("reader", settings.read_token),
+                                                         *((f"user:{u}", t) for u, t in settings.user_tokens.items()))
+                       if t]
+        self.inflight: dict[str, int] = {}  # the event loop's thread only: no lock
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("path") == "/healthz":
+            return await self.app(scope, receive, send)
+        who = self._who(dict(scope["headers"]).get(b"authorization", b""))
+        if self.inflight.get(who, 0) >= self.max_inflight:
+            return await JSONResponse(
+                {"detail": f"too many requests at once from this token (the server answers {self.max_inflight} at a "
+                           "time per token, ELASTRON_MAX_REQUESTS_PER_USER); retry in a moment"},
+                429, headers={"Retry-After": "1"})(scope, receive, send)
+        self.inflight[who] = self.inflight.get(who, 0) + 1
+        try:
+            return await self.app(scope, receive, send)
+        finally:
+            self.inflight[who] -= 1
+            if not self.inflight[who]:
+                del self.inflight[who]
+
+    def _who(self, header: bytes) -> str:
+        scheme, _, given = header.partition(b" ")
+        found = "anonymous"
+        if scheme.lower() == b"bearer":
+            for tok, who in self.tokens:  # every comparison made, as in authenticate()
+                if secrets.compare_digest(given.strip(), tok) and found == "anonymous":
+                    found = who
+        return found
+
+
 class SecurityHeaders:
     """Headers on every response: no framing (clickjacking of the dashboard's buttons), no MIME sniffing."""
 
@@ -145,6 +187,8 @@ def create_app(*, jobs: JobManager | None = None, settings: Settings | None = No
     app.include_router(ops_router)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    if settings.auth and settings.max_requests_per_user is not None:
+        app.add_middleware(PerUserLimit, settings=settings, max_inflight=settings.max_requests_per_user)
     app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(settings.allowed_hosts or ["*"]))
     app.add_middleware(SecurityHeaders)
 

@@ -45,6 +45,9 @@ class Settings:
     defaults to the loopback names, so a DNS-rebinding page cannot reach it."""
     max_body_bytes: int = 1 << 20
     """Larger request bodies get 413."""
+    max_requests_per_user: int | None = 16
+    """With tokens configured, the requests of one token answered at once; more get 429 with Retry-After
+    (api.app.PerUserLimit). None: no limit."""
     sync_interval_s: float = 0.5
     """How often the job manager pulls status, events and metrics from the coordinators."""
     stop_timeout_s: float = 30.0
@@ -97,7 +100,7 @@ class Settings:
         """ELASTRON_RUNS_ROOT, ELASTRON_STORE, ELASTRON_API_TOKEN, ELASTRON_MAX_BODY_BYTES,
         ELASTRON_DATA_ROOTS (os.pathsep-separated), ELASTRON_SCHEDULE, ELASTRON_QUOTAS (`parse_quotas`),
         ELASTRON_RESUME_PREFIXES and ELASTRON_OBJECT_STORES (comma-separated), AZURE_STORAGE_ACCOUNT_NAME,
-        ELASTRON_MAX_LIVE_JOBS, ELASTRON_MAX_FINISHED_JOBS, then `overrides`."""
+        ELASTRON_MAX_LIVE_JOBS, ELASTRON_MAX_FINISHED_JOBS, ELASTRON_MAX_REQUESTS_PER_USER, then `overrides`."""
         env = os.environ
         root = env.get("ELASTRON_RUNS_ROOT", "runs")
         kw: dict = {"runs_root": Path(root), "store_url": env.get("ELASTRON_STORE", str(Path(root) / "elastron.db")),
@@ -123,6 +126,12 @@ class Settings:
             if not v.strip().isdigit():
                 raise ValueError(f"ELASTRON_MAX_BODY_BYTES must be a whole number of bytes, got {v!r}")
             kw["max_body_bytes"] = int(v)
+        if "ELASTRON_MAX_REQUESTS_PER_USER" in env:
+            v = env["ELASTRON_MAX_REQUESTS_PER_USER"].strip()
+            if v and not (v.isascii() and v.isdigit() and 1 <= int(v) <= 100_000):
+                raise ValueError(f"ELASTRON_MAX_REQUESTS_PER_USER must be a whole number from 1 (empty: no limit), "
+                                 f"got {v!r}")
+            kw["max_requests_per_user"] = int(v) if v else None
         if env.get("ELASTRON_DATA_ROOTS"):
             kw["data_roots"] = tuple(Path(r) for r in env["ELASTRON_DATA_ROOTS"].split(os.pathsep) if r)
         if env.get("ELASTRON_OBJECT_STORES"):
