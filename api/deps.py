@@ -45,7 +45,7 @@ class Settings:
     defaults to the loopback names, so a DNS-rebinding page cannot reach it."""
     max_body_bytes: int = 1 << 20
     """Larger request bodies get 413."""
-    max_requests_per_user: int | None = 16
+    max_requests_per_user: int | None = 8
     """With tokens configured, the requests of one token answered at once; more get 429 with Retry-After
     (api.app.PerUserLimit). None: no limit."""
     sync_interval_s: float = 0.5

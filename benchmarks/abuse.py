@@ -1,7 +1,7 @@
 """Abuse: hostile requests of every kind of the fourth security review (issue 52) from two users, while a
 third user's job trains; the third user's reads, the server's memory and the store are watched.
 
-    .venv/bin/python benchmarks/abuse.py [--concurrency 200] [--rounds 3] [--per-user 16,off] \
+    .venv/bin/python benchmarks/abuse.py [--concurrency 200] [--rounds 3] [--per-user 8,off] \
         [--json benchmarks/results/abuse.json]
 
 `elastron serve` runs as its own process on 127.0.0.1 (loopback only; a private local Ray), with an admin
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--deadline", type=float, default=300.0, help="seconds for the attack at most")
-    ap.add_argument("--per-user", default="16,off",
+    ap.add_argument("--per-user", default="8,off",
                     help="ELASTRON_MAX_REQUESTS_PER_USER of each run, comma-separated (off: no limit); one run each")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)

@@ -579,3 +579,18 @@ def test_abuse_one_tokens_flood_is_held_to_its_share_before_its_body_is_read():
     codes, forged, bob = asyncio.run(go())
     assert sorted(codes) == [200, 200, 429, 429, 429] and forged == 200 and bob.status_code == 200
     assert len([p for p in seen if p.startswith("/a")]) == 2  # the refused ones never reached the app
+
+
+def test_the_client_retries_a_429_of_the_per_token_limit():
+    from api.client import Client
+
+    seen = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(request.method)
+        if len(seen) < 3:
+            return httpx.Response(429, json={"detail": "too many"}, headers={"Retry-After": "0"})
+        return httpx.Response(200, json=[])
+
+    with Client("http://x", transport=httpx.MockTransport(answer)) as c:
+        assert c.jobs() == [] and seen == ["GET"] * 3
