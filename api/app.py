@@ -11,14 +11,13 @@ actors). Startup re-attaches to the jobs' coordinators
 from __future__ import annotations
 
 import logging
-import math
 import os
+import secrets
 import uuid
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
@@ -30,7 +29,7 @@ from api.routes import api_router, ops_router
 from api.routes.dashboard import STATIC_DIR
 from api.routes.ops import make_registry
 from service.server.job_actor import JobUnavailable
-from service.server.job_manager import JobConflict, JobManager, JobNotFound
+from service.server.job_manager import JobConflict, JobForbidden, JobManager, JobNotFound
 from service.server.specs import SpecError
 
 logger = logging.getLogger("elastron.api")
@@ -60,7 +59,8 @@ def default_manager(settings: Settings) -> JobManager:
                       stop_timeout_s=settings.stop_timeout_s, quotas=settings.quotas,
                       shared=settings.schedule, resume_prefixes=settings.resume_prefixes,
                       object_stores=settings.object_stores, azure_account=settings.azure_account,
-                      max_live_jobs=settings.max_live_jobs, lock_timeout_s=settings.lock_timeout_s)
+                      max_live_jobs=settings.max_live_jobs, lock_timeout_s=settings.lock_timeout_s,
+                      max_finished_jobs=settings.max_finished_jobs)
 
 
 class BodyLimit:
@@ -96,6 +96,47 @@ class BodyLimit:
 
     def _too_large(self) -> JSONResponse:
         return JSONResponse({"detail": self._detail()}, 413)
+
+
+class PerUserLimit:
+    """429 with Retry-After for a request beyond `max_inflight` of its token's requests being answered at
+    once, before its body is read: one user's flood holds a bounded share of the request threads and of
+    memory (bodies being parsed), and other users' reads keep their turn. Requests are counted per token
+    the server knows (the admin, the read-only token, each user); an unknown or missing token counts as
+    one caller ("anonymous", which the auth check then refuses). /healthz is not counted."""
+
+    def __init__(self, app, settings: Settings, max_inflight: int):
+        self.app, self.max_inflight = app, max_inflight
+        self.tokens = [(t.encode(), who) for who, t in (("admin", settings.token), ("reader", settings.read_token),
+                                                         *((f"user:{u}", t) for u, t in settings.user_tokens.items()))
+                       if t]
+        self.inflight: dict[str, int] = {}  # the event loop's thread only: no lock
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("path") == "/healthz":
+            return await self.app(scope, receive, send)
+        who = self._who(dict(scope["headers"]).get(b"authorization", b""))
+        if self.inflight.get(who, 0) >= self.max_inflight:
+            return await JSONResponse(
+                {"detail": f"too many requests at once from this token (the server answers {self.max_inflight} at a "
+                           "time per token, ELASTRON_MAX_REQUESTS_PER_USER); retry in a moment"},
+                429, headers={"Retry-After": "1"})(scope, receive, send)
+        self.inflight[who] = self.inflight.get(who, 0) + 1
+        try:
+            return await self.app(scope, receive, send)
+        finally:
+            self.inflight[who] -= 1
+            if not self.inflight[who]:
+                del self.inflight[who]
+
+    def _who(self, header: bytes) -> str:
+        scheme, _, given = header.partition(b" ")
+        found = "anonymous"
+        if scheme.lower() == b"bearer":
+            for tok, who in self.tokens:  # every comparison made, as in authenticate()
+                if secrets.compare_digest(given.strip(), tok) and found == "anonymous":
+                    found = who
+        return found
 
 
 class SecurityHeaders:
@@ -146,6 +187,8 @@ def create_app(*, jobs: JobManager | None = None, settings: Settings | None = No
     app.include_router(ops_router)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    if settings.auth and settings.max_requests_per_user is not None:
+        app.add_middleware(PerUserLimit, settings=settings, max_inflight=settings.max_requests_per_user)
     app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(settings.allowed_hosts or ["*"]))
     app.add_middleware(SecurityHeaders)
 
@@ -157,15 +200,18 @@ def create_app(*, jobs: JobManager | None = None, settings: Settings | None = No
     async def _conflict(request: Request, e: JobConflict):
         return JSONResponse({"detail": str(e)}, 409)
 
+    @app.exception_handler(JobForbidden)
+    async def _forbidden(request: Request, e: JobForbidden):
+        return JSONResponse({"detail": str(e)}, 403)
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError):
-        # the errors echo the input, which may be what JSON cannot carry (a non-finite number, a lone
-        # surrogate): a 422 must never become a 500 for the value it refuses
-        return JSONResponse({"detail": _json_safe(jsonable_encoder(e.errors()))}, 422)
+        return JSONResponse({"detail": validation_detail(e.errors())}, 422)
 
     @app.exception_handler(SpecError)
     async def _spec(request: Request, e: SpecError):
-        return JSONResponse({"detail": [{"loc": ["body", *e.loc], "msg": e.msg, "type": "value_error"}]}, 422)
+        return JSONResponse({"detail": validation_detail([{"loc": ["body", *e.loc], "msg": e.msg,
+                                                           "type": "value_error"}])}, 422)
 
     @app.exception_handler(JobUnavailable)
     async def _unavailable(request: Request, e: JobUnavailable):
@@ -182,17 +228,31 @@ def create_app(*, jobs: JobManager | None = None, settings: Settings | None = No
     return app
 
 
-def _json_safe(v):
-    """`v` with what strict JSON cannot hold spelled as text: non-finite numbers, unencodable strings."""
-    if isinstance(v, float) and not math.isfinite(v):
-        return repr(v)
-    if isinstance(v, str):
-        return v if v.isascii() or _encodes(v) else v.encode("utf-8", "backslashreplace").decode("utf-8")
-    if isinstance(v, dict):
-        return {_json_safe(k): _json_safe(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_json_safe(x) for x in v]
-    return v
+MAX_ERRORS = 20
+"""A 422 lists at most this many of the request's errors."""
+MAX_LOC = 16
+"""An error's `loc` keeps at most this many parts (a deeply nested value's place, cut)."""
+MAX_TEXT = 1000
+"""Each part of `loc`, and each `msg`, keeps at most this many characters."""
+
+
+def validation_detail(errors) -> list[dict]:
+    """A 422's detail: each error's `loc`, `msg` and `type`, bounded (MAX_ERRORS, MAX_LOC, MAX_TEXT).
+    The value refused (`input`, `ctx`) is not echoed: it may be nested as deep as the parser allows,
+    which a recursive encoder cannot walk, or hold what JSON cannot carry (a non-finite number, a lone
+    surrogate); a 422 must never become a 500 for the value it refuses."""
+    out = []
+    for err in list(errors)[:MAX_ERRORS]:
+        loc = [x if isinstance(x, int) and not isinstance(x, bool) else _json_safe(str(x)[:MAX_TEXT])
+               for x in list(err.get("loc", ()))[:MAX_LOC]]
+        out.append({"loc": loc, "msg": _json_safe(str(err.get("msg", ""))[:MAX_TEXT]),
+                    "type": _json_safe(str(err.get("type", ""))[:MAX_TEXT])})
+    return out
+
+
+def _json_safe(s: str) -> str:
+    """`s` as strict JSON can hold it: what UTF-8 cannot encode (a lone surrogate) spelled as escapes."""
+    return s if s.isascii() or _encodes(s) else s.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _encodes(s: str) -> bool:

@@ -68,13 +68,18 @@ class Client:
 
     def _request(self, method: str, path: str, *, retries: int = 0, **kw) -> Any:
         """`retries`: how often a 503 (the job's coordinator busy or restarting) is tried again, after the
-        server's Retry-After (at most 2 s)."""
+        server's Retry-After (at most 2 s). A 429 (this token's requests at once are at the server's limit)
+        is tried again up to 3 times, whatever `retries`."""
         import httpx
 
         try:
             r = self._http.request(method, path, **kw)
-            while r.status_code == 503 and retries > 0:
-                retries -= 1
+            busy = 3
+            while (r.status_code == 503 and retries > 0) or (r.status_code == 429 and busy > 0):
+                if r.status_code == 503:
+                    retries -= 1
+                else:
+                    busy -= 1
                 time.sleep(_retry_after(r.headers.get("retry-after")))
                 r = self._http.request(method, path, **kw)
         except httpx.TimeoutException:

@@ -11,6 +11,7 @@ Who may do what (`Principal`, from the bearer token; with no token configured th
 from __future__ import annotations
 
 import os
+import re
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,9 @@ class Settings:
     defaults to the loopback names, so a DNS-rebinding page cannot reach it."""
     max_body_bytes: int = 1 << 20
     """Larger request bodies get 413."""
+    max_requests_per_user: int | None = 8
+    """With tokens configured, the requests of one token answered at once; more get 429 with Retry-After
+    (api.app.PerUserLimit). None: no limit."""
     sync_interval_s: float = 0.5
     """How often the job manager pulls status, events and metrics from the coordinators."""
     stop_timeout_s: float = 30.0
@@ -66,6 +70,9 @@ class Settings:
     """The storage account of an abfs:// URL that names none (AZURE_STORAGE_ACCOUNT_NAME, as adlfs reads it)."""
     max_live_jobs: int | None = 32
     """A user's unfinished jobs at once; None: no limit."""
+    max_finished_jobs: int = 100
+    """A user's finished jobs kept in the store: a submit prunes that user's oldest finished jobs beyond
+    it (their record, events and metrics; their run directories stay, and so do their places)."""
     lock_timeout_s: float = 30.0
     """How long a request waits for a job's lock (held while its coordinator is asked) before a 503."""
 
@@ -93,7 +100,7 @@ class Settings:
         """ELASTRON_RUNS_ROOT, ELASTRON_STORE, ELASTRON_API_TOKEN, ELASTRON_MAX_BODY_BYTES,
         ELASTRON_DATA_ROOTS (os.pathsep-separated), ELASTRON_SCHEDULE, ELASTRON_QUOTAS (`parse_quotas`),
         ELASTRON_RESUME_PREFIXES and ELASTRON_OBJECT_STORES (comma-separated), AZURE_STORAGE_ACCOUNT_NAME,
-        ELASTRON_MAX_LIVE_JOBS, then `overrides`."""
+        ELASTRON_MAX_LIVE_JOBS, ELASTRON_MAX_FINISHED_JOBS, ELASTRON_MAX_REQUESTS_PER_USER, then `overrides`."""
         env = os.environ
         root = env.get("ELASTRON_RUNS_ROOT", "runs")
         kw: dict = {"runs_root": Path(root), "store_url": env.get("ELASTRON_STORE", str(Path(root) / "elastron.db")),
@@ -119,12 +126,24 @@ class Settings:
             if not v.strip().isdigit():
                 raise ValueError(f"ELASTRON_MAX_BODY_BYTES must be a whole number of bytes, got {v!r}")
             kw["max_body_bytes"] = int(v)
+        if "ELASTRON_MAX_REQUESTS_PER_USER" in env:
+            v = env["ELASTRON_MAX_REQUESTS_PER_USER"].strip()
+            if v and not (v.isascii() and v.isdigit() and 1 <= int(v) <= 100_000):
+                raise ValueError(f"ELASTRON_MAX_REQUESTS_PER_USER must be a whole number from 1 (empty: no limit), "
+                                 f"got {v!r}")
+            kw["max_requests_per_user"] = int(v) if v else None
         if env.get("ELASTRON_DATA_ROOTS"):
             kw["data_roots"] = tuple(Path(r) for r in env["ELASTRON_DATA_ROOTS"].split(os.pathsep) if r)
         if env.get("ELASTRON_OBJECT_STORES"):
             kw["object_stores"] = tuple(p.strip() for p in env["ELASTRON_OBJECT_STORES"].split(",") if p.strip())
         if env.get("AZURE_STORAGE_ACCOUNT_NAME"):
             kw["azure_account"] = env["AZURE_STORAGE_ACCOUNT_NAME"].strip()
+        if "ELASTRON_MAX_FINISHED_JOBS" in env:
+            v = env["ELASTRON_MAX_FINISHED_JOBS"].strip()
+            if not (v.isascii() and v.isdigit()) or len(v) > 9:
+                raise ValueError(f"ELASTRON_MAX_FINISHED_JOBS must be a whole number (a user's finished jobs kept), "
+                                 f"got {v!r}")
+            kw["max_finished_jobs"] = int(v)
         if "ELASTRON_MAX_LIVE_JOBS" in env:
             v = env["ELASTRON_MAX_LIVE_JOBS"].strip()
             if v and not v.isdigit():
@@ -139,17 +158,23 @@ class Settings:
 
 
 def parse_quotas(text: str) -> dict[str, Quota]:
-    """`NAME=WORKERS:JOBS,...` (e.g. `ann=8:2,bob=4:`; an empty part is no limit) -> {name: Quota}."""
+    """`NAME=WORKERS:JOBS[:PRIORITY],...` (e.g. `ann=8:2:10,bob=4:`; an empty WORKERS or JOBS is no limit,
+    an empty or left out PRIORITY is 0, `*` none) -> {name: Quota}. PRIORITY is the highest
+    scheduling.priority the user's jobs may ask for; a user not listed may ask for 0 at most."""
     out = {}
     for item in text.split(","):
         name, sep, limits = item.strip().partition("=")
-        workers, colon, jobs = limits.partition(":")
+        workers, colon, rest = limits.partition(":")
+        jobs, _, prio = rest.partition(":")
         parts = [p.strip() for p in (workers, jobs)]
-        if not sep or not colon or not name.strip() or not all(p == "" or p.isdigit() for p in parts):
-            raise ValueError(f"ELASTRON_QUOTAS: {item.strip()!r} is not NAME=WORKERS:JOBS (whole numbers, "
-                             "empty for no limit), e.g. ann=8:2,bob=4:")
+        prio = prio.strip()
+        if not sep or not colon or not name.strip() or not all(p == "" or (p.isascii() and p.isdigit()) for p in parts) \
+                or not (prio in ("", "*") or re.fullmatch(r"-?[0-9]{1,9}", prio)):
+            raise ValueError(f"ELASTRON_QUOTAS: {item.strip()!r} is not NAME=WORKERS:JOBS[:PRIORITY] (whole numbers, "
+                             "WORKERS and JOBS empty for no limit, PRIORITY * for no ceiling), e.g. ann=8:2:10,bob=4:")
         out[name.strip()] = Quota(max_workers=int(parts[0]) if parts[0] else None,
-                                  max_jobs=int(parts[1]) if parts[1] else None)
+                                  max_jobs=int(parts[1]) if parts[1] else None,
+                                  max_priority=None if prio == "*" else int(prio or 0))
     return out
 
 

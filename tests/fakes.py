@@ -75,7 +75,9 @@ class FakeGroup:
     """Whether members taken over after a coordinator restart still train as its plan's group, as real
     workers do unless a call to them failed or stuck (`carry_on`)."""
 
-    def __init__(self, cfg, run_dir, **kw):
+    def __init__(self, cfg=None, run_dir=None, **kw):
+        self.cfg = cfg
+        self._standby = 0
         self.members: list[str] = []
         self.step = 0
         self.plan = None
@@ -100,8 +102,17 @@ class FakeGroup:
     def warm(self, nodes):
         return True
 
-    def keep_standby(self, free=None):
-        return 0
+    def keep_standby(self, free=None, cap=None):
+        """Standbys as `standby_targets` places them (no process: a count)."""
+        from service.pool.reserve import standby_targets
+
+        per_node = self.cfg.resources.standby_per_node if self.cfg is not None else 0
+        want = sum(standby_targets(per_node, Counter(self.members), free or {}, cap=cap).values())
+        started, self._standby = max(0, want - self._standby), want
+        return started
+
+    def standbys(self) -> int:
+        return self._standby
 
     def stop_members(self, *, dead=()):
         self.members = []

@@ -260,6 +260,15 @@ class DataPosition:
         return cls(consumed_samples=consumed, seed=seed)
 
 
+PERMUTATION_IN_MEMORY = 1 << 22
+"""Epochs of at most this many samples are shuffled by a permutation held in memory (32 MiB at most);
+larger ones by `_feistel`, which computes each position's sample alone: a data set's declared size
+(data.num_samples, up to 2^40) never sizes an allocation."""
+
+_FEISTEL_ROUNDS = 4
+_MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
 @functools.lru_cache(maxsize=2)  # the current epoch, plus the next one while a batch straddles them
 def _epoch_permutation(seed: int, epoch: int, n_samples: int) -> np.ndarray:
     perm = np.random.default_rng([seed, epoch]).permutation(n_samples)
@@ -267,11 +276,39 @@ def _epoch_permutation(seed: int, epoch: int, n_samples: int) -> np.ndarray:
     return perm
 
 
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on uint64 (wrapping arithmetic): a well-spread hash."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def _feistel(seed: int, epoch: int, n_samples: int, positions: np.ndarray) -> np.ndarray:
+    """The sample at each of `positions` (0 <= p < n_samples) of epoch `epoch`'s order: a keyed Feistel
+    network over the smallest even power of two >= n_samples, walked again from any value >= n_samples
+    until it lands inside (cycle walking: a bijection of [0, n_samples), each value found in fewer than 4
+    walks on average). Memory proportional to len(positions) only."""
+    half = max(1, (int(n_samples - 1).bit_length() + 1) // 2)
+    low = np.uint64((1 << half) - 1)
+    keys = [np.uint64(k) for k in np.random.default_rng([seed, epoch, 1]).integers(0, 1 << 63, _FEISTEL_ROUNDS)]
+    x = positions.astype(np.uint64)
+    todo = np.ones(len(x), dtype=bool)
+    with np.errstate(over="ignore"):
+        while todo.any():
+            left, right = x[todo] >> np.uint64(half), x[todo] & low
+            for k in keys:
+                left, right = right, left ^ (_mix(right ^ k) & low)
+            x[todo] = (left << np.uint64(half)) | right
+            todo = x >= np.uint64(n_samples)
+    return x.astype(np.int64)
+
+
 def global_sample_ids(position_start: int, count: int, *, n_samples: int, seed: int) -> np.ndarray:
     """Sample ids at global indices [position_start, position_start + count).
 
     Global index g is in epoch g // n_samples, whose order is a permutation seeded by (seed, epoch), so
-    every sample is seen exactly once per epoch and the order never depends on the DP degree.
+    every sample is seen exactly once per epoch and the order never depends on the DP degree. Epochs
+    larger than PERMUTATION_IN_MEMORY compute the permutation per position (`_feistel`).
     """
     if n_samples <= 0:
         raise ValueError(f"n_samples must be > 0, got {n_samples}")
@@ -282,7 +319,10 @@ def global_sample_ids(position_start: int, count: int, *, n_samples: int, seed: 
     while done < count:
         epoch, offset = divmod(position_start + done, n_samples)
         take = min(count - done, n_samples - offset)
-        out[done:done + take] = _epoch_permutation(seed, epoch, n_samples)[offset:offset + take]
+        if n_samples <= PERMUTATION_IN_MEMORY:
+            out[done:done + take] = _epoch_permutation(seed, epoch, n_samples)[offset:offset + take]
+        else:
+            out[done:done + take] = _feistel(seed, epoch, n_samples, np.arange(offset, offset + take, dtype=np.int64))
         done += take
     return out
 

@@ -17,14 +17,16 @@ STATES = ("PENDING", "STARTING", "RUNNING", "RESIZING", "RECOVERING", "WAITING_F
 
 
 class JobCollector:
-    """One sample per job and metric, labelled job (id) and name. Finished jobs stay until deleted, so a
-    job's last values remain visible."""
+    """One sample per job and metric, labelled by the job's id only (12 hex digits): a job's name is the
+    user's free text, which a label would copy into every sample (GET /api/v1/jobs/ID gives it). Finished
+    jobs stay until deleted or pruned (a user's oldest beyond ELASTRON_MAX_FINISHED_JOBS), so a job's last
+    values remain visible."""
 
     def __init__(self, jobs: JobManager):
         self.jobs = jobs
 
     def collect(self):
-        labels = ["job", "name"]
+        labels = ["job"]
         g = {k: GaugeMetricFamily(f"elastron_job_{k}", doc, labels=labels) for k, doc in (
             ("step", "Last completed optimizer step."),
             ("loss", "Training loss at the last step."),
@@ -42,7 +44,7 @@ class JobCollector:
         lost = CounterMetricFamily("elastron_job_steps_lost", "Steps redone after unplanned failures.", labels=labels)
         by_state = {s: 0 for s in STATES}
         for r in self.jobs.list():
-            lv, st = [r.id, r.name], r.status
+            lv, st = [r.id], r.status
             by_state[r.state] = by_state.get(r.state, 0) + 1
             for key, v in (("step", st.step), ("loss", st.loss), ("val_loss", st.val_loss),
                            ("tokens_per_second", st.tokens_per_s), ("mfu", st.mfu), ("world_size", st.world_size),

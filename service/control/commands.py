@@ -103,12 +103,15 @@ class Stop:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Grant:
     """The shared-cluster scheduler's grant: plan onto these workers only ({node_id: workers}; {} none).
-    `reason` is the decision in words; a job granted too few to start is QUEUED at `queue_position`."""
+    `reason` is the decision in words; a job granted too few to start is QUEUED at `queue_position`.
+    `standby`: the most standby workers the job may keep besides (what its owner's worker quota leaves
+    after the members: standbys count against it); None: as many as its spec asks."""
 
     kind: ClassVar[str] = "set_grant"
     nodes: dict[str, int]
     reason: str
     queue_position: int | None = None
+    standby: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.nodes, dict) or not all(
@@ -117,6 +120,9 @@ class Grant:
             raise CommandError("nodes", f"a grant is {{node_id: workers >= 1}}, got {self.nodes!r}")
         if not isinstance(self.reason, str) or not self.reason:
             raise CommandError("reason", "a grant needs its reason (a non-empty string)")
+        if self.standby is not None and not (isinstance(self.standby, int) and not isinstance(self.standby, bool)
+                                             and self.standby >= 0):
+            raise CommandError("standby", f"a grant's standby is a whole number >= 0 or None, got {self.standby!r}")
 
 
 Command = SetWorkers | Pause | Resume | Stop | Grant

@@ -81,6 +81,9 @@ class Coordinator:
         whole cluster. Assign a new dict to change it: placement and the policy read it each iteration."""
         self.queue: tuple[int | None, str] = (None, "")
         """(place, reason) the scheduler gave with a grant too small to start on (shown while QUEUED)."""
+        self.standby_cap: int | None = None
+        """The most standby workers the scheduler lets the job keep (its owner's worker quota, less the
+        members); None: as many as resources.standby_per_node asks."""
         o = self.opts
         self.health = NodeHealth(probe_nodes, probe_timeout_s=o.probe_timeout_s, suspect_seconds=o.suspect_seconds,
                                  reprobe_interval_s=o.reprobe_interval_s, include_head=o.include_head,
@@ -164,6 +167,7 @@ class Coordinator:
                 job_id=self.job_id, state=sm["state"], reason=(queued and self.queue[1]) or sm["reason"],
                 cause=sm["cause"], since=sm["since"], priority=self.cfg.scheduling.priority,
                 held=dict(self.group.nodes()) if self.group is not None else {}, grant=None if self.grant is None else dict(self.grant),
+                standby=self.group.standbys() if self.group is not None else 0,
                 queue_position=self.queue[0] if queued else None,
                 layout=self.plan.layout.to_dict() if running else sm["layout"], step=self.step_done,
                 total_steps=self.total_steps, world_size=self.plan.world_size if running else 0,
@@ -308,7 +312,7 @@ class Coordinator:
                 self.sm.note("capacity", reason=f"starting {started} worker(s) to warm up for the growth to "
                                                 f"{pending[0]} while the group trains", step=self.step_done,
                              details={"nodes": sorted(set(extra))})
-        self.group.keep_standby(self._slots(snap))
+        self.group.keep_standby(self._slots(snap), cap=self.standby_cap)
 
     def _joiners(self, workers: int, snap: ClusterSnapshot | None) -> list[str]:
         """The node of each worker a growth to `workers` adds (none if it cannot be planned)."""
@@ -431,6 +435,7 @@ class Coordinator:
                     self.sm.note("schedule", reason=cmd.reason, step=self.step_done,
                                  details={"grant": cmd.nodes, "queue_position": cmd.queue_position})
                 self.grant, self.queue = dict(cmd.nodes), (cmd.queue_position, cmd.reason)
+                self.standby_cap = cmd.standby
             case Pause() | Stop():
                 return self._park(cmd)
             case Resume() if isinstance(self.state, Paused):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -104,40 +105,81 @@ def read_metrics(path: Path, *, after: int) -> list[dict]:
     return list(iter_metrics(path, after=after))
 
 
+MAX_LATEST_BYTES = 256
+"""The most of the `latest` pointer file read (it names one checkpoint: a few bytes)."""
+MAX_LISTED = 1000
+"""The most entries of a checkpoints directory listed (retention keeps far fewer)."""
+MAX_WALKED = 100_000
+"""The most files whose sizes are summed per listing (the rest is not counted in `bytes`)."""
+
+
 def list_checkpoints(ck: str | None, run_dir: str) -> dict:
     """The checkpoints directory's entries (a remote checkpoint.dir is not listed). Entries that vanish
-    while they are listed (retention deletes old checkpoints as new ones commit) are left out."""
+    while they are listed (retention deletes old checkpoints as new ones commit) are left out. Symbolic
+    links are not followed (the directory itself being one lists nothing; one inside is left out), the
+    `latest` pointer is read up to MAX_LATEST_BYTES, at most MAX_LISTED entries are listed and at most
+    MAX_WALKED files sized: what a run directory holds cannot make a listing read outside it or without
+    bound."""
     if ck and "://" in ck and not ck.lower().startswith("file://"):
         return {"dir": ck, "latest": None, "entries": [], "note": "remote checkpoint dirs are not listed"}
     d = Path(ck[len("file://"):] if ck and "://" in ck else ck) if ck else Path(run_dir) / "checkpoints"
     entries = []
     latest = None
+    budget = [MAX_WALKED]
     try:
-        children = sorted(d.iterdir()) if d.is_dir() else []
+        children = _scan(d) if not d.is_symlink() else []
     except OSError:
         children = []
-    for p in children:
+    for e in children:
         try:
-            if p.name == "latest" and p.is_file():
-                latest = p.read_text(errors="replace").strip() or None
+            if e.is_symlink():
                 continue
-            entries.append(_entry(p))
+            if e.name == "latest" and e.is_file(follow_symlinks=False):
+                with open(e.path, "rb") as f:
+                    latest = f.read(MAX_LATEST_BYTES).decode("utf-8", "replace").strip() or None
+                continue
+            if len(entries) < MAX_LISTED:
+                entries.append(_entry(Path(e.path), e, budget))
         except OSError:  # deleted (or replaced) between the listing and the look: not there any more
             continue
     return {"dir": str(d), "latest": latest, "entries": entries}
 
 
-def _entry(p: Path) -> dict:
+def _scan(d: Path) -> list:
+    """`d`'s entries (os.DirEntry, sortable by name); none if it is not a directory."""
+    try:
+        with os.scandir(d) as it:
+            return sorted(it, key=lambda e: e.name)
+    except (NotADirectoryError, FileNotFoundError):
+        return []
+
+
+def _entry(p: Path, e: os.DirEntry, budget: list[int]) -> dict:
     m = re.fullmatch(r"step-(\d+)", p.name)
-    is_dir = p.is_dir()
-    size = 0
-    if is_dir:
-        for f in p.rglob("*"):
-            try:
-                size += f.stat().st_size if f.is_file() else 0
-            except OSError:
-                pass
-    else:
-        size = p.stat().st_size
+    is_dir = e.is_dir(follow_symlinks=False)
+    st = e.stat(follow_symlinks=False)
+    size = _size(p, budget) if is_dir else st.st_size
+    manifest = p / "manifest.json"
     return {"name": p.name, "step": int(m.group(1)) if m else None, "is_dir": is_dir,
-            "committed": is_dir and (p / "manifest.json").is_file(), "bytes": size, "modified": p.stat().st_mtime}
+            "committed": is_dir and manifest.is_file() and not manifest.is_symlink(), "bytes": size,
+            "modified": st.st_mtime}
+
+
+def _size(d: Path, budget: list[int]) -> int:
+    """The bytes of the regular files under `d`, symbolic links not followed, `budget[0]` files at most
+    (shared by one listing's entries, and used up here)."""
+    size, stack = 0, [d]
+    while stack and budget[0] > 0:
+        try:
+            with os.scandir(stack.pop()) as it:
+                for f in it:
+                    if budget[0] <= 0:
+                        break
+                    budget[0] -= 1
+                    if f.is_dir(follow_symlinks=False):
+                        stack.append(Path(f.path))
+                    elif f.is_file(follow_symlinks=False):
+                        size += f.stat(follow_symlinks=False).st_size
+        except OSError:
+            continue
+    return size

@@ -83,6 +83,9 @@ class JobStatus:
     """{node_id: workers} the shared-cluster scheduler grants the job; None: no scheduler."""
     queue_position: int | None = None
     """While QUEUED: its place in the scheduler's queue (1 = next)."""
+    standby: int = 0
+    """Standby workers the group keeps started (idle, reserving no CPU; resources.standby_per_node). On a
+    shared cluster they count against the owner's worker quota."""
 
     @property
     def degrees(self) -> dict[str, int] | None:

@@ -145,6 +145,8 @@ class Group(Protocol):
     def size(self) -> int: ...
     def nodes(self) -> Counter:
         """Members per node id."""
+    def standbys(self) -> int:
+        """Standby workers started (idle, reserving nothing; `keep_standby`)."""
     def scale_to(self, nodes: list[str]) -> Started:
         """One member per entry of `nodes`, survivors kept."""
     def prewarm(self, nodes: list[str]) -> int:
@@ -155,11 +157,11 @@ class Group(Protocol):
     def stop_members(self, *, dead: Collection[str] = ()) -> None:
         """Stop every member (after a failure that kept none); standbys, and spares off the `dead`
         nodes, stay for the next start."""
-    def keep_standby(self, free: Mapping[str, int] | None = None) -> int:
+    def keep_standby(self, free: Mapping[str, int] | None = None, cap: int | None = None) -> int:
         """Keep idle workers started beside the members (the job's `resources.standby_per_node`), to
         replace a member that crashes without a process start, and a node's worth on one node of `free`
         ({node: worker slots} the job may use) that hosts none, to replace a node lost without notice;
-        returns how many it started now."""
+        at most `cap` in all (None: no cap); returns how many it started now."""
     def form(self, plan: Plan, *, adopt: bool = False) -> Formed:
         """(Re-)form the process group for `plan`. `adopt`: take the state a `reshard` transfer
         delivered instead of loading the last checkpoint."""

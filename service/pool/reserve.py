@@ -26,22 +26,29 @@ __all__ = ["Reserve", "standby_targets"]
 
 
 def standby_targets(per_node: int, members: Mapping[str, int], free: Mapping[str, int],
-                    spares: Collection[str] = ()) -> dict[str, int]:
+                    spares: Collection[str] = (), cap: int | None = None) -> dict[str, int]:
     """{node: standbys to keep there}: `per_node` on each node hosting `members` ({node: members}), and,
     for the loss of a whole node, on the node the job may use (`free`: {node: worker slots}, its grant
     applied) that hosts no member and no spare (a growth's spare has its node to itself while it warms
     up), as many as the node with the most members hosts, at most its slots. That node is the roomiest,
     then the lowest id: the one `service.pool.placement.assign_nodes` fills first after such a loss. None
-    anywhere when `per_node` is 0 (standbys off) or there is no member."""
+    anywhere when `per_node` is 0 (standbys off) or there is no member. `cap`: at most this many in all
+    (what the owner's worker quota leaves after the members, `service.sharing.rounds.standby_caps`): the
+    idle node's go first, then one at a time from the nodes with most standbys (highest id first); None:
+    no cap."""
     hosts = {nid: per_node for nid, n in members.items() if n > 0}
     if per_node <= 0 or not hosts:
         return {}
     taken = set(hosts) | set(spares)
     idle = sorted((nid for nid, k in free.items() if k > 0 and nid not in taken),
                   key=lambda nid: (-free[nid], nid))
-    if idle:
-        hosts[idle[0]] = min(free[idle[0]], max(members.values()))
-    return hosts
+    if idle and (cap is None or cap > sum(hosts.values())):
+        hosts[idle[0]] = min(free[idle[0]], max(members.values()),
+                             *(() if cap is None else (cap - sum(hosts.values()),)))
+    while cap is not None and sum(hosts.values()) > cap:
+        top = max(hosts, key=lambda nid: (hosts[nid], nid))
+        hosts[top] -= 1
+    return {nid: k for nid, k in hosts.items() if k > 0}
 
 
 class Reserve:
@@ -51,7 +58,7 @@ class Reserve:
         self.roster, self.slots, self.launcher = roster, slots, launcher
 
     # -- standbys ------------------------------------------------------------------------------------
-    def keep_standby(self, per_node: int, free: Mapping[str, int] | None = None) -> int:
+    def keep_standby(self, per_node: int, free: Mapping[str, int] | None = None, cap: int | None = None) -> int:
         """Keep idle workers started where `standby_targets` says: `per_node` on each node that hosts
         members (not on a node that only a growth's spare holds yet: the spare's start and warm-up, which
         the growth waits for, have the node to themselves; its standby follows once it is a member), and
@@ -60,9 +67,10 @@ class Reserve:
         only once claimed as a member (`take_standby`). Each call reads the standbys' last ping (`info`)
         and sends the next: those that died (or whose node did) are dropped, as are those beyond what
         their node should keep (a node that hosts no member any more, or no longer the idle one). A new
-        standby first warms up (`Worker.warm_up`). Returns how many were started."""
+        standby first warms up (`Worker.warm_up`). `cap`: at most this many standbys in all (None: no cap).
+        Returns how many were started."""
         want = standby_targets(per_node, Counter(w.node_id for w in self.roster.members), free or {},
-                               spares=[w.node_id for w in self.roster.spares])
+                               spares=[w.node_id for w in self.roster.spares], cap=cap)
         standby = self.roster.standby
         done, _ = ray.wait([w.ping for w in standby], num_returns=len(standby), timeout=0)
         kept: Counter = Counter()

@@ -325,13 +325,18 @@ class WorkerGroup:
         self._await([m.actor.leave.remote() for m in self.members], "leave", timeout_s=60)
 
     # -- the reserve and the takeover ---------------------------------------------------------------------
-    def keep_standby(self, free: Mapping[str, int] | None = None) -> int:
+    def keep_standby(self, free: Mapping[str, int] | None = None, cap: int | None = None) -> int:
         """Keep `resources.standby_per_node` idle workers started on each node that hosts members, and a
         node's worth on one node of `free` ({node: worker slots} the job may use) that hosts none, for
         the loss of a whole node (`service.pool.reserve.standby_targets`); CPU workers only (a GPU is
-        given to a process when it starts), without waiting for them (`Reserve.keep_standby`). Returns
-        how many were started."""
-        return self.reserve.keep_standby(self.cfg.resources.standby_per_node if not self.slots.gpus else 0, free)
+        given to a process when it starts), without waiting for them (`Reserve.keep_standby`); at most
+        `cap` in all (None: no cap). Returns how many were started."""
+        return self.reserve.keep_standby(self.cfg.resources.standby_per_node if not self.slots.gpus else 0, free,
+                                         cap=cap)
+
+    def standbys(self) -> int:
+        """Standby workers started (`keep_standby`)."""
+        return len(self.roster.standby)
 
     def prewarm(self, nodes: list[str]) -> int:
         """Start spares on `nodes` in the background while the group keeps training (`Reserve.prewarm`).

@@ -64,6 +64,10 @@ an allowed store. file:// is a local path; any other scheme is refused."""
 SCHEME_ALIASES = {"s3a": "s3", "s3n": "s3", "gcs": "gs", "az": "abfs", "abfss": "abfs"}
 """URL schemes fsspec reads from the same store as another: compared as that one."""
 
+MAX_LOCATION_CHARS = 4096
+"""The longest location a request may name (Linux's PATH_MAX): checked before anything else is done
+with it, so that judging a location costs time linear in at most this many characters."""
+
 _AZURE_HOSTS = (".dfs.core.windows.net", ".blob.core.windows.net")
 HDFS_PORT = 8020
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$", re.S)
@@ -105,23 +109,35 @@ class Place:
         return self.parts[0] + "/".join(self.parts[1:])
 
 
-def canonical(where: Any, loc: Sequence[str | int] = ("location",), *, azure_account: str | None = None) -> Place:
-    """`where` (a local absolute path, a file:// URL, or an object store's / HDFS URL) as a Place, or a
-    SpecError naming `loc` that says what is wrong. Looks at the disk only to resolve symlinks."""
+def _checked_text(where: Any, loc: Sequence[str | int]) -> str:
+    """`where` if it is a non-blank string without NUL bytes of at most MAX_LOCATION_CHARS, else a SpecError."""
     name = field_name(loc)
+    if isinstance(where, str) and len(where) > MAX_LOCATION_CHARS:
+        raise SpecError(loc, f"{name} {where[:60]!r}... is {len(where)} characters long; a location may have at "
+                             f"most {MAX_LOCATION_CHARS}")
     if not isinstance(where, str) or not where.strip() or "\x00" in where:
         raise SpecError(loc, f"{name} {where!r} must be a non-blank path without NUL bytes")
+    return where
+
+
+def canonical(where: Any, loc: Sequence[str | int] = ("location",), *, azure_account: str | None = None,
+              resolve: bool = True) -> Place:
+    """`where` (a local absolute path, a file:// URL, or an object store's / HDFS URL) as a Place, or a
+    SpecError naming `loc` that says what is wrong. Looks at the disk only to resolve symlinks, and not at
+    all with `resolve=False` (a local path is then taken as written: the lexical place)."""
+    name = field_name(loc)
+    where = _checked_text(where, loc)
     if "::" in where:
         raise SpecError(loc, f"{name} {where!r}: chained URLs (a::b) are not accepted; give one path or URL")
     m = _URL.match(where)
     if m is None:
-        return _local(where, loc)
+        return _local(where, loc, resolve)
     scheme, rest = m.group(1), m.group(2)
     if scheme != scheme.lower():
         raise SpecError(loc, f"{name} {where!r}: write the scheme in lower case ({scheme.lower()}://); the "
                              "workers' storage reads schemes as written")
     if scheme == "file":
-        return _local(rest, loc)
+        return _local(rest, loc, resolve)
     if scheme == "memory":
         raise SpecError(loc, f"{name} {where!r}: memory:// lives in one process only, so its checkpoints cannot "
                              "survive a restart or reach other workers; use a path or an object store")
@@ -145,21 +161,23 @@ def canonical(where: Any, loc: Sequence[str | int] = ("location",), *, azure_acc
         raise SpecError(loc, f"{name} {where!r}: user information in a URL is not accepted")
     if scheme == "hdfs":
         h, colon, port = host.partition(":")
-        if colon and not port.isdigit():
-            raise SpecError(loc, f"{name} {where!r}: the port must be a number")
+        if colon and not (port.isascii() and port.isdigit()):
+            raise SpecError(loc, f"{name} {where!r}: the port must be a number (ASCII digits 0-9)")
         return Place(("hdfs://", f"{h}:{int(port) if colon else HDFS_PORT}", *parts))
     if ":" in host:  # an S3 access-point ARN, or a port on a bucket name
         raise SpecError(loc, f"{name} {where!r}: name the bucket itself (s3://BUCKET/...), not an access point")
     return Place((f"{scheme}://", host, *parts))
 
 
-def _local(path: str, loc: Sequence[str | int]) -> Place:
+def _local(path: str, loc: Sequence[str | int], resolve: bool = True) -> Place:
     name = field_name(loc)
     p = Path(path)
     if not p.is_absolute():
         raise SpecError(loc, f"{name} {path!r} must be an absolute path")
     if ".." in p.parts:
         raise SpecError(loc, f"{name} {path!r} must not contain '..'")
+    if not resolve:
+        return Place(("file://", *p.parts))
     try:
         full = p.resolve()
     except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop
@@ -223,6 +241,12 @@ class Admission:
         self.azure_account = azure_account
         self.runs_root = Path(runs_root).resolve()
         self.data_roots = [Path(r).resolve() for r in data_roots]
+        self._spellings: dict[Use, list[Path]] = {
+            Use.DATA: _spellings(data_roots), Use.WRITE: _spellings([runs_root]),
+            Use.RESUME: _spellings([runs_root, *(p for p in resume_prefixes if not _URL.match(p))])}
+        self._prefix_spellings = _spellings(p for p in resume_prefixes if not _URL.match(p))
+        """Each use's local roots as given and as resolved: what a location is judged against, as written,
+        before the disk is looked at (`_lexically_inside`)."""
         for r in self.data_roots:
             if r == self.runs_root or r in self.runs_root.parents or self.runs_root in r.parents:
                 raise ValueError(f"data root {r} holds the runs root {self.runs_root} (or lies inside it): a job "
@@ -240,26 +264,55 @@ class Admission:
         except SpecError as e:
             raise ValueError(f"{env}: {e.msg}") from None
 
-    def canonical(self, where: Any, loc: Sequence[str | int]) -> Place:
+    def canonical(self, where: Any, loc: Sequence[str | int], use: Use | None = None) -> Place:
+        """`where` as a Place; with `use`, a local path is first judged as written against that use's roots
+        (`_lexically_inside`), so that no path outside them is resolved: the disk is looked at only for a
+        path that may be inside."""
+        if use is not None:
+            self._lexically_inside(canonical(where, loc, azure_account=self.azure_account, resolve=False),
+                                   where, loc, use)
         return canonical(where, loc, azure_account=self.azure_account)
+
+    def _lexically_inside(self, p: Place, where: Any, loc: Sequence[str | int], use: Use) -> None:
+        """A SpecError, the one its use gives, when the local place `p` (as written) lies in none of the use's
+        roots (a WRITE place: strictly inside the runs root). Time linear in the length of `where`."""
+        if not p.local:
+            return
+        path = p.path
+        if use is Use.WRITE:  # strictly inside the runs root; in a resume prefix: refused as read-only below
+            inside = any(r in path.parents for r in self._spellings[use]) or any(
+                path == r or r in path.parents or path in r.parents for r in self._prefix_spellings)
+        else:
+            inside = any(path == r or r in path.parents for r in self._spellings[use])
+        if inside:
+            return
+        if use is Use.DATA:
+            raise self._outside_data(where, loc)
+        raise SpecError(loc, f"{field_name(loc)} {where!r} must be a directory inside the runs root {self.runs_root}")
 
     # -- each use ----------------------------------------------------------------------------------------
     def data(self, where: Any, loc: Sequence[str | int]) -> Place:
-        """A DATA place: local, inside a data root."""
-        p = self.canonical(where, loc)
-        roots = " or ".join(str(r) for r in self.data_roots) or "(none configured)"
+        """A DATA place: a local path (as the workers open it: no file:// URL), inside a data root."""
+        where = _checked_text(where, loc)
+        if _URL.match(where):
+            raise SpecError(loc, f"{field_name(loc)} {where[:200]!r}: the workers open this as a local file; give "
+                                 "it as an absolute path, not a URL")
+        p = self.canonical(where, loc, Use.DATA)
         if not p.local or not any(p.path == r or r in p.path.parents for r in self.data_roots):
-            raise SpecError(loc, f"{field_name(loc)} {where!r} is outside the server's data roots: {roots} "
-                                 "(the server's ELASTRON_DATA_ROOTS)")
+            raise self._outside_data(where, loc)
         return p
+
+    def _outside_data(self, where: Any, loc: Sequence[str | int]) -> SpecError:
+        roots = " or ".join(str(r) for r in self.data_roots) or "(none configured)"
+        return SpecError(loc, f"{field_name(loc)} {where!r} is outside the server's data roots: {roots} "
+                              "(the server's ELASTRON_DATA_ROOTS)")
 
     def run_dir(self, run_dir: str | None, default_name: str, loc: Sequence[str | int] = ("run_dir",)) -> Place:
         """The run directory: `run_dir` relative to the runs root (or absolute inside it), or the default
         name there; a WRITE place."""
         if run_dir is None:
             return self.write(str(self.runs_root / default_name), loc)
-        if not isinstance(run_dir, str) or not run_dir.strip() or "\x00" in run_dir:
-            raise SpecError(loc, f"{field_name(loc)} {run_dir!r} must be a non-blank path without NUL bytes")
+        run_dir = _checked_text(run_dir, loc)
         if _URL.match(run_dir):
             raise SpecError(loc, f"{field_name(loc)} {run_dir!r} must be a directory inside the runs root "
                                  f"{self.runs_root}, not a URL")
@@ -268,12 +321,16 @@ class Admission:
 
     def write(self, where: Any, loc: Sequence[str | int]) -> Place:
         """A WRITE place: inside the runs root or an allowed object store; not the store's files; not in
-        a resume prefix. Whose it is: `check_claims`."""
-        p = self.canonical(where, loc)
+        a resume prefix; not an object store's root (which holds every other job's places in it). Whose it
+        is: `check_claims`."""
+        p = self.canonical(where, loc, Use.WRITE)
         name = field_name(loc)
         if any(p.overlaps(r) for r in self.resume_prefixes):
             raise SpecError(loc, f"{name} {where!r} overlaps a shared resume prefix (ELASTRON_RESUME_PREFIXES), "
                                  f"which is read-only to every job; choose another {name}")
+        if any(p == s for s in self.stores):
+            raise SpecError(loc, f"{name} {where!r} is the root of an object store this server allows; name a "
+                                 f"directory inside it ({str(p).rstrip('/')}/YOUR-DIR)")
         self._inside_allowed(p, where, loc, also=())
         if any(p.overlaps(r) for r in self.reserved):
             raise SpecError(loc, f"{name} {where!r} is reserved for the server's own files; choose another {name}")
@@ -282,7 +339,7 @@ class Admission:
     def resume(self, where: Any, loc: Sequence[str | int], *, owner: str | None, claims: Iterable[Claim]) -> Place:
         """A RESUME place: inside the runs root, an allowed store or a resume prefix; for a user (owner
         not None) also inside a resume prefix or a place the user holds (a tombstone included)."""
-        p = self.canonical(where, loc)
+        p = self.canonical(where, loc, Use.RESUME)
         if any(p.within(r) for r in self.resume_prefixes):
             return p
         self._inside_allowed(p, where, loc, also=self.resume_prefixes)
@@ -328,11 +385,39 @@ class Admission:
                 out[field_name(loc)] = self.write(v, loc)
             else:
                 self.resume(v, loc, owner=owner, claims=claims)
+        if owner is not None:
+            for name, p in out.items():
+                self._unclaimed(p, ("run_dir",) if name == "run_dir" else ("spec", *name.split(".")), claims)
         return out
+
+    def _unclaimed(self, p: Place, loc: Sequence[str | int], claims: Sequence[Claim]) -> None:
+        """A SpecError when a local WRITE place, or a directory on its way down from the runs root, exists
+        already and overlaps no place a job holds: files no job made (a hand-made run, `elastron run`'s)
+        are nobody's to take. An operator adopts them (docs/hardening.md)."""
+        if not p.local:
+            return
+        root = len(self.runs_root.parts)
+        for depth in range(root + 1, len(p.parts)):
+            d = Place(p.parts[:depth + 1])
+            if not d.path.exists():
+                return
+            if not any(d.overlaps(c.place) for c in claims):
+                raise SpecError(loc, f"{field_name(loc)} {str(p)!r}: {d.path} already exists in the runs root and "
+                                     "no job holds it; choose another directory (an admin may adopt it)")
 
     def check_paths(self, spec: Any, *, run_dir: str | None) -> None:
         """The ownership-free part of `check`, for callers without owners (`elastron run`, tests)."""
         self.check(spec, run_dir=run_dir, default_name="job", owner=None, claims=())
+
+
+def _spellings(roots: Iterable[str | Path]) -> list[Path]:
+    """Each local root as given (made absolute) and resolved."""
+    out: list[Path] = []
+    for r in roots:
+        for p in (Path(r).absolute(), Path(r).resolve()):
+            if p not in out:
+                out.append(p)
+    return out
 
 
 def place_of(where: str, *, runs_root: str | Path | None = None, azure_account: str | None = None) -> Place | None:

@@ -37,8 +37,8 @@ from service.control.job import Job, worker_range
 from service.control.state import TERMINAL
 from service.control.status import JobStatus
 from service.server.admission import Admission, Claim, Place, place_of
-from service.server.job_types import (JobConflict, JobGone, JobHandle, JobNotFound, JobRecord, JobUnavailable, Launcher,
-                                      Store)
+from service.server.job_types import (JobConflict, JobForbidden, JobGone, JobHandle, JobNotFound, JobRecord,
+                                      JobUnavailable, Launcher, Store)
 from service.server.specs import SpecError, check_text, safe_name, validate_spec
 from service.sharing.ledger import WorkerShape
 from service.sharing.rounds import JobView, Round, Tell, plan_round
@@ -55,6 +55,8 @@ took longer than a sync interval): one user's stuck coordinators cannot hold eve
 other users' statuses stale."""
 MAX_LIVE_JOBS_PER_USER = 32
 """Default for a user's unfinished jobs at once (`max_live_jobs`)."""
+MAX_FINISHED_JOBS_PER_USER = 100
+"""Default for a user's finished jobs kept in the store (`max_finished_jobs`)."""
 LOCK_TIMEOUT_S = 30.0
 """Default for how long a request waits for a job's lock (`lock_timeout_s`) before a 503."""
 TRACEBACK_EVERY_S = 60.0
@@ -62,7 +64,7 @@ TRACEBACK_EVERY_S = 60.0
 UNKNOWN = "UNKNOWN"
 """The state shown for a job whose coordinator this server cannot find and cannot confirm gone."""
 
-__all__ = ["JobConflict", "JobHandle", "JobManager", "JobNotFound", "JobUnavailable", "Launcher", "Store",
+__all__ = ["JobConflict", "JobForbidden", "JobHandle", "JobManager", "JobNotFound", "JobUnavailable", "Launcher", "Store",
            "SYNC_THREADS", "TERMINAL", "UNKNOWN"]
 
 
@@ -72,7 +74,7 @@ class JobManager:
                  data_roots: Sequence[str | Path] | None = None, quotas: Mapping[str, Quota] | None = None,
                  shared: bool = False, resume_prefixes: Sequence[str] = (), object_stores: Sequence[str] = (),
                  azure_account: str | None = None, max_live_jobs: int | None = MAX_LIVE_JOBS_PER_USER,
-                 lock_timeout_s: float = LOCK_TIMEOUT_S):
+                 lock_timeout_s: float = LOCK_TIMEOUT_S, max_finished_jobs: int = MAX_FINISHED_JOBS_PER_USER):
         """`data_roots`: directories a spec's data.path, data.val_path and model.init_from may lie under
         (None or empty: none; never around or inside the runs root, where other jobs' files and the store
         live). `quotas`: per owner (user name), the workers and jobs its jobs may hold. `shared`: schedule
@@ -81,8 +83,10 @@ class JobManager:
         besides them, a user may name only places their own jobs hold. `object_stores`: object-store and
         HDFS URLs a job's checkpoint.dir may lie in (none: local paths only). `azure_account`: the account
         of an abfs:// URL that names none. `max_live_jobs`: a user's unfinished jobs at once (None: no
-        limit). `lock_timeout_s`: how long a request waits for a job's lock. Every place a request names
-        is judged by service.server.admission."""
+        limit). `lock_timeout_s`: how long a request waits for a job's lock. `max_finished_jobs`: a user's
+        finished jobs kept; a submit prunes their oldest beyond it (`_prune_finished`). `quotas` also give
+        each user's priority ceiling (`Quota.max_priority`). Every place a request names is judged by
+        service.server.admission."""
         self.store, self.launcher = store, launcher
         self.runs_root = Path(runs_root)
         self.admission = Admission(runs_root=self.runs_root, data_roots=data_roots or (), object_stores=object_stores,
@@ -90,6 +94,9 @@ class JobManager:
                                    azure_account=azure_account)
         self.sync_interval_s, self.stop_timeout_s, self.clock = sync_interval_s, stop_timeout_s, clock
         self.max_live_jobs, self.lock_timeout_s = max_live_jobs, lock_timeout_s
+        if not isinstance(max_finished_jobs, int) or max_finished_jobs < 0:
+            raise ValueError(f"max_finished_jobs must be a whole number >= 0, got {max_finished_jobs!r}")
+        self.max_finished_jobs = max_finished_jobs
         self._submit_lock = threading.Lock()  # area checks + insert, atomically
         self._record_old_claims()
         self._init_sync()
@@ -106,6 +113,7 @@ class JobManager:
         check_text({"spec": spec, "run_dir": run_dir})
         self.admission.check(spec, run_dir=run_dir, default_name="job", owner=owner, claims=self.store.claims())
         cfg = validate_spec(spec, steps=steps, workers=workers)
+        self._check_priority(cfg.scheduling.priority, owner)
         job_id = uuid.uuid4().hex[:12]
         places = self.admission.check(spec, run_dir=run_dir, default_name=f"{safe_name(cfg.name)}-{job_id}",
                                       owner=None, claims=())  # the places, judged above with the owner
@@ -129,6 +137,7 @@ class JobManager:
                         self._forget_lock(job_id, lock)
                         return first.id
                     self._check_live_jobs(owner)
+                    self._prune_finished(owner)
                     self._check_claims(places, owner)
                     self._check_quota(job, owner)
                     self.store.create(JobRecord(
@@ -175,6 +184,33 @@ class JobManager:
         if live >= self.max_live_jobs:
             raise JobConflict(f"you have {live} unfinished jobs, this server's limit per user "
                               f"(ELASTRON_MAX_LIVE_JOBS={self.max_live_jobs}): stop or delete one first")
+
+    def _check_priority(self, priority: int, owner: str | None) -> None:
+        """JobForbidden when a user asks for a priority above their ceiling (`Quota.max_priority`, 0 for a
+        user the operator lists nowhere); the admin (owner None) has none."""
+        if owner is None:
+            return
+        top = self.quotas.get(owner, Quota()).max_priority
+        if top is not None and priority > top:
+            raise JobForbidden(f"scheduling.priority {priority} is above your ceiling of {top} (set by the "
+                               f"operator in ELASTRON_QUOTAS, NAME=WORKERS:JOBS:PRIORITY): ask for at most {top}")
+
+    def _prune_finished(self, owner: str | None) -> list[str]:
+        """Forget a user's oldest finished (and released) jobs beyond max_finished_jobs: their records,
+        events and metrics. Their run directories stay, and so do
+        their places (tombstones, as after DELETE). Returns the ids forgotten."""
+        if owner is None:
+            return []
+        done = [r.id for r in self.store.list(owner=owner) if r.state in TERMINAL and r.released]
+        gone = done[:max(0, len(done) - self.max_finished_jobs)]
+        for job_id in gone:  # oldest first (the store lists by creation time)
+            self.store.delete(job_id)
+            self._forget_lock(job_id)
+            self._last_traceback.pop(job_id, None)
+        if gone:
+            logger.info("user %s: forgot %d finished job(s) beyond ELASTRON_MAX_FINISHED_JOBS=%d: %s", owner, len(gone),
+                        self.max_finished_jobs, ", ".join(gone))
+        return gone
 
     def _record_old_claims(self) -> None:
         """Places of jobs the store kept from before it recorded them, recorded now (as they were stored)."""
@@ -614,6 +650,8 @@ class JobManager:
         self._sizers: dict = {}
         self._granted: dict[str, dict[str, int]] = {}
         """The last grant each job was sent: its grant, whether or not its status shows it yet."""
+        self._standby_caps: dict[str, int | None] = {}
+        """The standby cap each job was last sent with its grant."""
         self._round_lock = threading.Lock()
         self.last_round: Round | None = None
 
@@ -631,8 +669,8 @@ class JobManager:
             if snap is None:
                 return None
             views = [v for row in self.store.unsettled() if (v := self._job_view(row)) is not None]
-            for gone in {*self._told, *self._granted, *self._sizers} - {v.job_id for v in views}:
-                for memo in (self._told, self._granted, self._sizers, self._cfgs):
+            for gone in {*self._told, *self._granted, *self._sizers, *self._standby_caps} - {v.job_id for v in views}:
+                for memo in (self._told, self._granted, self._sizers, self._cfgs, self._standby_caps):
                     memo.pop(gone, None)
             r = plan_round(snap, views, self.quotas, in_use=self.launcher.in_use(snap))
             for a in r.actions:
@@ -654,6 +692,7 @@ class JobManager:
         self._told[a.job_id] = a
         if isinstance(a.command, Grant):
             self._granted[a.job_id] = dict(a.command.nodes)
+            self._standby_caps[a.job_id] = a.command.standby
 
     def _job_view(self, row: JobRecord) -> JobView | None:
         cfg = self._cfg_of(row)
@@ -667,6 +706,8 @@ class JobManager:
                        shape=WorkerShape(cpus=cfg.resources.cpus_per_worker, gpus=cfg.resources.gpus_per_worker),
                        state=st.state, cause=st.cause, held=dict(st.held),
                        grant=self._granted.get(row.id, st.grant),  # sent, perhaps not in its status yet
+                       standby_per_node=0 if cfg.resources.gpus_per_worker else cfg.resources.standby_per_node,
+                       standby_cap=self._standby_caps.get(row.id),
                        queue_position=st.queue_position, reason=st.reason, size_for=self._sizer(row.id, cfg))
 
     def _sizer(self, job_id: str, cfg: JobConfig):
@@ -695,16 +736,18 @@ class JobManager:
 
     # -- what the API shows -------------------------------------------------------------------------------------
     def quota_usage(self, *, owner: str | None = None) -> list[dict]:
-        """Per owner: the quota and what the owner's jobs hold now (a user sees only their own)."""
+        """Per owner: the quota and what the owner's jobs hold now (a user sees only their own).
+        `workers_held` counts the members the last round saw and the standby workers the jobs' statuses
+        report (idle processes, which count against the quota: `service.sharing.rounds.standby_caps`)."""
         r = self.last_round
         held: dict[str, int] = {}
         running: dict[str, int] = {}
         if r is not None:
-            owners = {row.id: row.owner or "" for row in self.store.unsettled()}
+            rows = {row.id: row for row in self.store.unsettled()}
             for h in r.ledger.holdings:
-                if h.job_id in owners:
-                    o = owners[h.job_id]
-                    held[o] = held.get(o, 0) + h.workers
+                if h.job_id in rows:
+                    o = rows[h.job_id].owner or ""
+                    held[o] = held.get(o, 0) + h.workers + rows[h.job_id].status.standby
                     running[o] = running.get(o, 0) + 1
         names = sorted({*self.quotas, *held} - {""}) if owner is None else [owner]
         return [{"owner": o, "max_workers": self.quotas.get(o, Quota()).max_workers,

@@ -26,6 +26,11 @@ class JobConflict(RuntimeError):
     """The action does not fit the job's state (e.g. resume of a running job); the message says why."""
 
 
+class JobForbidden(RuntimeError):
+    """The request asks for more than its user may (e.g. a priority above their ceiling); the message says
+    what the limit is."""
+
+
 class JobHandle(Protocol):
     def status(self) -> JobStatus: ...
     def events_since(self, index: int = 0) -> list[dict]: ...

@@ -71,8 +71,14 @@ class Quota:
     """Most workers the owner's jobs may hold together; None: no limit."""
     max_jobs: int | None = None
     """Most of the owner's jobs holding workers at once; None: no limit."""
+    max_priority: int | None = 0
+    """Highest `scheduling.priority` the owner's jobs may ask for (the service refuses a higher one);
+    None: no ceiling. A user the operator lists nowhere may ask for 0 at most."""
 
     def __post_init__(self) -> None:
+        if self.max_priority is not None and not (isinstance(self.max_priority, int)
+                                                  and not isinstance(self.max_priority, bool)):
+            raise ValueError(f"quota max_priority must be an integer or None, got {self.max_priority!r}")
         for name in ("max_workers", "max_jobs"):
             v = getattr(self, name)
             if v is not None and not _is_int(v, 0):

@@ -59,6 +59,10 @@ class JobView:
     """What the scheduler granted it last; None: never granted (launched without a scheduler)."""
     queue_position: int | None = None
     reason: str = ""
+    standby_per_node: int = 0
+    """Its spec's resources.standby_per_node (0 for GPU workers, which keep none)."""
+    standby_cap: int | None = None
+    """The standby cap it was last sent with its grant (`standby_caps`); None: none sent, or no cap."""
     size_for: Callable[[int], int | None] | None = field(default=None, compare=False)
     """The most of n workers the job can use (its planner's answer, parallel.planner.size_for); None: all.
     A worker granted beyond it would sit idle: grants are trimmed to it, and max_workers capped."""
@@ -115,8 +119,10 @@ def plan_round(snap: ClusterSnapshot, jobs: Sequence[JobView], quotas: Mapping[s
     free = {nid: list(v) for nid, v in ledger.free().items()}
     actions: list[Tell] = []
     by_rank = {r.job_id: i for i, r in enumerate(sorted(requests, key=lambda r: (-r.priority, r.submitted, r.job_id)))}
-    for j in sorted(scheduled, key=lambda j: by_rank[j.job_id]):
-        actions += _tell(j, s, free)
+    ranked = sorted(scheduled, key=lambda j: by_rank[j.job_id])
+    caps = standby_caps(ranked, {j.job_id: s.grant(j.job_id) for j in ranked}, quotas or {})
+    for j in ranked:
+        actions += _tell(j, s, free, caps[j.job_id])
     for j in jobs:  # not scheduled but still granted (paused by its user): take the grant back
         if j.phase is None and j.state == "PAUSED" and j.grant:
             actions.append(_grant(j, {}, "paused by its user: its workers go to other jobs until it is resumed"))
@@ -128,16 +134,44 @@ def plan_round(snap: ClusterSnapshot, jobs: Sequence[JobView], quotas: Mapping[s
     return Round(schedule=s, ledger=ledger, actions=tuple(actions))
 
 
-def _grant(j: JobView, nodes: dict[str, int], reason: str, queue_position: int | None = None) -> Tell:
-    return Tell(job_id=j.job_id, command=Grant(nodes=nodes, reason=reason, queue_position=queue_position))
+def standby_caps(jobs: Sequence[JobView], grants: Mapping[str, Mapping[str, int]],
+                 quotas: Mapping[str, Quota]) -> dict[str, int | None]:
+    """{job_id: the most standby workers the job may keep}. A standby is a worker process its owner pays
+    for (it reserves no CPU, but holds memory), so it counts against the owner's worker quota: per owner
+    with one, what the quota leaves after the workers `grants` give all of the owner's jobs ({job_id:
+    {node: workers}}), handed out in the order of `jobs`, each job up to the most its placement keeps
+    (`service.pool.reserve.standby_targets`: standby_per_node on each of its nodes, and its busiest
+    node's count on one node more). None for an owner without a worker quota."""
+    room = {}
+    for j in jobs:
+        q = quotas.get(j.owner, Quota())
+        if q.max_workers is not None:
+            room[j.owner] = room.get(j.owner, q.max_workers) - sum(grants.get(j.job_id, {}).values())
+    out: dict[str, int | None] = {}
+    for j in jobs:
+        if j.owner not in room:
+            out[j.job_id] = None
+            continue
+        nodes = {nid: k for nid, k in grants.get(j.job_id, {}).items() if k > 0}
+        most = j.standby_per_node * len(nodes) + max(nodes.values()) if nodes and j.standby_per_node > 0 else 0
+        out[j.job_id] = max(0, min(most, room[j.owner]))
+        room[j.owner] -= out[j.job_id]
+    return out
+
+
+def _grant(j: JobView, nodes: dict[str, int], reason: str, queue_position: int | None = None,
+           standby: int | None = None) -> Tell:
+    return Tell(job_id=j.job_id, command=Grant(nodes=nodes, reason=reason, queue_position=queue_position,
+                                               standby=standby))
 
 
 def _resume(j: JobView) -> Tell:
     return Tell(job_id=j.job_id, command=Resume(by="scheduler"))
 
 
-def _tell(j: JobView, s: Schedule, free: dict[str, list[float]]) -> list[Tell]:
-    """What job `j` is told this round; `free` ({node: [cpus, gpus]} free now) loses what is given."""
+def _tell(j: JobView, s: Schedule, free: dict[str, list[float]], standby: int | None = None) -> list[Tell]:
+    """What job `j` is told this round; `free` ({node: [cpus, gpus]} free now) loses what is given.
+    `standby`: the most standby workers it may keep (`standby_caps`), sent with its grant."""
     d = s.decision(j.job_id)
     want = s.grant(j.job_id)
     now = j.holding()
@@ -160,11 +194,11 @@ def _tell(j: JobView, s: Schedule, free: dict[str, list[float]]) -> list[Tell]:
             return []
     else:
         _take(more, j.shape, free)
-    if want == dict(j.grant or {}):
+    if want == dict(j.grant or {}) and standby == j.standby_cap:
         return [_resume(j)] if j.phase is Phase.PAUSED and want else []
     reason = d.reason if d is not None and not isinstance(d, Queued) else \
         f"granted {sum(want.values())} workers by the shared-cluster scheduler"
-    out = [_grant(j, want, reason)]
+    out = [_grant(j, want, reason, standby=standby)]
     if j.phase is Phase.PAUSED:
         out.append(_resume(j))
     return out

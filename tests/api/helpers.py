@@ -55,7 +55,8 @@ def make_app(tmp_path: Path, launcher: LocalLauncher, *, token: str | None = Non
     mgr = JobManager(JobStore(s.store_url), launcher, runs_root=s.runs_root, data_roots=s.data_roots,
                      sync_interval_s=s.sync_interval_s, stop_timeout_s=s.stop_timeout_s, quotas=s.quotas,
                      shared=s.schedule, resume_prefixes=s.resume_prefixes, object_stores=s.object_stores,
-                     azure_account=s.azure_account, max_live_jobs=s.max_live_jobs, lock_timeout_s=s.lock_timeout_s)
+                     azure_account=s.azure_account, max_live_jobs=s.max_live_jobs, lock_timeout_s=s.lock_timeout_s,
+                     max_finished_jobs=s.max_finished_jobs)
     return create_app(jobs=mgr, settings=s)
 
 

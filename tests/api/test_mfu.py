@@ -17,7 +17,7 @@ J = "/api/v1/jobs"
 
 def prometheus(c, job_id: str) -> dict[str, float]:
     return {s.name: s.value for fam in text_string_to_metric_families(c.get("/metrics").text)
-            for s in fam.samples if s.labels.get("job") == job_id and len(s.labels) == 2}
+            for s in fam.samples if s.labels.get("job") == job_id and len(s.labels) == 1}
 
 
 def test_status_metrics_and_prometheus_show_the_mfu_of_the_last_step(tmp_path):

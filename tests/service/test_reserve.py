@@ -66,3 +66,19 @@ def test_a_growth_is_warm_once_a_spare_has_answered_on_each_node_it_needs(monkey
 ])
 def test_standbys_go_beside_the_members_and_a_nodes_worth_on_one_idle_node(per_node, members, free, spares, want):
     assert standby_targets(per_node, members, free, spares) == want
+
+
+@pytest.mark.parametrize("per_node,members,free,cap,want", [
+    # the cap leaves the members' own nodes theirs first: the idle node's share goes first
+    (1, {"a": 2, "b": 2}, {"a": 2, "b": 2, "c": 2}, 3, {"a": 1, "b": 1, "c": 1}),
+    (1, {"a": 2, "b": 2}, {"a": 2, "b": 2, "c": 2}, 2, {"a": 1, "b": 1}),
+    # then one at a time from the nodes with most (highest id first)
+    (8, {"a": 1}, {"a": 1, "b": 1}, 3, {"a": 3}),
+    (2, {"a": 1, "b": 1}, {"a": 1, "b": 1}, 3, {"a": 2, "b": 1}),
+    (8, {"a": 1}, {"a": 1, "b": 1}, 0, {}),
+    # a cap above what the rule asks changes nothing
+    (1, {"a": 2}, {"a": 2, "b": 2}, 10, {"a": 1, "b": 2}),
+    (1, {"a": 2}, {"a": 2, "b": 2}, None, {"a": 1, "b": 2}),
+])
+def test_a_cap_bounds_the_standbys_in_all(per_node, members, free, cap, want):
+    assert standby_targets(per_node, members, free, cap=cap) == want

@@ -120,3 +120,24 @@ def test_grants_stop_at_what_the_job_can_use_so_no_worker_sits_idle():
     assert acts["b"][0].nodes == {"n": 1}  # ... and goes to b instead
     r = plan_round(cluster(n=5), [job("a", state="QUEUED", lo=2, hi=3, size_for=even)])
     assert by_job(r.actions)["a"][0].nodes == {"n": 2}
+
+
+def test_standbys_count_against_the_owners_worker_quota_and_get_what_the_members_leave():
+    from service.sharing.rounds import standby_caps
+
+    a, b, c = (job(x, owner=o, standby_per_node=s, t=t) for x, o, s, t in
+               (("a", "ann", 8, 1), ("b", "ann", 1, 2), ("c", "bob", 8, 3)))
+    grants = {"a": {"n": 1}, "b": {"n": 1, "m": 1}, "c": {"n": 1}}
+    # ann: 4 workers, 3 of them members; a (first) may keep what is left, b none; bob has no worker quota
+    assert standby_caps([a, b, c], grants, {"ann": Quota(max_workers=4)}) == {"a": 1, "b": 0, "c": None}
+    # room enough: each up to what its placement keeps (per node, and the busiest node's count once more)
+    assert standby_caps([a, b], grants, {"ann": Quota(max_workers=100)}) == {"a": 9, "b": 3}
+    assert standby_caps([a], {"a": {}}, {"ann": Quota(max_workers=4)}) == {"a": 0}
+    # the cap is sent with the grant, and sent again when only the cap changes
+    r = plan_round(cluster(n=4), [job("d", held={"n": 1}, grant={"n": 1}, hi=1, owner="ann", standby_per_node=8)],
+                   {"ann": Quota(max_workers=3)})
+    [g] = by_job(r.actions)["d"]
+    assert isinstance(g, Grant) and g.nodes == {"n": 1} and g.standby == 2
+    r = plan_round(cluster(n=4), [job("d", held={"n": 1}, grant={"n": 1}, hi=1, owner="ann", standby_per_node=8,
+                                      standby_cap=2)], {"ann": Quota(max_workers=3)})
+    assert "d" not in by_job(r.actions)

@@ -331,3 +331,29 @@ def test_a_missing_data_path_is_one_line_naming_the_field_where_the_rank_reads_i
     cfg = JobConfig.from_dict({"data": {"source": "corpus", "path": str(tmp_path / "gone")}})  # no disk check
     with pytest.raises(ConfigError, match=r"^data\.path '.*gone' does not exist$"):
         build_source(cfg.data, seed=0, vocab_size=256)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 1000, 1025, 4096])
+def test_the_computed_order_is_a_permutation_of_every_epoch(n):
+    from workers.data import _feistel
+
+    for epoch in (0, 1):
+        assert sorted(_feistel(5, epoch, n, np.arange(n)).tolist()) == list(range(n))
+    assert n < 3 or _feistel(5, 0, n, np.arange(n)).tolist() != _feistel(5, 1, n, np.arange(n)).tolist()
+
+
+def test_a_huge_declared_data_set_allocates_only_the_batch():
+    import tracemalloc
+
+    from workers.data import PERMUTATION_IN_MEMORY
+
+    n = 1 << 40  # data.num_samples' top: an 8 TiB permutation if it were held
+    tracemalloc.start()
+    try:
+        ids = global_sample_ids(n - 32, 64, n_samples=n, seed=7)  # straddles two epochs
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20 and n > PERMUTATION_IN_MEMORY
+    assert ids.min() >= 0 and ids.max() < n and len(set(ids[:32].tolist())) == 32 == len(set(ids[32:].tolist()))
+    assert (ids == global_sample_ids(n - 32, 64, n_samples=n, seed=7)).all()
