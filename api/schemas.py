@@ -168,6 +168,7 @@ class JobDetail(JobSummary):
     error: str | None = _status("error")
     pid: int | None = _status("pid")
     grant: dict[str, int] | None = _status("grant")
+    standby: int = _status("standby", 0)
 
 
 def job_view(r: JobRecord) -> dict[str, Any]:

@@ -471,8 +471,9 @@ class SchedulingConfig:
 
 @_section("logging", "wandb")
 class WandbConfig:
-    project: Annotated[str, Field(strict=True, max_length=MAX_NAME)] = "elastron"
-    """W&B project of the run."""
+    project: Annotated[str, Field(strict=True, max_length=MAX_NAME, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")] = "elastron"
+    """W&B project of the run: a bare project name (letters, digits, `_.-`), never `entity/project`, since the
+    workers write it with the operator's W&B credentials."""
     mode: Literal["online", "offline", "disabled"] = "online"
     """online: sync as it runs; offline: write under RUN_DIR/wandb only (`wandb sync` later)."""
 

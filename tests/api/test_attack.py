@@ -475,7 +475,8 @@ def test_8_a_directory_in_the_runs_root_that_no_job_holds_is_nobodys_to_take(srv
 @pytest.mark.parametrize("field", ["data.path", "data.val_path", "model.init_from"])
 def test_10_a_data_field_is_a_path_not_a_url(srv, field):
     section, _, key = field.partition(".")
-    spec = spec_with(data={"source": "corpus", "path": str(srv.root / "data" / "corpus")}, train={"eval_interval": 10})
+    corpus = str(srv.root / "data" / "corpus")
+    spec = spec_with(data={"source": "corpus", "path": corpus, "val_path": corpus}, train={"eval_interval": 10})
     spec[section] = {**spec.get(section, {}), key: f"file://{srv.root / 'data' / 'corpus'}"}
     r = srv.submit(ALICE, spec)
     assert r.status_code == 422 and loc_of(r) == ["body", "spec", section, key] and "not a URL" in r.text, r.text
@@ -487,7 +488,7 @@ def test_1_standby_workers_count_against_the_owners_quota_and_are_shown(tmp_path
     from tests.api.helpers import make_app, make_launcher, stop_all
 
     launcher, _ = make_launcher({"a": 4, "b": 4}, step_s=0.02)
-    greedy = spec_with(resources={"standby_per_node": 8}, parallel={"min_workers": 1, "max_workers": 1},
+    greedy = spec_with(resources={"standby_per_node": 4}, parallel={"min_workers": 1, "max_workers": 1},
                        train={"steps": 400})
     try:
         with TestClient(make_app(tmp_path, launcher, schedule=True, token=ADMIN, user_tokens={"alice": ALICE, "bob": BOB},
@@ -502,14 +503,12 @@ def test_1_standby_workers_count_against_the_owners_quota_and_are_shown(tmp_path
 
             # alice's quota of 3: her 1 member and 2 standbys
             assert wait_for(lambda: held(ALICE) == 3, what="alice's standbys counted") and held(ALICE) == 3
-            # bob has no worker quota: his 1 member and 8 standbys beside it (node b is outside his grant)
-            assert wait_for(lambda: held(BOB) == 9, what="bob's standbys counted")
+            # bob has no worker quota: his 1 member and 4 standbys beside it (node b is outside his grant)
+            assert wait_for(lambda: held(BOB) == 5, what="bob's standbys counted")
     finally:
         stop_all(launcher)
 
 
-@pytest.mark.xfail(reason="bounded by h77's schema (issue 52 deliverable 2): remove this mark once it is merged",
-                   strict=False)
 @pytest.mark.parametrize("field,value,last", [
     ("resources.standby_per_node", 1_000_000, "standby_per_node"), ("resources.standby_per_node", 10**400, "standby_per_node"),
     ("train.eval_batches", 10**400, "eval_batches"), ("train.eval_interval", 10**400, "eval_interval"),
@@ -517,7 +516,7 @@ def test_1_standby_workers_count_against_the_owners_quota_and_are_shown(tmp_path
     ("logging.wandb", {"project": "p" * 10_000}, "project")],
     ids=["standby-1e6", "standby-401-digits", "eval_batches", "eval_interval", "name-100k", "wandb-project-with-entity",
          "wandb-project-10k"])
-def test_after_h77_merge_1_5_9_every_size_and_name_has_an_upper_bound(srv, field, value, last):
+def test_1_5_9_every_size_and_name_has_an_upper_bound(srv, field, value, last):
     """Findings 1, 5 and 9 and the read-only W&B finding, whose bounds live in the one spec schema (h77):
     logging.wandb.project is written with the workers' W&B credentials, so it is a bare project name
     (no entity/ prefix: another team's projects) of bounded length."""
