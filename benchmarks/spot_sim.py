@@ -619,7 +619,11 @@ class Elastron(System):
         elif any(m in self.noticed for m in self.members):
             self.count("drain")
             keep = tuple(m for m in self.members if m not in self.noticed)
-            self.move(t + self.move_s(len(keep)), keep, Cause.NOTICE)
+            if self.table.rate(len(keep)) <= 0:  # nothing left to run on: save (the notice allows it) and wait
+                self.checkpoint_now()
+                self.wait(Cause.NOTICE)
+            else:
+                self.move(t + self.move_s(len(keep)), keep, Cause.NOTICE)
         elif self.phase is Phase.WAITING:
             if self.table.rate(len(usable)) > 0:
                 self.count("start")
