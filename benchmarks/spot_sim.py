@@ -672,6 +672,10 @@ class RayTrain(System):
 
     name = "raytrain"
 
+    def __init__(self, job: Job, table: SizeTable, params: Params):
+        super().__init__(job, table, params)
+        self.resize_pending = False
+
     def react(self, t: float, batch: tuple[Event, ...]) -> None:
         r = self.p.raytrain
         for e in batch:
@@ -686,6 +690,7 @@ class RayTrain(System):
             cause = Cause.NOTICE if all(m in self.noticed for m in lost) else Cause.LOSS
             self.noticed -= set(lost)
             self.cancel("resize")
+            self.resize_pending = False
             self.restart_from_checkpoint(t, self.pick(usable), cause,
                                          before_s=self.p.common.kill_detect_s + r.stale_start_timeout_s
                                          + r.group_start_s)
@@ -693,8 +698,8 @@ class RayTrain(System):
             if self.table.rate(len(self.pick(usable))) > 0:
                 self.count("start")
                 self.restart_from_checkpoint(t, self.pick(usable), Cause.JOIN, before_s=r.group_start_s)
-        elif self.grows(usable) and self.gens.get("resize_pending", 0) == 0:
-            self.gens["resize_pending"] = 1
+        elif self.grows(usable) and not self.resize_pending:
+            self.resize_pending = True
             self.schedule(t + r.autoscaler_tick_s + r.monitor_interval_s, "resize")
 
     def grows(self, usable: tuple[str, ...]) -> bool:
@@ -706,7 +711,7 @@ class RayTrain(System):
             if self.phase is Phase.TRAINING:
                 self.checkpoint_now()
             return
-        self.gens["resize_pending"] = 0
+        self.resize_pending = False
         usable = self.usable
         if self.phase is Phase.TRAINING and self.grows(usable):
             self.count("grow")

@@ -112,6 +112,14 @@ def test_ray_train_saves_once_on_a_notice_and_still_restarts_at_the_removal():
     assert r.trained_tokens == pytest.approx(300 * 140 - 7500 + 200 * (400 - 206))
 
 
+def test_a_loss_while_ray_train_waits_to_grow_takes_the_new_node_and_later_growth_still_happens():
+    events = ev((0, "add", "a"), (0, "add", "b"), (100, "add", "c"), (110, "remove", "a"), (300, "add", "d"),
+                (500, "add", "x"))
+    r = run(RayTrain, events, 500.0)
+    # the loss at 110 restarts on b and c (the pending growth is void); d at 300 is a growth at 325
+    assert r.events == {"loss": 1, "grow": 1}
+
+
 def test_the_fixed_job_ignores_nodes_beyond_its_size_and_waits_for_enough():
     events = ev((0, "add", "a"), (0, "add", "b"), (0, "add", "c"), (60, "remove", "c"), (100, "remove", "b"),
                 (150, "add", "d"), (300, "add", "x"))
