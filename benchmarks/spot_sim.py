@@ -256,6 +256,10 @@ class ElastronCosts:
     """Forming the new group: process group, build, adopt, snapshot set-up (elastic.py FSDP kill, 29b2efd)."""
     failure_handled_s: float = 0.34
     """Noticed -> survivors known (elastic.py FSDP kill after the fixes)."""
+    drain_wait_s: float = 0.0
+    """How long after a notice the group trains on with the noticed node before moving off it. The
+    policy shrinks at once (0); a what-if: about notice_s less the move's time keeps the node until
+    shortly before its end (a removal that comes first is a loss)."""
     snapshot_every: int = 1
     """Peer snapshot cadence at the defaults when its cost is within `peer_budget` (workers.pace)."""
     peer_budget: float = 0.1
@@ -570,6 +574,7 @@ class Elastron(System):
     def __init__(self, job: Job, table: SizeTable, params: Params):
         super().__init__(job, table, params)
         self.settled_at = 0.0
+        self.drain_at: dict[str, float] = {}
 
     def snapshot_copy_s(self, nodes: int) -> float:
         hw = self.p.hardware
@@ -609,6 +614,11 @@ class Elastron(System):
         if self.usable != before:  # any change of the offer restarts the growth's settle timer
             self.settled_at = t + self.p.elastron.settle_s
             self.cancel("grow")
+        for e in batch:
+            if e.kind is Kind.NOTICE:
+                self.drain_at[e.node] = t + self.p.elastron.drain_wait_s
+                if self.p.elastron.drain_wait_s > 0:
+                    self.schedule(self.drain_at[e.node], "drain", replace=False)
         self.react(t, batch)
 
     def react(self, t: float, batch: tuple[Event, ...]) -> None:
@@ -617,9 +627,9 @@ class Elastron(System):
         usable = self.usable
         if self.lost_members:
             self.recover(t)
-        elif any(m in self.noticed for m in self.members):
+        elif due := [m for m in self.members if m in self.noticed and self.drain_at.get(m, 0.0) <= t]:
             self.count("drain")
-            keep = tuple(m for m in self.members if m not in self.noticed)
+            keep = tuple(m for m in self.members if m not in due)
             if self.table.rate(len(keep)) <= 0:  # nothing left to run on: save (the notice allows it) and wait
                 self.checkpoint_now()
                 self.wait(Cause.NOTICE)
@@ -654,7 +664,10 @@ class Elastron(System):
         self.move(t + detect + self.move_s(len(keep)), keep, Cause.LOSS)
 
     def timer(self, t: float, name: str) -> None:
-        if name != "grow" or self.phase is not Phase.TRAINING:
+        if self.phase is not Phase.TRAINING:
+            return
+        if name == "drain":
+            self.react(t, ())
             return
         usable = self.usable
         if len(usable) <= len(self.members):

@@ -73,6 +73,17 @@ def test_elastron_drains_at_the_notice_and_loses_nothing_at_the_removal():
     assert r.lost[str(Cause.REDONE)] == 0
 
 
+def test_with_a_drain_wait_elastron_trains_on_the_noticed_node_until_then():
+    events = ev((0, "add", "a"), (0, "add", "b"), (0, "add", "c"), (100, "notice", "c"), (220, "remove", "c"),
+                (300, "add", "x"))
+    params = dataclasses.replace(QUIET, elastron=dataclasses.replace(QUIET.elastron, drain_wait_s=110.0))
+    r = run(Elastron, events, 300.0, params)
+    assert r.events == {"drain": 1}  # at 210, 10 s before the end
+    assert r.trained_tokens == pytest.approx(300 * 210 + 200 * 89)
+    late = dataclasses.replace(QUIET, elastron=dataclasses.replace(QUIET.elastron, drain_wait_s=150.0))
+    assert run(Elastron, events, 300.0, late).events == {"loss, from peers": 1}  # waited past the end
+
+
 def test_a_loss_without_notice_redoes_the_step_in_flight_and_reforms_from_peers():
     events = ev((0, "add", "a"), (0, "add", "b"), (0, "add", "c"), (100, "remove", "c"), (200, "add", "x"))
     r = run(Elastron, events, 200.0)
