@@ -24,8 +24,8 @@ maximum: a system may always leave nodes idle), integrated over the trace, with 
 size. No system can exceed it; one that does is a model error: the script says so and exits 1.
 
 The systems (all start at t=0 training on what is alive, at no cost; each event costs what follows):
-- elastron: the coordinator's policy (`service.control.policy`): shrinks at once on a notice (a live
-  move off the draining node), recovers a loss without notice from peer snapshots (the steps since the
+- elastron: the coordinator's policy (`service.control.policy`): shrinks on a notice (a live move off
+  the draining node; at once, or `drain_wait_s` later as a what-if), recovers a loss without notice from peer snapshots (the steps since the
   last snapshot redone), grows when the offer has been stable `settle_s` and the joiners are warm (they
   start on the new node while the group trains). A move is hand-over + plan + rendezvous + the bytes
   each node receives over the network + communicator init + form + the first step's compile. A loss
@@ -39,7 +39,12 @@ The systems (all start at t=0 training on what is alive, at no cost; each event 
 - fixed: the same loop on exactly `nodes` nodes; a loss restarts it from its last checkpoint once
   `nodes` nodes are usable again (it waits meanwhile); added nodes beyond those are left idle.
 Figures per job and system: tokens trained that count (redone work subtracted), ÷ the ideal, and where
-the rest went (nodes unused while an event is handled, redone work, the planner's layout at the size).
+the rest went (`Cause`: nodes unused while an event is handled, redone work, the planner's layout at the
+size); then each SWEEP parameter at a low and a high value, and the two that move Elastron most together.
+
+`--check-replay` runs the same Elastron model at the 2-core box's scale (`cpu_box_params`) on replays of
+benchmarks/spot_trace.py (their schedule and per-size throughput) and compares the goodput: every replay
+within 10%, or exit 3.
 """
 
 from __future__ import annotations
@@ -326,6 +331,8 @@ class Params:
 # -- throughput per size ----------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Size:
+    """One node count: the planner's layout there and the tokens/s it trains."""
+
     nodes: int
     layout: str
     gpus: int
@@ -353,6 +360,7 @@ class SizeTable:
 
 
 def size_table(job: Job, hw: Hardware, max_nodes: int) -> SizeTable:
+    """The planner's layout and the modelled tokens/s at 1..max_nodes nodes (0 where no layout fits)."""
     sizes = [Size(0, "-", 0, 0, 0.0, 0.0)]
     for n in range(1, max_nodes + 1):
         c = Constraints(global_batch_size=job.global_batch, micro_batch_size=job.micro_batch, seq_len=job.seq_len,
@@ -403,6 +411,8 @@ class System:
     trained and where the rest of the ideal went. Subclasses decide what events cost (`react`, `timer`)."""
 
     name = "system"
+    size: int | None = None
+    """The nodes a fixed-size system needs; None for an elastic one."""
 
     def __init__(self, job: Job, table: SizeTable, params: Params):
         self.job, self.table, self.p = job, table, params
@@ -794,7 +804,7 @@ def simulate(system: System, events: list[Event], end: float) -> Result:
             system.on_batch(t, item)
     system.advance(end)
     return Result(system.name, system.trained, {str(c): v for c, v in system.lost.items()}, dict(system.events),
-                  getattr(system, "size", None))
+                  system.size)
 
 
 def ideal_tokens(events: list[Event], table: SizeTable, end: float) -> float:
