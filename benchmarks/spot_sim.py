@@ -421,6 +421,7 @@ class System:
         self.members: tuple[str, ...] = ()
         self.phase = Phase.WAITING
         self.cause = Cause.JOIN  # what a stall is charged to
+        self.training_since = 0.0  # when the group last started training
         self.t = 0.0
         self.trained = 0.0
         self.lost: dict[Cause, float] = {c: 0.0 for c in Cause}
@@ -444,7 +445,7 @@ class System:
         if timer.gen != self.gens.get(timer.name, 0):
             return
         if timer.name == "moved":
-            self.phase = Phase.TRAINING
+            self.phase, self.training_since = Phase.TRAINING, t
             self.react(t, ())
         else:
             self.timer(t, timer.name)
@@ -520,6 +521,7 @@ class System:
         self.apply(batch)
         self.members = self.pick(self.usable)
         self.phase = Phase.TRAINING if self.table.rate(len(self.members)) > 0 else Phase.WAITING
+        self.training_since = t
         self.compiled.add(len(self.members))
         self.t = t
 
@@ -667,7 +669,9 @@ class Elastron(System):
             return
         self.count("loss, from peers")
         steps = 0.5 + self.snapshot_lag_steps(n_old) + (self.snapshot_every(n_old) - 1) / 2
-        self.redo(self.table.rate(n_old) * self.step_s(n_old) * steps)
+        # never more than the group trained since it formed (the move's end is a complete state)
+        trained_s = t - self.training_since if self.phase is Phase.TRAINING else 0.0
+        self.redo(self.table.rate(n_old) * min(self.step_s(n_old) * steps, trained_s))
         if self.table.rate(len(keep)) <= 0:
             self.wait(Cause.LOSS)
             return

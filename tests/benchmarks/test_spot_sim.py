@@ -93,6 +93,15 @@ def test_a_loss_without_notice_redoes_the_step_in_flight_and_reforms_from_peers(
     assert r.trained_tokens == pytest.approx(300 * 100 - 150 + 200 * 97)
 
 
+def test_a_loss_right_after_a_move_redoes_nothing():
+    # c is noticed at 100 (drained by 101); b vanishes at 101.5, half a second into the new group's life
+    events = ev((0, "add", "a"), (0, "add", "b"), (0, "add", "c"), (100, "notice", "c"), (101.5, "remove", "b"),
+                (200, "add", "x"))
+    r = run(Elastron, events, 200.0)
+    assert r.events == {"drain": 1, "loss, from peers": 1}
+    assert r.lost[str(Cause.REDONE)] == pytest.approx(0.5 * 200)  # its half second at 2 nodes, not half a step
+
+
 def test_losing_a_member_and_its_buddy_at_once_restores_from_the_checkpoint():
     # a's snapshot is on b (the next member): both gone in one batch, so the group restarts from storage
     events = ev((0, "add", "a"), (0, "add", "b"), (0, "add", "c"), (120, "remove", "a"), (120, "remove", "b"),
