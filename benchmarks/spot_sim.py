@@ -402,6 +402,8 @@ class Phase(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Timer:
+    """A system's own event: `gen` voids it when a newer timer of the same name was set or it was cancelled."""
+
     name: str
     gen: int
 
