@@ -959,7 +959,8 @@ def replay_scenario(replay: dict) -> tuple[list[Event], SizeTable, Job, float]:
         first.setdefault(f"s{a['slot']}", a["kind"])
     present = [s for s, kind in first.items() if kind != "add"][:k0]
     present += [f"start{i}" for i in range(k0 - len(present))]
-    events = [Event(0.0, Kind.ADD, s) for s in present]
+    # the replay starts training at k0 nodes; its events at 0 s come after that start, as events
+    events = [Event(-1e-6, Kind.ADD, s) for s in present]
     events += [Event(float(a["at"]), Kind(a["kind"]), f"s{a['slot']}") for a in actions]
     order = {Kind.ADD: 0, Kind.NOTICE: 1, Kind.REMOVE: 2}
     events.sort(key=lambda e: (e.t, order[e.kind]))
@@ -972,10 +973,13 @@ def replay_scenario(replay: dict) -> tuple[list[Event], SizeTable, Job, float]:
     return events, table, job, end
 
 
-def check_replay(replay: dict, *, tolerance: float = 0.10) -> dict:
-    """Elastron simulated on one replay's schedule at the box's scale against the goodput it measured."""
+def check_replay(replay: dict, *, tolerance: float = 0.10, overrides: tuple[str, ...] = ()) -> dict:
+    """Elastron simulated on one replay's schedule at the box's scale against the goodput it measured;
+    `overrides` (GROUP.FIELD=VALUE) change the box's parameters, e.g. to one the replay measured itself."""
     events, table, job, end = replay_scenario(replay)
     params = cpu_box_params(replay)
+    for o in overrides:
+        params = params.set(o)
     step = job.global_batch / table.rate(int(replay["k0"]))
     ckpt_every = float(replay.get("ckpt_every", REPLAY_DEFAULTS["ckpt_every"]))
     params = params.set(f"common.ckpt_interval_s={ckpt_every * step}")
@@ -1033,6 +1037,8 @@ def main(argv: list[str] | None = None, *, systems: dict[str, type[System]] | No
     ap.add_argument("--no-sweep", action="store_true", help="skip the sensitivity runs")
     ap.add_argument("--check-replay", type=Path, nargs="+", default=[],
                     help="replay JSONs of benchmarks/spot_trace.py --out to check Elastron's model against")
+    ap.add_argument("--replay-set", action="append", default=[], metavar="GROUP.FIELD=VALUE",
+                    help="change one of the box's parameters for --check-replay (repeatable)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
@@ -1069,7 +1075,7 @@ def main(argv: list[str] | None = None, *, systems: dict[str, type[System]] | No
             print("  " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in g.items()))
     if replays:
         try:
-            checks = [check_replay(r) | {"replay": p} for p, r in replays.items()]
+            checks = [check_replay(r, overrides=tuple(args.replay_set)) | {"replay": p} for p, r in replays.items()]
         except ValueError as e:
             print(f"spot_sim: {e}", file=sys.stderr)
             return 2

@@ -267,6 +267,12 @@ def test_the_replay_check_compares_simulated_and_measured_goodput():
         check_replay({"k0": 2})
 
 
+def test_a_replay_event_at_0_s_comes_after_the_start_at_k0_nodes():
+    replay = synthetic_replay(1.0)
+    replay["actions"][0]["at"] = 0.0  # slot 1 lost as the replay starts: a loss, not a start on one node
+    assert check_replay(replay)["events"] == {"loss, from peers": 1, "grow": 1}
+
+
 def test_the_replay_check_on_the_command_line_judges_every_replay(tmp_path, capsys):
     trace = tmp_path / "t.csv"
     trace.write_text(TINY_TRACE)
