@@ -267,6 +267,14 @@ def test_the_replay_check_compares_simulated_and_measured_goodput():
         check_replay({"k0": 2})
 
 
+def test_the_replays_stall_before_its_first_event_is_left_out_of_its_time():
+    replay = synthetic_replay(1.5)
+    replay["systems"]["elastron"]["analysis"] |= {"wall_s": 100.0, "stall_s": {"start": 25.0, "join": 3.0}}
+    c = check_replay(replay)
+    assert (c["measured_start_stall_s"], c["measured_samples_per_s_after_start"]) == (25.0, pytest.approx(2.0))
+    assert c["relative_difference"] == pytest.approx(c["simulated_samples_per_s"] / 2.0 - 1)
+
+
 def test_a_replay_event_at_0_s_comes_after_the_start_at_k0_nodes():
     replay = synthetic_replay(1.0)
     replay["actions"][0]["at"] = 0.0  # slot 1 lost as the replay starts: a loss, not a start on one node
