@@ -91,8 +91,7 @@ def analyse(rows: list[dict], *, t0: float, t_end: float, gbs: int, events: list
     counts = dict.fromkeys(StallCause, 0)
     last_ws = before[-1]["world_size"] if before else (win[0]["world_size"] if win else None)
     points = [(t0, last_ws)] + [(r["time"], r["world_size"]) for r in win]
-    if win:
-        points.append((t_end, win[-1]["world_size"]))
+    points.append((t_end, win[-1]["world_size"] if win else last_ws))  # to the end, trained or not
     for (a, _), (b, ws) in zip(points, points[1:]):
         rate = thr.get(ws) if ws else None
         normal = gbs / rate if rate else 0.0

@@ -498,7 +498,9 @@ def replay_window(cluster, sched: Schedule, cfg: dict, work: Path, clock: Clock,
     ideal = ideal_samples(list(sched.availability), sched.duration_s, thr)
     for name, run in runs.items():
         a = analyse(run.rows, t0=run.t0, t_end=run.t_end, gbs=gbs, events=run.events, thr=thr, ideal=ideal)
-        out[name] |= {"analysis": a, "replay": run.replay, "extra": run.extra, "series": series(run, gbs)}
+        out[name] |= {"analysis": a, "replay": run.replay, "extra": run.extra, "series": series(run, gbs),
+                      "t0": run.t0, "t_end": run.t_end, "events": [(t, c.value) for t, c in run.events],
+                      "rows": [{k: r[k] for k in ("time", "step", "world_size", "attempt") if k in r} for r in run.rows]}
         print(json.dumps({"system": name, **{k: v for k, v in a.items() if k != "own_throughput_by_size"}}), flush=True)
     return {"ideal_throughput_by_size": {str(k): round(v, 2) for k, v in thr.items()},
             "ideal_samples": round(ideal, 1), "systems": out}
@@ -509,6 +511,32 @@ def _schedule_meta(sched: Schedule) -> dict:
             "trace_events": sched.trace_events, "dropped": sched.dropped, "trace_size": sched.trace_size,
             "mean_nodes": round(mean_nodes(sched), 3), "actions": [asdict(a) for a in sched.actions],
             "availability": sched.availability}
+
+
+def write_summary(out: Path) -> int:
+    """summary.json from every replay JSON in `out` (runs of several invocations, one calibration): the
+    table per replay and the mean and spread per system; 1 if a goodput exceeds its ideal."""
+    replays = [json.loads(p.read_text()) for p in sorted(out.glob("*.json")) if p.name != "summary.json"]
+    replays = [r for r in replays if "systems" in r and "window" in r]
+    if not replays:
+        raise SystemExit(f"no replay JSON in {out}; run the replays with --out {out} first")
+    old = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
+    summary = {"calibration": old.get("calibration"), "clock": replays[0]["clock"],
+               "replays": [{"name": f"{r['window']}-{r['mapping']}-seed{r['seed']}", "window_start_min":
+                            r["window_start_min"], "ideal_samples": r["ideal_samples"], "commit": r.get("commit"),
+                            "date": r.get("date"), "systems": {n: {k: v for k, v in x.items()
+                                                                 if k in ("analysis", "error", "losses", "load_avg_1m")}
+                                                             for n, x in r["systems"].items()}} for r in replays],
+               "summary": summarize(replays)}
+    summary["above_ideal"] = {x["name"]: above_ideal(x["systems"]) for x in summary["replays"] if above_ideal(x["systems"])}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
+    for x in summary["replays"]:
+        print(f"\n{x['name']} (trace minute {x['window_start_min']:.0f})\n" + table(x["systems"]))
+    print("\n" + summary_table(summary["summary"]))
+    if summary["above_ideal"]:
+        print(f"error: goodput above the ideal in {summary['above_ideal']}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -539,7 +567,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="directory: one JSON (+ PNG) per replay and summary.json")
     ap.add_argument("--dry-run", action="store_true", help="print the windows and schedules and exit")
     ap.add_argument("--replot", action="store_true", help="only redraw the PNGs of --out's replays")
+    ap.add_argument("--summarize", action="store_true",
+                    help="only write --out's summary.json (mean and spread per system) from every replay JSON there")
     args = ap.parse_args(argv)
+    if args.summarize:
+        return write_summary(args.out)
 
     if args.replot:
         for p in sorted(args.out.glob("*.json")):

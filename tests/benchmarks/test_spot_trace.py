@@ -167,6 +167,9 @@ def test_goodput_counts_each_step_once_and_stalls_go_to_their_event():
     # 103 -> 108.5 at 1 worker: 5.5 - 2; 112.5 -> 117.5 at 2 workers: 5 - 1 (the join before the gap)
     assert a["stall_s"] == {"start": 0.0, "join": 4.0, "removal with notice": 0.0, "removal without notice": 3.5}
     assert a["stalls"] == {"start": 0, "join": 1, "removal with notice": 0, "removal without notice": 1}
+    # a system that never trained in the window stalled through all of it, charged to what started it
+    none = analyse(rows[:1], t0=100, t_end=120, gbs=12, events=[(103.5, UNNOTICED)], thr=thr, ideal=200.0)
+    assert none["steps_counted"] == 0 and none["stall_s"]["removal without notice"] == 19.0
 
 
 def test_goodput_above_the_ideal_is_named_and_summary_keeps_failures():
