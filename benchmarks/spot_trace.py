@@ -660,7 +660,8 @@ def main(argv: list[str] | None = None) -> int:
         if steps:
             ref = reference_losses(cfg, work, steps)
             for i, e in kept:
-                e["losses"] = summary["replays"][i]["systems"]["elastron"]["losses"] = loss_agreement(rows[i], ref)
+                own = max((x["step"] for x in rows[i]), default=0)  # the steps this replay's run trained
+                e["losses"] = summary["replays"][i]["systems"]["elastron"]["losses"] = loss_agreement(rows[i], ref[:own])
                 print(json.dumps({"replay": summary["replays"][i]["name"], "elastron_losses": e["losses"]}), flush=True)
     summary["summary"] = summarize(replays)
     bad = {r["window"] + "-" + r["mapping"] + f"-seed{r['seed']}": r["above_ideal"] for r in replays if r["above_ideal"]}
