@@ -50,6 +50,12 @@ class ModelConfig:
     causal attention."""
     family: str = "llama"
     """The Hugging Face model_type the model is exported as: llama, mistral, qwen2 or qwen3."""
+    emulate_s_per_sample: float = 0.0
+    """Emulated accelerator time per sample of a micro-batch, in seconds (0: none). Each forward of the
+    whole model (or of the pipeline's first stage) waits a third of micro-batch samples x this, its
+    backward the other two thirds, on top of the real computation: the host waits as it waits for a GPU
+    (`models.emulation`). For benchmarks on CPUs where throughput must scale with workers as on
+    accelerators; it changes no value the model computes."""
 
     def __post_init__(self) -> None:
         for f in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden", "max_seq_len"):
@@ -69,6 +75,9 @@ class ModelConfig:
         check_rope_scaling(self.rope_scaling)
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window <= 0):
             raise ValueError(f"model.sliding_window must be a positive integer or null, got {self.sliding_window!r}")
+        e = self.emulate_s_per_sample
+        if isinstance(e, bool) or not isinstance(e, int | float) or not 0 <= e <= 3600:
+            raise ValueError(f"model.emulate_s_per_sample must be a number of seconds in [0, 3600], got {e!r}")
         if self.family not in FAMILIES:
             raise ValueError(f"model.family {self.family!r} is not one of {FAMILIES}")
         check_family(self)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.config import ModelConfig
+from models.emulation import device_time
 from models.init import normal_box
 
 
@@ -212,7 +213,12 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin)
         if self.norm is not None:
             h = self.norm(h)
-        return self.output(h) if self.output is not None else h
+        out = self.output(h) if self.output is not None else h
+        if self.cfg.emulate_s_per_sample and self.tok_embeddings is not None:
+            # An emulated accelerator's time for this micro-batch (models.emulation), on the stage that
+            # takes the tokens in, once per micro-batch: its backward wait runs first in the backward.
+            out = device_time(out, samples=x.shape[0], s_per_sample=self.cfg.emulate_s_per_sample)
+        return out
 
     def tie_weights(self) -> None:
         """With tied embeddings, make the output projection hold the embedding's Parameter (again: sharding

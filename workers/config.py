@@ -167,6 +167,9 @@ class ModelOverrides(TypedDict, total=False):
     """Sliding-window attention span; null: none."""
     family: Literal["llama", "mistral", "qwen2", "qwen3"]
     """The Hugging Face model_type the model is exported as."""
+    emulate_s_per_sample: Annotated[float, Field(strict=True, ge=0.0, le=3600.0)]
+    """Emulated accelerator time per sample (models.emulation): each micro-batch waits this times its samples,
+    a third in forward and two thirds in backward; 0: none. For benchmarks on CPUs."""
 
 
 class ModelShape(ModelOverrides):

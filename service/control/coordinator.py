@@ -72,7 +72,7 @@ class Coordinator:
         self.watcher = watcher or ClusterWatcher(interval_s=self.opts.poll_interval_s)
         self._own_watcher = watcher is None
         self._lock = threading.RLock()
-        self.progress = Progress(self._lock)
+        self.progress = Progress(self._lock, run_dir=self.run_dir)
         """Steps done, the committed step, recent metrics and reconfiguration records."""
         self._commands: queue.Queue[Command] = queue.Queue()
         self._woken = threading.Event()

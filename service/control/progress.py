@@ -9,17 +9,22 @@ lock its writers do, so a status never shows a step whose metrics are not in yet
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterable
+from pathlib import Path
 
 from service.control.metrics_ring import RecentMetrics
 from service.control.reconfiguration import Reconfig, Reconfigs
+from service.control.run_files import last_logged_step
 from workers.report import StepMetrics, Trained
 
 
 class Progress:
-    def __init__(self, lock: threading.RLock | None = None):
+    def __init__(self, lock: threading.RLock | None = None, *, run_dir: Path | None = None):
         self.lock = lock if lock is not None else threading.RLock()
+        self.run_dir = run_dir
+        """Where rank 0 logs each step's row (RUN_DIR/metrics.jsonl); `recovered` adds the rows it never logged."""
         self.step_done = 0
         """The last step every rank finished (as rank 0's metrics say)."""
         self.committed_step = 0
@@ -49,6 +54,20 @@ class Progress:
                 self.metrics.setdefault(r["step"], r)
             self.step_done = at if at is not None else max([self.step_done, *(r["step"] for r in rows)])
             self.committed_step = max(self.committed_step, committed)
+            self._log_unlogged(rows)
+
+    def _log_unlogged(self, rows: list[dict]) -> None:
+        """Append to RUN_DIR/metrics.jsonl the recovered rows past its last line, up to the step the job
+        is at: a step the survivors finished whose rank 0 died before logging it (its state is kept, so
+        its row must be too). The group that trains on logs from the next step."""
+        if self.run_dir is None or not rows:
+            return
+        last = last_logged_step(self.run_dir)
+        missing = [r for r in rows if last < r["step"] <= self.step_done]
+        if missing:
+            with open(self.run_dir / "metrics.jsonl", "a") as f:
+                f.write("".join(json.dumps({k: v for k, v in r.items() if k not in ("snapshot", "set_up_after")})
+                                + "\n" for r in missing))
 
     def closed(self, record: Reconfig, first: dict) -> None:
         """The first step at the layout `record` formed has run (its row `first`): the record is complete."""
