@@ -55,6 +55,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from service.control.run_files import read_metrics  # noqa: E402
+
 SCENARIOS = ("resize", "join", "kill", "drain", "steady")
 SYSTEMS = ("elastron-live", "elastron-storage", "raytrain")
 START_NODES = {"resize": 2, "join": 2, "kill": 3, "drain": 3, "steady": 3}
@@ -197,21 +199,23 @@ def measure_elastron(*, cluster, scenario: str, workdir: str, state: State, resh
         rc = next(r for r in after if r.world_size == target)
         _wait(lambda: coord.step_done >= rc.resumed_step + 6, 300, "6 steps at the new size")
         metrics = coord.metrics_since(0)
-        step_times = sorted(m["step_time"] for m in metrics if m["step"] <= (rc.step_before or 0))
-        last_old = max((m for m in metrics if m["step"] <= (rc.step_before or 0)), key=lambda m: m["step"])
+        # metrics.jsonl keeps every step's row as trained, a redone step's first run included (the
+        # coordinator's rows keep only the newest row of each step)
+        logged = read_metrics(Path(workdir) / f"elastron-{reshard}-{scenario}" / "metrics.jsonl", after=0)
+        old_rows = rows_before(logged, first_step_time(after))
         out = {"system": f"elastron-{reshard}", "scenario": scenario, "path": (rc.transfer or {}).get("path"),
                "event_to_first_step_s": rc.first_step_time - t_event,
                # the stall: from the last step at the old size to the end of the first at the new one
-               "stall_s": rc.first_step_time - last_old["time"],
+               "stall_s": rc.first_step_time - old_rows[-1]["time"],
                "decided_after_s": after[0].detected - t_event,
                # steps the old group finished between the event and the decision (it trains on meanwhile)
-               "steps_before_decision": sum(t_event < m["time"] <= after[0].detected for m in metrics),
+               "steps_before_decision": sum(t_event < m["time"] <= after[0].detected for m in old_rows),
                "steps_redone_or_lost": sum(r.steps_lost for r in after[:after.index(rc) + 1]),
                "timeline": _timeline(coord.events_since(0), t_event, rc.first_step_time),
                "reconfigurations": [r.to_dict() for r in after],
                "world_size_before": before, "world_size_after": rc.world_size,
                "workers_started": rc.started, "workers_stopped": rc.stopped,
-               "step_time_s": step_times[len(step_times) // 2],
+               "step_time_s": statistics.median(m["step_time"] for m in old_rows),
                # the median step at the new size after its first (what the first step is compared with)
                "step_time_after_s": statistics.median([m["step_time"] for m in metrics
                                                        if m["step"] > rc.resumed_step + 1] or [float("nan")]),
@@ -239,6 +243,22 @@ def measure_elastron(*, cluster, scenario: str, workdir: str, state: State, resh
                 kill_node(cluster, n)
             except Exception as e:  # noqa: BLE001 - e.g. the killed node, already gone
                 print(f"removing node {n.node_id} failed ({e}); it may already be gone", file=sys.stderr)
+    return out
+
+
+def first_step_time(after: list) -> float:
+    """When the first group formed after the event finished its first step (the reconfiguration records
+    `after` the event, oldest first; one that never trained a step is passed over)."""
+    return next(r.first_step_time for r in after if r.first_step_time)
+
+
+def rows_before(logged: list[dict], until: float) -> list[dict]:
+    """The rows of metrics.jsonl (`logged`, every step as trained, a redone step's first run included)
+    that ended before `until`, the end of the first step at the new layout: the old group's steps. A
+    redone step's later row must not stand in for its first: it ends after the new group's first step."""
+    out = [r for r in logged if r["time"] < until]
+    if not out:
+        raise ValueError(f"no step ended before the first step at the new layout ({until}): the run logged none")
     return out
 
 
