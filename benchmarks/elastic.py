@@ -14,6 +14,8 @@ data (byte corpus of the stdlib), checkpoint every 5 steps, the event at step ~1
         same model under DDP.
 Scenarios (Elastron's systems differ in `parallel.reshard`, live or storage, and elastron-storage runs with
 peer snapshots off, `checkpoint.peer_interval` 0, so that a kill restores from storage):
+  (`--emulate-s-per-sample S`: every system's model waits S seconds per sample of each micro-batch, an
+  emulated accelerator beside which the host is idle, `models.emulation`.)
   (`--tp N`: Elastron runs under `parallel.tp` N, on nodes of N slots each, two TP groups at most: a TP group
   stays in one node. Ray Train runs DDP as without.)
   resize 2 nodes, the user asks for 1 worker (`coord.resize`). Ray Train has no planned resize: not run.
@@ -85,6 +87,17 @@ class State:
     taken less often where they cost more than that share of the step); None: the job's default."""
     tp: int | None = None
     """Elastron's `parallel.tp` (the planner picks the world size: a multiple of it); None: the planner's choice."""
+    emulate_s_per_sample: float | None = None
+    """`model.emulate_s_per_sample` for every system (an emulated accelerator, `models.emulation`: each
+    micro-batch also waits this many seconds per sample, the host idle as beside a GPU); None: none."""
+
+    @property
+    def model_section(self) -> dict:
+        """The JobConfig `model` section both systems build: `model` with the emulation's override."""
+        if self.emulate_s_per_sample is None:
+            return self.model
+        return {**self.model, "overrides": {**self.model.get("overrides", {}),
+                                            "emulate_s_per_sample": self.emulate_s_per_sample}}
 
 
 STATES = {
@@ -97,7 +110,7 @@ STATES = {
 
 def _cfg(state: State, steps: int, reshard: str) -> dict:
     return {
-        "model": state.model,
+        "model": state.model_section,
         "data": {"source": "corpus", "seq_len": state.seq_len, "max_bytes": 300_000},
         "train": {"steps": steps, "global_batch_size": state.global_batch_size,
                   "micro_batch_size": state.micro_batch_size, "lr": state.lr, "warmup_steps": 2},
@@ -501,6 +514,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peer-interval", type=int, default=None,
                     help="Elastron's checkpoint.peer_interval (0: no peer snapshots); default: the job's default")
     ap.add_argument("--tp", type=int, help="Elastron's parallel.tp (Ray Train's DDP has no TP: it runs as without)")
+    ap.add_argument("--emulate-s-per-sample", type=float, default=None,
+                    help="model.emulate_s_per_sample for every system: an emulated accelerator's seconds per sample "
+                         "of each micro-batch, the host waiting as beside a GPU (models.emulation); default: none")
     ap.add_argument("--settle", type=float, default=1.0, help="Elastron: stable capacity needed before growing")
     ap.add_argument("--steady-steps", type=int, default=10, help="steady: measured steps per job")
     ap.add_argument("--peer-budget", type=float, default=None,
@@ -528,6 +544,8 @@ def main(argv: list[str] | None = None) -> int:
         state = replace(state, peer_budget=args.peer_budget)
     if args.tp is not None:
         state = replace(state, tp=args.tp)
+    if args.emulate_s_per_sample is not None:
+        state = replace(state, emulate_s_per_sample=args.emulate_s_per_sample)
     meta = {"state": args.state, "state_bytes": state_bytes(state), "workload": asdict(state),
             "date": time.strftime("%Y-%m-%d"), "commit": _commit(), "argv": sys.argv[1:]}
     print(json.dumps(meta), flush=True)
@@ -559,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
                         continue  # Ray Train has no user-driven resize of a running job
                     r = measure_raytrain(cluster=cluster, model_steps=EVENT_STEP + 10, ckpt_every=5, scenario=sc,
                                          event_step=EVENT_STEP, workdir=str(Path(work) / f"raytrain-{sc}"),
-                                         model=state.model,
+                                         model=state.model_section,
                                          global_batch_size=state.global_batch_size, seq_len=state.seq_len,
                                          lr=state.lr, warmup_timeout_s=state.start_timeout_s)
                 else:

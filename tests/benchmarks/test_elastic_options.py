@@ -33,6 +33,15 @@ def test_peer_interval_and_budget_go_to_the_checkpoint_section_only_when_set():
     assert _cfg(replace(ONE_GB, peer_budget=0.0), 10, "live")["checkpoint"]["peer_budget"] == 0.0
 
 
+def test_the_emulated_accelerator_joins_the_model_overrides_of_both_systems_only_when_set():
+    assert _cfg(ONE_GB, 10, "live")["model"] == {"preset": "small", "overrides": {"n_layers": 30}}
+    emulated = replace(ONE_GB, emulate_s_per_sample=2.5)
+    assert _cfg(emulated, 10, "live")["model"] == {"preset": "small",
+                                                  "overrides": {"n_layers": 30, "emulate_s_per_sample": 2.5}}
+    assert emulated.model_section == _cfg(emulated, 10, "live")["model"]  # what Ray Train builds
+    assert ONE_GB.model == {"preset": "small", "overrides": {"n_layers": 30}}  # the state's own is untouched
+
+
 def _job(mode: str, steps: list[float], gaps: list[float], copies: list[float] = ()) -> dict:
     return {"mode": mode, "step_time_s": steps, "interval_s": gaps,
             **({"take_wait_s": [0.0] * len(copies), "take_agree_s": [0.01] * len(copies), "take_copy_s": list(copies)}
