@@ -1,6 +1,6 @@
 """Elastic events side by side in one run: Elastron moving state live, Elastron through storage, Ray Train v2.
 
-    cd /work/main && .venv/bin/python benchmarks/elastic.py [--state tiny|1gb] \
+    .venv/bin/python benchmarks/elastic.py [--state tiny|1gb] [--emulate-s-per-sample S] \
         [--scenarios resize join kill drain] [--systems elastron-live elastron-storage raytrain] [--json out.json]
 
 Same simulated cluster (a head with no worker slots, 1-CPU worker nodes added per run), same model, same
