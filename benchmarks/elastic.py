@@ -224,6 +224,9 @@ def measure_elastron(*, cluster, scenario: str, workdir: str, state: State, resh
                # steps the old group finished between the event and the decision (it trains on meanwhile)
                "steps_before_decision": sum(t_event < m["time"] <= after[0].detected for m in old_rows),
                "steps_redone_or_lost": sum(r.steps_lost for r in after[:after.index(rc) + 1]),
+               # the peer snapshots' interval the ranks had agreed on before the event (workers.pace)
+               "snapshot_interval": next((m["snapshot"].get("interval") for m in sorted(
+                   metrics, key=lambda m: -m["step"]) if m["time"] <= t_event and m.get("snapshot")), None),
                "timeline": _timeline(coord.events_since(0), t_event, rc.first_step_time),
                "reconfigurations": [r.to_dict() for r in after],
                "world_size_before": before, "world_size_after": rc.world_size,
