@@ -1,6 +1,6 @@
 """Elastic events side by side in one run: Elastron moving state live, Elastron through storage, Ray Train v2.
 
-    cd /work/main && .venv/bin/python benchmarks/elastic.py [--state tiny|1gb] \
+    .venv/bin/python benchmarks/elastic.py [--state tiny|1gb] [--emulate-s-per-sample S] \
         [--scenarios resize join kill drain] [--systems elastron-live elastron-storage raytrain] [--json out.json]
 
 Same simulated cluster (a head with no worker slots, 1-CPU worker nodes added per run), same model, same
@@ -14,6 +14,8 @@ data (byte corpus of the stdlib), checkpoint every 5 steps, the event at step ~1
         same model under DDP.
 Scenarios (Elastron's systems differ in `parallel.reshard`, live or storage, and elastron-storage runs with
 peer snapshots off, `checkpoint.peer_interval` 0, so that a kill restores from storage):
+  (`--emulate-s-per-sample S`: every system's model waits S seconds per sample of each micro-batch, an
+  emulated accelerator beside which the host is idle, `models.emulation`.)
   (`--tp N`: Elastron runs under `parallel.tp` N, on nodes of N slots each, two TP groups at most: a TP group
   stays in one node. Ray Train runs DDP as without.)
   resize 2 nodes, the user asks for 1 worker (`coord.resize`). Ray Train has no planned resize: not run.
@@ -55,6 +57,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from service.control.run_files import read_metrics  # noqa: E402
+
 SCENARIOS = ("resize", "join", "kill", "drain", "steady")
 SYSTEMS = ("elastron-live", "elastron-storage", "raytrain")
 START_NODES = {"resize": 2, "join": 2, "kill": 3, "drain": 3, "steady": 3}
@@ -83,6 +87,17 @@ class State:
     taken less often where they cost more than that share of the step); None: the job's default."""
     tp: int | None = None
     """Elastron's `parallel.tp` (the planner picks the world size: a multiple of it); None: the planner's choice."""
+    emulate_s_per_sample: float | None = None
+    """`model.emulate_s_per_sample` for every system (an emulated accelerator, `models.emulation`: each
+    micro-batch also waits this many seconds per sample, the host idle as beside a GPU); None: none."""
+
+    @property
+    def model_section(self) -> dict:
+        """The JobConfig `model` section both systems build: `model` with the emulation's override."""
+        if self.emulate_s_per_sample is None:
+            return self.model
+        return {**self.model, "overrides": {**self.model.get("overrides", {}),
+                                            "emulate_s_per_sample": self.emulate_s_per_sample}}
 
 
 STATES = {
@@ -95,7 +110,7 @@ STATES = {
 
 def _cfg(state: State, steps: int, reshard: str) -> dict:
     return {
-        "model": state.model,
+        "model": state.model_section,
         "data": {"source": "corpus", "seq_len": state.seq_len, "max_bytes": 300_000},
         "train": {"steps": steps, "global_batch_size": state.global_batch_size,
                   "micro_batch_size": state.micro_batch_size, "lr": state.lr, "warmup_steps": 2},
@@ -197,21 +212,26 @@ def measure_elastron(*, cluster, scenario: str, workdir: str, state: State, resh
         rc = next(r for r in after if r.world_size == target)
         _wait(lambda: coord.step_done >= rc.resumed_step + 6, 300, "6 steps at the new size")
         metrics = coord.metrics_since(0)
-        step_times = sorted(m["step_time"] for m in metrics if m["step"] <= (rc.step_before or 0))
-        last_old = max((m for m in metrics if m["step"] <= (rc.step_before or 0)), key=lambda m: m["step"])
+        # metrics.jsonl keeps every step's row as trained, a redone step's first run included (the
+        # coordinator's rows keep only the newest row of each step)
+        logged = read_metrics(Path(workdir) / f"elastron-{reshard}-{scenario}" / "metrics.jsonl", after=0)
+        old_rows = rows_before(logged, first_step_time(after))
         out = {"system": f"elastron-{reshard}", "scenario": scenario, "path": (rc.transfer or {}).get("path"),
                "event_to_first_step_s": rc.first_step_time - t_event,
                # the stall: from the last step at the old size to the end of the first at the new one
-               "stall_s": rc.first_step_time - last_old["time"],
+               "stall_s": rc.first_step_time - old_rows[-1]["time"],
                "decided_after_s": after[0].detected - t_event,
                # steps the old group finished between the event and the decision (it trains on meanwhile)
-               "steps_before_decision": sum(t_event < m["time"] <= after[0].detected for m in metrics),
+               "steps_before_decision": sum(t_event < m["time"] <= after[0].detected for m in old_rows),
                "steps_redone_or_lost": sum(r.steps_lost for r in after[:after.index(rc) + 1]),
+               # the peer snapshots' interval the ranks had agreed on before the event (workers.pace)
+               "snapshot_interval": next((m["snapshot"].get("interval") for m in sorted(
+                   metrics, key=lambda m: -m["step"]) if m["time"] <= t_event and m.get("snapshot")), None),
                "timeline": _timeline(coord.events_since(0), t_event, rc.first_step_time),
                "reconfigurations": [r.to_dict() for r in after],
                "world_size_before": before, "world_size_after": rc.world_size,
                "workers_started": rc.started, "workers_stopped": rc.stopped,
-               "step_time_s": step_times[len(step_times) // 2],
+               "step_time_s": statistics.median(m["step_time"] for m in old_rows),
                # the median step at the new size after its first (what the first step is compared with)
                "step_time_after_s": statistics.median([m["step_time"] for m in metrics
                                                        if m["step"] > rc.resumed_step + 1] or [float("nan")]),
@@ -239,6 +259,22 @@ def measure_elastron(*, cluster, scenario: str, workdir: str, state: State, resh
                 kill_node(cluster, n)
             except Exception as e:  # noqa: BLE001 - e.g. the killed node, already gone
                 print(f"removing node {n.node_id} failed ({e}); it may already be gone", file=sys.stderr)
+    return out
+
+
+def first_step_time(after: list) -> float:
+    """When the first group formed after the event finished its first step (the reconfiguration records
+    `after` the event, oldest first; one that never trained a step is passed over)."""
+    return next(r.first_step_time for r in after if r.first_step_time)
+
+
+def rows_before(logged: list[dict], until: float) -> list[dict]:
+    """The rows of metrics.jsonl (`logged`, every step as trained, a redone step's first run included)
+    that ended before `until`, the end of the first step at the new layout: the old group's steps. A
+    redone step's later row must not stand in for its first: it ends after the new group's first step."""
+    out = [r for r in logged if r["time"] < until]
+    if not out:
+        raise ValueError(f"no step ended before the first step at the new layout ({until}): the run logged none")
     return out
 
 
@@ -481,6 +517,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peer-interval", type=int, default=None,
                     help="Elastron's checkpoint.peer_interval (0: no peer snapshots); default: the job's default")
     ap.add_argument("--tp", type=int, help="Elastron's parallel.tp (Ray Train's DDP has no TP: it runs as without)")
+    ap.add_argument("--emulate-s-per-sample", type=float, default=None,
+                    help="model.emulate_s_per_sample for every system: an emulated accelerator's seconds per sample "
+                         "of each micro-batch, the host waiting as beside a GPU (models.emulation); default: none")
     ap.add_argument("--settle", type=float, default=1.0, help="Elastron: stable capacity needed before growing")
     ap.add_argument("--steady-steps", type=int, default=10, help="steady: measured steps per job")
     ap.add_argument("--peer-budget", type=float, default=None,
@@ -508,6 +547,8 @@ def main(argv: list[str] | None = None) -> int:
         state = replace(state, peer_budget=args.peer_budget)
     if args.tp is not None:
         state = replace(state, tp=args.tp)
+    if args.emulate_s_per_sample is not None:
+        state = replace(state, emulate_s_per_sample=args.emulate_s_per_sample)
     meta = {"state": args.state, "state_bytes": state_bytes(state), "workload": asdict(state),
             "date": time.strftime("%Y-%m-%d"), "commit": _commit(), "argv": sys.argv[1:]}
     print(json.dumps(meta), flush=True)
@@ -539,7 +580,7 @@ def main(argv: list[str] | None = None) -> int:
                         continue  # Ray Train has no user-driven resize of a running job
                     r = measure_raytrain(cluster=cluster, model_steps=EVENT_STEP + 10, ckpt_every=5, scenario=sc,
                                          event_step=EVENT_STEP, workdir=str(Path(work) / f"raytrain-{sc}"),
-                                         model=state.model,
+                                         model=state.model_section,
                                          global_batch_size=state.global_batch_size, seq_len=state.seq_len,
                                          lr=state.lr, warmup_timeout_s=state.start_timeout_s)
                 else:

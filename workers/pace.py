@@ -13,7 +13,9 @@ of a step). Both are measured here, from the steps themselves:
         taken = <take the snapshot>; pace.taken(step, k, taken_seconds)
 
 A step is *busy* when a round was in flight as it started, *clean* otherwise. One snapshot's cost is its
-`take` plus, for each busy step after it, that step's time less the median clean step. The interval is
+`take` plus, for each busy step after it, that step's time less the median clean step (signed: on a noisy
+box a busy step as often runs faster than the median as slower, and only the difference of the medians
+is the round's). The interval is
 the smallest `k >= every` whose median cost stays within `budget` of `k` clean steps, at most `cap`.
 While no clean step has been seen (every step ran beside a round) the interval grows by one step past
 the busy ones, until one is; when the interval is `every` and rounds fill every step, one in
@@ -92,7 +94,7 @@ class Pace:
             k = self.interval
         else:
             base = statistics.median(self.clean)
-            cost = statistics.median(self.costs)
+            cost = statistics.median(self.costs)  # below 0 (a round beside faster steps): `every`
             # (less a hair, so that a cost of exactly the budget keeps the interval despite rounding)
             k = max(self.every, math.ceil(cost / (self.budget * base) - 1e-9) if base > 0 else self.every)
             if k == self.every and self._since_clean >= PROBE_EVERY:
@@ -115,5 +117,7 @@ class Pace:
         if self._take_s is None or not self.clean:
             return
         base = statistics.median(self.clean)
-        self.costs.append(self._take_s + sum(max(0.0, s - base) for s in self._busy))
+        # signed: a busy step faster than the median clean one is noise that offsets a slower one; the
+        # positive parts alone would count the box's noise as the snapshots' cost
+        self.costs.append(self._take_s + sum(s - base for s in self._busy))
         self._take_s = None

@@ -7,7 +7,9 @@ from dataclasses import replace
 
 import pytest
 
-from benchmarks.elastic import STATES, _cfg, snapshot_costs, steady_summary, steady_table, world_for
+from benchmarks.elastic import (STATES, _cfg, first_step_time, rows_before, snapshot_costs, steady_summary, steady_table,
+                                world_for)
+from service.control.reconfiguration import Reconfig
 
 ONE_GB = STATES["1gb"]
 
@@ -29,6 +31,15 @@ def test_peer_interval_and_budget_go_to_the_checkpoint_section_only_when_set():
     assert "peer_interval" not in plain and "peer_budget" not in plain
     assert _cfg(replace(ONE_GB, peer_interval=0), 10, "storage")["checkpoint"]["peer_interval"] == 0
     assert _cfg(replace(ONE_GB, peer_budget=0.0), 10, "live")["checkpoint"]["peer_budget"] == 0.0
+
+
+def test_the_emulated_accelerator_joins_the_model_overrides_of_both_systems_only_when_set():
+    assert _cfg(ONE_GB, 10, "live")["model"] == {"preset": "small", "overrides": {"n_layers": 30}}
+    emulated = replace(ONE_GB, emulate_s_per_sample=2.5)
+    assert _cfg(emulated, 10, "live")["model"] == {"preset": "small",
+                                                  "overrides": {"n_layers": 30, "emulate_s_per_sample": 2.5}}
+    assert emulated.model_section == _cfg(emulated, 10, "live")["model"]  # what Ray Train builds
+    assert ONE_GB.model == {"preset": "small", "overrides": {"n_layers": 30}}  # the state's own is untouched
 
 
 def _job(mode: str, steps: list[float], gaps: list[float], copies: list[float] = ()) -> dict:
@@ -62,3 +73,18 @@ def test_the_snapshot_costs_are_read_from_the_rows_of_steps_that_took_one():
     assert snapshot_costs(rows) == {"take_wait_s": [0.5, 0.0], "take_agree_s": [0.01, 0.02],
                                     "take_copy_s": [0.2, 0.3]}
     assert snapshot_costs([{"step": 1}]) == {}
+
+
+def test_the_stall_starts_at_the_old_groups_last_step_not_at_a_redone_steps_row():
+    # the old group trained steps 11-13 (a kill after 13); the new group resumed from step 12's snapshot
+    # and redid step 13: metrics.jsonl holds both runs of step 13, the coordinator's rows only the second
+    logged = [{"step": 11, "time": 100.0}, {"step": 12, "time": 103.0}, {"step": 13, "time": 106.0},
+              {"step": 13, "time": 115.0}, {"step": 14, "time": 118.0}]
+    failed = Reconfig(cause="failure", detected=107.0, step_before=13)  # formed nothing: no first step
+    formed = Reconfig(cause="failure", detected=108.0, step_before=13, resumed_step=12, first_step_time=115.0)
+    end = first_step_time([failed, formed])
+    old = rows_before(logged, end)
+    assert end == 115.0 and [r["time"] for r in old] == [100.0, 103.0, 106.0]
+    assert end - old[-1]["time"] == 9.0  # the newest row of step 13 would give 115 - 115 = 0; of 14, -3
+    with pytest.raises(ValueError, match="no step ended before"):
+        rows_before(logged, 99.0)

@@ -50,6 +50,19 @@ def test_a_snapshot_costing_half_a_step_is_taken_every_fifth_step_at_a_tenth_bud
     assert pace.interval == 5
 
 
+def test_a_busy_step_faster_than_the_median_offsets_one_slower_as_noise_does():
+    # two steps beside one round, one 0.3 s slower than the median clean step and one 0.3 s faster: the
+    # box's noise, not the round's cost; the snapshot cost its take alone (counting only the slower step,
+    # as the pace once did, made it 0.32 s: every 4th step)
+    pace = Pace(every=1, budget=0.1)
+    for _ in range(3):
+        pace.step_ended(1.0, busy=False)
+    pace.taken(3, pace.propose(), 0.02)
+    pace.step_ended(1.3, busy=True)
+    pace.step_ended(0.7, busy=True)
+    assert pace.propose() == 1 and list(pace.costs) == [pytest.approx(0.02)]
+
+
 @pytest.mark.parametrize("take_s, slowdown, budget, interval", [
     (0.01, 0.0, 0.1, 1),     # a GPU box: the copy is cheap, the round does not slow the step
     (0.05, 0.05, 0.1, 1),    # 0.1 s per 1 s step: exactly the budget
