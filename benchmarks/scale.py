@@ -411,7 +411,7 @@ def cmd_coordinator(a) -> dict:
         for _ in range(50):
             c.watcher.poll()
             c.step()
-            if str(c.sm.state) == "RUNNING" and c.plan is not None:
+            if str(c.state.name) == "RUNNING" and c.plan is not None:
                 break
         start_s = time.perf_counter() - t
         first = c.plan

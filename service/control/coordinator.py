@@ -1,15 +1,17 @@
 """One job's coordinator: keeps training running while the cluster under it changes.
 
-It holds one state value (service.control.states); the resources that outlive a state (the worker
-group, the plan it runs) are in the context it shares with its parts (service.control.context).
-`step()` applies the queued commands, then runs the handler of the state's class, which returns the
+It holds one state value (service.control.states), which carries the workers the job holds and the plan
+they run; the job's lifecycle state is derived from it. `step()` applies the queued commands, then runs the handler of the state's class, which returns the
 next state: one transition per step, returned as (previous, next), so tests and the demo advance it
 deterministically; `run()` loops until a final state. The handlers ask the scaling policy for a
-decision (service.control.policy) and hand the work to three composed parts, each returning the next
-state: `reconfigure` carries a decision out from where `choose_source` says the state comes
-(service.control.reconfigure), `recovery` deals with a failed group (service.control.recovery), and
-`takeover` with the workers a lost predecessor left running (service.control.takeover); the training
-chunks and their bookkeeping (service.control.progress) stay here. Methods for the outside (`status`,
+decision (service.control.policy; whether failures have spent the restart budget is
+service.control.failure.give_up's) and hand the work to three composed parts, each given the workers
+and plan it acts on and returning the next state: `reconfigure` carries a decision out from where
+`choose_source` says the state comes (service.control.reconfigure), `recovery` deals with a failed
+group (service.control.recovery, every decision of it in service.control.failure), and `takeover` with
+the workers a lost predecessor left running (service.control.takeover); the training chunks and their
+bookkeeping (service.control.progress) stay here. Every move and note goes into the job's journal
+(service.control.journal). Methods for the outside (`status`,
 `events_since`, `metrics_since`, `send`) are thread-safe: commands (service.control.commands) are
 queued and applied at the start of the next step.
 
@@ -30,18 +32,20 @@ from dataclasses import replace
 
 from parallel.planner import Plan, PlanError, plan, size_for
 from service.control.commands import Command, Grant, Pause, Resume, SetWorkers, Stop
-from service.control.context import Context
+from service.control.events import Cause, EventKind
+from service.control.failure import Failure, give_up
 from service.control.job import Job
+from service.control.journal import Journal
 from service.control.options import CoordinatorOptions
-from service.control.policy import Decision, Fail, Failure, PolicyConfig, Resize, ScalingPolicy, Wait
+from service.control.policy import Decision, Fail, PolicyConfig, Resize, ScalingPolicy, Wait
 from service.control.progress import Progress
 from service.control.reconfiguration import Reconfigs
 from service.control.reconfigure import Reconfigure
-from service.control.recovery import Recovery
+from service.control.recovery import Ledger, Recovery
 from service.control.run_files import job_events
-from service.control.state import JobState, StateMachine
+from service.control.state import TRANSITIONS, JobState
 from service.control.states import (Adopting, Ended, Paused, Pending, Recovering, Resizing, Running, Starting, State,
-                                    Waiting)
+                                    Waiting, held)
 from service.control.status import JobStatus
 from service.control.takeover import Takeover
 from service.pool.cluster import ClusterSnapshot, ClusterWatcher
@@ -66,7 +70,9 @@ class Coordinator:
         self.opts = options or CoordinatorOptions()
         self.constraints = job_constraints(self.cfg, layout=job.layout)  # a forced layout (request or config) in it
         self.events = job_events(self.run_dir / "events.jsonl", self.job_id)
-        self.sm = StateMachine(self.job_id, sink=self.events.append)
+        self.state: State = Pending(reason="submitted")
+        """What the job is doing, and the workers it holds for it (service.control.states)."""
+        self.journal = Journal(self.job_id, current=lambda: self.state.name, sink=self.events.append)
         self.policy = ScalingPolicy(self._policy_config(job.min_workers, job.max_workers), size_for=self._size_for,
                                     hold_growth=self._hold_growth)
         self.watcher = watcher or ClusterWatcher(interval_s=self.opts.poll_interval_s)
@@ -85,35 +91,38 @@ class Coordinator:
         self.health = NodeHealth(probe_nodes, probe_timeout_s=o.probe_timeout_s, suspect_seconds=o.suspect_seconds,
                                  reprobe_interval_s=o.reprobe_interval_s, include_head=o.include_head,
                                  refused=raylets_refusing)
-        self.ctx = Context(cfg=self.cfg, opts=o, sm=self.sm, progress=self.progress, health=self.health,
-                           watcher=self.watcher, new_group=self._new_group, lock=self._lock)
-        """What the parts below share with the coordinator: the group, its plan, the failure ledger."""
-        self.recovery = Recovery(self.ctx)
-        self.reconfigure = Reconfigure(self.ctx, self.recovery, plan_for=self._plan, assign=self._assign)
-        self.takeover = Takeover(self.ctx, self.recovery, self.reconfigure, run_dir=self.run_dir)
+        self.recovery = Recovery(cfg=self.cfg, journal=self.journal, progress=self.progress, health=self.health,
+                                 watcher=self.watcher, ledger=Ledger(o.restart_window_s))
+        self.reconfigure = Reconfigure(cfg=self.cfg, journal=self.journal, progress=self.progress,
+                                       watcher=self.watcher, recovery=self.recovery, new_group=self._new_group,
+                                       plan_for=self._plan, assign=self._assign)
+        self.takeover = Takeover(journal=self.journal, progress=self.progress, health=self.health,
+                                 recovery=self.recovery, reconfigure=self.reconfigure, new_group=self._new_group,
+                                 run_dir=self.run_dir, detached=o.owner is not None)
         self._handlers: dict[type, Callable[[State, ClusterSnapshot], State]] = {
             Adopting: self._on_adopting, Pending: self._on_pending, Starting: self._start_or_wait,
             Recovering: self._start_or_wait, Waiting: self._start_or_wait, Running: self._on_running,
             Resizing: self._on_resizing, Paused: self._on_paused}
         """One handler per state class; `Ended` has none."""
         self._halted = threading.Event()
-        self.state: State = self.takeover.restarted(self.events.events) if len(self.events) else Pending()
+        if len(self.events):
+            self.state = self.takeover.restarted(self.events.events)
 
-    # -- what the job holds, in `self.ctx` ------------------------------------------------------------------
+    # -- what the state holds --------------------------------------------------------------------------------
     @property
     def group(self) -> Group | None:
-        """The workers the job holds: members, and their spares and standbys."""
-        return self.ctx.group
+        """The workers the job holds (members, and their spares and standbys), as its state carries them."""
+        return held(self.state)
 
     @property
     def plan(self) -> Plan | None:
-        """The plan the group was formed for (kept through a failure: what a salvage checks against)."""
-        return self.ctx.plan
+        """The plan the job's group runs (None while none is formed)."""
+        return self.state.plan if isinstance(self.state, (Running, Resizing)) else None
 
     @property
-    def failures(self) -> list[Failure]:
-        """The failures the policy's retry budget counts."""
-        return self.ctx.failures
+    def failures(self) -> tuple[Failure, ...]:
+        """The failures the restart budget counts."""
+        return self.recovery.ledger.failures
 
     # -- progress, kept by `self.progress` ------------------------------------------------------------------
     @property
@@ -152,21 +161,23 @@ class Coordinator:
     # -- outside interface (thread-safe) ------------------------------------------------------------------
     def status(self) -> JobStatus:
         with self._lock:
+            state = self.state
             last = self.metrics.get(self.step_done, {})
-            sm = self.sm.snapshot()
-            # Layout and world size from one plan, the one the group runs (set under this lock once the
-            # group has formed): never a new layout with the old size, or the size of a group half re-formed.
-            # (RECOVERING: a failed group's survivors may still be held, but they run no layout)
-            running = self.group is not None and self.plan is not None and self.sm.state is not S.RECOVERING
+            # Layout and world size from the one plan the group runs, carried by the state with the group
+            # (never a new layout with the old size, or the size of a group half re-formed).
+            p = state.plan if isinstance(state, (Running, Resizing)) else None
+            group = held(state)
             causes, lost = self.reconfigs.totals()
-            queued = self.sm.state is S.QUEUED
+            queued = state.name is S.QUEUED
+            layout = p.layout if p is not None else self.journal.layout
             return JobStatus(
-                job_id=self.job_id, state=sm["state"], reason=(queued and self.queue[1]) or sm["reason"],
-                cause=sm["cause"], since=sm["since"], priority=self.cfg.scheduling.priority,
-                held=dict(self.group.nodes()) if self.group is not None else {}, grant=None if self.grant is None else dict(self.grant),
+                job_id=self.job_id, state=str(state.name), reason=(queued and self.queue[1]) or state.reason,
+                cause=None if state.cause is None else str(state.cause), since=self.journal.since,
+                priority=self.cfg.scheduling.priority,
+                held=dict(group.nodes()) if group is not None else {}, grant=None if self.grant is None else dict(self.grant),
                 queue_position=self.queue[0] if queued else None,
-                layout=self.plan.layout.to_dict() if running else sm["layout"], step=self.step_done,
-                total_steps=self.total_steps, world_size=self.plan.world_size if running else 0,
+                layout=None if layout is None else layout.to_dict(), step=self.step_done,
+                total_steps=self.total_steps, world_size=p.world_size if p is not None else 0,
                 loss=last.get("loss"), val_loss=self.metrics.val_loss, tokens_per_s=last.get("tokens_per_s"),
                 committed_step=self.committed_step,
                 min_workers=self.policy.config.min_workers, max_workers=self.policy.config.max_workers,
@@ -185,15 +196,16 @@ class Coordinator:
             self.watcher.poll()
             self.watcher.start()
         try:
-            while not self.sm.state.is_terminal and not self._halted.is_set():
+            while not self.state.name.is_terminal and not self._halted.is_set():
                 self.step()
                 if on_tick is not None:
                     on_tick(self)
-            return self.sm.state
+            return self.state.name
         finally:
             if self._own_watcher:
                 self.watcher.stop()
-            self._shutdown_group()
+            if (group := held(self.state)) is not None:
+                group.shutdown()
 
     def halt(self) -> None:
         """End `run()` at the next chance, whatever the state, releasing the group (its process is ending:
@@ -215,40 +227,47 @@ class Coordinator:
         return before, self.state
 
     def _enter(self, nxt: State) -> None:
-        """Make `nxt` the state, recording the move when its name changes."""
-        if nxt.name is not self.state.name:
-            layout = self.plan.layout if isinstance(nxt, Running) and self.plan is not None else None
-            self.sm.transition(nxt.name, reason=nxt.reason, step=self.step_done, cause=nxt.cause, layout=layout)
+        """Make `nxt` the state, recording the move when its name changes (the journal checks that it is
+        legal). Workers the old state held that the new one does not are stopped: what the state holds
+        is what the job holds."""
+        prev = self.state
+        if nxt.name is not prev.name:
+            layout = nxt.plan.layout if isinstance(nxt, Running) else None
+            self.journal.moved(nxt.name, reason=nxt.reason, step=self.step_done, cause=nxt.cause, layout=layout)
         with self._lock:
             self.state = nxt
+        if (old := held(prev)) is not None and old is not held(nxt):
+            old.shutdown()
 
     # -- one handler per state -----------------------------------------------------------------------------
-    def _on_adopting(self, state: Adopting, snap: ClusterSnapshot) -> Pending | Running:
+    def _on_adopting(self, state: Adopting, snap: ClusterSnapshot) -> State:
         """After a restart: take over the workers the lost coordinator left running (`Takeover.adopt`)."""
         return self.takeover.adopt(state, snap)
 
     def _on_pending(self, state: Pending, snap: ClusterSnapshot) -> State:
         if self.grant is not None and not self._usable(snap):  # launched by the scheduler, nothing granted yet
             return Waiting(reason=self.queue[1] or "waiting for the shared-cluster scheduler", by_scheduler=True,
-                           survivors=state.survivors, record=state.record)
-        return Starting(reason="starting", cause="planned", survivors=state.survivors, record=state.record)
+                           group=state.group, survivors=state.survivors, record=state.record)
+        return Starting(reason="starting", cause=Cause.PLANNED, group=state.group, survivors=state.survivors,
+                        record=state.record)
 
     def _start_or_wait(self, state: Starting | Recovering | Waiting, snap: ClusterSnapshot) -> State:
         """No group runs (STARTING, RECOVERING, WAITING_FOR_CAPACITY, QUEUED): start one as soon as the
-        policy allows, from the survivors of a failure if they can heal it, else from storage."""
+        policy allows, from the survivors of a failure if they can form it, else from storage."""
         self._reprobe(snap)  # before starting small or waiting: a suspect may just have been slow
         d = self._decide(snap, current_workers=0)
         if isinstance(d, Fail):
             return self._fail(d.reason)
         if isinstance(d, Resize) and isinstance(state, Waiting):  # capacity is back: start in the next step
             back = Recovering if self.step_done else Starting
-            return back(reason=f"capacity is back: {d.reason}", cause=d.cause, survivors=state.survivors,
-                        record=state.record)
+            return back(reason=f"capacity is back: {d.reason}", cause=d.cause, group=state.group,
+                        survivors=state.survivors, record=state.record)
         if not isinstance(d, (Resize, Wait)):
             return state
-        nxt = self.reconfigure.carry_out(d, snap, sound=None, survivors=state.survivors,
-                                         cause=d.cause if isinstance(d, Resize) else "failure", detected=time.time(),
-                                         record=state.record)
+        nxt = self.reconfigure.carry_out(d, snap, group=state.group, sound=None, survivors=state.survivors,
+                                         cause=d.cause if isinstance(d, Resize) else Cause.FAILURE,
+                                         detected=time.time(), record=state.record,
+                                         old=state.failed_plan if isinstance(state, Recovering) else None)
         return self._queued(nxt, d) if isinstance(nxt, Waiting) else nxt
 
     def _queued(self, waiting: Waiting, d: Wait) -> Waiting:
@@ -262,26 +281,29 @@ class Coordinator:
     def _on_running(self, state: Running, snap: ClusterSnapshot) -> State:
         if self.step_done >= self.total_steps:
             return self._finish(state)
-        if self._our_nodes_dead(snap):
-            return self.recovery.recover(WorkerFailure(FailureKind.NODE_LOST, "a node hosting workers is gone"))
-        d = self._decide(snap, current_workers=self.group.size, requested=state.resize_requested)
+        if self._nodes_dead(snap, state.group):
+            return self.recovery.recover(WorkerFailure(FailureKind.NODE_LOST, "a node hosting workers is gone"),
+                                         state.group, state.plan)
+        d = self._decide(snap, current_workers=state.group.size, requested=state.resize_requested)
         if isinstance(d, Fail):
             return self._fail(d.reason)
         if isinstance(d, (Resize, Wait)):
-            cause = d.cause if isinstance(d, Resize) else "preemption" if snap.draining() else "failure"
-            if cause == "preemption":
-                self.sm.note("preemption", reason=d.reason, step=self.step_done, cause=cause,
-                             details={"draining": snap.draining()})
-            return Resizing(reason=d.reason, cause=cause, decision=d, detected=time.time(), record=state.record)
+            cause = d.cause if isinstance(d, Resize) else Cause.PREEMPTION if snap.draining() else Cause.FAILURE
+            if cause == Cause.PREEMPTION:
+                self.journal.note(EventKind.PREEMPTION, reason=d.reason, step=self.step_done, cause=cause,
+                                  details={"draining": snap.draining()})
+            return Resizing(reason=d.reason, cause=cause, group=state.group, plan=state.plan, decision=d,
+                            detected=time.time(), record=state.record)
         if state.record is None:  # a re-formed group's first step goes first: a process start would slow it
-            self._prewarm(snap)
+            self._prewarm(snap, state.group)
         return self._train_chunk(replace(state, resize_requested=False))
 
     def _on_resizing(self, state: Resizing, snap: ClusterSnapshot) -> State:
         """The sound group changes as decided: live, or through a checkpoint, or it is released."""
-        sound = self.plan if self.group is not None and self.group.size else None
-        return self.reconfigure.carry_out(state.decision, snap, sound=sound, survivors=None, cause=state.cause,
-                                          detected=state.detected, record=state.record)
+        sound = state.plan if state.group.size else None
+        return self.reconfigure.carry_out(state.decision, snap, group=state.group, sound=sound, survivors=None,
+                                          cause=state.cause, detected=state.detected, record=state.record,
+                                          old=state.plan)
 
     def _on_paused(self, state: Paused, snap: ClusterSnapshot) -> Paused:
         self._nap(0.05)  # a command moves it on
@@ -289,36 +311,39 @@ class Coordinator:
 
     # -- what the handlers do ------------------------------------------------------------------------------
     def _decide(self, snap: ClusterSnapshot, *, current_workers: int, requested: bool = False) -> Decision:
+        c = self.policy.config
+        if why := give_up(self.failures, now=time.time(), max_restarts=c.max_restarts, window_s=c.restart_window_s):
+            return Fail(why)
         r = self.cfg.resources
         fits = sum(self.health.slots(snap, r.cpus_per_worker, r.gpus_per_worker).values())  # the grant aside
         no_gpu = r.gpus_per_worker and not any(n.gpus for n in snap.alive())
         why = (f"each worker needs {r.gpus_per_worker:g} GPU (resources.gpus_per_worker) and the cluster has "
                "none; use a cluster with GPUs, or resources.device: cpu" if no_gpu else "")
         return self.policy.decide(time.time(), current_workers=current_workers, usable_workers=fits,
-                                  draining=snap.draining(), failures=self.failures,
+                                  draining=snap.draining(),
                                   granted=None if self.grant is None else self._usable(snap), requested=requested,
                                   short_because=why)
 
-    def _prewarm(self, snap: ClusterSnapshot) -> None:
+    def _prewarm(self, snap: ClusterSnapshot, group: Group) -> None:
         """While a growth settles, start the workers it will need on the new nodes (they warm up while
         the group trains: the growth waits for them, `_hold_growth`); then keep standby workers beside
         the members and on a node the job may use but does not (`Group.keep_standby`)."""
-        if (pending := self.policy.pending_growth) is not None and (extra := self._joiners(pending[0], snap)):
-            if started := self.group.prewarm(extra):
-                self.sm.note("capacity", reason=f"starting {started} worker(s) to warm up for the growth to "
-                                                f"{pending[0]} while the group trains", step=self.step_done,
-                             details={"nodes": sorted(set(extra))})
-        self.group.keep_standby(self._slots(snap))
+        if (pending := self.policy.pending_growth) is not None and (extra := self._joiners(pending[0], snap, group)):
+            if started := group.prewarm(extra):
+                self.journal.note(EventKind.CAPACITY, reason=f"starting {started} worker(s) to warm up for the "
+                                                             f"growth to {pending[0]} while the group trains",
+                                  step=self.step_done, details={"nodes": sorted(set(extra))})
+        group.keep_standby(self._slots(snap))
 
-    def _joiners(self, workers: int, snap: ClusterSnapshot | None) -> list[str]:
-        """The node of each worker a growth to `workers` adds (none if it cannot be planned)."""
-        if self.group is None or snap is None:
+    def _joiners(self, workers: int, snap: ClusterSnapshot | None, group: Group | None) -> list[str]:
+        """The node of each worker a growth of `group` to `workers` adds (none if it cannot be planned)."""
+        if group is None or snap is None:
             return []
         try:
-            nodes = self._assign(self._plan(workers), snap)
+            nodes = self._assign(self._plan(workers), snap, group.nodes())
         except (PlanError, ValueError):
             return []
-        return list((Counter(nodes) - self.group.nodes()).elements())
+        return list((Counter(nodes) - group.nodes()).elements())
 
     def _hold_growth(self, workers: int) -> str:
         """The policy's question before a settled growth to `workers`: why wait longer, the group training
@@ -327,9 +352,10 @@ class Coordinator:
         wait for it with the whole group stopped). "" once neither holds, or once the growth has waited
         `start_timeout_s` (the start then deals with a worker that never came up)."""
         pending = self.policy.pending_growth
-        if self.group is None or (pending is not None and time.time() - pending[1] >= self.opts.start_timeout_s):
+        group = held(self.state)
+        if group is None or (pending is not None and time.time() - pending[1] >= self.opts.start_timeout_s):
             return ""
-        if not self.group.warm(self._joiners(workers, self.watcher.latest)):
+        if not group.warm(self._joiners(workers, self.watcher.latest, group)):
             return "its joining workers start and warm up"
         every = self.cfg.checkpoint.interval_steps
         if (saving := self.step_done - self.step_done % every) > self.committed_step:
@@ -338,11 +364,12 @@ class Coordinator:
 
     def _train_chunk(self, state: Running) -> State:
         try:
-            trained = self.group.run(until_step=self.total_steps,
-                                     steps=self.progress.steps_per_call(self.opts.chunk_seconds),
-                                     should_abort=lambda: self._halted.is_set() or self._our_nodes_dead(self.watcher.latest))
+            trained = state.group.run(until_step=self.total_steps,
+                                      steps=self.progress.steps_per_call(self.opts.chunk_seconds),
+                                      should_abort=lambda: self._halted.is_set() or
+                                      self._nodes_dead(self.watcher.latest, state.group))
         except WorkerFailure as e:
-            return state if self._halted.is_set() else self.recovery.recover(e)
+            return state if self._halted.is_set() else self.recovery.recover(e, state.group, state.plan)
         rows = self.progress.trained(trained)
         if not rows or state.record is None:
             return state
@@ -363,9 +390,9 @@ class Coordinator:
 
     def _reprobe(self, snap: ClusterSnapshot) -> None:
         if back := self.health.reprobe(snap):
-            self.sm.note("capacity", reason=f"{len(back)} node(s) place work again after a failed probe: "
-                                            f"{', '.join(n[:8] for n in sorted(back))}",
-                         step=self.step_done, details={"nodes": sorted(back)})
+            self.journal.note(EventKind.CAPACITY, reason=f"{len(back)} node(s) place work again after a failed "
+                                                         f"probe: {', '.join(n[:8] for n in sorted(back))}",
+                              step=self.step_done, details={"nodes": sorted(back)})
 
     def _slots(self, snap: ClusterSnapshot) -> dict[str, int]:
         r = self.cfg.resources
@@ -374,13 +401,13 @@ class Coordinator:
     def _usable(self, snap: ClusterSnapshot) -> int:
         return sum(self._slots(snap).values())
 
-    def _assign(self, p: Plan, snap: ClusterSnapshot) -> list[str]:
-        """Node of each rank of plan `p`, keeping current members where they are."""
-        return assign_nodes(p.world_size, self._slots(snap), prefer=self.group.nodes() if self.group else None,
-                            tp=p.layout.tp)
+    def _assign(self, p: Plan, snap: ClusterSnapshot, prefer: Counter | None) -> list[str]:
+        """Node of each rank of plan `p`, keeping the members `prefer` counts ({node: members}) where they are."""
+        return assign_nodes(p.world_size, self._slots(snap), prefer=prefer, tp=p.layout.tp)
 
-    def _our_nodes_dead(self, snap: ClusterSnapshot | None) -> bool:
-        return self.group is not None and NodeHealth.any_gone(snap, self.group.nodes())
+    @staticmethod
+    def _nodes_dead(snap: ClusterSnapshot | None, group: Group) -> bool:
+        return NodeHealth.any_gone(snap, group.nodes())
 
     # -- commands: what the user and the scheduler may ask, from any thread ----------------------------
     def send(self, cmd: Command) -> None:
@@ -421,15 +448,16 @@ class Coordinator:
                     self.policy.config = self._policy_config(*cmd.bounds(self.policy.config.min_workers,
                                                                          self.policy.config.max_workers))
                 except ValueError as e:  # valid alone, not on top of an earlier resize: say so, keep going
-                    self.sm.note("failure", reason=f"resize refused: {e}", step=self.step_done, cause="user")
+                    self.journal.note(EventKind.FAILURE, reason=f"resize refused: {e}", step=self.step_done,
+                                      cause=Cause.USER)
                     return True
                 if isinstance(self.state, Running):  # act now: a user's request needs no settle time
                     self._enter(replace(self.state, resize_requested=True))
             case Grant():
                 told = (cmd.nodes, cmd.reason, cmd.queue_position)
                 if told != (self.grant, *self.queue):
-                    self.sm.note("schedule", reason=cmd.reason, step=self.step_done,
-                                 details={"grant": cmd.nodes, "queue_position": cmd.queue_position})
+                    self.journal.note(EventKind.SCHEDULE, reason=cmd.reason, step=self.step_done,
+                                      details={"grant": cmd.nodes, "queue_position": cmd.queue_position})
                 self.grant, self.queue = dict(cmd.nodes), (cmd.queue_position, cmd.reason)
             case Pause() | Stop():
                 return self._park(cmd)
@@ -441,23 +469,24 @@ class Coordinator:
         """Checkpoint, release the workers, and move to PAUSED or STOPPED; False (kept for later) where
         the lifecycle has no such move yet (e.g. a pause while STARTING: applied once it runs)."""
         kind, target = ("pause", S.PAUSED) if isinstance(cmd, Pause) else ("stop", S.STOPPED)
-        if self.sm.state.is_terminal or self.sm.state is target:
+        now = self.state.name
+        if now.is_terminal or now is target:
             return True
-        if not self.sm.can(target):
+        if target not in TRANSITIONS[now]:
             return False
-        by = cmd.by if isinstance(cmd, Pause) else "user"
+        by = cmd.by if isinstance(cmd, Pause) else Cause.USER
         lost = None
-        if self.group is not None and self.group.size:  # a group without members has nothing to save
+        group = held(self.state)
+        if group is not None and group.size:  # a group without members has nothing to save
             try:
-                self.committed_step = self.group.checkpoint()
+                self.committed_step = group.checkpoint()
             except WorkerFailure as e:
                 lost = (f"the checkpoint before {kind} failed ({e}); the last committed checkpoint is step "
                         f"{self.committed_step}, so steps after it are lost")
                 logger.warning("job %s: %s", self.job_id, lost)
-                self.sm.note("failure", reason=lost, step=self.step_done, cause=by,
-                             details={"kind": f"checkpoint_before_{kind}"})
-        self._shutdown_group()
-        if lost and target is S.STOPPED and self.sm.can(S.FAILED):  # not a clean stop: say so
+                self.journal.note(EventKind.FAILURE, reason=lost, step=self.step_done, cause=by,
+                                  details={"kind": e.kind, "before": kind})
+        if lost and target is S.STOPPED and S.FAILED in TRANSITIONS[now]:  # not a clean stop: say so
             target = S.FAILED
         why = (cmd.reason if isinstance(cmd, Pause) and cmd.reason else f"{kind} requested by {by}")
         why += f", but {lost}" if lost else ""
@@ -469,11 +498,11 @@ class Coordinator:
         (it stages during the next step and commits while training goes on), so a later failure has a
         fallback. Not before that first step, which on a busy worker it would slow down."""
         try:
-            step = self.group.checkpoint(blocking=False)
+            step = state.group.checkpoint(blocking=False)
         except WorkerFailure as e:
-            return self.recovery.recover(e)
-        self.sm.note("checkpoint", reason=f"durable checkpoint of step {step} under {self.plan.layout} writing "
-                                          "in the background", step=step)
+            return self.recovery.recover(e, state.group, state.plan)
+        self.journal.note(EventKind.CHECKPOINT, reason=f"durable checkpoint of step {step} under "
+                                                       f"{state.plan.layout} writing in the background", step=step)
         return state
 
     def _new_group(self) -> Group:
@@ -487,15 +516,10 @@ class Coordinator:
         if state.record is not None:  # re-formed at the last step: no step left to close its record with
             self.reconfigs.append(state.record)
         try:
-            self.committed_step = self.group.checkpoint()
+            self.committed_step = state.group.checkpoint()
         except WorkerFailure as e:
-            return self.recovery.recover(e)
-        self._shutdown_group()
-        return Ended(final=S.SUCCEEDED, reason=f"reached step {self.total_steps}")
+            return self.recovery.recover(e, state.group, state.plan)
+        return Ended(final=S.SUCCEEDED, reason=f"reached step {self.total_steps}")  # `_enter` stops the group
 
     def _fail(self, reason: str) -> Ended:
-        self._shutdown_group()
-        return Ended(final=S.FAILED, reason=reason)
-
-    def _shutdown_group(self) -> None:
-        self.ctx.shutdown_group()
+        return Ended(final=S.FAILED, reason=reason)  # `_enter` stops the group

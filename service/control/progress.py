@@ -50,10 +50,13 @@ class Progress:
             self.step_done = at if at is not None else max([self.step_done, *(r["step"] for r in rows)])
             self.committed_step = max(self.committed_step, committed)
 
-    def closed(self, record: Reconfig, first: dict) -> None:
-        """The first step at the layout `record` formed has run (its row `first`): the record is complete."""
-        record.first_step(first, self.metrics.get(record.step_before))
-        self.reconfigs.append(record)
+    def closed(self, record: Reconfig, first: dict) -> Reconfig:
+        """The first step at the layout `record` formed has run (its row `first`): the record, complete, is
+        kept and returned."""
+        with self.lock:
+            done = record.first_step(first, self.metrics.get(record.step_before))
+            self.reconfigs.append(done)
+        return done
 
     def steps_per_call(self, chunk_seconds: float) -> int:
         """As many steps as fit in `chunk_seconds` at the last measured step time (1 until measured)."""

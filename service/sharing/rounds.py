@@ -36,7 +36,7 @@ from service.sharing.scheduler import Grow, JobRequest, Phase, Preempt, Queued, 
 UNKNOWN = "UNKNOWN"
 TERMINAL_STATES = frozenset({"SUCCEEDED", "FAILED", "STOPPED"})
 BY_SCHEDULER = "scheduler"
-"""The cause of a pause the scheduler asked for (service.control.events.CAUSES)."""
+"""The cause of a pause the scheduler asked for (service.control.events.Cause)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

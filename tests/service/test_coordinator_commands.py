@@ -28,10 +28,10 @@ def test_a_failed_checkpoint_before_stop_is_an_event_and_not_a_clean_stop(tmp_pa
 
     c.group.__class__.checkpoint = broken
     c.send(Stop())
-    advance(c, lambda c: c.sm.state.is_terminal)
-    assert str(c.sm.state) == "FAILED"
+    advance(c, lambda c: c.state.name.is_terminal)
+    assert str(c.state.name) == "FAILED"
     ev = [e for e in c.events_since(0) if e["kind"] == "failure"]
-    assert ev and ev[-1]["details"]["kind"] == "checkpoint_before_stop" and "disk full" in ev[-1]["reason"]
+    assert ev and ev[-1]["details"] == {"kind": "worker_died", "before": "stop"} and "disk full" in ev[-1]["reason"]
     assert "step 5" in c.status().reason and "stop requested by user" in c.status().reason
 
 
@@ -40,8 +40,8 @@ def test_a_failed_checkpoint_before_pause_is_an_event_and_the_job_still_pauses(t
     advance(c, lambda c: c.step_done >= 7)
     c.group.__class__.checkpoint = lambda self, *, blocking=True: (_ for _ in ()).throw(WorkerFailure(FailureKind.WORKER_DIED, "x"))
     c.send(Pause())
-    advance(c, lambda c: str(c.sm.state) == "PAUSED")
-    assert any(e["kind"] == "failure" and e["details"].get("kind") == "checkpoint_before_pause"
+    advance(c, lambda c: str(c.state.name) == "PAUSED")
+    assert any(e["kind"] == "failure" and e["details"] == {"kind": "worker_died", "before": "pause"}
                for e in c.events_since(0))
 
 

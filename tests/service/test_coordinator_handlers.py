@@ -48,5 +48,8 @@ def test_a_node_the_watcher_lists_dead_is_a_node_loss_without_a_chunk(tmp_path):
 def test_the_last_step_done_ends_the_job(tmp_path):
     c, cluster, _ = running(tmp_path, steps=3)
     advance(c, lambda c: c.step_done >= 3)
+    group = c.group
     out = c._on_running(c.state, c.watcher.poll())
-    assert isinstance(out, Ended) and out.final is JobState.SUCCEEDED and c.group is None
+    assert isinstance(out, Ended) and out.final is JobState.SUCCEEDED
+    c._enter(out)
+    assert c.group is None and group.members == []  # what the state holds is what the job holds
