@@ -164,7 +164,7 @@ class WorkerGroup:
         head = self.members[0]
         port = self._await([head.actor.free_port.remote()], "form", timeout_s=60)[0]
         refs = [m.actor.join.remote(rank=r, world_size=self.size, master_addr=head.ip, master_port=port,
-                                    plan=plan.to_dict(), adopt=adopt) for r, m in enumerate(self.members)]
+                                    plan=plan, adopt=adopt) for r, m in enumerate(self.members)]
         res = self._await(refs, "form", timeout_s=300)
         steps = {r.step for r in res}
         if len(steps) != 1:
@@ -205,7 +205,7 @@ class WorkerGroup:
         port = self._await([everyone[0].actor.free_port.remote()], "state transfer", timeout_s=60)[0]
         refs = [m.actor.reshard.remote(
             rank=g, world_size=len(everyone), master_addr=everyone[0].ip, master_port=port,
-            old_plan=old.to_dict(), new_plan=new.to_dict(),
+            old_plan=old, new_plan=new,
             old_rank=old_ranks[g] if g < len(old_members) else None, new_rank=group_to_new.get(g),
             old_to_group=old_to_group, new_to_group=new_to_group, snapshot_step=snapshot_step,
             nodes={i: e.node_id for i, e in enumerate(everyone)}) for g, m in enumerate(everyone)]
