@@ -69,13 +69,14 @@ class Journal:
         """Record a non-transition event (preemption notice, failure, checkpoint, ...) in the current
         state; from_state == to_state == the current state."""
         self._check(reason, step, cause)
+        kind = EventKind(kind)
         if kind is EventKind.TRANSITION:
             raise ValueError("a move is recorded with moved(), not note(TRANSITION)")
         with self._lock:
             if step is not None:
                 self.step = step
             now = self._current()
-            event = self._event(EventKind(kind), now, now, reason, self.layout, cause, details, self._clock())
+            event = self._event(kind, now, now, reason, self.layout, cause, details, self._clock())
             self._emit(event)
         return event
 
