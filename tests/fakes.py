@@ -324,11 +324,11 @@ class GatedGroup(FakeGroup):
         if self.step_s:
             time.sleep(self.step_s)  # simulated training time, so a browser can watch the chart grow
         trained = super().run(until_step=until_step, should_abort=should_abort, **kw)
-        for r in trained.rows:
-            r.tokens_per_s = 1000.0 + 10 * r.step
-            r.val_loss = 20.0 / r.step if r.step % 2 == 0 else None  # as train.eval_interval: 2 would
-            r.mfu = None if self.mfu_per_step is None else self.mfu_per_step * r.step
-        return trained
+        rows = tuple(replace(r, tokens_per_s=1000.0 + 10 * r.step,
+                             val_loss=20.0 / r.step if r.step % 2 == 0 else None,  # as train.eval_interval: 2 would
+                             mfu=None if self.mfu_per_step is None else self.mfu_per_step * r.step)
+                     for r in trained.rows)
+        return replace(trained, rows=rows)
 
 
 class PollingCoordinator(Coordinator):
