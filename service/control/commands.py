@@ -3,7 +3,7 @@
 A command is built once where it enters (the REST route, the scheduler's round) and checked by its own
 constructor; the job manager sends it whole to the job's driver, the command log persists it
 (`to_json`) and replays it (`from_json`) into a restarted coordinator, and the coordinator queues it
-and applies it at the start of its next step (`Coordinator._apply`).
+and applies it at the start of its next step (`Inbox.apply_all`, service.control.inbox).
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ the workers a lost predecessor left running (service.control.takeover); the trai
 bookkeeping (service.control.progress) stay here. Every move and note goes into the job's journal
 (service.control.journal). Methods for the outside (`status`,
 `events_since`, `metrics_since`, `send`) are thread-safe: commands (service.control.commands) are
-queued and applied at the start of the next step.
+queued and applied at the start of the next step (service.control.inbox); the status is assembled by
+service.control.view.
 
 Which nodes are usable (watcher minus unresponsive suspects) is service.pool.node_health.NodeHealth; the
 worker group is anything that satisfies service.pool.group.Group (`worker_group_cls` is the seam).
@@ -22,8 +23,6 @@ docs/recovery.md draws the states and says how each kind of fault is handled.
 
 from __future__ import annotations
 
-import logging
-import queue
 import threading
 import time
 from collections import Counter
@@ -31,9 +30,10 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from parallel.planner import Plan, PlanError, plan, size_for
-from service.control.commands import Command, Grant, Pause, Resume, SetWorkers, Stop
+from service.control.commands import Command
 from service.control.events import Cause, EventKind
 from service.control.failure import Failure, give_up
+from service.control.inbox import Inbox
 from service.control.job import Job
 from service.control.journal import Journal
 from service.control.options import CoordinatorOptions
@@ -43,10 +43,11 @@ from service.control.reconfiguration import Reconfigs
 from service.control.reconfigure import Reconfigure
 from service.control.recovery import Ledger, Recovery
 from service.control.run_files import job_events
-from service.control.state import TRANSITIONS, JobState
+from service.control.state import JobState
 from service.control.states import (Adopting, Ended, Paused, Pending, Recovering, Resizing, Running, Starting, State,
                                     Waiting, held)
 from service.control.status import JobStatus
+from service.control.view import job_status
 from service.control.takeover import Takeover
 from service.pool.cluster import ClusterSnapshot, ClusterWatcher
 from service.pool.group import FailureKind, Group, WorkerFailure
@@ -54,8 +55,8 @@ from service.pool.node_health import NodeHealth
 from service.pool.placement import assign_nodes, cap_slots, probe_nodes, raylets_refusing
 from service.pool.worker_group import WorkerGroup
 from workers.config import job_constraints
+from workers.report import StepMetrics
 
-logger = logging.getLogger(__name__)
 S = JobState
 
 
@@ -80,13 +81,9 @@ class Coordinator:
         self._lock = threading.RLock()
         self.progress = Progress(self._lock)
         """Steps done, the committed step, recent metrics and reconfiguration records."""
-        self._commands: queue.Queue[Command] = queue.Queue()
-        self._woken = threading.Event()
-        self.grant: dict[str, int] | None = None
-        """{node_id: workers} the shared-cluster scheduler grants this job (service.sharing.scheduler); None: the
-        whole cluster. Assign a new dict to change it: placement and the policy read it each iteration."""
-        self.queue: tuple[int | None, str] = (None, "")
-        """(place, reason) the scheduler gave with a grant too small to start on (shown while QUEUED)."""
+        self.inbox = Inbox(self.job_id, journal=self.journal, progress=self.progress, policy=self.policy,
+                           policy_config=self._policy_config, state=lambda: self.state, enter=self._enter)
+        """The commands sent to the job, and the scheduler's grant (service.control.inbox)."""
         o = self.opts
         self.health = NodeHealth(probe_nodes, probe_timeout_s=o.probe_timeout_s, suspect_seconds=o.suspect_seconds,
                                  reprobe_interval_s=o.reprobe_interval_s, include_head=o.include_head,
@@ -142,7 +139,7 @@ class Coordinator:
         self.progress.committed_step = step
 
     @property
-    def metrics(self) -> dict[int, dict]:
+    def metrics(self) -> dict[int, StepMetrics]:
         return self.progress.metrics
 
     @property
@@ -161,34 +158,17 @@ class Coordinator:
     # -- outside interface (thread-safe) ------------------------------------------------------------------
     def status(self) -> JobStatus:
         with self._lock:
-            state = self.state
-            last = self.metrics.get(self.step_done, {})
-            # Layout and world size from the one plan the group runs, carried by the state with the group
-            # (never a new layout with the old size, or the size of a group half re-formed).
-            p = state.plan if isinstance(state, (Running, Resizing)) else None
-            group = held(state)
-            causes, lost = self.reconfigs.totals()
-            queued = state.name is S.QUEUED
-            layout = p.layout if p is not None else self.journal.layout
-            return JobStatus(
-                job_id=self.job_id, state=str(state.name), reason=(queued and self.queue[1]) or state.reason,
-                cause=None if state.cause is None else str(state.cause), since=self.journal.since,
-                priority=self.cfg.scheduling.priority,
-                held=dict(group.nodes()) if group is not None else {}, grant=None if self.grant is None else dict(self.grant),
-                queue_position=self.queue[0] if queued else None,
-                layout=None if layout is None else layout.to_dict(), step=self.step_done,
-                total_steps=self.total_steps, world_size=p.world_size if p is not None else 0,
-                loss=last.get("loss"), val_loss=self.metrics.val_loss, tokens_per_s=last.get("tokens_per_s"),
-                committed_step=self.committed_step,
-                min_workers=self.policy.config.min_workers, max_workers=self.policy.config.max_workers,
-                run_dir=str(self.run_dir), reconfigurations=causes, steps_lost=lost, events=len(self.events))
+            return job_status(job_id=self.job_id, state=self.state, journal=self.journal, progress=self.progress,
+                              policy=self.policy.config, grant=self.grant, queue=self.queue,
+                              total_steps=self.total_steps, priority=self.cfg.scheduling.priority,
+                              run_dir=self.run_dir, events=len(self.events))
 
     def events_since(self, index: int = 0) -> list[dict]:
         return [e.to_dict() for e in self.events.since(index)]
 
     def metrics_since(self, step: int = 0) -> list[dict]:
         with self._lock:
-            return self.metrics.since(step)
+            return [m.to_dict() for m in self.metrics.since(step)]
 
     # -- the loop ------------------------------------------------------------------------------------------
     def run(self, on_tick=None) -> JobState:
@@ -211,14 +191,14 @@ class Coordinator:
         """End `run()` at the next chance, whatever the state, releasing the group (its process is ending:
         `elastron run` on Ctrl-C). The job's last checkpoint is where the next run resumes."""
         self._halted.set()
-        self._woken.set()
+        self.inbox.wake()
 
     def step(self) -> tuple[State, State]:
         """One iteration: apply the queued commands (not while `Adopting`), then, unless a command moved
         the job, the current state's handler. Returns (the state before, the state after)."""
         before = self.state
         if not isinstance(before, Adopting):
-            self._apply_commands()
+            self.inbox.apply_all()
             if self.state.name is not before.name:  # a pause, stop or resume: that is this step's move
                 return before, self.state
         handler = self._handlers.get(type(self.state))
@@ -411,87 +391,25 @@ class Coordinator:
 
     # -- commands: what the user and the scheduler may ask, from any thread ----------------------------
     def send(self, cmd: Command) -> None:
-        """Queue `cmd` for the next step. A resize is checked now against the range as it stands
-        (CommandError naming the field), and applied to the range current then, so that a second resize
-        composes with the first."""
-        if isinstance(cmd, SetWorkers):
-            self._policy_config(*cmd.bounds(self.policy.config.min_workers, self.policy.config.max_workers))
-        self._enqueue(cmd)
+        """Queue `cmd` for the next step (`Inbox.send`: a resize is checked now, CommandError naming the field)."""
+        self.inbox.send(cmd)
 
-    def _enqueue(self, cmd: Command) -> None:
-        self._commands.put(cmd)
-        self._woken.set()  # a loop napping while it waits (QUEUED, PAUSED, ...) acts on it at once
+    @property
+    def grant(self) -> dict[str, int] | None:
+        """{node_id: workers} the shared-cluster scheduler grants this job; None: the whole cluster."""
+        return self.inbox.grant
 
-    # -- in the loop -----------------------------------------------------------------------------------------
+    @grant.setter
+    def grant(self, nodes: dict[str, int] | None) -> None:
+        self.inbox.grant = nodes
+
+    @property
+    def queue(self) -> tuple[int | None, str]:
+        """(place, reason) the scheduler gave with a grant too small to start on (shown while QUEUED)."""
+        return self.inbox.queue
+
     def _nap(self, seconds: float) -> None:
-        """Wait up to `seconds`, less if a command arrives."""
-        self._woken.wait(seconds)
-        self._woken.clear()
-
-    def _apply_commands(self) -> None:
-        deferred = []
-        while True:
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            if not self._apply(cmd):
-                deferred.append(cmd)
-        for cmd in deferred:
-            self._commands.put(cmd)
-
-    def _apply(self, cmd: Command) -> bool:
-        """Apply one command; False to keep it for a later step."""
-        match cmd:
-            case SetWorkers():
-                try:
-                    self.policy.config = self._policy_config(*cmd.bounds(self.policy.config.min_workers,
-                                                                         self.policy.config.max_workers))
-                except ValueError as e:  # valid alone, not on top of an earlier resize: say so, keep going
-                    self.journal.note(EventKind.FAILURE, reason=f"resize refused: {e}", step=self.step_done,
-                                      cause=Cause.USER)
-                    return True
-                if isinstance(self.state, Running):  # act now: a user's request needs no settle time
-                    self._enter(replace(self.state, resize_requested=True))
-            case Grant():
-                told = (cmd.nodes, cmd.reason, cmd.queue_position)
-                if told != (self.grant, *self.queue):
-                    self.journal.note(EventKind.SCHEDULE, reason=cmd.reason, step=self.step_done,
-                                      details={"grant": cmd.nodes, "queue_position": cmd.queue_position})
-                self.grant, self.queue = dict(cmd.nodes), (cmd.queue_position, cmd.reason)
-            case Pause() | Stop():
-                return self._park(cmd)
-            case Resume() if isinstance(self.state, Paused):
-                self._enter(Starting(reason=f"resume requested by {cmd.by}", cause=cmd.by))
-        return True
-
-    def _park(self, cmd: Pause | Stop) -> bool:
-        """Checkpoint, release the workers, and move to PAUSED or STOPPED; False (kept for later) where
-        the lifecycle has no such move yet (e.g. a pause while STARTING: applied once it runs)."""
-        kind, target = ("pause", S.PAUSED) if isinstance(cmd, Pause) else ("stop", S.STOPPED)
-        now = self.state.name
-        if now.is_terminal or now is target:
-            return True
-        if target not in TRANSITIONS[now]:
-            return False
-        by = cmd.by if isinstance(cmd, Pause) else Cause.USER
-        lost = None
-        group = held(self.state)
-        if group is not None and group.size:  # a group without members has nothing to save
-            try:
-                self.committed_step = group.checkpoint()
-            except WorkerFailure as e:
-                lost = (f"the checkpoint before {kind} failed ({e}); the last committed checkpoint is step "
-                        f"{self.committed_step}, so steps after it are lost")
-                logger.warning("job %s: %s", self.job_id, lost)
-                self.journal.note(EventKind.FAILURE, reason=lost, step=self.step_done, cause=by,
-                                  details={"kind": e.kind, "before": kind})
-        if lost and target is S.STOPPED and S.FAILED in TRANSITIONS[now]:  # not a clean stop: say so
-            target = S.FAILED
-        why = (cmd.reason if isinstance(cmd, Pause) and cmd.reason else f"{kind} requested by {by}")
-        why += f", but {lost}" if lost else ""
-        self._enter(Paused(reason=why, cause=by) if target is S.PAUSED else Ended(final=target, reason=why, cause=by))
-        return True
+        self.inbox.nap(seconds)
 
     def _durable_checkpoint(self, state: Running) -> State:
         """After the first step at a layout formed from live state: a durable checkpoint in the background

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, replace
 from enum import StrEnum
 
 from service.control.events import Cause
+from workers.report import StepMetrics
 
 
 class TransferPath(StrEnum):
@@ -57,11 +58,11 @@ class Reconfig:
         return replace(self, new_layout=new_layout, resumed_step=resumed_step, transfer=transfer, started=started,
                        stopped=stopped, world_size=world_size)
 
-    def first_step(self, row: dict, before: dict | None) -> Reconfig:
+    def first_step(self, row: StepMetrics, before: StepMetrics | None) -> Reconfig:
         """This record once the first step at the new layout has run (its row `row`; `before`: the row of
         the step before the event, if kept)."""
-        return replace(self, first_step_time=row["time"], loss_after=row["loss"],
-                       loss_before=before["loss"] if before else None)
+        return replace(self, first_step_time=row.time, loss_after=row.loss,
+                       loss_before=before.loss if before else None)
 
     @property
     def seconds(self) -> float | None:

@@ -185,7 +185,7 @@ def test_a_join_trains_on_at_the_old_size_until_the_joiners_are_warm(tmp_path):
     (rc,) = changes(c)
     assert warming == {"b": 0}
     assert rc.step_before == arrived + 3  # three steps trained while the joiners warmed up
-    assert [c.metrics[s]["world_size"] for s in range(arrived + 1, rc.step_before + 1)] == [2, 2, 2]
+    assert [c.metrics[s].world_size for s in range(arrived + 1, rc.step_before + 1)] == [2, 2, 2]
     assert c.group.size == 4 and rc.cause == "grow" and rc.steps_lost == 0
 
 

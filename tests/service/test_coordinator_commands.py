@@ -4,6 +4,8 @@ keeps a bounded window of metrics however long the job."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from service.control.metrics_ring import RecentMetrics
 from service.pool.group import FailureKind, WorkerFailure
 from tests.fakes import advance, make_coordinator
@@ -46,13 +48,16 @@ def test_a_failed_checkpoint_before_pause_is_an_event_and_the_job_still_pauses(t
 
 
 def test_the_coordinator_keeps_a_bounded_window_of_a_million_steps():
+    def row(step, loss=1.0):  # what RecentMetrics reads of a StepMetrics, cheap enough for a million
+        return SimpleNamespace(step=step, loss=loss, val_loss=None)
+
     m = RecentMetrics(keep=1000)
     for s in range(1, 1_000_001):
-        m[s] = {"step": s}
+        m[s] = row(s)
     assert len(m) == 1000
-    assert [r["step"] for r in m.since(999_997)] == [999_998, 999_999, 1_000_000]
-    m[999_999] = {"step": 999_999, "redo": True}  # a redone step replaces its row in place
-    assert m.since(999_998)[0]["redo"] and len(m.since(0)) == 1000
-    m[5] = {"step": 5}  # older than the window (a resume from far back): still served in order
-    assert [r["step"] for r in m.since(0)][:2] == [5, 999_002] and len(m) == 1000
-    assert [r["step"] for r in m.since(999_998)] == [999_999, 1_000_000]
+    assert [r.step for r in m.since(999_997)] == [999_998, 999_999, 1_000_000]
+    m[999_999] = row(999_999, loss=2.0)  # a redone step replaces its row in place
+    assert m.since(999_998)[0].loss == 2.0 and len(m.since(0)) == 1000
+    m[5] = row(5)  # older than the window (a resume from far back): still served in order
+    assert [r.step for r in m.since(0)][:2] == [5, 999_002] and len(m) == 1000
+    assert [r.step for r in m.since(999_998)] == [999_999, 1_000_000]

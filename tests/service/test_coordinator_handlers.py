@@ -18,7 +18,7 @@ def test_a_chunk_that_trains_stays_running_and_advances_the_step(tmp_path):
     c, cluster, _ = running(tmp_path)
     before = c.step_done
     out = c._on_running(c.state, c.watcher.poll())
-    assert isinstance(out, Running) and c.step_done > before and c.metrics[c.step_done]["step"] == c.step_done
+    assert isinstance(out, Running) and c.step_done > before and c.metrics[c.step_done].step == c.step_done
 
 
 def test_a_worker_that_raises_in_a_chunk_moves_the_job_to_recovering(tmp_path):
