@@ -12,8 +12,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
-PAUSERS = ("user", "scheduler")
+from service.control.events import Cause
+
+PAUSERS = (Cause.USER, Cause.SCHEDULER)
 """Who may pause and resume a job."""
+_PAUSERS = ", ".join(PAUSERS)
 
 
 class CommandError(ValueError):
@@ -78,7 +81,7 @@ class Pause:
 
     def __post_init__(self) -> None:
         if self.by not in PAUSERS:
-            raise CommandError("by", f"pause by must be one of {PAUSERS}, got {self.by!r}")
+            raise CommandError("by", f"pause by must be one of {_PAUSERS}, got {self.by!r}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -90,7 +93,7 @@ class Resume:
 
     def __post_init__(self) -> None:
         if self.by not in PAUSERS:
-            raise CommandError("by", f"resume by must be one of {PAUSERS}, got {self.by!r}")
+            raise CommandError("by", f"resume by must be one of {_PAUSERS}, got {self.by!r}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

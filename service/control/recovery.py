@@ -24,6 +24,7 @@ from service.control.failure import (During, Facts, Failure, Response, Verdict, 
 from service.control.journal import Journal
 from service.control.progress import Progress
 from service.control.reconfiguration import Reconfig
+from service.control.source import ReshardMode
 from service.control.states import Recovering
 from service.pool.cluster import ClusterWatcher
 from service.pool.group import Group, WorkerFailure
@@ -65,7 +66,7 @@ class Recovery:
 
     def facts(self, kind, during: During, group: Group | None, plan: Plan | None, *, standing: bool = False) -> Facts:
         """What the failure policy (service.control.failure.respond) decides from."""
-        return Facts(kind=kind, during=during, live_reshard=self.cfg.parallel.reshard == "live",
+        return Facts(kind=kind, during=during, live_reshard=self.cfg.parallel.reshard == ReshardMode.LIVE,
                      holds_group=group is not None and plan is not None and group.size > 0,
                      snapshots=self.cfg.checkpoint.peer_interval > 0, standing=standing)
 

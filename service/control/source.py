@@ -10,6 +10,7 @@ says which of five sources the coordinator uses. The coordinator acts on the ans
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 from parallel.planner import Plan
 from service.control.policy import Resize, Wait
@@ -63,16 +64,23 @@ Source = Live | Heal | Memory | Restore | Release
 Survivors = Heal | Memory
 
 
-RESHARD_MODES = ("live", "storage")
+class ReshardMode(StrEnum):
+    """How state may move between layouts (`parallel.reshard`)."""
+
+    LIVE = "live"
+    """Between workers over the network, or through storage where that is all there is."""
+    STORAGE = "storage"
+    """Only through checkpoints."""
+
 
 
 def choose_source(*, decision: Resize | Wait, sound: Plan | None, survivors: Survivors | None,
-                  reshard: str) -> Source:
+                  reshard: ReshardMode | str) -> Source:
     """`sound`: the plan of a running group whose every rank holds its state (a planned change), None
     when no group runs or it failed. `survivors`: after a failure, what the survivors can form the next
     group from (`service.control.failure.judge`; None when nothing, or there was no failure)."""
-    if reshard not in RESHARD_MODES:
-        raise ValueError(f"reshard must be one of {RESHARD_MODES}, got {reshard!r}")
+    if reshard not in set(ReshardMode):
+        raise ValueError(f"reshard must be one of {[str(m) for m in ReshardMode]}, got {reshard!r}")
     if sound is not None and survivors is not None:
         raise ValueError("a group is either sound or the survivors of a failure, not both")
     if isinstance(decision, Wait):
@@ -80,7 +88,7 @@ def choose_source(*, decision: Resize | Wait, sound: Plan | None, survivors: Sur
     if not isinstance(decision, Resize):
         raise ValueError(f"only a Resize or a Wait changes the group, got {type(decision).__name__}")
     if sound is not None:
-        return Live(sound) if reshard == "live" else Restore(flush=True)
-    if survivors is not None and reshard == "live":
+        return Live(sound) if reshard == ReshardMode.LIVE else Restore(flush=True)
+    if survivors is not None and reshard == ReshardMode.LIVE:
         return survivors
     return Restore()
