@@ -1,20 +1,19 @@
 """One job's coordinator: keeps training running while the cluster under it changes.
 
 It holds one state value (service.control.states), which carries the workers the job holds and the plan
-they run; the job's lifecycle state is derived from it. `step()` applies the queued commands, then runs the handler of the state's class, which returns the
-next state: one transition per step, returned as (previous, next), so tests and the demo advance it
-deterministically; `run()` loops until a final state. The handlers ask the scaling policy for a
-decision (service.control.policy; whether failures have spent the restart budget is
-service.control.failure.give_up's) and hand the work to three composed parts, each given the workers
-and plan it acts on and returning the next state: `reconfigure` carries a decision out from where
-`choose_source` says the state comes (service.control.reconfigure), `recovery` deals with a failed
-group (service.control.recovery, every decision of it in service.control.failure), and `takeover` with
-the workers a lost predecessor left running (service.control.takeover); the training chunks and their
-bookkeeping (service.control.progress) stay here. Every move and note goes into the job's journal
-(service.control.journal). Methods for the outside (`status`,
-`events_since`, `metrics_since`, `send`) are thread-safe: commands (service.control.commands) are
-queued and applied at the start of the next step (service.control.inbox); the status is assembled by
-service.control.view.
+they run; the job's lifecycle state is derived from it. `step()` applies the queued commands
+(service.control.inbox), then runs the handler of the state's class, which returns the next state: one
+transition per step, returned as (previous, next), so tests and the demo advance it deterministically;
+`run()` loops until a final state. The handlers ask whether the restart budget is spent
+(service.control.failure.give_up) and the scaling policy for a decision (service.control.policy), and
+hand the work to three composed parts, each given the workers and plan it acts on and returning the
+next state: `reconfigure` carries a decision out from where `choose_source` says the state comes
+(service.control.reconfigure), `recovery` deals with a failed group (service.control.recovery, every
+decision of it in service.control.failure), and `takeover` with the workers a lost predecessor left
+running (service.control.takeover); the training chunks and their bookkeeping
+(service.control.progress) stay here. Every move and note goes into the job's journal
+(service.control.journal). Methods for the outside (`status`, assembled by service.control.view;
+`events_since`, `metrics_since`, `send`) are thread-safe.
 
 Which nodes are usable (watcher minus unresponsive suspects) is service.pool.node_health.NodeHealth; the
 worker group is anything that satisfies service.pool.group.Group (`worker_group_cls` is the seam).
@@ -47,8 +46,8 @@ from service.control.state import JobState
 from service.control.states import (Adopting, Ended, Paused, Pending, Recovering, Resizing, Running, Starting, State,
                                     Waiting, held)
 from service.control.status import JobStatus
-from service.control.view import job_status
 from service.control.takeover import Takeover
+from service.control.view import job_status
 from service.pool.cluster import ClusterSnapshot, ClusterWatcher
 from service.pool.group import FailureKind, Group, WorkerFailure
 from service.pool.node_health import NodeHealth
