@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/scale.py plan --model 70b --old dp_shard=64,tp=8,pp=2 --new dp_shard=60,tp=8,pp=2
     .venv/bin/python benchmarks/scale.py plan --model 8b --old dp=2 --new dp=1 --baseline 4edddd6
     .venv/bin/python benchmarks/scale.py manifest --model 8b --layout dp_shard=64,tp=8 --new dp_shard=60,tp=8
-    .venv/bin/python benchmarks/scale.py coordinator --workers 1024
+    .venv/bin/python benchmarks/scale.py coordinator --workers 256 1024 4096 --profile
 
 plan: the live reshard's planning as one worker does it (`workers.reshard.exchange`): two `BoxMap`s
   and `plan_rank`, for a sample of workers (`--ranks N` spread over the world, plus the first and last
@@ -27,9 +27,16 @@ manifest: the checkpoint metadata a rank reads on load, built in memory as `Chec
   every box it holds under the loading layout. Sampled loading ranks (`--ranks`); also the time of a
   rank's metadata work: finding its indexes, parsing and merging them and checking their cover of its
   boxes (load), and choosing the boxes it writes (save).
-coordinator: the fake pool of tests/fakes.py with `--workers` workers (8 per node) running an `8b` job;
-  a preemption notice on one node; the coordinator's time from the `step()` that sees the notice to
-  the start of the live transfer (`Group.reshard`), and its whole step.
+coordinator: the fake pool of tests/fakes.py with `--workers` workers (8 per node; 256, 1,024 and 4,096 by
+  default, one after the other in one process) running an `8b` job, through every event kind in turn:
+  start, drain (a preemption notice on one node), join (a node added), kill (a node dies without notice:
+  every survivor's salvage answer, then the group healed or restored), resize (the user asks for 3/4 of
+  the workers) and takeover (a new coordinator reading the job's events takes over the group its lost
+  predecessor left running). Per event: decision -> call (from the event to the start of the group call
+  that carries it out: `reshard`, `form` or `carry_on`), the coordinator's own seconds (its steps until
+  it runs the new plan, less the time inside the fake group's calls), the group calls it made, and with
+  `--profile` the functions with the most own time; and each event's coordinator seconds at the largest
+  size over the same at `--base` (both in the same run, on the same box).
 
 Shapes: the `8b` preset, and `70b` = dim 8192, 80 layers, 64 heads, 8 KV heads, ffn 28672, vocab
 128256 (Llama-3-70B), fp32 state (itemsize 4) with both AdamW moments.
@@ -42,6 +49,7 @@ import gc
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 import tempfile
@@ -372,80 +380,186 @@ def cmd_manifest(a) -> dict:
     return out
 
 
-def cmd_coordinator(a) -> dict:
+# The group calls the coordinator makes; time inside them is the fake pool's, not the coordinator's.
+GROUP_CALLS = ("scale_to", "prewarm", "warm", "keep_standby", "stop_members", "form", "adopt", "carry_on", "salvage",
+               "reshard", "run", "checkpoint", "leave", "shutdown")
+CARRY_OUT = ("reshard", "form", "carry_on")
+"""The calls that carry an event out: the live transfer, a group formed, a group left running adopted."""
+
+
+class _Clock:
+    """Time inside the fake group's calls (outermost call only) and when each kind of call first started,
+    and the calls made (by name) since `reset`."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.inside, self.depth, self.first, self.calls = 0.0, 0, {}, Counter()
+
+    def wrap(self, name: str, fn):
+        clock = self
+
+        def timed(self_, *args, **kw):
+            clock.first.setdefault(name, time.perf_counter())
+            clock.calls[name] += 1
+            clock.depth += 1
+            t = time.perf_counter()
+            try:
+                return fn(self_, *args, **kw)
+            finally:
+                clock.depth -= 1
+                if clock.depth == 0:
+                    clock.inside += time.perf_counter() - t
+        return timed
+
+
+def _timed_group(clock: _Clock, cluster, left: dict):
+    """A fake group class on `cluster` whose calls `clock` times; survivors of a failure keep their state
+    (a salvage), and a group taken over after a restart is the one `left` holds (members, plan, step)."""
+    from tests.fakes import fake_group_cls
+
+    base = fake_group_cls(cluster, 50)
+
+    def adopt(self):
+        if not left:
+            return 0
+        self.members, self.plan, self.step = list(left["members"]), left["plan"], left["step"]
+        return len(self.members)
+
+    attrs = {"heals": True, "adopt": adopt}
+    return type("Timed", (base,), {**attrs, **{n: clock.wrap(n, attrs.get(n) or getattr(base, n))
+                                               for n in GROUP_CALLS}})
+
+
+def _event(c, clock: _Clock, kind: str, trigger, done, *, limit: int = 40, profile: bool = False) -> dict:
+    """Fire `trigger()` (it may return the coordinator that takes over from `c`), then step `c` (reading the cluster first) until `done(c)`: the event's row. decision
+    -> call: from the trigger to the first call that carries it out; coordinator_s: the wall time until
+    done less the time inside the fake group's calls; top: with `profile`, the coordinator functions with
+    the most own time."""
+    import cProfile
+    import pstats
+
+    clock.reset()
+    prof = cProfile.Profile() if profile else None
+    gc.collect()
+    t0 = time.perf_counter()
+    if prof:
+        prof.enable()
+    c = trigger() or c
+    steps = 0
+    while steps < limit:
+        c.watcher.poll()
+        if done(c):
+            break
+        c.step()
+        steps += 1
+    wall = time.perf_counter() - t0
+    if prof:
+        prof.disable()
+    started = min((clock.first[n] for n in CARRY_OUT if n in clock.first), default=math.nan)
+    row = {"event": kind, "done": bool(done(c)), "steps": steps, "wall_s": wall, "group_s": clock.inside,
+           "coordinator_s": wall - clock.inside, "decision_to_call_s": started - t0,
+           "carried_out_by": next((n for n in CARRY_OUT if n in clock.first), None),
+           "group_calls": dict(clock.calls), "world": c.plan.world_size if c.plan else None,
+           "layout": str(c.plan.layout) if c.plan else None, "state": str(c.state.name)}
+    if prof:
+        st = pstats.Stats(prof)
+        own = sorted(((v[2], k) for k, v in st.stats.items()), reverse=True)  # (tottime, (file, line, fn))
+        row["top"] = [{"fn": f"{Path(k[0]).name}:{k[1]}:{k[2]}", "own_s": round(t, 4), "calls": st.stats[k][1]}
+                      for t, k in own[:8]]
+    return row
+
+
+def coordinator_run(workers: int, dp_mode: str, profile: bool) -> dict:
+    """Every event kind at `workers` fake workers (8 per node): start, drain (a notice on one node), join (a
+    node added), kill (a node dies without notice: survivors salvaged, the group healed from them), resize
+    (the user asks for 3/4 of the workers), takeover (a new coordinator takes over the group its lost
+    predecessor left running)."""
+    from service.control.commands import SetWorkers
     from service.control.coordinator import Coordinator, CoordinatorOptions
     from service.control.job import Job
-    from tests.fakes import Disk, FakeCluster, FakeGroup
+    from service.control.states import Running
+    from tests.fakes import FakeCluster
     from workers.config import JobConfig
 
-    n_nodes = a.workers // 8
+    n_nodes = workers // 8
     cluster = FakeCluster({f"node{i:05d}": 8 for i in range(n_nodes)})
     cfg = JobConfig.from_dict({
         "model": {"preset": "8b"},
         "data": {"source": "synthetic", "seq_len": 16},
-        "train": {"steps": 10_000, "global_batch_size": a.workers * 4, "micro_batch_size": 1},
-        "parallel": {"min_workers": 8, "max_workers": a.workers, "gpus_per_node": 8, "reshard": "live",
-                     "dp_mode": a.dp_mode, "memory_budget_gb": 80},
+        "train": {"steps": 10_000_000, "global_batch_size": workers * 4, "micro_batch_size": 1},
+        "parallel": {"min_workers": 8, "max_workers": workers, "gpus_per_node": 8, "reshard": "live",
+                     "dp_mode": dp_mode, "memory_budget_gb": 80},
         "checkpoint": {"interval_steps": 50},
     })
-    calls: dict[str, float] = {}
-
-    class Timed(FakeGroup):
-        heals = True  # survivors of a failure keep their state, as real workers do
-
-        def reshard(self, old, new, nodes, *, survivors=None):
-            calls.setdefault("heal_called" if survivors is not None else "reshard_called", time.perf_counter())
-            return super().reshard(old, new, nodes, survivors=survivors)
-
-        def form(self, plan, *, adopt=False):
-            calls.setdefault("form_called", time.perf_counter())
-            return super().form(plan, adopt=adopt)
-
-    group = type("G", (Timed,), {"disk": Disk(50), "cluster": cluster, "fail_next": []})
+    clock, left = _Clock(), {}
+    group_cls = _timed_group(clock, cluster, left)
+    rows = []
     with tempfile.TemporaryDirectory() as run_dir:
-        c = Coordinator(Job.of(cfg, job_id="scale", run_dir=Path(run_dir)), watcher=cluster.watcher(),
-                        options=CoordinatorOptions(settle_seconds=0.0, max_restarts=2))
-        c.worker_group_cls = group
-        c.group_probe = lambda nodes, timeout_s: set(nodes)
-        t = time.perf_counter()
-        for _ in range(50):
-            c.watcher.poll()
-            c.step()
-            if str(c.state.name) == "RUNNING" and c.plan is not None:
-                break
-        start_s = time.perf_counter() - t
-        first = c.plan
-        for _ in range(3):  # a few steady steps
-            c.watcher.poll()
-            c.step()
-        cluster.draining[f"node{n_nodes - 1:05d}"] = int(time.time() * 1000) + 30_000
-        t0 = time.perf_counter()
-        c.watcher.poll()
-        steps = 0
-        while "reshard_called" not in calls and steps < 20:
-            c.step()
-            steps += 1
-        decided_s = calls.get("reshard_called", math.nan) - t0
-        total_s = time.perf_counter() - t0
-        calls.pop("form_called", None)
-        for _ in range(2):
-            c.watcher.poll()
-            c.step()
-        cluster.dead.add("node00000")  # a node dies without notice: salvage, then heal or restore
-        t1 = time.perf_counter()
-        c.watcher.poll()
-        for _ in range(20):
-            if "heal_called" in calls or "form_called" in calls:
-                break
-            c.step()
-        failed_s = min(calls.get("heal_called", math.inf), calls.get("form_called", math.inf)) - t1
-        return {"workers": a.workers, "first_plan": str(first.layout) if first else None,
-                "first_world": first.world_size if first else None, "start_s": start_s,
-                "new_plan": str(c.plan.layout) if c.plan else None,
-                "new_world": c.plan.world_size if c.plan else None,
-                "notice_to_transfer_start_s": decided_s, "steps": steps, "event_steps_s": total_s,
-                "failure_to_new_group_s": failed_s, "failure_path": "heal" if "heal_called" in calls else "restore",
-                "after_failure_plan": str(c.plan.layout) if c.plan else None}
+        def coordinator() -> Coordinator:
+            c = Coordinator(Job.of(cfg, job_id="scale", run_dir=Path(run_dir)), watcher=cluster.watcher(),
+                            options=CoordinatorOptions(settle_seconds=0.0, max_restarts=100, owner="scale-job"))
+            c.worker_group_cls = group_cls
+            c.group_probe = lambda nodes, timeout_s: {n for n in nodes if n not in cluster.dead}
+            return c
+
+        c = coordinator()
+
+        def running_at(world=None, changed_from=None):
+            def done(c):
+                return (isinstance(c.state, Running) and c.state.record is None and c.plan is not None
+                        and (world is None or c.plan.world_size == world)
+                        and (changed_from is None or c.plan != changed_from))
+            return done
+
+        def steady(n=2):
+            for _ in range(n):
+                c.watcher.poll()
+                c.step()
+
+        rows.append(_event(c, clock, "start", lambda: None, running_at(), profile=profile))
+        steady()
+        last = f"node{n_nodes - 1:05d}"
+        before = c.plan
+        rows.append(_event(c, clock, "drain", lambda: cluster.draining.update({last: int(time.time() * 1000) + 30_000}),
+                           running_at(changed_from=before), profile=profile))
+        steady()
+        before = c.plan
+
+        cluster.draining.pop(last)
+        del cluster.nodes[last]  # the drained node is gone
+        steady()
+        rows.append(_event(c, clock, "join", lambda: cluster.nodes.update({f"node{n_nodes:05d}": 8}),
+                           running_at(changed_from=before), profile=profile))
+        steady()
+        before = c.plan
+        rows.append(_event(c, clock, "kill", lambda: cluster.dead.add("node00000"),
+                           running_at(changed_from=before), profile=profile))
+        steady()
+        before = c.plan
+        rows.append(_event(c, clock, "resize", lambda: c.send(SetWorkers(workers=workers * 3 // 4)),
+                           running_at(changed_from=before), profile=profile))
+        steady()
+        g = c.group
+        left.update(members=list(g.members), plan=c.plan, step=g.step)
+        lost_plan = c.plan
+        # the lost coordinator's workers outlive it; a new one reads its events and takes them over
+        rows.append(_event(c, clock, "takeover", coordinator,
+                           lambda new: new is not c and isinstance(new.state, Running) and new.plan == lost_plan, profile=profile))
+    return {"workers": workers, "events": rows}
+
+
+def cmd_coordinator(a) -> dict:
+    """`coordinator_run` at each of `--workers`, in one process, each event's coordinator time at the
+    largest size over the same at `--base` (the ratio the targets read, the box's load cancelling)."""
+    runs = {w: coordinator_run(w, a.dp_mode, a.profile) for w in a.workers}
+    by = {w: {r["event"]: r for r in run["events"]} for w, run in runs.items()}
+    big = max(a.workers)
+    ratios = {k: by[big][k]["coordinator_s"] / by[a.base][k]["coordinator_s"]
+              for k in by[big] if a.base in by and k in by[a.base] and by[a.base][k]["coordinator_s"] > 0}
+    return {"command": " ".join(sys.argv[1:]), "load_average": list(os.getloadavg()), "dp_mode": a.dp_mode,
+            f"ratio_{big}_over_{a.base}": ratios, "runs": list(runs.values())}
 
 
 def main() -> None:
@@ -473,8 +587,11 @@ def main() -> None:
                    help="read block digests at most this many bytes apart in one range (default: --gap, else the loader's)")
     m.add_argument("--verbose", action="store_true")
     c = sub.add_parser("coordinator")
-    c.add_argument("--workers", type=int, default=1024)
-    c.add_argument("--dp-mode", default="shard", choices=["shard", "replicate", "auto"])
+    c.add_argument("--workers", type=int, nargs="+", default=[256, 1024, 4096], help="fake workers (8 per node)")
+    c.add_argument("--base", type=int, default=1024, help="the size the largest is compared with")
+    c.add_argument("--profile", action="store_true", help="cProfile each event: the functions with most own time")
+    c.add_argument("--dp-mode", default="replicate", choices=["shard", "replicate", "auto"],
+                   help="replicate: a node's death heals from the survivors; shard: it restores from storage")
     a = ap.parse_args()
     out = {"plan": cmd_plan, "manifest": cmd_manifest, "coordinator": cmd_coordinator}[a.cmd](a)
     print(json.dumps(out, indent=1))

@@ -1,0 +1,31 @@
+"""`benchmarks/scale.py coordinator` at a small size: every event kind runs to its end and is carried out
+by the group call it names (the benchmark measures what it says it does)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _scale():
+    spec = importlib.util.spec_from_file_location("scale_bench", ROOT / "benchmarks" / "scale.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_every_event_kind_ends_running_its_new_plan_carried_out_by_one_group_call():
+    rows = {r["event"]: r for r in _scale().coordinator_run(64, "replicate", profile=False)["events"]}
+
+    assert list(rows) == ["start", "drain", "join", "kill", "resize", "takeover"]
+    assert all(r["done"] and r["state"] == "RUNNING" for r in rows.values())
+    assert {k: r["carried_out_by"] for k, r in rows.items()} == {
+        "start": "form", "drain": "reshard", "join": "reshard", "kill": "reshard", "resize": "reshard",
+        "takeover": "carry_on"}
+    assert {k: r["world"] for k, r in rows.items()} == {
+        "start": 64, "drain": 56, "join": 64, "kill": 56, "resize": 48, "takeover": 48}
+    # the failure path asks every survivor in one call, and heals the group from their state
+    assert rows["kill"]["group_calls"]["salvage"] == 1
+    assert all(r["coordinator_s"] >= 0 and r["decision_to_call_s"] >= 0 for r in rows.values())
