@@ -435,8 +435,9 @@ def _timed_group(clock: _Clock, cluster, left: dict):
 def _event(c, clock: _Clock, kind: str, trigger, done, *, limit: int = 40, profile: bool = False) -> dict:
     """Fire `trigger()` (it may return the coordinator that takes over from `c`), then step `c` (reading the cluster first) until `done(c)`: the event's row. decision
     -> call: from the trigger to the first call that carries it out; coordinator_s: the wall time until
-    done less the time inside the fake group's calls; top: with `profile`, the coordinator functions with
-    the most own time."""
+    done less the time inside the fake group's calls and the watcher's polls (`watcher_s`: a thread of
+    its own in a real coordinator); top: with `profile`, the functions with the most own time (cProfile
+    slows the run down: take the times from a run without it)."""
     import cProfile
     import pstats
 
@@ -447,9 +448,11 @@ def _event(c, clock: _Clock, kind: str, trigger, done, *, limit: int = 40, profi
     if prof:
         prof.enable()
     c = trigger() or c
-    steps = 0
+    steps, watch = 0, 0.0
     while steps < limit:
-        c.watcher.poll()
+        t = time.perf_counter()
+        c.watcher.poll()  # the watcher's thread does this in a real coordinator
+        watch += time.perf_counter() - t
         if done(c):
             break
         c.step()
@@ -459,7 +462,7 @@ def _event(c, clock: _Clock, kind: str, trigger, done, *, limit: int = 40, profi
         prof.disable()
     started = min((clock.first[n] for n in CARRY_OUT if n in clock.first), default=math.nan)
     row = {"event": kind, "done": bool(done(c)), "steps": steps, "wall_s": wall, "group_s": clock.inside,
-           "coordinator_s": wall - clock.inside, "decision_to_call_s": started - t0,
+           "watcher_s": watch, "coordinator_s": wall - clock.inside - watch, "decision_to_call_s": started - t0,
            "carried_out_by": next((n for n in CARRY_OUT if n in clock.first), None),
            "group_calls": dict(clock.calls), "world": c.plan.world_size if c.plan else None,
            "layout": str(c.plan.layout) if c.plan else None, "state": str(c.state.name)}
@@ -551,9 +554,15 @@ def coordinator_run(workers: int, dp_mode: str, profile: bool) -> dict:
 
 
 def cmd_coordinator(a) -> dict:
-    """`coordinator_run` at each of `--workers`, in one process, each event's coordinator time at the
+    """`coordinator_run` at each of `--workers`, in one process (with `--profile`, then again under cProfile
+    for where the time goes), each event's coordinator time at the
     largest size over the same at `--base` (the ratio the targets read, the box's load cancelling)."""
-    runs = {w: coordinator_run(w, a.dp_mode, a.profile) for w in a.workers}
+    runs = {w: coordinator_run(w, a.dp_mode, False) for w in a.workers}
+    if a.profile:  # where the time goes, from a second run (cProfile's overhead kept out of the times)
+        for w in a.workers:
+            tops = {r["event"]: r["top"] for r in coordinator_run(w, a.dp_mode, True)["events"]}
+            for r in runs[w]["events"]:
+                r["top"] = tops[r["event"]]
     by = {w: {r["event"]: r for r in run["events"]} for w, run in runs.items()}
     big = max(a.workers)
     ratios = {k: by[big][k]["coordinator_s"] / by[a.base][k]["coordinator_s"]
