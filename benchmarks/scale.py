@@ -29,9 +29,10 @@ manifest: the checkpoint metadata a rank reads on load, built in memory as `Chec
   boxes (load), and choosing the boxes it writes (save).
 coordinator: the fake pool of tests/fakes.py with `--workers` workers (8 per node; 256, 1,024 and 4,096 by
   default, one after the other in one process) running an `8b` job, through every event kind in turn:
-  start, drain (a preemption notice on one node), join (a node added), kill (a node dies without notice:
-  every survivor's salvage answer, then the group healed or restored), resize (the user asks for 3/4 of
-  the workers) and takeover (a new coordinator reading the job's events takes over the group its lost
+  start, drain (a preemption notice on one node), join (a node added), resize (the user asks for 3/4 of
+  the workers), kill (the node of rank 0 dies without notice: every survivor's salvage answer, then the
+  group healed or restored), kill_snapshots (the same, the survivors holding no live state they can vouch
+  for but peer snapshots: the group forms from those copies) and takeover (a new coordinator reading the job's events takes over the group its lost
   predecessor left running). Per event: decision -> call (from the event to the start of the group call
   that carries it out: `reshard`, `form` or `carry_on`), the coordinator's own seconds (its steps until
   it runs the new plan, less the time inside the fake group's calls), the group calls it made, and with
@@ -396,6 +397,8 @@ class _Clock:
 
     def reset(self) -> None:
         self.inside, self.depth, self.first, self.calls = 0.0, 0, {}, Counter()
+        self.source: str | None = None
+        """What a live transfer moved the state from (the sound group, survivors' live state, peer snapshots)."""
 
     def wrap(self, name: str, fn):
         clock = self
@@ -421,13 +424,18 @@ def _timed_group(clock: _Clock, cluster, left: dict):
 
     base = fake_group_cls(cluster, 50)
 
+    def reshard(self, old, new, nodes, **kw):
+        clock.source = ("peer snapshots" if kw.get("snapshot_step") is not None else
+                        "survivors' live state" if kw.get("survivors") is not None else "the sound group")
+        return base.reshard(self, old, new, nodes, **kw)
+
     def adopt(self):
         if not left:
             return 0
         self.members, self.plan, self.step = list(left["members"]), left["plan"], left["step"]
         return len(self.members)
 
-    attrs = {"heals": True, "adopt": adopt}
+    attrs = {"heals": True, "adopt": adopt, "reshard": reshard}
     return type("Timed", (base,), {**attrs, **{n: clock.wrap(n, attrs.get(n) or getattr(base, n))
                                                for n in GROUP_CALLS}})
 
@@ -463,7 +471,7 @@ def _event(c, clock: _Clock, kind: str, trigger, done, *, limit: int = 40, profi
     started = min((clock.first[n] for n in CARRY_OUT if n in clock.first), default=math.nan)
     row = {"event": kind, "done": bool(done(c)), "steps": steps, "wall_s": wall, "group_s": clock.inside,
            "watcher_s": watch, "coordinator_s": wall - clock.inside - watch, "decision_to_call_s": started - t0,
-           "carried_out_by": next((n for n in CARRY_OUT if n in clock.first), None),
+           "carried_out_by": next((n for n in CARRY_OUT if n in clock.first), None), "moved_from": clock.source,
            "group_calls": dict(clock.calls), "world": c.plan.world_size if c.plan else None,
            "layout": str(c.plan.layout) if c.plan else None, "state": str(c.state.name)}
     if prof:
@@ -475,13 +483,16 @@ def _event(c, clock: _Clock, kind: str, trigger, done, *, limit: int = 40, profi
 
 
 def coordinator_run(workers: int, dp_mode: str, profile: bool) -> dict:
-    """Every event kind at `workers` fake workers (8 per node): start, drain (a notice on one node), join (a
-    node added), kill (a node dies without notice: survivors salvaged, the group healed from them), resize
-    (the user asks for 3/4 of the workers), takeover (a new coordinator takes over the group its lost
-    predecessor left running)."""
+    """Every event kind at `workers` fake workers (8 per node), in turn: start, drain (a notice on one node),
+    join (a node added), resize (the user asks for 3/4 of the workers), kill (the node of rank 0 dies:
+    survivors salvaged, the group healed from them), kill_snapshots (the same, formed from the survivors'
+    peer snapshots), takeover (a new coordinator takes over the group its lost predecessor left running).
+    Each event ends when the group call that carries it out was made and the group trained its first step
+    (for the takeover: runs the lost plan)."""
     from service.control.commands import SetWorkers
     from service.control.coordinator import Coordinator, CoordinatorOptions
     from service.control.job import Job
+    from parallel.peers import pair
     from service.control.states import Running
     from tests.fakes import FakeCluster
     from workers.config import JobConfig
@@ -509,47 +520,48 @@ def coordinator_run(workers: int, dp_mode: str, profile: bool) -> dict:
 
         c = coordinator()
 
-        def running_at(world=None, changed_from=None):
-            def done(c):
-                return (isinstance(c.state, Running) and c.state.record is None and c.plan is not None
-                        and (world is None or c.plan.world_size == world)
-                        and (changed_from is None or c.plan != changed_from))
-            return done
+        def carried_out(c) -> bool:  # the event's group call made, the new group through its first step
+            return (any(n in clock.first for n in CARRY_OUT) and isinstance(c.state, Running)
+                    and c.state.record is None)
 
         def steady(n=2):
             for _ in range(n):
                 c.watcher.poll()
                 c.step()
 
-        rows.append(_event(c, clock, "start", lambda: None, running_at(), profile=profile))
-        steady()
-        last = f"node{n_nodes - 1:05d}"
-        before = c.plan
-        rows.append(_event(c, clock, "drain", lambda: cluster.draining.update({last: int(time.time() * 1000) + 30_000}),
-                           running_at(changed_from=before), profile=profile))
-        steady()
-        before = c.plan
+        def event(kind: str, trigger, done=carried_out):
+            rows.append(_event(c, clock, kind, trigger, done, profile=profile))
+            steady()
 
+        def snapshots_kept() -> dict[int, dict[int, tuple[int, ...]]]:
+            """Each rank's peer snapshot of this step, in its own memory and its buddy's on another node
+            (`parallel.peers.pair`, as workers.snapshots keeps them): {rank: {old rank: (step,)}}."""
+            members, step = c.group.members, c.group.step
+            kept = {r: {r: (step,)} for r in range(len(members))}
+            for r, buddy in enumerate(pair(members).buddy):
+                kept[buddy][r] = (step,)
+            return kept
+
+        event("start", lambda: None)
+        last = f"node{n_nodes - 1:05d}"
+        event("drain", lambda: cluster.draining.update({last: int(time.time() * 1000) + 30_000}))
         cluster.draining.pop(last)
         del cluster.nodes[last]  # the drained node is gone
         steady()
-        rows.append(_event(c, clock, "join", lambda: cluster.nodes.update({f"node{n_nodes:05d}": 8}),
-                           running_at(changed_from=before), profile=profile))
-        steady()
-        before = c.plan
-        rows.append(_event(c, clock, "kill", lambda: cluster.dead.add("node00000"),
-                           running_at(changed_from=before), profile=profile))
-        steady()
-        before = c.plan
-        rows.append(_event(c, clock, "resize", lambda: c.send(SetWorkers(workers=workers * 3 // 4)),
-                           running_at(changed_from=before), profile=profile))
-        steady()
-        g = c.group
-        left.update(members=list(g.members), plan=c.plan, step=g.step)
-        lost_plan = c.plan
+        event("join", lambda: cluster.nodes.update({f"node{n_nodes:05d}": 8}))
+        event("resize", lambda: c.send(SetWorkers(workers=workers * 3 // 4)))
+        # kills: the node of rank 0, without notice (spare nodes are left after the resize)
+        event("kill", lambda: cluster.dead.add(c.group.members[0]))
+        # the survivors cannot vouch for their live state, but hold peer snapshots: formed from those
+        group_cls.heals, group_cls.snapshots = False, snapshots_kept()
+        event("kill_snapshots", lambda: cluster.dead.add(c.group.members[0]))
+        group_cls.heals, group_cls.snapshots = True, None
+        left.update(members=list(c.group.members), plan=c.plan, step=c.group.step)
+        lost = c.plan
         # the lost coordinator's workers outlive it; a new one reads its events and takes them over
         rows.append(_event(c, clock, "takeover", coordinator,
-                           lambda new: new is not c and isinstance(new.state, Running) and new.plan == lost_plan, profile=profile))
+                           lambda new: new is not c and "carry_on" in clock.first and isinstance(new.state, Running)
+                           and new.plan == lost, profile=profile))
     return {"workers": workers, "events": rows}
 
 
