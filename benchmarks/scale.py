@@ -51,6 +51,7 @@ import importlib.util
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -566,21 +567,33 @@ def coordinator_run(workers: int, dp_mode: str, profile: bool) -> dict:
 
 
 def cmd_coordinator(a) -> dict:
-    """`coordinator_run` at each of `--workers`, in one process (with `--profile`, then again under cProfile
-    for where the time goes), each event's coordinator time at the
-    largest size over the same at `--base` (the ratio the targets read, the box's load cancelling)."""
-    runs = {w: coordinator_run(w, a.dp_mode, False) for w in a.workers}
-    if a.profile:  # where the time goes, from a second run (cProfile's overhead kept out of the times)
+    """`coordinator_run` `--repeat` times at each of `--workers`, the sizes interleaved, in one process;
+    per event the median of its coordinator seconds and of decision -> call (the samples kept), and the
+    median at the largest size over the same at `--base` (both in the same run, the box's load shared).
+    With `--profile`, once more under cProfile for where the time goes (its overhead kept out of the
+    times)."""
+    samples: dict[int, list[dict]] = {w: [] for w in a.workers}
+    for _ in range(a.repeat):
         for w in a.workers:
+            samples[w].append(coordinator_run(w, a.dp_mode, False))
+    runs = []
+    for w in a.workers:
+        rows = samples[w][0]["events"]
+        for i, r in enumerate(rows):
+            for key in ("wall_s", "coordinator_s", "decision_to_call_s", "group_s", "watcher_s"):
+                got = [run["events"][i][key] for run in samples[w]]
+                r[key], r[f"{key}_samples"] = statistics.median(got), got
+        if a.profile:
             tops = {r["event"]: r["top"] for r in coordinator_run(w, a.dp_mode, True)["events"]}
-            for r in runs[w]["events"]:
+            for r in rows:
                 r["top"] = tops[r["event"]]
-    by = {w: {r["event"]: r for r in run["events"]} for w, run in runs.items()}
+        runs.append({"workers": w, "events": rows})
+    by = {run["workers"]: {r["event"]: r for r in run["events"]} for run in runs}
     big = max(a.workers)
     ratios = {k: by[big][k]["coordinator_s"] / by[a.base][k]["coordinator_s"]
               for k in by[big] if a.base in by and k in by[a.base] and by[a.base][k]["coordinator_s"] > 0}
     return {"command": " ".join(sys.argv[1:]), "load_average": list(os.getloadavg()), "dp_mode": a.dp_mode,
-            f"ratio_{big}_over_{a.base}": ratios, "runs": list(runs.values())}
+            "repeat": a.repeat, f"ratio_{big}_over_{a.base}": ratios, "runs": runs}
 
 
 def main() -> None:
@@ -609,6 +622,7 @@ def main() -> None:
     m.add_argument("--verbose", action="store_true")
     c = sub.add_parser("coordinator")
     c.add_argument("--workers", type=int, nargs="+", default=[256, 1024, 4096], help="fake workers (8 per node)")
+    c.add_argument("--repeat", type=int, default=5, help="runs per size (the median is reported)")
     c.add_argument("--base", type=int, default=1024, help="the size the largest is compared with")
     c.add_argument("--profile", action="store_true", help="cProfile each event: the functions with most own time")
     c.add_argument("--dp-mode", default="replicate", choices=["shard", "replicate", "auto"],
