@@ -390,14 +390,14 @@ CARRY_OUT = ("reshard", "form", "carry_on")
 
 
 class _Clock:
-    """Time inside the fake group's calls (outermost call only) and when each kind of call first started,
-    and the calls made (by name) since `reset`."""
+    """Wall and CPU time inside the fake group's calls (outermost call only), when each kind of call first
+    started, and the calls made (by name) since `reset`."""
 
     def __init__(self) -> None:
         self.reset()
 
     def reset(self) -> None:
-        self.inside, self.depth, self.first, self.calls = 0.0, 0, {}, Counter()
+        self.inside, self.inside_cpu, self.depth, self.first, self.calls = 0.0, 0.0, 0, {}, Counter()
         self.source: str | None = None
         """What a live transfer moved the state from (the sound group, survivors' live state, peer snapshots)."""
 
@@ -408,13 +408,14 @@ class _Clock:
             clock.first.setdefault(name, time.perf_counter())
             clock.calls[name] += 1
             clock.depth += 1
-            t = time.perf_counter()
+            t, cpu = time.perf_counter(), time.process_time()
             try:
                 return fn(self_, *args, **kw)
             finally:
                 clock.depth -= 1
                 if clock.depth == 0:
                     clock.inside += time.perf_counter() - t
+                    clock.inside_cpu += time.process_time() - cpu
         return timed
 
 
@@ -445,7 +446,8 @@ def _event(c, clock: _Clock, kind: str, trigger, done, *, limit: int = 40, profi
     """Fire `trigger()` (it may return the coordinator that takes over from `c`), then step `c` (reading the cluster first) until `done(c)`: the event's row. decision
     -> call: from the trigger to the first call that carries it out; coordinator_s: the wall time until
     done less the time inside the fake group's calls and the watcher's polls (`watcher_s`: a thread of
-    its own in a real coordinator); top: with `profile`, the functions with the most own time (cProfile
+    its own in a real coordinator); coordinator_cpu_s: the same in this process's CPU time (what a
+    loaded box's waits for a core leave out); top: with `profile`, the functions with the most own time (cProfile
     slows the run down: take the times from a run without it)."""
     import cProfile
     import pstats
@@ -453,25 +455,27 @@ def _event(c, clock: _Clock, kind: str, trigger, done, *, limit: int = 40, profi
     clock.reset()
     prof = cProfile.Profile() if profile else None
     gc.collect()
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     if prof:
         prof.enable()
     c = trigger() or c
-    steps, watch = 0, 0.0
+    steps, watch, watch_cpu = 0, 0.0, 0.0
     while steps < limit:
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.process_time()
         c.watcher.poll()  # the watcher's thread does this in a real coordinator
         watch += time.perf_counter() - t
+        watch_cpu += time.process_time() - cpu
         if done(c):
             break
         c.step()
         steps += 1
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     if prof:
         prof.disable()
     started = min((clock.first[n] for n in CARRY_OUT if n in clock.first), default=math.nan)
     row = {"event": kind, "done": bool(done(c)), "steps": steps, "wall_s": wall, "group_s": clock.inside,
-           "watcher_s": watch, "coordinator_s": wall - clock.inside - watch, "decision_to_call_s": started - t0,
+           "watcher_s": watch, "coordinator_s": wall - clock.inside - watch,
+           "coordinator_cpu_s": cpu - clock.inside_cpu - watch_cpu, "decision_to_call_s": started - t0,
            "carried_out_by": next((n for n in CARRY_OUT if n in clock.first), None), "moved_from": clock.source,
            "group_calls": dict(clock.calls), "world": c.plan.world_size if c.plan else None,
            "layout": str(c.plan.layout) if c.plan else None, "state": str(c.state.name)}
@@ -568,8 +572,9 @@ def coordinator_run(workers: int, dp_mode: str, profile: bool) -> dict:
 
 def cmd_coordinator(a) -> dict:
     """`coordinator_run` `--repeat` times at each of `--workers`, the sizes interleaved, in one process;
-    per event the median of its coordinator seconds and of decision -> call (the samples kept), and the
-    median at the largest size over the same at `--base` (both in the same run, the box's load shared).
+    per event the median of its coordinator seconds (wall and CPU) and of decision -> call (the samples
+    kept), and the median at the largest size over the same at `--base` (both in the same run, the box's
+    load shared).
     With `--profile`, once more under cProfile for where the time goes (its overhead kept out of the
     times)."""
     samples: dict[int, list[dict]] = {w: [] for w in a.workers}
@@ -580,7 +585,7 @@ def cmd_coordinator(a) -> dict:
     for w in a.workers:
         rows = samples[w][0]["events"]
         for i, r in enumerate(rows):
-            for key in ("wall_s", "coordinator_s", "decision_to_call_s", "group_s", "watcher_s"):
+            for key in ("wall_s", "coordinator_s", "coordinator_cpu_s", "decision_to_call_s", "group_s", "watcher_s"):
                 got = [run["events"][i][key] for run in samples[w]]
                 r[key], r[f"{key}_samples"] = statistics.median(got), got
         if a.profile:
@@ -590,8 +595,8 @@ def cmd_coordinator(a) -> dict:
         runs.append({"workers": w, "events": rows})
     by = {run["workers"]: {r["event"]: r for r in run["events"]} for run in runs}
     big = max(a.workers)
-    ratios = {k: by[big][k]["coordinator_s"] / by[a.base][k]["coordinator_s"]
-              for k in by[big] if a.base in by and k in by[a.base] and by[a.base][k]["coordinator_s"] > 0}
+    ratios = {k: {m: by[big][k][m] / by[a.base][k][m] for m in ("coordinator_s", "coordinator_cpu_s")
+                  if by[a.base][k][m] > 0} for k in by[big] if a.base in by and k in by[a.base]}
     return {"command": " ".join(sys.argv[1:]), "load_average": list(os.getloadavg()), "dp_mode": a.dp_mode,
             "repeat": a.repeat, f"ratio_{big}_over_{a.base}": ratios, "runs": runs}
 
