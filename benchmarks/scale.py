@@ -32,7 +32,8 @@ coordinator: the fake pool of tests/fakes.py with `--workers` workers (8 per nod
   start, drain (a preemption notice on one node), join (a node added), resize (the user asks for 3/4 of
   the workers), kill (the node of rank 0 dies without notice: every survivor's salvage answer, then the
   group healed or restored), kill_snapshots (the same, the survivors holding no live state they can vouch
-  for but peer snapshots: the group forms from those copies) and takeover (a new coordinator reading the job's events takes over the group its lost
+  for but peer snapshots: the group forms from those copies), kill_uncovered (the same with no copy of
+  the dead node's ranks left: restored from storage) and takeover (a new coordinator reading the job's events takes over the group its lost
   predecessor left running). Per event: decision -> call (from the event to the start of the group call
   that carries it out: `reshard`, `form` or `carry_on`), the coordinator's own seconds (its steps until
   it runs the new plan, less the time inside the fake group's calls), the group calls it made, and with
@@ -491,12 +492,13 @@ def coordinator_run(workers: int, dp_mode: str, profile: bool) -> dict:
     """Every event kind at `workers` fake workers (8 per node), in turn: start, drain (a notice on one node),
     join (a node added), resize (the user asks for 3/4 of the workers), kill (the node of rank 0 dies:
     survivors salvaged, the group healed from them), kill_snapshots (the same, formed from the survivors'
-    peer snapshots), takeover (a new coordinator takes over the group its lost predecessor left running).
+    peer snapshots), kill_uncovered (the same, no copy left of the dead node's ranks: restored), takeover (a new coordinator takes over the group its lost predecessor left running).
     Each event ends when the group call that carries it out was made and the group trained its first step
     (for the takeover: runs the lost plan)."""
     from service.control.commands import SetWorkers
     from service.control.coordinator import Coordinator, CoordinatorOptions
     from service.control.job import Job
+    from parallel.layout import MeshAxis
     from parallel.peers import pair
     from service.control.states import Running
     from tests.fakes import FakeCluster
@@ -560,6 +562,14 @@ def coordinator_run(workers: int, dp_mode: str, profile: bool) -> dict:
         # the survivors cannot vouch for their live state, but hold peer snapshots: formed from those
         group_cls.heals, group_cls.snapshots = False, snapshots_kept()
         event("kill_snapshots", lambda: cluster.dead.add(c.group.members[0]))
+        # the same, but no survivor holds a copy of the shards rank 0 holds (each rank keeps only its own
+        # copy, and those of rank 0's shards are not kept): no cover, the group restores from storage, and
+        # the events name the ranks whose copies were lost
+        def shards(r: int) -> tuple[int, int, int]:
+            at = c.plan.layout.coords(r)
+            return at[MeshAxis.PP], at[MeshAxis.DP_SHARD], at[MeshAxis.TP]
+        group_cls.snapshots = {r: {r: (c.group.step,)} for r in range(c.group.size) if shards(r) != shards(0)}
+        event("kill_uncovered", lambda: cluster.dead.add(c.group.members[0]))
         group_cls.heals, group_cls.snapshots = True, None
         left.update(members=list(c.group.members), plan=c.plan, step=c.group.step)
         lost = c.plan
