@@ -31,8 +31,8 @@ DEMO_CONFIG = {
 def _wait(cond, timeout: float, what: str, coord) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
-        if coord.sm.state.is_terminal:
-            raise RuntimeError(f"job ended ({coord.sm.state}: {coord.sm.reason}) while waiting for {what}")
+        if coord.state.name.is_terminal:
+            raise RuntimeError(f"job ended ({coord.state.name}: {coord.state.reason}) while waiting for {what}")
         if time.monotonic() > deadline:
             raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}")
         time.sleep(0.05)
@@ -93,7 +93,7 @@ def run_demo(*, steps: int = 100, workers: int = 4, run_dir: str | None = None, 
         coord = runner.coord
 
         def at_step(n):
-            _wait(lambda: coord.step_done >= n and str(coord.sm.state) == "RUNNING", 300, f"step {n}", coord)
+            _wait(lambda: coord.step_done >= n and str(coord.state.name) == "RUNNING", 300, f"step {n}", coord)
 
         def reconfigured(k):
             _wait(lambda: len(coord.reconfigs) >= k, 300, "the reconfiguration", coord)

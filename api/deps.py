@@ -55,7 +55,7 @@ class Settings:
     ray_address: str | None = None
     """Ray cluster for the default (Ray) launcher; None: RAY_ADDRESS, else a private local Ray."""
     schedule: bool = True
-    """Share the cluster among the jobs (service.server.job_scheduling): grants, queue, priorities, quotas.
+    """Share the cluster among the jobs (service.sharing.rounds): grants, queue, priorities, quotas.
     ELASTRON_SCHEDULE=0 turns it off: each job then plans onto the whole cluster, as if it were alone."""
     quotas: dict[str, Quota] = field(default_factory=dict)
     """User name -> the workers and running jobs that user's jobs may hold on the shared cluster."""

@@ -188,20 +188,6 @@ class MetricRow(_Out):
     world_size: int | None = None
 
 
-class EventOut(_Out):
-    time: float
-    job_id: str
-    kind: str
-    from_state: str | None = None
-    to_state: str | None = None
-    reason: str = ""
-    old_layout: dict | None = None
-    new_layout: dict | None = None
-    step: int | None = None
-    cause: str | None = None
-    details: dict = Field(default_factory=dict)
-
-
 class ActionResult(BaseModel):
     id: str
     action: str

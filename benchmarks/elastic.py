@@ -183,7 +183,7 @@ def measure_elastron(*, cluster, scenario: str, workdir: str, state: State, resh
     t.start()
     victim, out = None, None
     try:
-        _wait(lambda: coord.step_done >= EVENT_STEP and str(coord.sm.state) == "RUNNING", state.start_timeout_s,
+        _wait(lambda: coord.step_done >= EVENT_STEP and str(coord.state.name) == "RUNNING", state.start_timeout_s,
               "the event step")
         before = coord.group.size
         me = ray.get_runtime_context().get_node_id()

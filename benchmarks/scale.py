@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/scale.py plan --model 70b --old dp_shard=64,tp=8,pp=2 --new dp_shard=60,tp=8,pp=2
     .venv/bin/python benchmarks/scale.py plan --model 8b --old dp=2 --new dp=1 --baseline 4edddd6
     .venv/bin/python benchmarks/scale.py manifest --model 8b --layout dp_shard=64,tp=8 --new dp_shard=60,tp=8
-    .venv/bin/python benchmarks/scale.py coordinator --workers 1024
+    .venv/bin/python benchmarks/scale.py coordinator --workers 256 1024 4096 --profile
 
 plan: the live reshard's planning as one worker does it (`workers.reshard.exchange`): two `BoxMap`s
   and `plan_rank`, for a sample of workers (`--ranks N` spread over the world, plus the first and last
@@ -27,9 +27,18 @@ manifest: the checkpoint metadata a rank reads on load, built in memory as `Chec
   every box it holds under the loading layout. Sampled loading ranks (`--ranks`); also the time of a
   rank's metadata work: finding its indexes, parsing and merging them and checking their cover of its
   boxes (load), and choosing the boxes it writes (save).
-coordinator: the fake pool of tests/fakes.py with `--workers` workers (8 per node) running an `8b` job;
-  a preemption notice on one node; the coordinator's time from the `step()` that sees the notice to
-  the start of the live transfer (`Group.reshard`), and its whole step.
+coordinator: the fake pool of tests/fakes.py with `--workers` workers (8 per node; 256, 1,024 and 4,096 by
+  default, one after the other in one process) running an `8b` job, through every event kind in turn:
+  start, drain (a preemption notice on one node), join (a node added), resize (the user asks for 3/4 of
+  the workers), kill (the node of rank 0 dies without notice: every survivor's salvage answer, then the
+  group healed or restored), kill_snapshots (the same, the survivors holding no live state they can vouch
+  for but peer snapshots: the group forms from those copies), kill_uncovered (the same with no copy of
+  the dead node's ranks left: restored from storage) and takeover (a new coordinator reading the job's events takes over the group its lost
+  predecessor left running). Per event: decision -> call (from the event to the start of the group call
+  that carries it out: `reshard`, `form` or `carry_on`), the coordinator's own seconds (its steps until
+  it runs the new plan, less the time inside the fake group's calls), the group calls it made, and with
+  `--profile` the functions with the most own time; and each event's coordinator seconds at the largest
+  size over the same at `--base` (both in the same run, on the same box).
 
 Shapes: the `8b` preset, and `70b` = dim 8192, 80 layers, 64 heads, 8 KV heads, ffn 28672, vocab
 128256 (Llama-3-70B), fp32 state (itemsize 4) with both AdamW moments.
@@ -42,6 +51,8 @@ import gc
 import importlib.util
 import json
 import math
+import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -372,80 +383,232 @@ def cmd_manifest(a) -> dict:
     return out
 
 
-def cmd_coordinator(a) -> dict:
+# The group calls the coordinator makes; time inside them is the fake pool's, not the coordinator's.
+GROUP_CALLS = ("scale_to", "prewarm", "warm", "keep_standby", "stop_members", "form", "adopt", "carry_on", "salvage",
+               "reshard", "run", "checkpoint", "leave", "shutdown")
+CARRY_OUT = ("reshard", "form", "carry_on")
+"""The calls that carry an event out: the live transfer, a group formed, a group left running adopted."""
+
+
+class _Clock:
+    """Wall and CPU time inside the fake group's calls (outermost call only), when each kind of call first
+    started, and the calls made (by name) since `reset`."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.inside, self.inside_cpu, self.depth, self.first, self.calls = 0.0, 0.0, 0, {}, Counter()
+        self.source: str | None = None
+        """What a live transfer moved the state from (the sound group, survivors' live state, peer snapshots)."""
+
+    def wrap(self, name: str, fn):
+        clock = self
+
+        def timed(self_, *args, **kw):
+            clock.first.setdefault(name, time.perf_counter())
+            clock.calls[name] += 1
+            clock.depth += 1
+            t, cpu = time.perf_counter(), time.process_time()
+            try:
+                return fn(self_, *args, **kw)
+            finally:
+                clock.depth -= 1
+                if clock.depth == 0:
+                    clock.inside += time.perf_counter() - t
+                    clock.inside_cpu += time.process_time() - cpu
+        return timed
+
+
+def _timed_group(clock: _Clock, cluster, left: dict):
+    """A fake group class on `cluster` whose calls `clock` times; survivors of a failure keep their state
+    (a salvage), and a group taken over after a restart is the one `left` holds (members, plan, step)."""
+    from tests.fakes import fake_group_cls
+
+    base = fake_group_cls(cluster, 50)
+
+    def reshard(self, old, new, nodes, **kw):
+        clock.source = ("peer snapshots" if kw.get("snapshot_step") is not None else
+                        "survivors' live state" if kw.get("survivors") is not None else "the sound group")
+        return base.reshard(self, old, new, nodes, **kw)
+
+    def adopt(self):
+        if not left:
+            return 0
+        self.members, self.plan, self.step = list(left["members"]), left["plan"], left["step"]
+        return len(self.members)
+
+    attrs = {"heals": True, "adopt": adopt, "reshard": reshard}
+    return type("Timed", (base,), {**attrs, **{n: clock.wrap(n, attrs.get(n) or getattr(base, n))
+                                               for n in GROUP_CALLS}})
+
+
+def _event(c, clock: _Clock, kind: str, trigger, done, *, limit: int = 40, profile: bool = False) -> dict:
+    """Fire `trigger()` (it may return the coordinator that takes over from `c`), then step `c` (reading the cluster first) until `done(c)`: the event's row. decision
+    -> call: from the trigger to the first call that carries it out; coordinator_s: the wall time until
+    done less the time inside the fake group's calls and the watcher's polls (`watcher_s`: a thread of
+    its own in a real coordinator); coordinator_cpu_s: the same in this process's CPU time (what a
+    loaded box's waits for a core leave out); top: with `profile`, the functions with the most own time (cProfile
+    slows the run down: take the times from a run without it)."""
+    import cProfile
+    import pstats
+
+    clock.reset()
+    prof = cProfile.Profile() if profile else None
+    gc.collect()
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    if prof:
+        prof.enable()
+    c = trigger() or c
+    steps, watch, watch_cpu = 0, 0.0, 0.0
+    while steps < limit:
+        t, cpu = time.perf_counter(), time.process_time()
+        c.watcher.poll()  # the watcher's thread does this in a real coordinator
+        watch += time.perf_counter() - t
+        watch_cpu += time.process_time() - cpu
+        if done(c):
+            break
+        c.step()
+        steps += 1
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    if prof:
+        prof.disable()
+    started = min((clock.first[n] for n in CARRY_OUT if n in clock.first), default=math.nan)
+    row = {"event": kind, "done": bool(done(c)), "steps": steps, "wall_s": wall, "group_s": clock.inside,
+           "watcher_s": watch, "coordinator_s": wall - clock.inside - watch,
+           "coordinator_cpu_s": cpu - clock.inside_cpu - watch_cpu, "decision_to_call_s": started - t0,
+           "carried_out_by": next((n for n in CARRY_OUT if n in clock.first), None), "moved_from": clock.source,
+           "group_calls": dict(clock.calls), "world": c.plan.world_size if c.plan else None,
+           "layout": str(c.plan.layout) if c.plan else None, "state": str(c.state.name)}
+    if prof:
+        st = pstats.Stats(prof)
+        own = sorted(((v[2], k) for k, v in st.stats.items()), reverse=True)  # (tottime, (file, line, fn))
+        row["top"] = [{"fn": f"{Path(k[0]).name}:{k[1]}:{k[2]}", "own_s": round(t, 4), "calls": st.stats[k][1]}
+                      for t, k in own[:8]]
+    return row
+
+
+def coordinator_run(workers: int, dp_mode: str, profile: bool) -> dict:
+    """Every event kind at `workers` fake workers (8 per node), in turn: start, drain (a notice on one node),
+    join (a node added), resize (the user asks for 3/4 of the workers), kill (the node of rank 0 dies:
+    survivors salvaged, the group healed from them), kill_snapshots (the same, formed from the survivors'
+    peer snapshots), kill_uncovered (the same, no copy left of the dead node's ranks: restored), takeover (a new coordinator takes over the group its lost predecessor left running).
+    Each event ends when the group call that carries it out was made and the group trained its first step
+    (for the takeover: runs the lost plan)."""
+    from service.control.commands import SetWorkers
     from service.control.coordinator import Coordinator, CoordinatorOptions
     from service.control.job import Job
-    from tests.fakes import Disk, FakeCluster, FakeGroup
+    from parallel.layout import MeshAxis
+    from parallel.peers import pair
+    from service.control.states import Running
+    from tests.fakes import FakeCluster
     from workers.config import JobConfig
 
-    n_nodes = a.workers // 8
+    n_nodes = workers // 8
     cluster = FakeCluster({f"node{i:05d}": 8 for i in range(n_nodes)})
     cfg = JobConfig.from_dict({
         "model": {"preset": "8b"},
         "data": {"source": "synthetic", "seq_len": 16},
-        "train": {"steps": 10_000, "global_batch_size": a.workers * 4, "micro_batch_size": 1},
-        "parallel": {"min_workers": 8, "max_workers": a.workers, "gpus_per_node": 8, "reshard": "live",
-                     "dp_mode": a.dp_mode, "memory_budget_gb": 80},
+        "train": {"steps": 10_000_000, "global_batch_size": workers * 4, "micro_batch_size": 1},
+        "parallel": {"min_workers": 8, "max_workers": workers, "gpus_per_node": 8, "reshard": "live",
+                     "dp_mode": dp_mode, "memory_budget_gb": 80},
         "checkpoint": {"interval_steps": 50},
     })
-    calls: dict[str, float] = {}
-
-    class Timed(FakeGroup):
-        heals = True  # survivors of a failure keep their state, as real workers do
-
-        def reshard(self, old, new, nodes, *, survivors=None):
-            calls.setdefault("heal_called" if survivors is not None else "reshard_called", time.perf_counter())
-            return super().reshard(old, new, nodes, survivors=survivors)
-
-        def form(self, plan, *, adopt=False):
-            calls.setdefault("form_called", time.perf_counter())
-            return super().form(plan, adopt=adopt)
-
-    group = type("G", (Timed,), {"disk": Disk(50), "cluster": cluster, "fail_next": []})
+    clock, left = _Clock(), {}
+    group_cls = _timed_group(clock, cluster, left)
+    rows = []
     with tempfile.TemporaryDirectory() as run_dir:
-        c = Coordinator(Job.of(cfg, job_id="scale", run_dir=Path(run_dir)), watcher=cluster.watcher(),
-                        options=CoordinatorOptions(settle_seconds=0.0, max_restarts=2))
-        c.worker_group_cls = group
-        c.group_probe = lambda nodes, timeout_s: set(nodes)
-        t = time.perf_counter()
-        for _ in range(50):
-            c.watcher.poll()
-            c.step()
-            if str(c.sm.state) == "RUNNING" and c.plan is not None:
-                break
-        start_s = time.perf_counter() - t
-        first = c.plan
-        for _ in range(3):  # a few steady steps
-            c.watcher.poll()
-            c.step()
-        cluster.draining[f"node{n_nodes - 1:05d}"] = int(time.time() * 1000) + 30_000
-        t0 = time.perf_counter()
-        c.watcher.poll()
-        steps = 0
-        while "reshard_called" not in calls and steps < 20:
-            c.step()
-            steps += 1
-        decided_s = calls.get("reshard_called", math.nan) - t0
-        total_s = time.perf_counter() - t0
-        calls.pop("form_called", None)
-        for _ in range(2):
-            c.watcher.poll()
-            c.step()
-        cluster.dead.add("node00000")  # a node dies without notice: salvage, then heal or restore
-        t1 = time.perf_counter()
-        c.watcher.poll()
-        for _ in range(20):
-            if "heal_called" in calls or "form_called" in calls:
-                break
-            c.step()
-        failed_s = min(calls.get("heal_called", math.inf), calls.get("form_called", math.inf)) - t1
-        return {"workers": a.workers, "first_plan": str(first.layout) if first else None,
-                "first_world": first.world_size if first else None, "start_s": start_s,
-                "new_plan": str(c.plan.layout) if c.plan else None,
-                "new_world": c.plan.world_size if c.plan else None,
-                "notice_to_transfer_start_s": decided_s, "steps": steps, "event_steps_s": total_s,
-                "failure_to_new_group_s": failed_s, "failure_path": "heal" if "heal_called" in calls else "restore",
-                "after_failure_plan": str(c.plan.layout) if c.plan else None}
+        def coordinator() -> Coordinator:
+            c = Coordinator(Job.of(cfg, job_id="scale", run_dir=Path(run_dir)), watcher=cluster.watcher(),
+                            options=CoordinatorOptions(settle_seconds=0.0, max_restarts=100, owner="scale-job"))
+            c.worker_group_cls = group_cls
+            c.group_probe = lambda nodes, timeout_s: {n for n in nodes if n not in cluster.dead}
+            return c
+
+        c = coordinator()
+
+        def carried_out(c) -> bool:  # the event's group call made, the new group through its first step
+            return (any(n in clock.first for n in CARRY_OUT) and isinstance(c.state, Running)
+                    and c.state.record is None)
+
+        def steady(n=2):
+            for _ in range(n):
+                c.watcher.poll()
+                c.step()
+
+        def event(kind: str, trigger, done=carried_out):
+            rows.append(_event(c, clock, kind, trigger, done, profile=profile))
+            steady()
+
+        def snapshots_kept() -> dict[int, dict[int, tuple[int, ...]]]:
+            """Each rank's peer snapshot of this step, in its own memory and its buddy's on another node
+            (`parallel.peers.pair`, as workers.snapshots keeps them): {rank: {old rank: (step,)}}."""
+            members, step = c.group.members, c.group.step
+            kept = {r: {r: (step,)} for r in range(len(members))}
+            for r, buddy in enumerate(pair(members).buddy):
+                kept[buddy][r] = (step,)
+            return kept
+
+        event("start", lambda: None)
+        last = f"node{n_nodes - 1:05d}"
+        event("drain", lambda: cluster.draining.update({last: int(time.time() * 1000) + 30_000}))
+        cluster.draining.pop(last)
+        del cluster.nodes[last]  # the drained node is gone
+        steady()
+        event("join", lambda: cluster.nodes.update({f"node{n_nodes:05d}": 8}))
+        event("resize", lambda: c.send(SetWorkers(workers=workers * 3 // 4)))
+        # kills: the node of rank 0, without notice (spare nodes are left after the resize)
+        event("kill", lambda: cluster.dead.add(c.group.members[0]))
+        # the survivors cannot vouch for their live state, but hold peer snapshots: formed from those
+        group_cls.heals, group_cls.snapshots = False, snapshots_kept()
+        event("kill_snapshots", lambda: cluster.dead.add(c.group.members[0]))
+        # the same, but no survivor holds a copy of the shards rank 0 holds (each rank keeps only its own
+        # copy, and those of rank 0's shards are not kept): no cover, the group restores from storage, and
+        # the events name the ranks whose copies were lost
+        def shards(r: int) -> tuple[int, int, int]:
+            at = c.plan.layout.coords(r)
+            return at[MeshAxis.PP], at[MeshAxis.DP_SHARD], at[MeshAxis.TP]
+        group_cls.snapshots = {r: {r: (c.group.step,)} for r in range(c.group.size) if shards(r) != shards(0)}
+        event("kill_uncovered", lambda: cluster.dead.add(c.group.members[0]))
+        group_cls.heals, group_cls.snapshots = True, None
+        left.update(members=list(c.group.members), plan=c.plan, step=c.group.step)
+        lost = c.plan
+        # the lost coordinator's workers outlive it; a new one reads its events and takes them over
+        rows.append(_event(c, clock, "takeover", coordinator,
+                           lambda new: new is not c and "carry_on" in clock.first and isinstance(new.state, Running)
+                           and new.plan == lost, profile=profile))
+    return {"workers": workers, "events": rows}
+
+
+def cmd_coordinator(a) -> dict:
+    """`coordinator_run` `--repeat` times at each of `--workers`, the sizes interleaved, in one process;
+    per event the median of its coordinator seconds (wall and CPU) and of decision -> call (the samples
+    kept), and the median at the largest size over the same at `--base` (both in the same run, the box's
+    load shared).
+    With `--profile`, once more under cProfile for where the time goes (its overhead kept out of the
+    times)."""
+    samples: dict[int, list[dict]] = {w: [] for w in a.workers}
+    for _ in range(a.repeat):
+        for w in a.workers:
+            samples[w].append(coordinator_run(w, a.dp_mode, False))
+    runs = []
+    for w in a.workers:
+        rows = samples[w][0]["events"]
+        for i, r in enumerate(rows):
+            for key in ("wall_s", "coordinator_s", "coordinator_cpu_s", "decision_to_call_s", "group_s", "watcher_s"):
+                got = [run["events"][i][key] for run in samples[w]]
+                r[key], r[f"{key}_samples"] = statistics.median(got), got
+        if a.profile:
+            tops = {r["event"]: r["top"] for r in coordinator_run(w, a.dp_mode, True)["events"]}
+            for r in rows:
+                r["top"] = tops[r["event"]]
+        runs.append({"workers": w, "events": rows})
+    by = {run["workers"]: {r["event"]: r for r in run["events"]} for run in runs}
+    big = max(a.workers)
+    ratios = {k: {m: by[big][k][m] / by[a.base][k][m] for m in ("coordinator_s", "coordinator_cpu_s")
+                  if by[a.base][k][m] > 0} for k in by[big] if a.base in by and k in by[a.base]}
+    return {"command": " ".join(sys.argv[1:]), "load_average": list(os.getloadavg()), "dp_mode": a.dp_mode,
+            "repeat": a.repeat, f"ratio_{big}_over_{a.base}": ratios, "runs": runs}
 
 
 def main() -> None:
@@ -473,8 +636,12 @@ def main() -> None:
                    help="read block digests at most this many bytes apart in one range (default: --gap, else the loader's)")
     m.add_argument("--verbose", action="store_true")
     c = sub.add_parser("coordinator")
-    c.add_argument("--workers", type=int, default=1024)
-    c.add_argument("--dp-mode", default="shard", choices=["shard", "replicate", "auto"])
+    c.add_argument("--workers", type=int, nargs="+", default=[256, 1024, 4096], help="fake workers (8 per node)")
+    c.add_argument("--repeat", type=int, default=5, help="runs per size (the median is reported)")
+    c.add_argument("--base", type=int, default=1024, help="the size the largest is compared with")
+    c.add_argument("--profile", action="store_true", help="cProfile each event: the functions with most own time")
+    c.add_argument("--dp-mode", default="replicate", choices=["shard", "replicate", "auto"],
+                   help="replicate: a node's death heals from the survivors; shard: it restores from storage")
     a = ap.parse_args()
     out = {"plan": cmd_plan, "manifest": cmd_manifest, "coordinator": cmd_coordinator}[a.cmd](a)
     print(json.dumps(out, indent=1))

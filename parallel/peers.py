@@ -105,7 +105,7 @@ def cover(layout: Layout, held: Mapping[int, Mapping[int, Sequence[int]]]) -> Co
         if {_place(layout, r) for r in have} >= places:
             return Cover(step=step, serve={r: (r if r in hs else hs[0]) for r, hs in sorted(have.items())})
     newest = max(at)
-    lost = sorted(r for r in range(layout.world_size)
-                  if _place(layout, r) not in {_place(layout, h) for h in at[newest]})
+    held_places = {_place(layout, h) for h in at[newest]}
+    lost = sorted(r for r in range(layout.world_size) if _place(layout, r) not in held_places)
     return NoCover(f"no survivor holds a copy of old rank(s) {lost} of {layout} at snapshot step {newest} "
                    f"(nor every shard at an older one): a rank and the buddy that kept its copy were both lost")

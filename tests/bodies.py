@@ -40,14 +40,15 @@ def train_body(cfg_dict: dict, layout: str, steps: int, run_dir: str | None = No
 
 
 def worker_plan_body(cfg_dict: dict, plan_dict: dict, run_dir: str) -> dict:
-    """Join a one-rank group through the worker actor's body with `plan_dict` (as WorkerGroup.form sends
-    it) and train one step; return the micro batches the trainer fed the model."""
+    """Join a one-rank group through the worker actor's body with the plan of `plan_dict` (sent whole, as
+    WorkerGroup.form sends it) and train one step; return the micro batches the trainer fed the model."""
+    from parallel.planner import Plan
     from tests.ports import free_port
     from workers.actor import Worker
     from workers.config import JobConfig
 
     worker = Worker(JobConfig.from_dict(cfg_dict), run_dir)
-    worker.join(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(), plan=plan_dict)
+    worker.join(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(), plan=Plan.from_dict(plan_dict))
     shapes: list[list[tuple[int, ...]]] = []
     worker.trainer.on_batch = lambda b: shapes.append([tuple(x.shape) for x in b.inputs])
     rows = worker.run(until_step=1, steps=1)

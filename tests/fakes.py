@@ -15,14 +15,15 @@ from collections import Counter
 from dataclasses import dataclass, replace
 
 from parallel.planner import Plan, plan
-from service.control.context import Context
 from service.control.coordinator import Coordinator, CoordinatorOptions
 from service.control.events import Event
 from service.control.job import Job
 from service.control.progress import Progress
 from service.control.reconfigure import Reconfigure
 from service.control.recovery import Recovery
-from service.control.state import StateMachine
+from service.control.journal import Journal
+from service.control.recovery import Ledger
+from service.control.state import JobState
 from service.control.takeover import Takeover
 from service.pool.cluster import ClusterWatcher
 from service.pool.group import CarriedOn, FailureKind, Formed, Moved, Salvage, Started, WorkerFailure
@@ -132,7 +133,7 @@ class FakeGroup:
             return CarriedOn(why="they are not the plan's group")
         return CarriedOn(step=self.step, committed_step=self.disk.committed)
 
-    def salvage(self, *, gone=(), dead=tuple, timeout_s=15.0, abort=True):
+    def salvage(self, *, fate=None, gone=(), dead=tuple, timeout_s=15.0, abort=True):
         """Survivors (members off dead nodes) vouch for their state at the current step when `heals`.
         Records the nodes it was told are gone (`salvaged_gone`)."""
         self.salvaged_gone = set(gone)
@@ -223,25 +224,31 @@ def make_coordinator(tmp_path, nodes, *, steps=20, interval=5, min_workers=1, ma
 
 @dataclass(kw_only=True)
 class Parts:
-    """The coordinator's three parts over one Context, built without a coordinator (make_parts)."""
+    """The coordinator's three parts, built without a coordinator (make_parts), over what a coordinator
+    would give them: a journal, the progress, node health, the watcher and the failure ledger."""
 
-    ctx: Context
     recovery: Recovery
     reconfigure: Reconfigure
     takeover: Takeover
+    progress: Progress
+    watcher: ClusterWatcher
     cluster: FakeCluster
     group_cls: type[FakeGroup]
     events: list[Event]
     """Every event the parts emitted, oldest first."""
 
-    def holding(self, workers: int, nodes: list[str], *, step: int) -> Plan:
-        """Give the context a group formed for the plan of `workers` on `nodes`, trained to `step` (the
-        job's step too); returns that plan."""
+    def holding(self, workers: int, nodes: list[str], *, step: int) -> tuple[FakeGroup, Plan]:
+        """A group formed for the plan of `workers` on `nodes`, trained to `step` (the job's step too):
+        (the group, its plan)."""
         p = self.reconfigure.plan_for(workers)
-        g = self.ctx.group = self.ctx.new_group()
+        g = self.reconfigure.new_group()
         g.members, g.plan, g.step = list(nodes), p, step
-        self.ctx.plan, self.ctx.progress.step_done = p, step
-        return p
+        self.progress.step_done = step
+        return g, p
+
+    @property
+    def failures(self):
+        return self.recovery.ledger.failures
 
     def notes(self, kind: str) -> list[Event]:
         return [e for e in self.events if e.kind == kind]
@@ -250,8 +257,9 @@ class Parts:
 def make_parts(tmp_path, nodes, *, interval=5, parallel: dict | None = None, checkpoint: dict | None = None,
                **opts) -> Parts:
     """Recovery, Reconfigure and Takeover of a tiny job on a FakeCluster of `nodes` (id -> CPUs) with a
-    FakeGroup class of its own, sharing a Context as the coordinator's do; `opts` go to CoordinatorOptions.
-    Plans come from the planner, nodes from `assign_nodes` over the alive nodes' CPUs."""
+    FakeGroup class of its own, wired as the coordinator wires them; `opts` go to CoordinatorOptions.
+    Plans come from the planner, nodes from `assign_nodes` over the alive nodes' CPUs. Events are
+    stamped with the state RUNNING (no coordinator holds a state)."""
     cluster = FakeCluster(nodes)
     cfg = tiny_job(interval=interval, parallel=parallel, checkpoint=checkpoint)
     group_cls = fake_group_cls(cluster, interval)
@@ -262,21 +270,27 @@ def make_parts(tmp_path, nodes, *, interval=5, parallel: dict | None = None, che
                         reprobe_interval_s=o.reprobe_interval_s)
     watcher = cluster.watcher()
     watcher.poll()
-    ctx = Context(cfg=cfg, opts=o, sm=StateMachine("job1", sink=events.append), progress=Progress(),
-                  health=health, watcher=watcher, new_group=lambda: group_cls(cfg, str(tmp_path)))
+    journal = Journal("job1", current=lambda: JobState.RUNNING, sink=events.append)
+    progress = Progress()
     model, constraints = cfg.model.build(), job_constraints(cfg)
+
+    def new_group():
+        return group_cls(cfg, str(tmp_path))
 
     def plan_for(workers: int) -> Plan:
         return plan(workers, model, replace(constraints, min_workers=1, max_workers=workers))
 
-    def assign(p: Plan, snap) -> list[str]:
+    def assign(p: Plan, snap, prefer=None) -> list[str]:
         return assign_nodes(p.world_size, {n.node_id: int(n.cpus) for n in snap.alive()}, tp=p.layout.tp)
 
-    recovery = Recovery(ctx)
-    reconfigure = Reconfigure(ctx, recovery, plan_for=plan_for, assign=assign)
-    return Parts(ctx=ctx, recovery=recovery, reconfigure=reconfigure,
-                 takeover=Takeover(ctx, recovery, reconfigure, run_dir=tmp_path), cluster=cluster,
-                 group_cls=group_cls, events=events)
+    recovery = Recovery(cfg=cfg, journal=journal, progress=progress, health=health, watcher=watcher,
+                        ledger=Ledger(o.restart_window_s))
+    reconfigure = Reconfigure(cfg=cfg, journal=journal, progress=progress, watcher=watcher, recovery=recovery,
+                              new_group=new_group, plan_for=plan_for, assign=assign)
+    takeover = Takeover(journal=journal, progress=progress, health=health, recovery=recovery,
+                        reconfigure=reconfigure, new_group=new_group, run_dir=tmp_path, detached=o.owner is not None)
+    return Parts(recovery=recovery, reconfigure=reconfigure, takeover=takeover, progress=progress, watcher=watcher,
+                 cluster=cluster, group_cls=group_cls, events=events)
 
 
 def advance(c: Coordinator, until, limit=500):
@@ -286,7 +300,7 @@ def advance(c: Coordinator, until, limit=500):
         if until(c):
             return
         c.step()
-    raise AssertionError(f"condition not reached; state {c.sm.state}, step {c.step_done}")
+    raise AssertionError(f"condition not reached; state {c.state.name}, step {c.step_done}")
 
 
 class Gate:
@@ -321,11 +335,11 @@ class GatedGroup(FakeGroup):
         if self.step_s:
             time.sleep(self.step_s)  # simulated training time, so a browser can watch the chart grow
         trained = super().run(until_step=until_step, should_abort=should_abort, **kw)
-        for r in trained.rows:
-            r.tokens_per_s = 1000.0 + 10 * r.step
-            r.val_loss = 20.0 / r.step if r.step % 2 == 0 else None  # as train.eval_interval: 2 would
-            r.mfu = None if self.mfu_per_step is None else self.mfu_per_step * r.step
-        return trained
+        rows = tuple(replace(r, tokens_per_s=1000.0 + 10 * r.step,
+                             val_loss=20.0 / r.step if r.step % 2 == 0 else None,  # as train.eval_interval: 2 would
+                             mfu=None if self.mfu_per_step is None else self.mfu_per_step * r.step)
+                     for r in trained.rows)
+        return replace(trained, rows=rows)
 
 
 class PollingCoordinator(Coordinator):

@@ -16,10 +16,12 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from parallel.planner import Plan
     from workers.config import JobConfig
     from workers.report import Joined, Memory, Resharded, Salvaged, StepMetrics, Standing, Taken, Trained, WorkerInfo
 
@@ -134,7 +136,7 @@ class Worker:
         self.received = None
         """The state a `reshard()` delivered for the new layout, until `join(adopt=True)` takes it."""
         self._rows: list[StepMetrics] = []
-        self._plan: dict | None = None
+        self._plan: Plan | None = None
         """The plan of the training group it is in (`join`), while it is."""
         self._broken = False
         """A `run` raised since the last `join`: its state cannot be trusted as it stands."""
@@ -210,13 +212,12 @@ class Worker:
             return s.getsockname()[1]
 
     # -- group membership ------------------------------------------------------------------------------
-    def join(self, *, rank: int, world_size: int, master_addr: str, master_port: int, plan: dict,
+    def join(self, *, rank: int, world_size: int, master_addr: str, master_port: int, plan: Plan,
              adopt: bool = False, timeout_s: float = 120.0) -> Joined:
-        """Join a process group as `rank` and build the trainer for `plan` (a Plan.to_dict(): layout and
-        micro batch, as the planner chose them), resuming from the latest committed checkpoint, if any,
+        """Join a process group as `rank` and build the trainer for `plan` (layout and micro batch, as the
+        planner chose them), resuming from the latest committed checkpoint, if any,
         or, with `adopt`, from the state the last `reshard()` delivered. Returns the step training will
         continue from."""
-        from parallel.planner import Plan
         from workers.trainer import Trainer
 
         if adopt and self.received is None:
@@ -227,7 +228,7 @@ class Worker:
         t0 = time.perf_counter()
         device = self._init_group(rank, world_size, master_addr, master_port, timeout_s)
         t1 = time.perf_counter()
-        self.trainer = Trainer(self.cfg, plan=Plan.from_dict(plan), device=device,
+        self.trainer = Trainer(self.cfg, plan=plan, device=device,
                                run_dir=self.run_dir).build(resume=not adopt, init_weights=not adopt,
                                                            checkpoints_later=adopt)
         t2 = time.perf_counter()
@@ -385,15 +386,14 @@ class Worker:
             rows.append(last)
         return tuple(rows)
 
-    def reshard(self, *, rank: int, world_size: int, master_addr: str, master_port: int, old_plan: dict,
-                new_plan: dict, old_rank: int | None, new_rank: int | None, old_to_group: dict[int, int],
+    def reshard(self, *, rank: int, world_size: int, master_addr: str, master_port: int, old_plan: Plan,
+                new_plan: Plan, old_rank: int | None, new_rank: int | None, old_to_group: dict[int, int],
                 new_to_group: dict[int, int], nodes: dict[int, str], snapshot_step: int | None = None,
                 timeout_s: float = 120.0) -> Resharded:
         """Take part in the transfer group (old ranks and joiners) and run the exchange plan; a rank of
         the new layout keeps what it received for `join(adopt=True)`. `snapshot_step`: the old ranks'
         state comes from the peer snapshots of that step (this worker sends the copies of every old
         rank `old_to_group` maps to it) instead of the live shards. Returns the bytes received."""
-        from parallel.planner import Plan
         from workers.reshard import Handover, exchange
         from workers.runtime import destroy_process_group
 
@@ -415,8 +415,8 @@ class Worker:
         try:
             device = self._init_group(rank, world_size, master_addr, master_port, timeout_s)
             t1 = time.perf_counter()
-            got = exchange(self.handover, model=self.cfg.model.build(), old=Plan.from_dict(old_plan).layout,
-                           new=Plan.from_dict(new_plan).layout, old_rank=old_rank, new_rank=new_rank,
+            got = exchange(self.handover, model=self.cfg.model.build(), old=old_plan.layout,
+                           new=new_plan.layout, old_rank=old_rank, new_rank=new_rank,
                            old_to_group=old_to_group, new_to_group=new_to_group, nodes=nodes, device=device)
         finally:
             self.handover = None
@@ -463,14 +463,14 @@ class Worker:
                     break
                 busy = self.snapshots is not None and self.snapshots.in_flight()
                 t0 = time.perf_counter()
-                out.append(row := self.trainer.train_step())
+                out.append(self.trainer.train_step())
                 took = time.perf_counter() - t0
                 if self._after_first_step is not None:
-                    row.set_up_after = self._set_up_after_first_step()
+                    out[-1] = replace(out[-1], set_up_after=self._set_up_after_first_step())
                 if (snaps := self.snapshots) is not None:
                     snaps.pace.step_ended(took, busy=busy)
                     if snaps.pace.due(self.trainer.step):
-                        row.snapshot = self._snapshot()
+                        out[-1] = replace(out[-1], snapshot=self._snapshot())
         except BaseException:
             self._broken = True
             raise

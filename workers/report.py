@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from parallel.planner import Plan
 from workers.config import JobConfig
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ class Taken:
     """The steps until the next snapshot, as agreed in this take (`workers.pace`)."""
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class StepMetrics:
     step: int
     """Optimizer steps completed, counting this one (1-based)."""
@@ -52,7 +53,7 @@ class StepMetrics:
     val_loss: float | None = None
     """Loss on the held-out split, on steps that evaluate (train.eval_interval); None on the others."""
     snapshot: Taken | None = None
-    """What the peer snapshot taken after this step cost the training thread (`Worker.run` sets it; None:
+    """What the peer snapshot taken after this step cost the training thread (`Worker.run` adds it; None:
     none was taken). Not in metrics.jsonl: the row is written there before."""
     set_up_after: dict[str, float] | None = None
     """On a group's first step: seconds of what its later steps need set up after it (peer snapshots, an
@@ -156,8 +157,8 @@ class Standing:
     sound: bool
     why: str | None = None
     rank: int | None = None
-    plan: dict | None = None
-    """The Plan.to_dict() it joined with."""
+    plan: Plan | None = None
+    """The plan it joined with."""
     step: int | None = None
     committed_step: int = 0
     rows: tuple[StepMetrics, ...] = ()

@@ -8,7 +8,8 @@ from fastapi import APIRouter, Header, Query, Response, status
 
 from api.deps import AdminDep, JobsDep, ReaderDep, WriterDep
 from service.control.commands import Pause, Resume, Stop
-from api.schemas import (MAX_STEPS, ActionResult, Checkpoints, Deleted, ErrorBody, EventOut, Freed, JobCreated,
+from service.control.events import Event
+from api.schemas import (MAX_STEPS, ActionResult, Checkpoints, Deleted, ErrorBody, Freed, JobCreated,
                          JobDetail, JobSubmit, JobSummary, MetricRow, ResizeRequest, ValidationErrorBody, job_view)
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
@@ -59,7 +60,7 @@ def job_metrics(job_id: str, jobs: JobsDep, who: ReaderDep, since: Since = 0,
     return jobs.metrics(job_id, since, limit, stride, owner=who.owner)
 
 
-@router.get("/{job_id}/events", response_model=list[EventOut], responses={**NOT_FOUND, **AUTH})
+@router.get("/{job_id}/events", response_model=list[Event], responses={**NOT_FOUND, **AUTH})
 def job_events(job_id: str, jobs: JobsDep, who: ReaderDep,
                since: Annotated[int, Query(ge=0, le=MAX_STEPS, description="Index of the first event.")] = 0,
                limit: Annotated[int, Query(ge=1, le=10_000)] = 1000) -> list[dict]:

@@ -3,7 +3,7 @@
 A command is built once where it enters (the REST route, the scheduler's round) and checked by its own
 constructor; the job manager sends it whole to the job's driver, the command log persists it
 (`to_json`) and replays it (`from_json`) into a restarted coordinator, and the coordinator queues it
-and applies it at the start of its next step (`Coordinator._apply`).
+and applies it at the start of its next step (`Inbox.apply_all`, service.control.inbox).
 """
 
 from __future__ import annotations
@@ -12,8 +12,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
-PAUSERS = ("user", "scheduler")
+from service.control.events import Cause
+
+PAUSERS = (Cause.USER, Cause.SCHEDULER)
 """Who may pause and resume a job."""
+_PAUSERS = ", ".join(PAUSERS)
 
 
 class CommandError(ValueError):
@@ -78,7 +81,7 @@ class Pause:
 
     def __post_init__(self) -> None:
         if self.by not in PAUSERS:
-            raise CommandError("by", f"pause by must be one of {PAUSERS}, got {self.by!r}")
+            raise CommandError("by", f"pause by must be one of {_PAUSERS}, got {self.by!r}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -90,7 +93,7 @@ class Resume:
 
     def __post_init__(self) -> None:
         if self.by not in PAUSERS:
-            raise CommandError("by", f"resume by must be one of {PAUSERS}, got {self.by!r}")
+            raise CommandError("by", f"resume by must be one of {_PAUSERS}, got {self.by!r}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -1,17 +1,19 @@
 """One job's coordinator: keeps training running while the cluster under it changes.
 
-It holds one state value (service.control.states); the resources that outlive a state (the worker
-group, the plan it runs) are in the context it shares with its parts (service.control.context).
-`step()` applies the queued commands, then runs the handler of the state's class, which returns the
-next state: one transition per step, returned as (previous, next), so tests and the demo advance it
-deterministically; `run()` loops until a final state. The handlers ask the scaling policy for a
-decision (service.control.policy) and hand the work to three composed parts, each returning the next
-state: `reconfigure` carries a decision out from where `choose_source` says the state comes
-(service.control.reconfigure), `recovery` deals with a failed group (service.control.recovery), and
-`takeover` with the workers a lost predecessor left running (service.control.takeover); the training
-chunks and their bookkeeping (service.control.progress) stay here. Methods for the outside (`status`,
-`events_since`, `metrics_since`, `send`) are thread-safe: commands (service.control.commands) are
-queued and applied at the start of the next step.
+It holds one state value (service.control.states), which carries the workers the job holds and the plan
+they run; the job's lifecycle state is derived from it. `step()` applies the queued commands
+(service.control.inbox), then runs the handler of the state's class, which returns the next state: one
+transition per step, returned as (previous, next), so tests and the demo advance it deterministically;
+`run()` loops until a final state. The handlers ask whether the restart budget is spent
+(service.control.failure.give_up) and the scaling policy for a decision (service.control.policy), and
+hand the work to three composed parts, each given the workers and plan it acts on and returning the
+next state: `reconfigure` carries a decision out from where `choose_source` says the state comes
+(service.control.reconfigure), `recovery` deals with a failed group (service.control.recovery, every
+decision of it in service.control.failure), and `takeover` with the workers a lost predecessor left
+running (service.control.takeover); the training chunks and their bookkeeping
+(service.control.progress) stay here. Every move and note goes into the job's journal
+(service.control.journal). Methods for the outside (`status`, assembled by service.control.view;
+`events_since`, `metrics_since`, `send`) are thread-safe.
 
 Which nodes are usable (watcher minus unresponsive suspects) is service.pool.node_health.NodeHealth; the
 worker group is anything that satisfies service.pool.group.Group (`worker_group_cls` is the seam).
@@ -20,8 +22,6 @@ docs/recovery.md draws the states and says how each kind of fault is handled.
 
 from __future__ import annotations
 
-import logging
-import queue
 import threading
 import time
 from collections import Counter
@@ -29,29 +29,33 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from parallel.planner import Plan, PlanError, plan, size_for
-from service.control.commands import Command, Grant, Pause, Resume, SetWorkers, Stop
-from service.control.context import Context
+from service.control.commands import Command
+from service.control.events import Cause, EventKind
+from service.control.failure import Failure, give_up
+from service.control.inbox import Inbox
 from service.control.job import Job
+from service.control.journal import Journal
 from service.control.options import CoordinatorOptions
-from service.control.policy import Decision, Fail, Failure, PolicyConfig, Resize, ScalingPolicy, Wait
+from service.control.policy import Decision, Fail, PolicyConfig, Resize, ScalingPolicy, Wait
 from service.control.progress import Progress
 from service.control.reconfiguration import Reconfigs
 from service.control.reconfigure import Reconfigure
-from service.control.recovery import Recovery
+from service.control.recovery import Ledger, Recovery
 from service.control.run_files import job_events
-from service.control.state import JobState, StateMachine
+from service.control.state import JobState
 from service.control.states import (Adopting, Ended, Paused, Pending, Recovering, Resizing, Running, Starting, State,
-                                    Waiting)
+                                    Waiting, held)
 from service.control.status import JobStatus
 from service.control.takeover import Takeover
+from service.control.view import job_status
 from service.pool.cluster import ClusterSnapshot, ClusterWatcher
 from service.pool.group import FailureKind, Group, WorkerFailure
 from service.pool.node_health import NodeHealth
 from service.pool.placement import assign_nodes, cap_slots, probe_nodes, raylets_refusing
 from service.pool.worker_group import WorkerGroup
 from workers.config import job_constraints
+from workers.report import StepMetrics
 
-logger = logging.getLogger(__name__)
 S = JobState
 
 
@@ -66,7 +70,9 @@ class Coordinator:
         self.opts = options or CoordinatorOptions()
         self.constraints = job_constraints(self.cfg, layout=job.layout)  # a forced layout (request or config) in it
         self.events = job_events(self.run_dir / "events.jsonl", self.job_id)
-        self.sm = StateMachine(self.job_id, sink=self.events.append)
+        self.state: State = Pending(reason="submitted")
+        """What the job is doing, and the workers it holds for it (service.control.states)."""
+        self.journal = Journal(self.job_id, current=lambda: self.state.name, sink=self.events.append)
         self.policy = ScalingPolicy(self._policy_config(job.min_workers, job.max_workers), size_for=self._size_for,
                                     hold_growth=self._hold_growth)
         self.watcher = watcher or ClusterWatcher(interval_s=self.opts.poll_interval_s)
@@ -74,49 +80,45 @@ class Coordinator:
         self._lock = threading.RLock()
         self.progress = Progress(self._lock, run_dir=self.run_dir)
         """Steps done, the committed step, recent metrics and reconfiguration records."""
-        self._commands: queue.Queue[Command] = queue.Queue()
-        self._woken = threading.Event()
-        self.grant: dict[str, int] | None = None
-        """{node_id: workers} the shared-cluster scheduler grants this job (service.sharing.scheduler); None: the
-        whole cluster. Assign a new dict to change it: placement and the policy read it each iteration."""
-        self.queue: tuple[int | None, str] = (None, "")
-        """(place, reason) the scheduler gave with a grant too small to start on (shown while QUEUED)."""
-        self.standby_cap: int | None = None
-        """The most standby workers the scheduler lets the job keep (its owner's worker quota, less the
-        members); None: as many as resources.standby_per_node asks."""
+        self.inbox = Inbox(self.job_id, journal=self.journal, progress=self.progress, policy=self.policy,
+                           policy_config=self._policy_config, state=lambda: self.state, enter=self._enter)
+        """The commands sent to the job, and the scheduler's grant (service.control.inbox)."""
         o = self.opts
         self.health = NodeHealth(probe_nodes, probe_timeout_s=o.probe_timeout_s, suspect_seconds=o.suspect_seconds,
                                  reprobe_interval_s=o.reprobe_interval_s, include_head=o.include_head,
                                  refused=raylets_refusing)
-        self.ctx = Context(cfg=self.cfg, opts=o, sm=self.sm, progress=self.progress, health=self.health,
-                           watcher=self.watcher, new_group=self._new_group, lock=self._lock)
-        """What the parts below share with the coordinator: the group, its plan, the failure ledger."""
-        self.recovery = Recovery(self.ctx)
-        self.reconfigure = Reconfigure(self.ctx, self.recovery, plan_for=self._plan, assign=self._assign)
-        self.takeover = Takeover(self.ctx, self.recovery, self.reconfigure, run_dir=self.run_dir)
+        self.recovery = Recovery(cfg=self.cfg, journal=self.journal, progress=self.progress, health=self.health,
+                                 watcher=self.watcher, ledger=Ledger(o.restart_window_s))
+        self.reconfigure = Reconfigure(cfg=self.cfg, journal=self.journal, progress=self.progress,
+                                       watcher=self.watcher, recovery=self.recovery, new_group=self._new_group,
+                                       plan_for=self._plan, assign=self._assign)
+        self.takeover = Takeover(journal=self.journal, progress=self.progress, health=self.health,
+                                 recovery=self.recovery, reconfigure=self.reconfigure, new_group=self._new_group,
+                                 run_dir=self.run_dir, detached=o.owner is not None)
         self._handlers: dict[type, Callable[[State, ClusterSnapshot], State]] = {
             Adopting: self._on_adopting, Pending: self._on_pending, Starting: self._start_or_wait,
             Recovering: self._start_or_wait, Waiting: self._start_or_wait, Running: self._on_running,
             Resizing: self._on_resizing, Paused: self._on_paused}
         """One handler per state class; `Ended` has none."""
         self._halted = threading.Event()
-        self.state: State = self.takeover.restarted(self.events.events) if len(self.events) else Pending()
+        if len(self.events):
+            self.state = self.takeover.restarted(self.events.events)
 
-    # -- what the job holds, in `self.ctx` ------------------------------------------------------------------
+    # -- what the state holds --------------------------------------------------------------------------------
     @property
     def group(self) -> Group | None:
-        """The workers the job holds: members, and their spares and standbys."""
-        return self.ctx.group
+        """The workers the job holds (members, and their spares and standbys), as its state carries them."""
+        return held(self.state)
 
     @property
     def plan(self) -> Plan | None:
-        """The plan the group was formed for (kept through a failure: what a salvage checks against)."""
-        return self.ctx.plan
+        """The plan the job's group runs (None while none is formed)."""
+        return self.state.plan if isinstance(self.state, (Running, Resizing)) else None
 
     @property
-    def failures(self) -> list[Failure]:
-        """The failures the policy's retry budget counts."""
-        return self.ctx.failures
+    def failures(self) -> tuple[Failure, ...]:
+        """The failures the restart budget counts."""
+        return self.recovery.ledger.failures
 
     # -- progress, kept by `self.progress` ------------------------------------------------------------------
     @property
@@ -136,7 +138,7 @@ class Coordinator:
         self.progress.committed_step = step
 
     @property
-    def metrics(self) -> dict[int, dict]:
+    def metrics(self) -> dict[int, StepMetrics]:
         return self.progress.metrics
 
     @property
@@ -155,33 +157,17 @@ class Coordinator:
     # -- outside interface (thread-safe) ------------------------------------------------------------------
     def status(self) -> JobStatus:
         with self._lock:
-            last = self.metrics.get(self.step_done, {})
-            sm = self.sm.snapshot()
-            # Layout and world size from one plan, the one the group runs (set under this lock once the
-            # group has formed): never a new layout with the old size, or the size of a group half re-formed.
-            # (RECOVERING: a failed group's survivors may still be held, but they run no layout)
-            running = self.group is not None and self.plan is not None and self.sm.state is not S.RECOVERING
-            causes, lost = self.reconfigs.totals()
-            queued = self.sm.state is S.QUEUED
-            return JobStatus(
-                job_id=self.job_id, state=sm["state"], reason=(queued and self.queue[1]) or sm["reason"],
-                cause=sm["cause"], since=sm["since"], priority=self.cfg.scheduling.priority,
-                held=dict(self.group.nodes()) if self.group is not None else {}, grant=None if self.grant is None else dict(self.grant),
-                standby=self.group.standbys() if self.group is not None else 0,
-                queue_position=self.queue[0] if queued else None,
-                layout=self.plan.layout.to_dict() if running else sm["layout"], step=self.step_done,
-                total_steps=self.total_steps, world_size=self.plan.world_size if running else 0,
-                loss=last.get("loss"), val_loss=self.metrics.val_loss, tokens_per_s=last.get("tokens_per_s"),
-                committed_step=self.committed_step,
-                min_workers=self.policy.config.min_workers, max_workers=self.policy.config.max_workers,
-                run_dir=str(self.run_dir), reconfigurations=causes, steps_lost=lost, events=len(self.events))
+            return job_status(job_id=self.job_id, state=self.state, journal=self.journal, progress=self.progress,
+                              policy=self.policy.config, grant=self.grant, queue=self.queue,
+                              total_steps=self.total_steps, priority=self.cfg.scheduling.priority,
+                              run_dir=self.run_dir, events=len(self.events))
 
     def events_since(self, index: int = 0) -> list[dict]:
         return [e.to_dict() for e in self.events.since(index)]
 
     def metrics_since(self, step: int = 0) -> list[dict]:
         with self._lock:
-            return self.metrics.since(step)
+            return [m.to_dict() for m in self.metrics.since(step)]
 
     # -- the loop ------------------------------------------------------------------------------------------
     def run(self, on_tick=None) -> JobState:
@@ -189,28 +175,29 @@ class Coordinator:
             self.watcher.poll()
             self.watcher.start()
         try:
-            while not self.sm.state.is_terminal and not self._halted.is_set():
+            while not self.state.name.is_terminal and not self._halted.is_set():
                 self.step()
                 if on_tick is not None:
                     on_tick(self)
-            return self.sm.state
+            return self.state.name
         finally:
             if self._own_watcher:
                 self.watcher.stop()
-            self._shutdown_group()
+            if (group := held(self.state)) is not None:
+                group.shutdown()
 
     def halt(self) -> None:
         """End `run()` at the next chance, whatever the state, releasing the group (its process is ending:
         `elastron run` on Ctrl-C). The job's last checkpoint is where the next run resumes."""
         self._halted.set()
-        self._woken.set()
+        self.inbox.wake()
 
     def step(self) -> tuple[State, State]:
         """One iteration: apply the queued commands (not while `Adopting`), then, unless a command moved
         the job, the current state's handler. Returns (the state before, the state after)."""
         before = self.state
         if not isinstance(before, Adopting):
-            self._apply_commands()
+            self.inbox.apply_all()
             if self.state.name is not before.name:  # a pause, stop or resume: that is this step's move
                 return before, self.state
         handler = self._handlers.get(type(self.state))
@@ -219,40 +206,47 @@ class Coordinator:
         return before, self.state
 
     def _enter(self, nxt: State) -> None:
-        """Make `nxt` the state, recording the move when its name changes."""
-        if nxt.name is not self.state.name:
-            layout = self.plan.layout if isinstance(nxt, Running) and self.plan is not None else None
-            self.sm.transition(nxt.name, reason=nxt.reason, step=self.step_done, cause=nxt.cause, layout=layout)
+        """Make `nxt` the state, recording the move when its name changes (the journal checks that it is
+        legal). Workers the old state held that the new one does not are stopped: what the state holds
+        is what the job holds."""
+        prev = self.state
+        if nxt.name is not prev.name:
+            layout = nxt.plan.layout if isinstance(nxt, Running) else None
+            self.journal.moved(nxt.name, reason=nxt.reason, step=self.step_done, cause=nxt.cause, layout=layout)
         with self._lock:
             self.state = nxt
+        if (old := held(prev)) is not None and old is not held(nxt):
+            old.shutdown()
 
     # -- one handler per state -----------------------------------------------------------------------------
-    def _on_adopting(self, state: Adopting, snap: ClusterSnapshot) -> Pending | Running:
+    def _on_adopting(self, state: Adopting, snap: ClusterSnapshot) -> State:
         """After a restart: take over the workers the lost coordinator left running (`Takeover.adopt`)."""
         return self.takeover.adopt(state, snap)
 
     def _on_pending(self, state: Pending, snap: ClusterSnapshot) -> State:
         if self.grant is not None and not self._usable(snap):  # launched by the scheduler, nothing granted yet
             return Waiting(reason=self.queue[1] or "waiting for the shared-cluster scheduler", by_scheduler=True,
-                           survivors=state.survivors, record=state.record)
-        return Starting(reason="starting", cause="planned", survivors=state.survivors, record=state.record)
+                           group=state.group, survivors=state.survivors, record=state.record)
+        return Starting(reason="starting", cause=Cause.PLANNED, group=state.group, survivors=state.survivors,
+                        record=state.record)
 
     def _start_or_wait(self, state: Starting | Recovering | Waiting, snap: ClusterSnapshot) -> State:
         """No group runs (STARTING, RECOVERING, WAITING_FOR_CAPACITY, QUEUED): start one as soon as the
-        policy allows, from the survivors of a failure if they can heal it, else from storage."""
+        policy allows, from the survivors of a failure if they can form it, else from storage."""
         self._reprobe(snap)  # before starting small or waiting: a suspect may just have been slow
         d = self._decide(snap, current_workers=0)
         if isinstance(d, Fail):
             return self._fail(d.reason)
         if isinstance(d, Resize) and isinstance(state, Waiting):  # capacity is back: start in the next step
             back = Recovering if self.step_done else Starting
-            return back(reason=f"capacity is back: {d.reason}", cause=d.cause, survivors=state.survivors,
-                        record=state.record)
+            return back(reason=f"capacity is back: {d.reason}", cause=d.cause, group=state.group,
+                        survivors=state.survivors, record=state.record)
         if not isinstance(d, (Resize, Wait)):
             return state
-        nxt = self.reconfigure.carry_out(d, snap, sound=None, survivors=state.survivors,
-                                         cause=d.cause if isinstance(d, Resize) else "failure", detected=time.time(),
-                                         record=state.record)
+        nxt = self.reconfigure.carry_out(d, snap, group=state.group, sound=None, survivors=state.survivors,
+                                         cause=d.cause if isinstance(d, Resize) else Cause.FAILURE,
+                                         detected=time.time(), record=state.record,
+                                         old=state.failed_plan if isinstance(state, Recovering) else None)
         return self._queued(nxt, d) if isinstance(nxt, Waiting) else nxt
 
     def _queued(self, waiting: Waiting, d: Wait) -> Waiting:
@@ -266,26 +260,29 @@ class Coordinator:
     def _on_running(self, state: Running, snap: ClusterSnapshot) -> State:
         if self.step_done >= self.total_steps:
             return self._finish(state)
-        if self._our_nodes_dead(snap):
-            return self.recovery.recover(WorkerFailure(FailureKind.NODE_LOST, "a node hosting workers is gone"))
-        d = self._decide(snap, current_workers=self.group.size, requested=state.resize_requested)
+        if self._nodes_dead(snap, state.group):
+            return self.recovery.recover(WorkerFailure(FailureKind.NODE_LOST, "a node hosting workers is gone"),
+                                         state.group, state.plan)
+        d = self._decide(snap, current_workers=state.group.size, requested=state.resize_requested)
         if isinstance(d, Fail):
             return self._fail(d.reason)
         if isinstance(d, (Resize, Wait)):
-            cause = d.cause if isinstance(d, Resize) else "preemption" if snap.draining() else "failure"
-            if cause == "preemption":
-                self.sm.note("preemption", reason=d.reason, step=self.step_done, cause=cause,
-                             details={"draining": snap.draining()})
-            return Resizing(reason=d.reason, cause=cause, decision=d, detected=time.time(), record=state.record)
+            cause = d.cause if isinstance(d, Resize) else Cause.PREEMPTION if snap.draining() else Cause.FAILURE
+            if cause == Cause.PREEMPTION:
+                self.journal.note(EventKind.PREEMPTION, reason=d.reason, step=self.step_done, cause=cause,
+                                  details={"draining": snap.draining()})
+            return Resizing(reason=d.reason, cause=cause, group=state.group, plan=state.plan, decision=d,
+                            detected=time.time(), record=state.record)
         if state.record is None:  # a re-formed group's first step goes first: a process start would slow it
-            self._prewarm(snap)
+            self._prewarm(snap, state.group)
         return self._train_chunk(replace(state, resize_requested=False))
 
     def _on_resizing(self, state: Resizing, snap: ClusterSnapshot) -> State:
         """The sound group changes as decided: live, or through a checkpoint, or it is released."""
-        sound = self.plan if self.group is not None and self.group.size else None
-        return self.reconfigure.carry_out(state.decision, snap, sound=sound, survivors=None, cause=state.cause,
-                                          detected=state.detected, record=state.record)
+        sound = state.plan if state.group.size else None
+        return self.reconfigure.carry_out(state.decision, snap, group=state.group, sound=sound, survivors=None,
+                                          cause=state.cause, detected=state.detected, record=state.record,
+                                          old=state.plan)
 
     def _on_paused(self, state: Paused, snap: ClusterSnapshot) -> Paused:
         self._nap(0.05)  # a command moves it on
@@ -293,36 +290,39 @@ class Coordinator:
 
     # -- what the handlers do ------------------------------------------------------------------------------
     def _decide(self, snap: ClusterSnapshot, *, current_workers: int, requested: bool = False) -> Decision:
+        c = self.policy.config
+        if why := give_up(self.failures, now=time.time(), max_restarts=c.max_restarts, window_s=c.restart_window_s):
+            return Fail(why)
         r = self.cfg.resources
         fits = sum(self.health.slots(snap, r.cpus_per_worker, r.gpus_per_worker).values())  # the grant aside
         no_gpu = r.gpus_per_worker and not any(n.gpus for n in snap.alive())
         why = (f"each worker needs {r.gpus_per_worker:g} GPU (resources.gpus_per_worker) and the cluster has "
                "none; use a cluster with GPUs, or resources.device: cpu" if no_gpu else "")
         return self.policy.decide(time.time(), current_workers=current_workers, usable_workers=fits,
-                                  draining=snap.draining(), failures=self.failures,
+                                  draining=snap.draining(),
                                   granted=None if self.grant is None else self._usable(snap), requested=requested,
                                   short_because=why)
 
-    def _prewarm(self, snap: ClusterSnapshot) -> None:
+    def _prewarm(self, snap: ClusterSnapshot, group: Group) -> None:
         """While a growth settles, start the workers it will need on the new nodes (they warm up while
         the group trains: the growth waits for them, `_hold_growth`); then keep standby workers beside
         the members and on a node the job may use but does not (`Group.keep_standby`)."""
-        if (pending := self.policy.pending_growth) is not None and (extra := self._joiners(pending[0], snap)):
-            if started := self.group.prewarm(extra):
-                self.sm.note("capacity", reason=f"starting {started} worker(s) to warm up for the growth to "
-                                                f"{pending[0]} while the group trains", step=self.step_done,
-                             details={"nodes": sorted(set(extra))})
-        self.group.keep_standby(self._slots(snap), cap=self.standby_cap)
+        if (pending := self.policy.pending_growth) is not None and (extra := self._joiners(pending[0], snap, group)):
+            if started := group.prewarm(extra):
+                self.journal.note(EventKind.CAPACITY, reason=f"starting {started} worker(s) to warm up for the "
+                                                             f"growth to {pending[0]} while the group trains",
+                                  step=self.step_done, details={"nodes": sorted(set(extra))})
+        group.keep_standby(self._slots(snap), cap=self.inbox.standby_cap)
 
-    def _joiners(self, workers: int, snap: ClusterSnapshot | None) -> list[str]:
-        """The node of each worker a growth to `workers` adds (none if it cannot be planned)."""
-        if self.group is None or snap is None:
+    def _joiners(self, workers: int, snap: ClusterSnapshot | None, group: Group | None) -> list[str]:
+        """The node of each worker a growth of `group` to `workers` adds (none if it cannot be planned)."""
+        if group is None or snap is None:
             return []
         try:
-            nodes = self._assign(self._plan(workers), snap)
+            nodes = self._assign(self._plan(workers), snap, group.nodes())
         except (PlanError, ValueError):
             return []
-        return list((Counter(nodes) - self.group.nodes()).elements())
+        return list((Counter(nodes) - group.nodes()).elements())
 
     def _hold_growth(self, workers: int) -> str:
         """The policy's question before a settled growth to `workers`: why wait longer, the group training
@@ -331,9 +331,10 @@ class Coordinator:
         wait for it with the whole group stopped). "" once neither holds, or once the growth has waited
         `start_timeout_s` (the start then deals with a worker that never came up)."""
         pending = self.policy.pending_growth
-        if self.group is None or (pending is not None and time.time() - pending[1] >= self.opts.start_timeout_s):
+        group = held(self.state)
+        if group is None or (pending is not None and time.time() - pending[1] >= self.opts.start_timeout_s):
             return ""
-        if not self.group.warm(self._joiners(workers, self.watcher.latest)):
+        if not group.warm(self._joiners(workers, self.watcher.latest, group)):
             return "its joining workers start and warm up"
         every = self.cfg.checkpoint.interval_steps
         if (saving := self.step_done - self.step_done % every) > self.committed_step:
@@ -342,11 +343,12 @@ class Coordinator:
 
     def _train_chunk(self, state: Running) -> State:
         try:
-            trained = self.group.run(until_step=self.total_steps,
-                                     steps=self.progress.steps_per_call(self.opts.chunk_seconds),
-                                     should_abort=lambda: self._halted.is_set() or self._our_nodes_dead(self.watcher.latest))
+            trained = state.group.run(until_step=self.total_steps,
+                                      steps=self.progress.steps_per_call(self.opts.chunk_seconds),
+                                      should_abort=lambda: self._halted.is_set() or
+                                      self._nodes_dead(self.watcher.latest, state.group))
         except WorkerFailure as e:
-            return state if self._halted.is_set() else self.recovery.recover(e)
+            return state if self._halted.is_set() else self.recovery.recover(e, state.group, state.plan)
         rows = self.progress.trained(trained)
         if not rows or state.record is None:
             return state
@@ -367,9 +369,9 @@ class Coordinator:
 
     def _reprobe(self, snap: ClusterSnapshot) -> None:
         if back := self.health.reprobe(snap):
-            self.sm.note("capacity", reason=f"{len(back)} node(s) place work again after a failed probe: "
-                                            f"{', '.join(n[:8] for n in sorted(back))}",
-                         step=self.step_done, details={"nodes": sorted(back)})
+            self.journal.note(EventKind.CAPACITY, reason=f"{len(back)} node(s) place work again after a failed "
+                                                         f"probe: {', '.join(n[:8] for n in sorted(back))}",
+                              step=self.step_done, details={"nodes": sorted(back)})
 
     def _slots(self, snap: ClusterSnapshot) -> dict[str, int]:
         r = self.cfg.resources
@@ -378,107 +380,46 @@ class Coordinator:
     def _usable(self, snap: ClusterSnapshot) -> int:
         return sum(self._slots(snap).values())
 
-    def _assign(self, p: Plan, snap: ClusterSnapshot) -> list[str]:
-        """Node of each rank of plan `p`, keeping current members where they are."""
-        return assign_nodes(p.world_size, self._slots(snap), prefer=self.group.nodes() if self.group else None,
-                            tp=p.layout.tp)
+    def _assign(self, p: Plan, snap: ClusterSnapshot, prefer: Counter | None) -> list[str]:
+        """Node of each rank of plan `p`, keeping the members `prefer` counts ({node: members}) where they are."""
+        return assign_nodes(p.world_size, self._slots(snap), prefer=prefer, tp=p.layout.tp)
 
-    def _our_nodes_dead(self, snap: ClusterSnapshot | None) -> bool:
-        return self.group is not None and NodeHealth.any_gone(snap, self.group.nodes())
+    @staticmethod
+    def _nodes_dead(snap: ClusterSnapshot | None, group: Group) -> bool:
+        return NodeHealth.any_gone(snap, group.nodes())
 
     # -- commands: what the user and the scheduler may ask, from any thread ----------------------------
     def send(self, cmd: Command) -> None:
-        """Queue `cmd` for the next step. A resize is checked now against the range as it stands
-        (CommandError naming the field), and applied to the range current then, so that a second resize
-        composes with the first."""
-        if isinstance(cmd, SetWorkers):
-            self._policy_config(*cmd.bounds(self.policy.config.min_workers, self.policy.config.max_workers))
-        self._enqueue(cmd)
+        """Queue `cmd` for the next step (`Inbox.send`: a resize is checked now, CommandError naming the field)."""
+        self.inbox.send(cmd)
 
-    def _enqueue(self, cmd: Command) -> None:
-        self._commands.put(cmd)
-        self._woken.set()  # a loop napping while it waits (QUEUED, PAUSED, ...) acts on it at once
+    @property
+    def grant(self) -> dict[str, int] | None:
+        """{node_id: workers} the shared-cluster scheduler grants this job; None: the whole cluster."""
+        return self.inbox.grant
 
-    # -- in the loop -----------------------------------------------------------------------------------------
+    @grant.setter
+    def grant(self, nodes: dict[str, int] | None) -> None:
+        self.inbox.grant = nodes
+
+    @property
+    def queue(self) -> tuple[int | None, str]:
+        """(place, reason) the scheduler gave with a grant too small to start on (shown while QUEUED)."""
+        return self.inbox.queue
+
     def _nap(self, seconds: float) -> None:
-        """Wait up to `seconds`, less if a command arrives."""
-        self._woken.wait(seconds)
-        self._woken.clear()
-
-    def _apply_commands(self) -> None:
-        deferred = []
-        while True:
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            if not self._apply(cmd):
-                deferred.append(cmd)
-        for cmd in deferred:
-            self._commands.put(cmd)
-
-    def _apply(self, cmd: Command) -> bool:
-        """Apply one command; False to keep it for a later step."""
-        match cmd:
-            case SetWorkers():
-                try:
-                    self.policy.config = self._policy_config(*cmd.bounds(self.policy.config.min_workers,
-                                                                         self.policy.config.max_workers))
-                except ValueError as e:  # valid alone, not on top of an earlier resize: say so, keep going
-                    self.sm.note("failure", reason=f"resize refused: {e}", step=self.step_done, cause="user")
-                    return True
-                if isinstance(self.state, Running):  # act now: a user's request needs no settle time
-                    self._enter(replace(self.state, resize_requested=True))
-            case Grant():
-                told = (cmd.nodes, cmd.reason, cmd.queue_position)
-                if told != (self.grant, *self.queue):
-                    self.sm.note("schedule", reason=cmd.reason, step=self.step_done,
-                                 details={"grant": cmd.nodes, "queue_position": cmd.queue_position})
-                self.grant, self.queue = dict(cmd.nodes), (cmd.queue_position, cmd.reason)
-                self.standby_cap = cmd.standby
-            case Pause() | Stop():
-                return self._park(cmd)
-            case Resume() if isinstance(self.state, Paused):
-                self._enter(Starting(reason=f"resume requested by {cmd.by}", cause=cmd.by))
-        return True
-
-    def _park(self, cmd: Pause | Stop) -> bool:
-        """Checkpoint, release the workers, and move to PAUSED or STOPPED; False (kept for later) where
-        the lifecycle has no such move yet (e.g. a pause while STARTING: applied once it runs)."""
-        kind, target = ("pause", S.PAUSED) if isinstance(cmd, Pause) else ("stop", S.STOPPED)
-        if self.sm.state.is_terminal or self.sm.state is target:
-            return True
-        if not self.sm.can(target):
-            return False
-        by = cmd.by if isinstance(cmd, Pause) else "user"
-        lost = None
-        if self.group is not None and self.group.size:  # a group without members has nothing to save
-            try:
-                self.committed_step = self.group.checkpoint()
-            except WorkerFailure as e:
-                lost = (f"the checkpoint before {kind} failed ({e}); the last committed checkpoint is step "
-                        f"{self.committed_step}, so steps after it are lost")
-                logger.warning("job %s: %s", self.job_id, lost)
-                self.sm.note("failure", reason=lost, step=self.step_done, cause=by,
-                             details={"kind": f"checkpoint_before_{kind}"})
-        self._shutdown_group()
-        if lost and target is S.STOPPED and self.sm.can(S.FAILED):  # not a clean stop: say so
-            target = S.FAILED
-        why = (cmd.reason if isinstance(cmd, Pause) and cmd.reason else f"{kind} requested by {by}")
-        why += f", but {lost}" if lost else ""
-        self._enter(Paused(reason=why, cause=by) if target is S.PAUSED else Ended(final=target, reason=why, cause=by))
-        return True
+        self.inbox.nap(seconds)
 
     def _durable_checkpoint(self, state: Running) -> State:
         """After the first step at a layout formed from live state: a durable checkpoint in the background
         (it stages during the next step and commits while training goes on), so a later failure has a
         fallback. Not before that first step, which on a busy worker it would slow down."""
         try:
-            step = self.group.checkpoint(blocking=False)
+            step = state.group.checkpoint(blocking=False)
         except WorkerFailure as e:
-            return self.recovery.recover(e)
-        self.sm.note("checkpoint", reason=f"durable checkpoint of step {step} under {self.plan.layout} writing "
-                                          "in the background", step=step)
+            return self.recovery.recover(e, state.group, state.plan)
+        self.journal.note(EventKind.CHECKPOINT, reason=f"durable checkpoint of step {step} under "
+                                                       f"{state.plan.layout} writing in the background", step=step)
         return state
 
     def _new_group(self) -> Group:
@@ -492,15 +433,10 @@ class Coordinator:
         if state.record is not None:  # re-formed at the last step: no step left to close its record with
             self.reconfigs.append(state.record)
         try:
-            self.committed_step = self.group.checkpoint()
+            self.committed_step = state.group.checkpoint()
         except WorkerFailure as e:
-            return self.recovery.recover(e)
-        self._shutdown_group()
-        return Ended(final=S.SUCCEEDED, reason=f"reached step {self.total_steps}")
+            return self.recovery.recover(e, state.group, state.plan)
+        return Ended(final=S.SUCCEEDED, reason=f"reached step {self.total_steps}")  # `_enter` stops the group
 
     def _fail(self, reason: str) -> Ended:
-        self._shutdown_group()
-        return Ended(final=S.FAILED, reason=reason)
-
-    def _shutdown_group(self) -> None:
-        self.ctx.shutdown_group()
+        return Ended(final=S.FAILED, reason=reason)  # `_enter` stops the group

@@ -13,17 +13,42 @@ import logging
 import os
 import threading
 from dataclasses import asdict, dataclass, field, fields
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
-KINDS = ("transition", "resize", "preemption", "failure", "fallback", "checkpoint", "capacity", "schedule", "info")
-"""Known event kinds. Others are accepted (a newer writer may add some); these are the ones we emit."""
+class EventKind(StrEnum):
+    """What an event records; one spelling each."""
 
-CAUSES = ("planned", "grow", "preemption", "failure", "user", "scheduler")
-"""Why a job changed size or state; None where no cause applies. "scheduler": the shared-cluster scheduler
-paused it to give its workers to a job of higher priority (its shrinks are "planned")."""
+    TRANSITION = "transition"
+    """A move between lifecycle states."""
+    RESIZE = "resize"
+    """A group formed: its plan and its reconfiguration record."""
+    PREEMPTION = "preemption"
+    """A drain notice acted on."""
+    FAILURE = "failure"
+    """One failure (exactly one event per failure), or a command that could not be carried out."""
+    FALLBACK = "fallback"
+    """The job resumes from the last committed checkpoint where it hoped not to, and why."""
+    CHECKPOINT = "checkpoint"
+    CAPACITY = "capacity"
+    SCHEDULE = "schedule"
+    INFO = "info"
+
+
+class Cause(StrEnum):
+    """Why a job changed size or state; None where no cause applies."""
+
+    PLANNED = "planned"
+    """A start, or a shrink to the scheduler's grant."""
+    GROW = "grow"
+    PREEMPTION = "preemption"
+    FAILURE = "failure"
+    USER = "user"
+    SCHEDULER = "scheduler"
+    """The shared-cluster scheduler paused the job to give its workers to a job of higher priority."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -35,7 +60,7 @@ class Event:
     """Unix seconds."""
     job_id: str
     kind: str
-    """One of KINDS."""
+    """An EventKind (a plain string here, so that a log a newer writer extended still loads)."""
     from_state: str | None = None
     """State before (for a transition); the current state for other kinds."""
     to_state: str | None = None
@@ -49,7 +74,7 @@ class Event:
     step: int | None = None
     """Training step at the event, when known."""
     cause: str | None = None
-    """One of CAUSES, or None (checked by the writers, not here, so a newer log still loads)."""
+    """A Cause, or None (checked by the writers, not here, so a newer log still loads)."""
     details: dict = field(default_factory=dict)
     """Anything else worth keeping (node ids, deadlines, error text); must be JSON-serialisable."""
 
@@ -119,7 +144,7 @@ read back from the file when asked for, so a job that runs for days holds a boun
 
 class EventLog:
     """Events kept in memory (for the API: `since(index)`) and, when `path` is given, appended to a
-    JSON-lines file. Appending is the sink a `StateMachine` emits into. Thread-safe.
+    JSON-lines file. Appending is the sink a `Journal` (service.control.journal) emits into. Thread-safe.
 
     With a file, only the newest `keep` events stay in memory; `since` and `events` read older ones
     back from the file (those of `job_id` only, when given: a run directory may hold an earlier job's).

@@ -1,28 +1,25 @@
-"""When to resize, wait or give up: a scaling policy that turns cluster facts into a decision.
+"""When to resize or wait: a scaling policy that turns cluster facts into a decision.
 
 Pure: no Ray, no clock, no sleeping. The caller passes `now` and what it observed; the only state
 kept between calls is the growth settle timer. That makes every timing rule testable to the second.
 
-Rules, in order (the first that applies decides):
-  1. Fail   at once for a failure of a kind no restart can mend (FINAL_KINDS: a worker refused the job's
-            configuration), and when any failure kind occurred more than `max_restarts` times within
-            `restart_window_s`: restarting again would most likely fail the same way. The reason quotes
-            the last error.
-  2. Wait   when usable workers < min_workers: the job cannot run; hold nothing until capacity returns.
-  3. Resize (start) when nothing runs (current_workers == 0): start at once on what is offered,
+Rules, in order (the first that applies decides; whether failures have spent the restart budget is
+the recovery's decision, service.control.failure.give_up, asked before this one):
+  1. Wait   when usable workers < min_workers: the job cannot run; hold nothing until capacity returns.
+  2. Resize (start) when nothing runs (current_workers == 0): start at once on what is offered,
             cause "planned"; there is nothing to disrupt, so no settle time.
-  4. Resize (shrink) at once when fewer workers are offered than run. Cause "preemption" when nodes
+  3. Resize (shrink) at once when fewer workers are offered than run. Cause "preemption" when nodes
             are draining (shrink ahead of the deadline, with a checkpoint), "failure" when capacity is
             simply gone, "user" when only a lowered max_workers caps it.
-  5. Resize (grow) when more workers are offered than run *and* that offer has stayed the same for
+  4. Resize (grow) when more workers are offered than run *and* that offer has stayed the same for
             settle_seconds *and* nothing holds it (`hold_growth(target)`, when given: the workers the
             growth adds still warming up beside the training group, a checkpoint save in flight; the
             group trains on meanwhile and stops only to move state and form). Any change of the offer (a node flapping, or another node still arriving)
             restarts the timer: every resize costs a checkpoint and a restart, so wait for arrivals
             to stop and then grow once.
-  6. Noop   otherwise (its reason says how long a pending growth has settled).
+  5. Noop   otherwise (its reason says how long a pending growth has settled).
 A user's resize (`requested`: the range was just changed on the user's request) is a policy input too:
-after rules 1-3, a target other than the running size is a Resize with cause "user" at once, with no
+after rules 1-2, a target other than the running size is a Resize with cause "user" at once, with no
 settle time.
 
 On a shared cluster the scheduler (service.sharing.scheduler) grants each job a number of workers; `granted`
@@ -36,10 +33,9 @@ workers a layout can actually use (e.g. `lambda n: plan(n, model, constraints).w
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from service.pool.group import FailureKind
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,27 +62,12 @@ class Wait:
 
 @dataclass(frozen=True, slots=True)
 class Fail:
+    """Give up: the restart budget is spent (service.control.failure.give_up says why)."""
+
     reason: str
 
 
 Decision = Noop | Resize | Wait | Fail
-
-FINAL_KINDS = frozenset({FailureKind.CONFIG_REJECTED})
-"""Failure kinds that fail the job at the first one: a worker found the configuration unusable, which
-no restart changes."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Failure:
-    """One unplanned loss of the worker group. Preemptions and planned resizes are not failures."""
-
-    time: float
-    """Unix seconds (same clock as `now`)."""
-    kind: FailureKind
-    """What failed, coarse enough to repeat (one node's loss is NODE_LOST whoever noticed it)."""
-    error: str = ""
-    """The error text, quoted in a Fail reason."""
-
 
 def _is_int(v: object, lo: int) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= lo
@@ -150,11 +131,10 @@ class ScalingPolicy:
         self._grow_since: float | None = None
 
     def decide(self, now: float, *, current_workers: int, usable_workers: int,
-               draining: Mapping[str, float | None] | None = None, failures: Sequence[Failure] = (),
+               draining: Mapping[str, float | None] | None = None,
                granted: int | None = None, requested: bool = False, short_because: str = "") -> Decision:
         """`current_workers`: size of the running group (0 when none runs). `usable_workers`: how many
-        workers fit on alive, non-draining nodes. `draining`: {node_id: deadline unix s or None}.
-        `failures`: the job's failures so far (older ones outside the window are ignored). `granted`:
+        workers fit on alive, non-draining nodes. `draining`: {node_id: deadline unix s or None}. `granted`:
         the workers the scheduler grants this job (None: no scheduler, the whole cluster is offered).
         `requested`: the user has just changed the job's worker range, and waits for it to act.
         `short_because`: why the cluster offers too few workers, when the caller knows (said in a Wait)."""
@@ -165,8 +145,6 @@ class ScalingPolicy:
                 raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
         draining = dict(draining or {})
 
-        if fail := self._budget_exhausted(now, failures):
-            return self._reset(fail)
         drains = _drain_text(now, draining)
         if usable_workers < c.min_workers:
             why = f"{usable_workers} usable workers < min_workers={c.min_workers}" + \
@@ -225,20 +203,3 @@ class ScalingPolicy:
     def _reset(self, decision: Decision) -> Decision:
         self._grow_target = self._grow_since = None
         return decision
-
-    def _budget_exhausted(self, now: float, failures: Sequence[Failure]) -> Fail | None:
-        if final := next((f for f in reversed(failures) if f.kind in FINAL_KINDS), None):
-            return Fail(f"the job's configuration cannot run, so it is not restarted: {final.error}")
-        c = self.config
-        recent: dict[str, list[Failure]] = {}
-        for f in failures:
-            if f.time > now - c.restart_window_s:
-                recent.setdefault(f.kind, []).append(f)
-        over = [(kind, fs) for kind, fs in recent.items() if len(fs) > c.max_restarts]
-        if not over:
-            return None
-        # Report the kind whose latest failure is the most recent: that is what just happened.
-        kind, fs = max(over, key=lambda kv: max(f.time for f in kv[1]))
-        last = max(fs, key=lambda f: f.time)
-        return Fail(f"{kind} failed {len(fs)} times in the last {c.restart_window_s:g} s "
-                    f"(max_restarts={c.max_restarts}); last error: {last.error or '(none)'}")

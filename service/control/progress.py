@@ -29,18 +29,17 @@ class Progress:
         """The last step every rank finished (as rank 0's metrics say)."""
         self.committed_step = 0
         """The step of the last committed durable checkpoint."""
-        self.metrics: dict[int, dict] = RecentMetrics()  # bounded: the store and metrics.jsonl keep the rest
+        self.metrics: dict[int, StepMetrics] = RecentMetrics()  # bounded: the store and metrics.jsonl keep the rest
         self.reconfigs = Reconfigs()  # bounded: events.jsonl keeps every resize
 
-    def trained(self, trained: Trained) -> list[dict]:
-        """What rank 0 trained in a chunk: its rows, oldest first, are the steps done now. Returns them as
-        kept (JSON-ready rows)."""
-        rows = [m.to_dict() for m in trained.rows]
+    def trained(self, trained: Trained) -> tuple[StepMetrics, ...]:
+        """What rank 0 trained in a chunk: its rows, oldest first, are the steps done now. Returns them."""
+        rows = trained.rows
         with self.lock:
             for m in rows:
-                self.metrics[m["step"]] = m
+                self.metrics[m.step] = m
             if rows:
-                self.step_done = rows[-1]["step"]
+                self.step_done = rows[-1].step
                 self.committed_step = max(self.committed_step, trained.committed_step)
         return rows
 
@@ -48,11 +47,11 @@ class Progress:
         """Rows of steps the workers finished that the coordinator never read (a salvage's, a takeover's):
         kept where no row of that step is. `at`: the step the state they keep is at (the job's step
         from now on); None: the latest of the rows and the step already done."""
-        rows = [m.to_dict() for m in rows]
+        rows = tuple(rows)
         with self.lock:
             for r in rows:
-                self.metrics.setdefault(r["step"], r)
-            self.step_done = at if at is not None else max([self.step_done, *(r["step"] for r in rows)])
+                self.metrics.setdefault(r.step, r)
+            self.step_done = at if at is not None else max([self.step_done, *(r.step for r in rows)])
             self.committed_step = max(self.committed_step, committed)
             self._log_unlogged(rows)
 
@@ -69,15 +68,18 @@ class Progress:
                 f.write("".join(json.dumps({k: v for k, v in r.items() if k not in ("snapshot", "set_up_after")})
                                 + "\n" for r in missing))
 
-    def closed(self, record: Reconfig, first: dict) -> None:
-        """The first step at the layout `record` formed has run (its row `first`): the record is complete."""
-        record.first_step(first, self.metrics.get(record.step_before))
-        self.reconfigs.append(record)
+    def closed(self, record: Reconfig, first: StepMetrics) -> Reconfig:
+        """The first step at the layout `record` formed has run (its row `first`): the record, complete, is
+        kept and returned."""
+        with self.lock:
+            done = record.first_step(first, self.metrics.get(record.step_before))
+            self.reconfigs.append(done)
+        return done
 
     def steps_per_call(self, chunk_seconds: float) -> int:
         """As many steps as fit in `chunk_seconds` at the last measured step time (1 until measured)."""
         last = self.metrics.get(self.step_done)
-        step_time = last.get("step_time") if last else None
+        step_time = last.step_time if last else None
         if not step_time:
             return 1
         return max(1, min(100, int(chunk_seconds / step_time)))

@@ -2,13 +2,33 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from enum import StrEnum
+
+from service.control.events import Cause
+from workers.report import StepMetrics
 
 
-@dataclass(kw_only=True, slots=True)
+class TransferPath(StrEnum):
+    """How the next group got its state."""
+
+    LIVE = "live"
+    """A sound group's shards sent straight to the new layout's workers."""
+    PEERS = "peers"
+    """A failed group's survivors' live state (a heal)."""
+    MEMORY = "memory"
+    """The survivors' peer snapshots."""
+    STORAGE = "storage"
+    """The last committed checkpoint."""
+    IN_PLACE = "in place"
+    """Nothing moved: a restarted coordinator's predecessor's group trains on."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Reconfig:
-    cause: str
-    """planned, grow, preemption, failure or user."""
+    """Changed only by `replace` (its steps: `formed`, `first_step`, a new `step_before`)."""
+
+    cause: Cause
     detected: float
     """Unix time the coordinator acted on the event."""
     step_before: int
@@ -22,7 +42,7 @@ class Reconfig:
     """Workers started (survivors are reused on planned resizes)."""
     stopped: int = 0
     transfer: dict | None = None
-    """How the state moved: {"path": "live", bytes_moved, handover_s, transfer_s, form_s} or
+    """How the state moved, "path" a TransferPath: {"path": "live", bytes_moved, handover_s, transfer_s, form_s} or
     {"path": "storage", start_s, standby, form_s} (through the last committed checkpoint: `start_s` to
     stop the leavers and start the missing workers, `standby` of which were standbys claimed instead of
     new processes, `form_s` for every rank to join, build and load), or {"path": "in place"} (a restarted
@@ -33,14 +53,16 @@ class Reconfig:
     loss_after: float | None = None
 
     def formed(self, *, new_layout: dict, resumed_step: int, started: int, stopped: int, world_size: int,
-               transfer: dict | None = None) -> None:
-        self.new_layout, self.resumed_step, self.transfer = new_layout, resumed_step, transfer
-        self.started, self.stopped, self.world_size = started, stopped, world_size
+               transfer: dict | None = None) -> Reconfig:
+        """This record once a group has formed."""
+        return replace(self, new_layout=new_layout, resumed_step=resumed_step, transfer=transfer, started=started,
+                       stopped=stopped, world_size=world_size)
 
-    def first_step(self, row: dict, before: dict | None) -> None:
-        self.first_step_time = row["time"]
-        self.loss_after = row["loss"]
-        self.loss_before = before["loss"] if before else None
+    def first_step(self, row: StepMetrics, before: StepMetrics | None) -> Reconfig:
+        """This record once the first step at the new layout has run (its row `row`; `before`: the row of
+        the step before the event, if kept)."""
+        return replace(self, first_step_time=row.time, loss_after=row.loss,
+                       loss_before=before.loss if before else None)
 
     @property
     def seconds(self) -> float | None:

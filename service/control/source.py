@@ -3,17 +3,15 @@
 `choose_source` is pure: given the policy's decision, whether the running group is sound (a planned
 change: every rank holds its state), what a failed group's survivors hold, and `parallel.reshard`, it
 says which of five sources the coordinator uses. The coordinator acts on the answer in one place
-(service.control.reconfigure, `Reconfigure.carry_out`). `from_survivors` is the rule, as pure, for what
-a failed group's survivors offer: their live state (`Heal`, nothing redone), else the peer snapshots in
-their memory (`Memory`, the steps since that snapshot redone), else nothing (the reason goes into the
-`fallback` event).
+(service.control.reconfigure, `Reconfigure.carry_out`). What a failed group's survivors offer (`Heal`,
+`Memory`, or nothing) is the recovery's judgement (service.control.failure.judge).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
-from parallel.peers import Cover, NoCover
 from parallel.planner import Plan
 from service.control.policy import Resize, Wait
 
@@ -66,28 +64,23 @@ Source = Live | Heal | Memory | Restore | Release
 Survivors = Heal | Memory
 
 
-def from_survivors(old: Plan, *, live: tuple[int, ...] | None, memory: Cover | NoCover | None) -> Survivors | str:
-    """What a failed group's survivors can form the next group from. `live`: the survivors whose live
-    state holds every shard of `old` at one step (None: it does not); `memory`: what their peer
-    snapshots cover (`parallel.peers.cover`; None: snapshots off). Returns the source, or why neither."""
-    if live is not None:
-        return Heal(old=old, ranks=live)
-    if isinstance(memory, Cover):
-        return Memory(old=old, step=memory.step, serve=tuple(sorted(memory.serve.items())))
-    if isinstance(memory, NoCover):
-        return f"the live state does not hold every shard, and {memory.why}"
-    return "the live state does not hold every shard, and peer snapshots are off"
+class ReshardMode(StrEnum):
+    """How state may move between layouts (`parallel.reshard`)."""
 
-RESHARD_MODES = ("live", "storage")
+    LIVE = "live"
+    """Between workers over the network, or through storage where that is all there is."""
+    STORAGE = "storage"
+    """Only through checkpoints."""
+
 
 
 def choose_source(*, decision: Resize | Wait, sound: Plan | None, survivors: Survivors | None,
-                  reshard: str) -> Source:
+                  reshard: ReshardMode | str) -> Source:
     """`sound`: the plan of a running group whose every rank holds its state (a planned change), None
     when no group runs or it failed. `survivors`: after a failure, what the survivors can form the next
-    group from (`from_survivors`; None when nothing, or there was no failure)."""
-    if reshard not in RESHARD_MODES:
-        raise ValueError(f"reshard must be one of {RESHARD_MODES}, got {reshard!r}")
+    group from (`service.control.failure.judge`; None when nothing, or there was no failure)."""
+    if reshard not in set(ReshardMode):
+        raise ValueError(f"reshard must be one of {[str(m) for m in ReshardMode]}, got {reshard!r}")
     if sound is not None and survivors is not None:
         raise ValueError("a group is either sound or the survivors of a failure, not both")
     if isinstance(decision, Wait):
@@ -95,7 +88,7 @@ def choose_source(*, decision: Resize | Wait, sound: Plan | None, survivors: Sur
     if not isinstance(decision, Resize):
         raise ValueError(f"only a Resize or a Wait changes the group, got {type(decision).__name__}")
     if sound is not None:
-        return Live(sound) if reshard == "live" else Restore(flush=True)
-    if survivors is not None and reshard == "live":
+        return Live(sound) if reshard == ReshardMode.LIVE else Restore(flush=True)
+    if survivors is not None and reshard == ReshardMode.LIVE:
         return survivors
     return Restore()

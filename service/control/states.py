@@ -1,11 +1,12 @@
-"""What a job is doing, as values: one small frozen class per state, carrying the data that state acts on.
+"""What a job is doing, as values: one small frozen class per state, carrying everything that state acts on.
 
 The coordinator holds exactly one of these (`Coordinator.state`); each `step()` runs the handler of its
-class, which returns the next value. `name` is the lifecycle state the API and the event log show
-(service.control.state.JobState); two values of the same name (a `Running` before and after a chunk of
-steps) are one state to the outside. The resources the job holds across states (its worker group and
-the plan that group runs) are in the context the coordinator shares with its parts
-(service.control.context): what is decided lives here.
+class, which returns the next value. The lifecycle state the API and the event log show is derived
+from the value (`name`, a service.control.state.JobState); two values of the same name (a `Running`
+before and after a chunk of steps) are one state to the outside. The workers the job holds travel in
+the values too: `Running` and `Resizing` carry the formed group and the plan it runs, the states
+without a formed group (`Unformed`) whatever workers are kept for the next one (a failed group's
+survivors, warm processes, workers taken over) and what it may form from. `Paused` and `Ended` hold none.
 """
 
 from __future__ import annotations
@@ -13,19 +14,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from parallel.planner import Plan
+from service.control.events import Cause
 from service.control.policy import Resize, Wait
 from service.control.reconfiguration import Reconfig
 from service.control.source import Survivors
 from service.control.state import JobState
+from service.pool.group import Group
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Adopting:
     """A restarted coordinator's first step: take over the workers the lost one left running. Commands
-    wait until it is done (a replayed pause must release them too)."""
+    wait until it is done (a replayed pause must release them too). The job is PENDING meanwhile: this
+    coordinator has not started anything yet."""
 
     reason: str
-    cause: str | None = "failure"
+    cause: Cause | None = Cause.FAILURE
     lost: Plan | None = None
     """The plan the lost coordinator's group ran; None if it formed none."""
     record: Reconfig | None = None
@@ -33,50 +37,49 @@ class Adopting:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Pending:
-    """Accepted, not started. After a restart: `survivors` taken over that can heal the next group."""
+class Unformed:
+    """What every state without a formed group carries: why it is in it, the workers kept for the next
+    group, and what that group may form from."""
 
-    reason: str = "submitted"
-    cause: str | None = None
+    reason: str
+    cause: Cause | None = None
+    group: Group | None = None
+    """Workers kept without a formed group (a failed group's survivors, warm spares and standbys, the
+    workers a restarted coordinator took over), for the next start to reuse; None: none."""
     survivors: Survivors | None = None
+    """What the kept workers can form the next group from (None: the last committed checkpoint)."""
     record: Reconfig | None = None
+    """The reconfiguration under way (a failure's), closed by the next group's first step."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Pending(Unformed):
+    """Accepted, not started."""
+
     name = JobState.PENDING
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Starting:
-    """No group yet: start one as soon as the policy allows."""
+class Starting(Unformed):
+    """Start a group as soon as the policy allows."""
 
-    reason: str
-    cause: str | None = None
-    survivors: Survivors | None = None
-    record: Reconfig | None = None
     name = JobState.STARTING
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Recovering:
-    """The group failed. `survivors`: the workers that hold every shard between them, to heal from (None:
-    the next group loads the last committed checkpoint); `record`: the reconfiguration under way."""
+class Recovering(Unformed):
+    """The group failed running `failed_plan`; `group` holds what the recovery kept of it."""
 
-    reason: str
-    cause: str | None = "failure"
-    survivors: Survivors | None = None
-    record: Reconfig | None = None
+    failed_plan: Plan | None = None
     name = JobState.RECOVERING
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Waiting:
-    """Holding no worker until the cluster (or, `by_scheduler`, the shared-cluster scheduler) offers enough.
-    `record`: a failure's reconfiguration, closed once the job runs again."""
+class Waiting(Unformed):
+    """Until the cluster (or, `by_scheduler`, the shared-cluster scheduler) offers enough. Holds no worker,
+    except after a restart queued before its first start (taken over, kept until it can start)."""
 
-    reason: str
-    cause: str | None = None
     by_scheduler: bool = False
-    survivors: Survivors | None = None
-    """Only after a restart queued before its first start: taken over, kept until it can start."""
-    record: Reconfig | None = None
 
     @property
     def name(self) -> JobState:
@@ -85,12 +88,14 @@ class Waiting:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Running:
-    """The group trains. `record`: the reconfiguration that formed it, open until its first step;
-    `durable_due`: it was formed from live state, so a durable checkpoint follows that first step;
-    `resize_requested`: the user changed the worker range, and the policy acts on it at once."""
+    """`group` trains, formed for `plan`. `record`: the reconfiguration that formed it, open until its
+    first step; `durable_due`: it was formed from live state, so a durable checkpoint follows that first
+    step; `resize_requested`: the user changed the worker range, and the policy acts on it at once."""
 
     reason: str
-    cause: str | None = None
+    cause: Cause | None = None
+    group: Group
+    plan: Plan
     record: Reconfig | None = None
     durable_due: bool = False
     resize_requested: bool = False
@@ -99,11 +104,14 @@ class Running:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Resizing:
-    """A sound group changes size: `decision` (Resize, or Wait: release everything) taken at `detected`
-    for `cause`; where the state comes from is `choose_source`'s answer when it is acted on."""
+    """The sound `group` (running `plan`) changes size: `decision` (Resize, or Wait: release everything)
+    taken at `detected` for `cause`; where the state comes from is `choose_source`'s answer when it is
+    acted on."""
 
     reason: str
-    cause: str
+    cause: Cause
+    group: Group
+    plan: Plan
     decision: Resize | Wait
     detected: float
     record: Reconfig | None = None
@@ -115,17 +123,17 @@ class Paused:
     """Parked by the user or the scheduler after a checkpoint, holding nothing."""
 
     reason: str
-    cause: str | None = None
+    cause: Cause | None = None
     name = JobState.PAUSED
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Ended:
-    """SUCCEEDED, FAILED or STOPPED: no way out."""
+    """SUCCEEDED, FAILED or STOPPED: no way out, nothing held."""
 
     final: JobState
     reason: str
-    cause: str | None = None
+    cause: Cause | None = None
 
     def __post_init__(self) -> None:
         if not self.final.is_terminal:
@@ -138,3 +146,8 @@ class Ended:
 
 State = Adopting | Pending | Starting | Recovering | Waiting | Running | Resizing | Paused | Ended
 """Every value `Coordinator.state` can hold."""
+
+
+def held(state: State) -> Group | None:
+    """The workers `state` holds (None: none)."""
+    return getattr(state, "group", None)

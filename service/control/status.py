@@ -45,7 +45,7 @@ class JobStatus:
     """When the current state was entered (unix seconds)."""
     job_id: str | None = None
     cause: str | None = None
-    """Cause of the last transition (service.control.events.CAUSES) or None."""
+    """Cause of the last transition (service.control.events.Cause) or None."""
     step: int | None = 0
     """Last step trained."""
     total_steps: int | None = None

@@ -62,11 +62,20 @@ class NodeInfo:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ClusterSnapshot:
-    """The cluster at one poll. Immutable: `nodes` is a tuple sorted by node id."""
+    """The cluster at one poll. Immutable: `nodes` is a tuple sorted by node id, indexed by id for `node`."""
 
     time: float
     """Unix seconds when it was read."""
     nodes: tuple[NodeInfo, ...] = field(default_factory=tuple)
+    _by_id: dict[str, NodeInfo] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # a group's nodes are looked up one by one (which are gone, which are suspects): one dict lookup
+        # each, not a scan of the whole cluster each
+        by_id: dict[str, NodeInfo] = {}
+        for n in self.nodes:
+            by_id.setdefault(n.node_id, n)
+        object.__setattr__(self, "_by_id", by_id)
 
     def usable_workers(self, cpus_per_worker: float = 1.0, gpus_per_worker: float = 0.0, *,
                        include_head: bool = True) -> int:
@@ -89,7 +98,7 @@ class ClusterSnapshot:
         return {n.node_id: n.drain_deadline for n in self.nodes if n.alive and n.draining}
 
     def node(self, node_id: str) -> NodeInfo | None:
-        return next((n for n in self.nodes if n.node_id == node_id), None)
+        return self._by_id.get(node_id)
 
     def membership(self) -> tuple:
         """What counts as a change: node set, liveness, drain state and resources (not the time)."""

@@ -48,6 +48,18 @@ class WorkerFailure(RuntimeError):
         self.nodes = frozenset(nodes)
 
 
+class Fate(StrEnum):
+    """What a group does with a member once it has answered a salvage (the recovery decides it:
+    service.control.failure.fate)."""
+
+    KEEP = "keep"
+    """It holds live shards or peer snapshots: it stays a member, to form the next group from."""
+    IDLE = "idle"
+    """It holds nothing, but is sound and idle: kept as a warm process for the next start."""
+    STOP = "stop"
+    """Dead, stuck, silent, or a save of it still running: stopped."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Formed:
     """A process group formed over the members (`Group.form`)."""
@@ -171,10 +183,10 @@ class Group(Protocol):
         the new group. `survivors`: the members' old ranks after a `salvage()` (a heal from peers);
         `serve`, `snapshot_step`: from the survivors' peer snapshots of that step instead, old rank r's
         sent by the survivor of old rank `serve[r]`."""
-    def salvage(self, *, gone: Collection[str] = (), dead: Callable[[], Collection[str]] = tuple,
-                timeout_s: float = 15.0, abort: bool = True) -> Salvage:
-        """After a failure keep the members whose shards can be trusted (and, as idle processes, those
-        that are sound but hold nothing); stop the others.
+    def salvage(self, *, fate: Callable[[Salvaged | None], Fate], gone: Collection[str] = (),
+                dead: Callable[[], Collection[str]] = tuple, timeout_s: float = 15.0, abort: bool = True) -> Salvage:
+        """After a failure ask every member for its state and keep, idle or stop each as `fate` decides
+        from its answer (None: it gave none).
         Members on `gone` nodes (known dead) are lost without being asked, those on nodes `dead()` names
         while the salvage waits (a probe beside it) without being waited for; none is waited for longer
         than `timeout_s` (or 2 s after the first answer). `abort`: first abort their

@@ -87,7 +87,7 @@ class Takeover:
             return CarriedOn(why=f"{len(unsound)} worker(s) cannot carry on ({unsound[0]})")
         if sorted(s.rank for s in said) != list(range(plan.world_size)):
             return CarriedOn(why=f"ranks {sorted(s.rank for s in said)} are not the {plan.world_size} of {plan.layout}")
-        theirs = {(p.layout, p.micro_batch_size, p.grad_accum_steps) for p in (Plan.from_dict(s.plan) for s in said)}
+        theirs = {(s.plan.layout, s.plan.micro_batch_size, s.plan.grad_accum_steps) for s in said}
         if theirs != {(plan.layout, plan.micro_batch_size, plan.grad_accum_steps)}:
             return CarriedOn(why=f"they train another plan than {plan.layout}")
         if len(steps := {s.step for s in said}) != 1:

@@ -30,7 +30,7 @@ from ray.exceptions import RayError
 
 from parallel.planner import Plan
 from service.pool.calls import Calls, replies
-from service.pool.group import CarriedOn, FailureKind, Formed, Moved, Salvage, Started, WorkerFailure
+from service.pool.group import CarriedOn, FailureKind, Fate, Formed, Moved, Salvage, Started, WorkerFailure
 from service.pool.launch import CONTROL, WORKER_ENV, Launcher
 from service.pool.reserve import Reserve
 from service.pool.roster import Role, Roster, WorkerHandle
@@ -164,7 +164,7 @@ class WorkerGroup:
         head = self.members[0]
         port = self._await([head.actor.free_port.remote()], "form", timeout_s=60)[0]
         refs = [m.actor.join.remote(rank=r, world_size=self.size, master_addr=head.ip, master_port=port,
-                                    plan=plan.to_dict(), adopt=adopt) for r, m in enumerate(self.members)]
+                                    plan=plan, adopt=adopt) for r, m in enumerate(self.members)]
         res = self._await(refs, "form", timeout_s=300)
         steps = {r.step for r in res}
         if len(steps) != 1:
@@ -205,7 +205,7 @@ class WorkerGroup:
         port = self._await([everyone[0].actor.free_port.remote()], "state transfer", timeout_s=60)[0]
         refs = [m.actor.reshard.remote(
             rank=g, world_size=len(everyone), master_addr=everyone[0].ip, master_port=port,
-            old_plan=old.to_dict(), new_plan=new.to_dict(),
+            old_plan=old, new_plan=new,
             old_rank=old_ranks[g] if g < len(old_members) else None, new_rank=group_to_new.get(g),
             old_to_group=old_to_group, new_to_group=new_to_group, snapshot_step=snapshot_step,
             nodes={i: e.node_id for i, e in enumerate(everyone)}) for g, m in enumerate(everyone)]
@@ -249,13 +249,13 @@ class WorkerGroup:
                     next_probe = time.monotonic() + next(gaps)
         return self.calls.get([refs[0]], "run")[0]
 
-    def salvage(self, *, gone: Collection[str] = (), dead: Callable[[], Collection[str]] = tuple,
-                timeout_s: float = 15.0, abort: bool = True) -> Salvage:
-        """After a failure: every member that answers within `timeout_s` with shards it can vouch for
-        (Worker.salvage) stays, in old-rank order; one that answers with none, but idle and sound
-        (`Salvaged.reusable`: no trainer, or its state untrusted and dropped), becomes a spare for the
-        next start; the others (dead, stuck in a collective, a save left running) are stopped, and
-        the result says why. Members on `gone` nodes, which the cluster watcher already lists
+    def salvage(self, *, fate: Callable[[Salvaged | None], Fate], gone: Collection[str] = (),
+                dead: Callable[[], Collection[str]] = tuple, timeout_s: float = 15.0, abort: bool = True) -> Salvage:
+        """After a failure: each member is asked (Worker.salvage) and dealt with as `fate` (the recovery's
+        rule, service.control.failure.fate) decides from its answer: one that answers within `timeout_s` with shards it can vouch for
+        stays, in old-rank order; one that answers with none, but idle and sound, becomes a spare for the
+        next start; the others (dead, stuck in a collective, a save left running) are stopped, and the
+        result says why. Members on `gone` nodes, which the cluster watcher already lists
         as dead, are not asked: their silence would only be waited out (the grace below); nor are those on
         nodes `dead()` names while the salvage waits (a probe running beside it). `abort`: abort
         their process groups first, so calls stuck in a collective with a dead peer raise (not for
@@ -290,13 +290,14 @@ class WorkerGroup:
                     why = info.why
                 except RayError as e:
                     why = f"its salvage failed: {type(e).__name__}"
-            if info is not None and (info.held or info.snapshots):  # live shards, or peer snapshots
-                kept[info.old_rank] = (m, info)
-            elif info is not None and info.reusable:  # idle, holding its slot: a spare for the next start
-                idle.append(m)
-            else:
-                lost.append(m)
-                stopped_why.append(why or "no reason given")
+            match fate(info):
+                case Fate.KEEP:  # live shards, or peer snapshots
+                    kept[info.old_rank] = (m, info)
+                case Fate.IDLE:  # holding its slot: a spare for the next start
+                    idle.append(m)
+                case Fate.STOP:
+                    lost.append(m)
+                    stopped_why.append(why or "no reason given")
         dead_nodes = set(gone) | set(dead())
         for m in lost:
             if m.pg is not None and m.node_id not in dead_nodes:  # its slot, for the next start there

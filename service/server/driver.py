@@ -17,6 +17,7 @@ from pathlib import Path
 
 from service.control.commands import Command
 from service.control.coordinator import Coordinator, CoordinatorOptions
+from service.control.events import Cause, EventKind
 from service.control.job import Job
 from service.server.specs import check_plannable
 from service.control.status import JobStatus
@@ -67,7 +68,7 @@ class JobRunner:
             logger.error("job %s: %s; the job is reported FAILED. See the traceback and events.jsonl in %s",
                          self.job_id, error, self.coord.run_dir, exc_info=True)
             try:
-                self.coord.sm.note("failure", reason=error, step=self.coord.step_done, cause="failure")
+                self.coord.journal.note(EventKind.FAILURE, reason=error, step=self.coord.step_done, cause=Cause.FAILURE)
             except Exception:
                 logger.warning("job %s: could not record the crash as an event", self.job_id, exc_info=True)
             self.error = error  # last: once status() says FAILED, the event above is there to be read

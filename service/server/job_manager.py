@@ -1,11 +1,11 @@
 """The job manager: the one thing the API talks to. Submits, lists, looks up and commands jobs, and keeps
-the store in step with the jobs' coordinators (service.server.job_sync: reads are served from the store; a
-background thread syncs).
+the store in step with the jobs' coordinators (`sync`: reads are served from the store; a background
+thread syncs).
 
 Each job's coordinator runs apart from the API (a named detached Ray actor, via a launcher), so the API
 can restart without the jobs noticing. Re-attach (`start()`): every job the store has as not finished
 is looked up by name through the launcher; a job whose coordinator is not found is UNKNOWN until that
-is confirmed (see service.server.job_sync).
+is confirmed (see `sync`).
 
 Jobs have an owner (the user whose token submitted them, None without users). Every call takes
 `owner`: None sees every job (an admin, or a server without users); a user sees only their own jobs,
@@ -441,7 +441,7 @@ class JobManager:
             self._schedule_quietly()
 
     def _schedule_quietly(self) -> None:
-        """A scheduling round (service.server.job_scheduling), its errors logged (the traceback at most every
+        """A scheduling round (`schedule_round`, service.sharing.rounds), its errors logged (the traceback at most every
         TRACEBACK_EVERY_S): the next round tries again."""
         try:
             self.schedule_round()

@@ -96,13 +96,18 @@ class Start:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Shrink:
-    """Shrink a running job through the planned-resize path (0 steps redone)."""
+class Change:
+    """A running (or paused) job's workers go from `before` to `after`, on `nodes` ({node: workers} pairs)."""
     job_id: str
     before: int
     after: int
     nodes: tuple[tuple[str, int], ...]
     reason: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Shrink(Change):
+    """Shrink a running job through the planned-resize path (0 steps redone)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -115,13 +120,8 @@ class Preempt:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Grow:
+class Grow(Change):
     """Give capacity back: grow a running job, or resume a paused one (before == 0)."""
-    job_id: str
-    before: int
-    after: int
-    nodes: tuple[tuple[str, int], ...]
-    reason: str
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

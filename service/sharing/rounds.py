@@ -31,12 +31,11 @@ from dataclasses import dataclass, field
 from service.pool.cluster import ClusterSnapshot
 from service.sharing.ledger import Holding, Ledger, WorkerShape
 from service.control.commands import Grant, Pause, Resume
+from service.control.events import Cause
+from service.control.state import TERMINAL
 from service.sharing.scheduler import Grow, JobRequest, Phase, Preempt, Queued, Quota, Schedule, Start, schedule
 
 UNKNOWN = "UNKNOWN"
-TERMINAL_STATES = frozenset({"SUCCEEDED", "FAILED", "STOPPED"})
-BY_SCHEDULER = "scheduler"
-"""The cause of a pause the scheduler asked for (service.control.events.CAUSES)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -75,10 +74,10 @@ class JobView:
     @property
     def phase(self) -> Phase | None:
         """Its phase for the policy; None when it is not scheduled."""
-        if self.state in TERMINAL_STATES or self.state == UNKNOWN:
+        if self.state in TERMINAL or self.state == UNKNOWN:
             return None
         if self.state == "PAUSED":
-            return Phase.PAUSED if self.cause == BY_SCHEDULER else None
+            return Phase.PAUSED if self.cause == Cause.SCHEDULER else None
         return Phase.RUNNING if self.holding() else Phase.QUEUED
 
 

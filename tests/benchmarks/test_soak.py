@@ -25,7 +25,7 @@ def body(run_dir: str) -> dict:
     from workers.config import JobConfig
 
     plan = Plan(layout=Layout(), world_size=1, available=1, micro_batch_size=2, grad_accum_steps=1,
-                memory_bytes=0.0, reasons=()).to_dict()
+                memory_bytes=0.0, reasons=())
     w = Worker(JobConfig.from_dict(CFG), run_dir)
     out = {"pid": os.getpid(), "idle": asdict(w.memory())}
     w.join(rank=0, world_size=1, master_addr="127.0.0.1", master_port=w.free_port(), plan=plan)

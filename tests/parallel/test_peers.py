@@ -77,3 +77,19 @@ def test_the_newest_step_held_whole_is_used_and_each_copy_served_by_its_holder(l
 ])
 def test_copies_that_miss_a_shard_give_the_reason(layout, held, why):
     assert cover(layout, held) == NoCover(why)
+
+
+def test_a_missing_shard_is_found_with_one_look_at_each_rank_not_one_per_rank_and_holder(monkeypatch):
+    import parallel.peers as peers
+
+    looked = []
+    place = peers._place
+    monkeypatch.setattr(peers, "_place", lambda layout, r: looked.append(r) or place(layout, r))
+    layout = Layout(dp_shard=256)
+    held = {r: {r: (7,)} for r in range(1, 256)}  # rank 0 and its copy are lost
+
+    got = cover(layout, held)
+
+    assert isinstance(got, NoCover) and "old rank(s) [0]" in got.why
+    # each rank's place once for the layout, and each holder's and rank's a few times over: linear
+    assert len(looked) <= 4 * layout.world_size

@@ -50,7 +50,7 @@ def test_reconfiguration_records_are_bounded_and_their_totals_count_every_one():
     recs = Reconfigs(keep=2)
     for i, cause in enumerate(["user", "failure", "user", "grow", "failure"]):
         r = Reconfig(cause=cause, detected=float(i), step_before=10 * i)
-        r.formed(new_layout={}, resumed_step=10 * i - (3 if cause == "failure" else 0), started=0, stopped=0,
+        r = r.formed(new_layout={}, resumed_step=10 * i - (3 if cause == "failure" else 0), started=0, stopped=0,
                  world_size=1)
         recs.append(r)
     assert [r.cause for r in recs] == ["grow", "failure"]

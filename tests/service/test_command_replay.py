@@ -66,3 +66,7 @@ def test_another_jobs_commands_in_the_run_dir_are_not_replayed(tmp_path):
                                              + '{"job_id": "job1", "comm')  # and a torn line
     r = runner(tmp_path, cluster, gate)
     wait_for(lambda: r.status().state == "SUCCEEDED", what="SUCCEEDED")
+    st = r.status()
+    assert (st.state, st.step) == ("SUCCEEDED", 20)  # the other job's stop was not applied to this one
+    assert [e["to_state"] for e in r.events_since(0) if e["kind"] == "transition"] == ["STARTING", "RUNNING",
+                                                                                       "SUCCEEDED"]

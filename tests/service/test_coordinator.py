@@ -29,10 +29,11 @@ def states(c: Coordinator) -> list[str]:
 
 def test_runs_to_success_on_all_capacity(tmp_path):
     c, _, _ = make_coordinator(tmp_path, {"a": 2, "b": 2})
-    advance(c, lambda c: c.sm.state.is_terminal)
-    assert str(c.sm.state) == "SUCCEEDED" and c.step_done == 20
+    advance(c, lambda c: c.state.name.is_terminal)
+    assert str(c.state.name) == "SUCCEEDED" and c.step_done == 20
     assert states(c) == ["STARTING", "RUNNING", "SUCCEEDED"]
-    assert c.plan.world_size == 4 and c.plan.layout.dp == 4
+    rc = c.reconfigs[-1]
+    assert rc.world_size == 4 and Layout.from_dict(rc.new_layout).dp == 4 and c.status().world_size == 0
     assert (tmp_path / "events.jsonl").read_text().count("\n") == len(c.events_since(0))
 
 
@@ -117,10 +118,10 @@ def test_a_suspect_that_answers_a_later_probe_is_used_again_at_once(tmp_path):
     slow = {"b"}
     c.group_probe = lambda nodes, timeout_s: {n for n in nodes if n not in slow}
     G.fail_next.append(FailureKind.WORKER_DIED)
-    advance(c, lambda c: str(c.sm.state) == "WAITING_FOR_CAPACITY")
-    assert "min_workers=4" in c.sm.reason
+    advance(c, lambda c: str(c.state.name) == "WAITING_FOR_CAPACITY")
+    assert "min_workers=4" in c.state.reason
     slow.clear()  # b answers again
-    advance(c, lambda c: len(changes(c)) == 1 and str(c.sm.state) == "RUNNING")
+    advance(c, lambda c: len(changes(c)) == 1 and str(c.state.name) == "RUNNING")
     (rc,) = changes(c)
     assert rc.cause == "failure" and rc.world_size == 4 and rc.resumed_step == 5
     back = [e for e in c.events_since(0) if e["kind"] == "capacity"]
@@ -135,8 +136,8 @@ def test_node_death_resumes_from_last_commit_on_what_is_left(tmp_path):
     (rc,) = changes(c)
     assert rc.cause == "failure" and rc.resumed_step == 5 and rc.steps_lost == 3 and rc.world_size == 2
     assert "RECOVERING" in states(c)
-    advance(c, lambda c: c.sm.state.is_terminal)
-    assert str(c.sm.state) == "SUCCEEDED"
+    advance(c, lambda c: c.state.name.is_terminal)
+    assert str(c.state.name) == "SUCCEEDED"
 
 
 def test_grow_waits_for_settle_then_resizes_without_redoing_steps(tmp_path):
@@ -184,7 +185,7 @@ def test_a_join_trains_on_at_the_old_size_until_the_joiners_are_warm(tmp_path):
     (rc,) = changes(c)
     assert warming == {"b": 0}
     assert rc.step_before == arrived + 3  # three steps trained while the joiners warmed up
-    assert [c.metrics[s]["world_size"] for s in range(arrived + 1, rc.step_before + 1)] == [2, 2, 2]
+    assert [c.metrics[s].world_size for s in range(arrived + 1, rc.step_before + 1)] == [2, 2, 2]
     assert c.group.size == 4 and rc.cause == "grow" and rc.steps_lost == 0
 
 
@@ -222,19 +223,19 @@ def test_waits_for_capacity_below_min_workers_and_resumes(tmp_path):
     c, cluster, _ = make_coordinator(tmp_path, {"a": 2, "b": 2}, min_workers=3)
     advance(c, lambda c: c.step_done >= 6)
     cluster.dead.add("b")
-    advance(c, lambda c: str(c.sm.state) == "WAITING_FOR_CAPACITY")
-    assert "min_workers=3" in c.sm.reason
+    advance(c, lambda c: str(c.state.name) == "WAITING_FOR_CAPACITY")
+    assert "min_workers=3" in c.state.reason
     cluster.dead.discard("b")
-    advance(c, lambda c: str(c.sm.state) == "RUNNING" and c.group.size == 4)
+    advance(c, lambda c: str(c.state.name) == "RUNNING" and c.group.size == 4)
     assert c.step_done == 5  # resumed from the checkpoint committed at step 5
 
 
 def test_repeated_failures_of_one_kind_end_in_failed_with_the_error(tmp_path):
     c, _, G = make_coordinator(tmp_path, {"a": 2})
     G.fail_next.extend([FailureKind.WORKER_RAISED] * 5)
-    advance(c, lambda c: c.sm.state.is_terminal)
-    assert str(c.sm.state) == "FAILED"
-    assert "worker_raised failed 3 times" in c.sm.reason and "boom" in c.sm.reason
+    advance(c, lambda c: c.state.name.is_terminal)
+    assert str(c.state.name) == "FAILED"
+    assert "worker_raised failed 3 times" in c.state.reason and "boom" in c.state.reason
 
 
 def test_user_resize_pause_resume_stop(tmp_path):
@@ -247,14 +248,14 @@ def test_user_resize_pause_resume_stop(tmp_path):
     advance(c, lambda c: len(c.reconfigs) == 3)
     assert c.group.size == 4
     c.send(Pause())
-    advance(c, lambda c: str(c.sm.state) == "PAUSED")
+    advance(c, lambda c: str(c.state.name) == "PAUSED")
     paused_at = c.step_done
     assert c.group is None and c.committed_step == paused_at
     c.send(Resume())
     advance(c, lambda c: c.step_done > paused_at)
     c.send(Stop())
-    advance(c, lambda c: c.sm.state.is_terminal)
-    assert str(c.sm.state) == "STOPPED"
+    advance(c, lambda c: c.state.name.is_terminal)
+    assert str(c.state.name) == "STOPPED"
 
 
 def test_a_planned_resize_moves_state_live_then_writes_a_durable_checkpoint_in_the_background(tmp_path):
@@ -396,7 +397,7 @@ def test_survivors_below_min_workers_are_released_and_the_job_resumes_from_stora
     G.heals = True
     advance(c, lambda c: c.step_done >= 7)
     cluster.dead.add("b")
-    advance(c, lambda c: str(c.sm.state) == "WAITING_FOR_CAPACITY")
+    advance(c, lambda c: str(c.state.name) == "WAITING_FOR_CAPACITY")
     assert c.group is None and c.state.survivors is None
     (fb,) = [e for e in c.events_since(0) if e["kind"] == "fallback"]
     assert "surviving workers are released" in fb["reason"] and "(step 5)" in fb["reason"]
@@ -419,8 +420,8 @@ def test_a_recovery_that_resumes_at_the_last_step_is_still_recorded(tmp_path):
         G.checkpoint = real
         raise WorkerFailure(FailureKind.WORKER_DIED, "a worker died during checkpoint")
     G.checkpoint = dies_once
-    advance(c, lambda c: c.sm.state.is_terminal)
-    assert str(c.sm.state) == "SUCCEEDED"
+    advance(c, lambda c: c.state.name.is_terminal)
+    assert str(c.state.name) == "SUCCEEDED"
     (rc,) = changes(c)
     assert rc.cause == "failure" and rc.resumed_step == 10 and rc.first_step_time is None
 
@@ -485,16 +486,16 @@ def test_a_configuration_error_on_a_worker_fails_the_job_without_a_restart(tmp_p
     c, _, G = make_coordinator(tmp_path, {"a": 2})
     advance(c, lambda c: c.step_done >= 2)
     G.fail_next.append(FailureKind.CONFIG_REJECTED)  # as a worker's ConfigError comes back (WorkerGroup._failure)
-    advance(c, lambda c: c.sm.state.is_terminal)
-    assert str(c.sm.state) == "FAILED" and "configuration cannot run" in c.sm.reason
+    advance(c, lambda c: c.state.name.is_terminal)
+    assert str(c.state.name) == "FAILED" and "configuration cannot run" in c.state.reason
     assert [f.kind for f in c.failures] == [FailureKind.CONFIG_REJECTED]  # failed at the first, never re-formed
     assert len([e for e in c.events_since(0) if e["kind"] == "resize"]) == 1
 
 
 def test_a_job_asking_for_gpus_on_a_cluster_with_none_says_so(tmp_path):
     c, _, _ = make_coordinator(tmp_path, {"a": 2}, resources={"gpus_per_worker": 1})
-    advance(c, lambda c: str(c.sm.state) == "WAITING_FOR_CAPACITY")
-    assert "needs 1 GPU (resources.gpus_per_worker) and the cluster has none" in c.sm.reason
+    advance(c, lambda c: str(c.state.name) == "WAITING_FOR_CAPACITY")
+    assert "needs 1 GPU (resources.gpus_per_worker) and the cluster has none" in c.state.reason
 
 
 def test_a_stop_while_the_group_has_no_members_ends_stopped_without_a_save(tmp_path):
@@ -510,8 +511,8 @@ def test_a_stop_while_the_group_has_no_members_ends_stopped_without_a_save(tmp_p
 
     c.group.checkpoint = no_save
     c.send(Stop())
-    advance(c, lambda c: c.sm.state.is_terminal)
-    assert str(c.sm.state) == "STOPPED" and c.committed_step == committed
+    advance(c, lambda c: c.state.name.is_terminal)
+    assert str(c.state.name) == "STOPPED" and c.committed_step == committed
 
 
 # FSDP over 4 workers on nodes a (ranks 0, 1) and b (ranks 2, 3): each rank's peer snapshot lives on the
@@ -558,5 +559,7 @@ def test_a_fault_while_forming_from_memory_asks_the_survivors_again(tmp_path):
     advance(c, lambda c: len(c.reconfigs) == 2 and c.step_done >= 7)
     assert [r["snapshot_step"] for r in G.resharded] == [6, 6]  # their snapshots outlived the failed transfer
     assert c.reconfigs[-1].transfer["path"] == "memory" and c.reconfigs[-1].resumed_step == 6
-    failures = [e["reason"] for e in c.events_since(0) if e["kind"] == "failure"]
-    assert any("asking the survivors for the peer snapshots" in r for r in failures)
+    failures = [(e["reason"], e["details"]["during"]) for e in c.events_since(0) if e["kind"] == "failure"]
+    # one event per failure: the node's loss, then the transfer's (the recovery asks the survivors again)
+    assert failures == [("a node hosting workers is gone", "training"), ("a worker died during state transfer",
+                                                                         "transfer")]

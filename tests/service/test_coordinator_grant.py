@@ -26,10 +26,10 @@ def test_a_coordinator_places_only_on_its_grant_and_follows_it_with_planned_resi
 def test_a_grant_below_min_workers_is_queued_and_says_the_scheduler_is_why(tmp_path):
     c, _, _ = make_coordinator(tmp_path, {"a": 2, "b": 2}, min_workers=2)
     c.grant = {"a": 1}
-    advance(c, lambda c: str(c.sm.state) == "QUEUED")
-    assert c.sm.reason == "the scheduler grants 1 workers < min_workers=2"
+    advance(c, lambda c: str(c.state.name) == "QUEUED")
+    assert c.state.reason == "the scheduler grants 1 workers < min_workers=2"
     c.grant = {"a": 2}
-    advance(c, lambda c: str(c.sm.state) == "RUNNING")
+    advance(c, lambda c: str(c.state.name) == "RUNNING")
     assert set(c.group.nodes()) == {"a"}
 
 
@@ -37,7 +37,7 @@ def test_grants_come_as_commands_with_their_reason_as_an_event_and_the_queue_in_
     c, _, _ = make_coordinator(tmp_path, {"a": 2, "b": 2}, min_workers=2, steps=40, settle=3600.0)
     c.grant = {}  # launched by the service: nothing granted yet
     c.send(Grant(nodes={}, reason="needs 2 workers; 0 can be granted", queue_position=3))
-    advance(c, lambda c: str(c.sm.state) == "QUEUED")
+    advance(c, lambda c: str(c.state.name) == "QUEUED")
     st = c.status()
     assert (st.state, st.queue_position, st.reason) == ("QUEUED", 3, "needs 2 workers; 0 can be granted")
     assert st.grant == {} and st.held == {}
@@ -50,13 +50,13 @@ def test_grants_come_as_commands_with_their_reason_as_an_event_and_the_queue_in_
     assert told == ["needs 2 workers; 0 can be granted", "admitted on 2 workers (min 2, priority 0)"]
 
     c.send(Pause(by="scheduler", reason="paused (checkpoint first, was 2 workers) to admit job h (priority 9)"))
-    advance(c, lambda c: str(c.sm.state) == "PAUSED")
-    assert c.sm.cause == "scheduler" and c.sm.reason.startswith("paused (checkpoint first") and c.group is None
+    advance(c, lambda c: str(c.state.name) == "PAUSED")
+    assert c.state.cause == "scheduler" and c.state.reason.startswith("paused (checkpoint first") and c.group is None
     assert c.committed_step == c.step_done  # checkpoint first: nothing to redo
     c.send(Grant(nodes={"a": 2}, reason="resumed on 2 workers: capacity given back in priority order (priority 0)"))
     c.send(Resume(by="scheduler"))
-    advance(c, lambda c: str(c.sm.state) == "RUNNING")
-    assert set(c.group.nodes()) == {"a"} and c.sm.cause is not None
+    advance(c, lambda c: str(c.state.name) == "RUNNING")
+    assert set(c.group.nodes()) == {"a"} and c.state.cause is not None
 
 
 def test_a_job_the_whole_cluster_cannot_fit_waits_in_the_schedulers_queue_with_its_place_and_reason(tmp_path):
@@ -66,7 +66,7 @@ def test_a_job_the_whole_cluster_cannot_fit_waits_in_the_schedulers_queue_with_i
     c.grant = {}
     why = "needs 6 workers of 1 CPU; the whole cluster fits 4"
     c.send(Grant(nodes={}, reason=why, queue_position=2))
-    advance(c, lambda c: str(c.sm.state) != "PENDING")
+    advance(c, lambda c: str(c.state.name) != "PENDING")
     for _ in range(5):  # and stays there
         c.watcher.poll()
         c.step()

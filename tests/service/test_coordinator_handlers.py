@@ -18,7 +18,7 @@ def test_a_chunk_that_trains_stays_running_and_advances_the_step(tmp_path):
     c, cluster, _ = running(tmp_path)
     before = c.step_done
     out = c._on_running(c.state, c.watcher.poll())
-    assert isinstance(out, Running) and c.step_done > before and c.metrics[c.step_done]["step"] == c.step_done
+    assert isinstance(out, Running) and c.step_done > before and c.metrics[c.step_done].step == c.step_done
 
 
 def test_a_worker_that_raises_in_a_chunk_moves_the_job_to_recovering(tmp_path):
@@ -48,5 +48,8 @@ def test_a_node_the_watcher_lists_dead_is_a_node_loss_without_a_chunk(tmp_path):
 def test_the_last_step_done_ends_the_job(tmp_path):
     c, cluster, _ = running(tmp_path, steps=3)
     advance(c, lambda c: c.step_done >= 3)
+    group = c.group
     out = c._on_running(c.state, c.watcher.poll())
-    assert isinstance(out, Ended) and out.final is JobState.SUCCEEDED and c.group is None
+    assert isinstance(out, Ended) and out.final is JobState.SUCCEEDED
+    c._enter(out)
+    assert c.group is None and group.members == []  # what the state holds is what the job holds

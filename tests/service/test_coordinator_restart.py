@@ -13,6 +13,7 @@ import pytest
 
 from service.control.coordinator import Coordinator, CoordinatorOptions
 from service.control.state import JobState as S
+from service.control.states import Starting
 from tests.fakes import advance, make_coordinator, metrics_row
 
 
@@ -35,9 +36,9 @@ def test_a_restarted_coordinator_resumes_from_the_last_commit_and_keeps_the_hist
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 9)) + '{"st')
 
     second = again(first, group_cls, cluster)
-    advance(second, lambda c: c.sm.state.is_terminal)
+    advance(second, lambda c: c.state.name.is_terminal)
 
-    assert str(second.sm.state) == "SUCCEEDED" and second.step_done == 20
+    assert str(second.state.name) == "SUCCEEDED" and second.step_done == 20
     events = second.events_since(0)
     assert events[:len(before)] == before  # history continues, same indexes
     restart = events[len(before)]
@@ -52,12 +53,12 @@ def test_a_restarted_coordinator_resumes_from_the_last_commit_and_keeps_the_hist
 
 def test_another_jobs_events_in_the_run_dir_are_not_adopted(tmp_path):
     first, cluster, group_cls = make_coordinator(tmp_path, {"a": 2})
-    advance(first, lambda c: c.sm.state.is_terminal)
+    advance(first, lambda c: c.state.name.is_terminal)
     group_cls.disk.committed = 0
     other = again(first, group_cls, cluster, job_id="job2")
-    assert other.events_since(0) == [] and other.failures == []
-    advance(other, lambda c: c.sm.state.is_terminal)
-    assert str(other.sm.state) == "SUCCEEDED" and other.reconfigs[0].cause == "planned"
+    assert other.events_since(0) == [] and other.failures == ()
+    advance(other, lambda c: c.state.name.is_terminal)
+    assert str(other.state.name) == "SUCCEEDED" and other.reconfigs[0].cause == "planned"
     assert {e["job_id"] for e in other.events_since(0)} == {"job2"}
 
 
@@ -80,9 +81,9 @@ def test_a_restarted_coordinator_trains_on_with_the_group_it_takes_over_as_it_is
         (tmp_path / reshard / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 8)))
 
         second = again(first, left_running(group_cls, first.group), cluster, owner="elastron-job-job1")
-        advance(second, lambda c: c.sm.state.is_terminal)
+        advance(second, lambda c: c.state.name.is_terminal)
 
-        assert str(second.sm.state) == "SUCCEEDED" and second.step_done == 20
+        assert str(second.state.name) == "SUCCEEDED" and second.step_done == 20
         rc = second.reconfigs[0]
         assert rc.cause == "failure" and rc.step_before == 7 and rc.resumed_step == 7 and rc.steps_lost == 0
         assert rc.started == rc.stopped == 0 and rc.transfer["path"] == "in place"
@@ -99,9 +100,9 @@ def test_a_restarted_coordinator_heals_from_the_workers_left_running_when_they_c
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 8)))
 
     second = again(first, left_running(group_cls, first.group), cluster, owner="elastron-job-job1")
-    advance(second, lambda c: c.sm.state.is_terminal)
+    advance(second, lambda c: c.state.name.is_terminal)
 
-    assert str(second.sm.state) == "SUCCEEDED" and second.step_done == 20
+    assert str(second.state.name) == "SUCCEEDED" and second.step_done == 20
     rc = second.reconfigs[0]
     assert rc.cause == "failure" and rc.step_before == 7 and rc.resumed_step == 7 and rc.steps_lost == 0
     assert rc.started == 0 and rc.transfer["path"] == "peers"  # healed from the same workers, none started
@@ -119,7 +120,7 @@ def test_workers_taken_over_from_a_storage_job_stay_warm_for_its_resume(tmp_path
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 8)))
 
     second = again(first, left_running(group_cls, first.group), cluster, owner="elastron-job-job1")
-    advance(second, lambda c: c.sm.state.is_terminal)
+    advance(second, lambda c: c.state.name.is_terminal)
 
     rc = second.reconfigs[0]
     assert rc.resumed_step == 5 and rc.steps_lost == 2  # from the last commit...
@@ -133,8 +134,8 @@ def test_without_an_owner_a_restart_looks_for_no_workers(tmp_path):
     def adopt(self):
         raise AssertionError("adopt called for a coordinator whose workers end with it")
     second = again(first, type("NoAdopt", (group_cls,), {"adopt": adopt}), cluster)
-    advance(second, lambda c: c.sm.state.is_terminal)
-    assert str(second.sm.state) == "SUCCEEDED" and second.reconfigs[0].resumed_step == 5
+    advance(second, lambda c: c.state.name.is_terminal)
+    assert str(second.state.name) == "SUCCEEDED" and second.reconfigs[0].resumed_step == 5
 
 
 def test_workers_started_before_any_group_formed_are_taken_over_not_left_holding_slots(tmp_path):
@@ -142,14 +143,14 @@ def test_workers_started_before_any_group_formed_are_taken_over_not_left_holding
     it started run on, detached. The next coordinator must make them its own (here: reuse them), or
     they would hold their slots for as long as the job's actor lives."""
     first, cluster, group_cls = make_coordinator(tmp_path, {"a": 2, "b": 2})
-    first.sm.transition(S.STARTING, reason="starting", step=0, cause="planned")  # and then it died
+    first._enter(Starting(reason="starting", cause="planned"))  # and then it died
     lost = group_cls(first.cfg, str(tmp_path))
     lost.members = ["a", "a", "b", "b"]
 
     second = again(first, left_running(group_cls, lost), cluster, owner="elastron-job-job1")
-    advance(second, lambda c: c.sm.state.is_terminal)
+    advance(second, lambda c: c.state.name.is_terminal)
 
-    assert str(second.sm.state) == "SUCCEEDED"
+    assert str(second.state.name) == "SUCCEEDED"
     rc = second.reconfigs[0]
     assert rc.started == 0 and rc.stopped == 0 and rc.resumed_step == 0  # the same four, from the start
 
@@ -179,7 +180,7 @@ def test_a_heal_from_workers_a_step_ahead_of_the_lost_coordinator_moves_from_the
 
     ahead = type("Ahead", (base,), {"salvage": salvage, "carry_on": carry_on})
     second = again(first, ahead, cluster, owner="elastron-job-job1")
-    advance(second, lambda c: c.sm.state.is_terminal)
+    advance(second, lambda c: c.state.name.is_terminal)
     rc = second.reconfigs[0]
     assert rc.step_before == 8 and rc.resumed_step == 8 and rc.steps_lost == 0
     assert rc.transfer["path"] == ("in place" if intact else "peers")
@@ -197,9 +198,9 @@ def test_a_coordinator_restarted_more_often_than_its_budget_in_the_window_ends_t
     for n in (1, 2):  # within the budget: each restarted coordinator trains on
         c = again(c, group_cls, cluster)
         assert [f.kind for f in c.failures] == ["coordinator_restarted"] * n
-        advance(c, lambda x, s=c.step_done: x.step_done >= max(s, 3) + 1 or x.sm.state.is_terminal)
-        assert not c.sm.state.is_terminal
+        advance(c, lambda x, s=c.step_done: x.step_done >= max(s, 3) + 1 or x.state.name.is_terminal)
+        assert not c.state.name.is_terminal
     third = again(c, group_cls, cluster)
-    advance(third, lambda x: x.sm.state.is_terminal)
-    assert str(third.sm.state) == "FAILED"
-    assert "coordinator_restarted failed 3 times" in third.sm.reason and "max_restarts=2" in third.sm.reason
+    advance(third, lambda x: x.state.name.is_terminal)
+    assert str(third.state.name) == "FAILED"
+    assert "coordinator_restarted failed 3 times" in third.state.reason and "max_restarts=2" in third.state.reason

@@ -118,14 +118,14 @@ def start(tmp_path, *, settle=1000.0, steps=STEPS, hold: Hold | None = None,
 def wait_for(coord: Coordinator, cond, what: str, timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
-        assert not coord.sm.state.is_terminal or cond(), f"job ended ({coord.sm.state}: {coord.sm.reason}) before {what}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}; state {coord.sm.state} {coord.sm.reason}"
+        assert not coord.state.name.is_terminal or cond(), f"job ended ({coord.state.name}: {coord.state.reason}) before {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}; state {coord.state.name} {coord.state.reason}"
         time.sleep(0.05)
 
 
 def finish(coord: Coordinator, t: threading.Thread, reference: list[float]):
     t.join(timeout=300)
-    assert str(coord.sm.state) == "SUCCEEDED", coord.sm.reason
+    assert str(coord.state.name) == "SUCCEEDED", coord.state.reason
     losses = [m["loss"] for m in coord.metrics_since(0)]
     assert len(losses) == coord.total_steps
     for step, (got, want) in enumerate(zip(losses, reference[:coord.total_steps]), start=1):
@@ -160,7 +160,7 @@ def _alive(pid: int) -> bool:
 
 
 def running_at(coord, step):
-    return lambda: coord.step_done >= step and str(coord.sm.state) == "RUNNING"
+    return lambda: coord.step_done >= step and str(coord.state.name) == "RUNNING"
 
 
 def test_planned_resize_redoes_no_steps(cluster, nodes, reference, tmp_path):
@@ -223,7 +223,7 @@ def test_failure_without_notice_resumes_from_last_commit_and_waits_for_capacity(
         assert time.monotonic() < deadline, f"workers {doomed} still alive 60 s after their node was removed"
         time.sleep(0.05)
     hold.release()
-    wait_for(coord, lambda: str(coord.sm.state) == "WAITING_FOR_CAPACITY", "WAITING_FOR_CAPACITY")
+    wait_for(coord, lambda: str(coord.state.name) == "WAITING_FOR_CAPACITY", "WAITING_FOR_CAPACITY")
     assert "min_workers=2" in coord.status().reason
     nodes(1)
     kill, node = finish(coord, t, reference)

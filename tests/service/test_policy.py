@@ -6,8 +6,7 @@ import itertools
 
 import pytest
 
-from service.control.policy import Fail, Failure, Noop, PolicyConfig, Resize, ScalingPolicy, Wait
-from service.pool.group import FailureKind as K
+from service.control.policy import Noop, PolicyConfig, Resize, ScalingPolicy, Wait
 
 
 def policy(**kw) -> ScalingPolicy:
@@ -194,43 +193,6 @@ def test_size_for_cannot_invent_workers():
         policy(size_for=lambda n: n + 1).decide(0.0, current_workers=0, usable_workers=3)
 
 
-# -- failure budget -------------------------------------------------------------------------------------
-def test_fail_when_one_kind_repeats_more_than_max_restarts_in_window():
-    p = policy(max_restarts=2, restart_window_s=100.0)
-    fs = [Failure(time=10.0, kind=K.WORKER_DIED, error="segfault"),
-          Failure(time=20.0, kind=K.WORKER_DIED, error="CUDA error: illegal memory access")]
-    assert isinstance(p.decide(30.0, current_workers=0, usable_workers=4, failures=fs), Resize)
-    fs.append(Failure(time=30.0, kind=K.WORKER_DIED, error="NCCL timeout on rank 3"))
-    d = p.decide(30.0, current_workers=0, usable_workers=4, failures=fs)
-    assert d == Fail("worker_died failed 3 times in the last 100 s (max_restarts=2); "
-                     "last error: NCCL timeout on rank 3")
-
-
-def test_kinds_are_counted_separately():
-    p = policy(max_restarts=1)
-    fs = [Failure(time=1.0, kind=K.WORKER_RAISED, error="a"), Failure(time=2.0, kind=K.NODE_LOST, error="b")]
-    assert isinstance(p.decide(3.0, current_workers=0, usable_workers=2, failures=fs), Resize)
-
-
-def test_failures_leave_the_window():
-    p = policy(max_restarts=1, restart_window_s=60.0)
-    fs = [Failure(time=0.0, kind=K.WORKER_RAISED, error="old"), Failure(time=50.0, kind=K.WORKER_RAISED, error="new")]
-    assert isinstance(p.decide(59.9, current_workers=0, usable_workers=2, failures=fs), Fail)
-    assert isinstance(p.decide(60.0, current_workers=0, usable_workers=2, failures=fs), Resize)  # t=0 now out
-
-
-def test_zero_restarts_fails_on_first_failure_and_fail_beats_wait():
-    p = policy(max_restarts=0, min_workers=4)
-    d = p.decide(1.0, current_workers=0, usable_workers=0, failures=[Failure(time=1.0, kind=K.START_FAILED)])
-    assert d == Fail("start_failed failed 1 times in the last 3600 s (max_restarts=0); last error: (none)")
-
-
-def test_most_recent_exhausted_kind_is_reported():
-    p = policy(max_restarts=0)
-    fs = [Failure(time=5.0, kind=K.WORKER_RAISED, error="late"), Failure(time=1.0, kind=K.NODE_LOST, error="early")]
-    assert "worker_raised" in p.decide(6.0, current_workers=1, usable_workers=1, failures=fs).reason
-
-
 # -- exhaustive sweep against a direct statement of the rules -----------------------------------------
 @pytest.mark.parametrize("min_w, max_w", [(1, None), (2, None), (1, 4), (3, 5)])
 def test_sweep_matches_the_rules(min_w, max_w):
@@ -305,16 +267,6 @@ def test_a_users_resize_is_an_input_that_acts_at_once_in_either_direction():
         Resize(workers=1, cause="user", reason="resize to 1 workers requested by user")
     # a request that changes nothing is no resize
     assert isinstance(p.decide(3.0, current_workers=1, usable_workers=4, requested=True), Noop)
-
-
-def test_a_configuration_error_on_a_worker_fails_the_job_at_once():
-    p = ScalingPolicy(PolicyConfig(min_workers=1, max_restarts=3))
-    bad = [Failure(time=1.0, kind=K.CONFIG_REJECTED, error="a worker raised during form: data.token_dtype ...")]
-    d = p.decide(2.0, current_workers=0, usable_workers=4, failures=bad)
-    assert isinstance(d, Fail) and "configuration cannot run" in d.reason and "data.token_dtype" in d.reason
-    # other kinds are retried as before
-    other = [Failure(time=1.0, kind=K.WORKER_DIED, error="a worker died")]
-    assert isinstance(p.decide(2.0, current_workers=0, usable_workers=4, failures=other), Resize)
 
 
 def test_the_reason_for_too_few_workers_says_what_the_caller_knows():

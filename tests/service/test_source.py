@@ -9,8 +9,7 @@ import pytest
 from parallel.layout import Layout
 from parallel.planner import Plan
 from service.control.policy import Fail, Noop, Resize, Wait
-from parallel.peers import Cover, NoCover
-from service.control.source import Heal, Live, Memory, Release, Restore, choose_source, from_survivors
+from service.control.source import Heal, Live, Memory, Release, Restore, choose_source
 
 PLAN = Plan(layout=Layout(dp_replicate=2), world_size=2, available=2, micro_batch_size=1, grad_accum_steps=1,
             memory_bytes=0.0, reasons=())
@@ -19,23 +18,34 @@ RESIZE = Resize(workers=2, cause="grow", reason="more capacity")
 WAIT = Wait("too few workers")
 
 
-def expected(decision, sound, survivors, reshard):
-    """The rule, written out as a table a reader can check line by line."""
-    if isinstance(decision, Wait):
-        return Release(flush=sound is not None)
-    if sound is not None:
-        return Live(sound) if reshard == "live" else Restore(flush=True)
-    if survivors is not None and reshard == "live":
-        return survivors
-    return Restore(flush=False)
+# decision, sound, survivors, reshard -> source: every combination that can happen, written out
+TABLE = [
+    (RESIZE, PLAN, None, "live", Live(PLAN)),
+    (RESIZE, PLAN, None, "storage", Restore(flush=True)),
+    (RESIZE, None, HEAL, "live", HEAL),
+    (RESIZE, None, HEAL, "storage", Restore(flush=False)),
+    (RESIZE, None, None, "live", Restore(flush=False)),
+    (RESIZE, None, None, "storage", Restore(flush=False)),
+    (WAIT, PLAN, None, "live", Release(flush=True)),
+    (WAIT, PLAN, None, "storage", Release(flush=True)),
+    (WAIT, None, HEAL, "live", Release(flush=False)),
+    (WAIT, None, HEAL, "storage", Release(flush=False)),
+    (WAIT, None, None, "live", Release(flush=False)),
+    (WAIT, None, None, "storage", Release(flush=False)),
+]
 
 
-@pytest.mark.parametrize("decision, sound, survivors, reshard", [
-    c for c in itertools.product([RESIZE, WAIT], [PLAN, None], [HEAL, None], ["live", "storage"])
-    if not (c[1] is not None and c[2] is not None)])
-def test_every_combination_gives_the_source_of_the_table(decision, sound, survivors, reshard):
-    assert choose_source(decision=decision, sound=sound, survivors=survivors, reshard=reshard) == \
-        expected(decision, sound, survivors, reshard)
+@pytest.mark.parametrize("decision, sound, survivors, reshard, want", TABLE)
+def test_every_combination_gives_the_source_of_the_table(decision, sound, survivors, reshard, want):
+    assert choose_source(decision=decision, sound=sound, survivors=survivors, reshard=reshard) == want
+
+
+def test_the_table_covers_every_combination_that_can_happen():
+    cases = {(id(d), id(s), id(v), r) for d, s, v, r, _ in TABLE}
+    every = {(id(d), id(s), id(v), r) for d, s, v, r in
+             itertools.product([RESIZE, WAIT], [PLAN, None], [HEAL, None], ["live", "storage"])
+             if s is None or v is None}
+    assert cases == every
 
 
 def test_a_planned_live_resize_moves_the_state_and_a_storage_one_saves_first():
@@ -67,18 +77,6 @@ def test_inputs_that_cannot_happen_are_refused(kw, message):
 FSDP = Plan(layout=Layout(dp_shard=3), world_size=3, available=3, micro_batch_size=1, grad_accum_steps=1,
             memory_bytes=0.0, reasons=())
 MEMORY = Memory(old=FSDP, step=12, serve=((0, 0), (1, 2), (2, 2)))
-
-
-@pytest.mark.parametrize("live, memory, want", [
-    ((0, 2), Cover(step=12, serve={0: 0, 1: 2, 2: 2}), Heal(old=FSDP, ranks=(0, 2))),  # live state first: 0 redone
-    (None, Cover(step=12, serve={2: 2, 0: 0, 1: 2}), MEMORY),
-    (None, Cover(step=10, serve={0: 0, 1: 2, 2: 2}), Memory(old=FSDP, step=10, serve=((0, 0), (1, 2), (2, 2)))),
-    (None, NoCover("rank 1 and its buddy were both lost"),
-     "the live state does not hold every shard, and rank 1 and its buddy were both lost"),
-    (None, None, "the live state does not hold every shard, and peer snapshots are off"),
-])
-def test_survivors_offer_their_live_state_else_their_snapshots_else_say_why(live, memory, want):
-    assert from_survivors(FSDP, live=live, memory=memory) == want
 
 
 @pytest.mark.parametrize("decision, reshard, want", [

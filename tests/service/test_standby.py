@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from service.control.failure import fate
 from service.pool.group import WorkerFailure
 from service.pool.worker_group import Role, WorkerGroup, WorkerHandle
 from tests.ray_local import local_ray  # noqa: F401  (a fixture)
@@ -45,7 +46,7 @@ def test_a_crashed_member_is_replaced_by_the_standby_which_then_holds_the_slot(l
         crashed = g.members[0]
         slot = crashed.pg.id
         ray.kill(crashed.actor, no_restart=True)
-        assert g.salvage().kept == {}  # the dead member is lost; its slot is kept for the next start
+        assert g.salvage(fate=fate).kept == {}  # the dead member is lost; its slot is kept for the next start
         start = g.scale_to([me])
         assert (start.started, start.stopped) == (1, 0)
         (m,) = g.members
@@ -95,14 +96,14 @@ def test_a_slot_a_dead_member_left_is_held_until_the_next_start_only_and_not_on_
         g.scale_to([me])
         slot = g.members[0].pg
         ray.kill(g.members[0].actor, no_restart=True)
-        g.salvage()
+        g.salvage(fate=fate)
         assert placement_group_table(slot)["state"] == "CREATED"  # held for a start on this node
         g.scale_to([])  # the start that followed did not take it: given back
         assert placement_group_table(slot)["state"] == "REMOVED"
         g.scale_to([me])
         slot = g.members[0].pg
         ray.kill(g.members[0].actor, no_restart=True)
-        g.salvage(gone={me})  # a member on a node the watcher lists as dead: no slot kept there
+        g.salvage(fate=fate, gone={me})  # a member on a node the watcher lists as dead: no slot kept there
         assert placement_group_table(slot)["state"] == "REMOVED"
     finally:
         g.shutdown()

@@ -5,7 +5,8 @@ restarted coordinator starts (`restarted`), and what taking over the workers lef
 from __future__ import annotations
 
 from service.control.source import Heal
-from service.control.state import StateMachine
+from service.control.journal import Journal
+from service.control.state import JobState
 from service.control.states import Adopting, Pending, Running
 from service.pool.group import FailureKind
 from tests.fakes import make_parts
@@ -14,11 +15,11 @@ from tests.fakes import make_parts
 def lost_coordinators_events(p, *, step: int, restarts: int = 0) -> list:
     """The events a lost coordinator left: its earlier restarts, and the group it formed for `p`."""
     events = []
-    sm = StateMachine("job1", sink=events.append)
+    journal = Journal("job1", current=lambda: JobState.RUNNING, sink=events.append)
     for _ in range(restarts):
-        sm.note("failure", reason="restarted", step=0, cause="failure",
+        journal.note("failure", reason="restarted", step=0, cause="failure",
                 details={"kind": FailureKind.COORDINATOR_RESTARTED})
-    sm.note("resize", reason="formed", step=step, cause="planned", details={"plan": p.to_dict()})
+    journal.note("resize", reason="formed", step=step, cause="planned", details={"plan": p.to_dict()})
     return events
 
 
@@ -38,7 +39,7 @@ def test_a_restarted_coordinator_with_detached_workers_starts_by_adopting_its_la
 
     assert isinstance(out, Adopting) and out.lost == p and out.record.step_before == 7
     # its own restart and the earlier one both count against the restart budget
-    assert [f.kind for f in parts.ctx.failures] == [FailureKind.COORDINATOR_RESTARTED] * 2
+    assert [f.kind for f in parts.failures] == [FailureKind.COORDINATOR_RESTARTED] * 2
     assert "taking over the workers it left running" in parts.notes("failure")[-1].reason
 
 
@@ -56,11 +57,11 @@ def test_a_sound_group_left_running_is_adopted_and_trains_on_in_place(tmp_path):
     left_running(parts, p, ["a", "b"], step=9)  # two steps past what the lost coordinator recorded
     adopting = parts.takeover.restarted(lost_coordinators_events(p, step=7))
 
-    out = parts.takeover.adopt(adopting, parts.ctx.watcher.poll())
+    out = parts.takeover.adopt(adopting, parts.watcher.poll())
 
     assert isinstance(out, Running) and out.record.transfer == {"path": "in place"}
     assert out.record.resumed_step == out.record.step_before == 9 and out.record.started == 0
-    assert parts.ctx.plan == p and parts.ctx.group.members == ["a", "b"] and parts.ctx.progress.step_done == 9
+    assert out.plan == p and out.group.members == ["a", "b"] and parts.progress.step_done == 9
 
 
 def test_workers_left_running_that_cannot_train_on_are_salvaged_to_heal_the_next_group(tmp_path):
@@ -70,10 +71,10 @@ def test_workers_left_running_that_cannot_train_on_are_salvaged_to_heal_the_next
     left_running(parts, p, ["a", "b"], step=7)
     adopting = parts.takeover.restarted(lost_coordinators_events(p, step=7))
 
-    out = parts.takeover.adopt(adopting, parts.ctx.watcher.poll())
+    out = parts.takeover.adopt(adopting, parts.watcher.poll())
 
     assert isinstance(out, Pending) and out.survivors == Heal(old=p, ranks=(0, 1))
-    assert parts.ctx.plan is None and parts.ctx.group.members == ["a", "b"]  # no layout runs until it forms
+    assert out.group.members == ["a", "b"]  # kept to form from; no layout runs until it forms
 
 
 def test_nothing_left_running_to_adopt_leaves_the_job_pending_without_a_group(tmp_path):
@@ -81,7 +82,7 @@ def test_nothing_left_running_to_adopt_leaves_the_job_pending_without_a_group(tm
     p = parts.reconfigure.plan_for(2)
     adopting = parts.takeover.restarted(lost_coordinators_events(p, step=7))
 
-    out = parts.takeover.adopt(adopting, parts.ctx.watcher.poll())
+    out = parts.takeover.adopt(adopting, parts.watcher.poll())
 
     assert out == Pending(reason=adopting.reason, cause="failure", record=adopting.record)
-    assert parts.ctx.group is None
+    assert out.group is None

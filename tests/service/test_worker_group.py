@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from service.control.failure import fate
 from service.pool.calls import replies
 from service.pool.group import WorkerFailure
 from service.pool.worker_group import Role, WorkerGroup, WorkerHandle
@@ -158,7 +159,7 @@ def test_a_member_left_alone_in_a_step_is_freed_by_its_peers_salvage_and_kept(lo
         g.form(_plan_for_two(cfg))
         assert [r.step for r in g.run(until_step=2, steps=2).rows] == [1, 2]
         alone = g.members[0].actor.run.remote(until_step=3, steps=1)  # its peer never gets this call
-        salvage = g.salvage(abort=False, timeout_s=30)
+        salvage = g.salvage(fate=fate, abort=False, timeout_s=30)
         infos = salvage.kept
         assert sorted(infos) == [0, 1] and {i.step for i in infos.values()} == {2}, infos
         assert salvage.stopped_why == () and g.size == 2
@@ -187,8 +188,8 @@ def test_members_with_no_state_to_salvage_are_kept_as_spares_and_the_next_start_
         assert env == [{"MALLOC_ARENA_MAX": "2"}] * 2, env
         g.form(p)
         g.run(until_step=1, steps=1)
-        assert sorted(g.salvage().kept) == [0, 1]  # the first failure: both vouch for their state, and drop it
-        salvage = g.salvage()
+        assert sorted(g.salvage(fate=fate).kept) == [0, 1]  # the first failure: both vouch for their state, and drop it
+        salvage = g.salvage(fate=fate)
         assert salvage.kept == {} and salvage.stopped_why == () and salvage.idle == 2  # the second: none left
         assert g.size == 0 and len(g.spares) == 2
         start = g.scale_to([me, me])
@@ -217,10 +218,10 @@ def test_a_member_waiting_in_a_rendezvous_for_a_dead_peer_is_called_off_and_kept
         head = g.members[0]
         port = ray.get(head.actor.free_port.remote(), timeout=30)
         waiting = head.actor.join.remote(rank=0, world_size=2, master_addr=head.ip, master_port=port,
-                                         plan=_plan_for_two(cfg).to_dict())  # rank 1 never comes
+                                         plan=_plan_for_two(cfg))  # rank 1 never comes
         time.sleep(1.0)  # in its rendezvous by now
         t0 = time.monotonic()
-        salvage = g.salvage(timeout_s=30)
+        salvage = g.salvage(fate=fate, timeout_s=30)
         assert salvage.stopped_why == () and salvage.idle == 2 and salvage.kept == {}
         assert time.monotonic() - t0 < 5  # called off within a slice, not waited out
         with pytest.raises(ray.exceptions.RayTaskError, match="called off"):

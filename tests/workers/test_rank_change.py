@@ -39,7 +39,7 @@ def swap_body(cfg_dict: dict, run_dir: str, ports: list[int]) -> dict:
     dist.destroy_process_group()
     os.environ["ELASTRON_NODE_ID"] = f"node{rank}"  # two nodes: each rank's peer snapshots go to the other
     cfg = JobConfig.from_dict(cfg_dict)
-    two = job_plan(cfg, 2).to_dict()
+    two = job_plan(cfg, 2)
     port = iter(ports)
     addr = "127.0.0.1"
     w = Worker(cfg, run_dir)

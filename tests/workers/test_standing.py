@@ -23,7 +23,7 @@ def body(run_dir: str) -> dict:
     from workers.config import JobConfig
 
     plan = Plan(layout=Layout(), world_size=1, available=1, micro_batch_size=2, grad_accum_steps=2,
-                memory_bytes=0.0, reasons=()).to_dict()
+                memory_bytes=0.0, reasons=())
     w = Worker(JobConfig.from_dict(CFG), run_dir)
     out = {"fresh": w.standing()}
 
@@ -45,7 +45,7 @@ def body(run_dir: str) -> dict:
     out["rejoined"] = w.standing()
     w.leave()
     out["left"] = w.standing()
-    return {k: asdict(v) for k, v in out.items()} | {"plan": plan}
+    return {k: asdict(v) for k, v in out.items()} | {"plan": asdict(plan)}
 
 
 def test_a_worker_stands_sound_only_while_it_trains_in_a_group_whose_last_call_did_not_fail(tmp_path):

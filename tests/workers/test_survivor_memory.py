@@ -71,7 +71,7 @@ def survivor_body(cfg_dict: dict, run_dir: str, ports: list[int]) -> list[dict]:
     dist.destroy_process_group()
     os.environ["ELASTRON_NODE_ID"] = f"node-{rank}"  # two nodes: every two-worker group takes peer snapshots
     cfg = JobConfig.from_dict(cfg_dict)
-    one, two = job_plan(cfg, 1).to_dict(), job_plan(cfg, 2).to_dict()
+    one, two = job_plan(cfg, 1), job_plan(cfg, 2)
     port = iter(ports)
     w = Worker(cfg, run_dir)
     gc.disable()
