@@ -9,9 +9,9 @@ lock its writers do, so a status never shows a step whose metrics are not in yet
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Iterable
+from dataclasses import replace
 from pathlib import Path
 
 from service.control.metrics_ring import RecentMetrics
@@ -55,18 +55,17 @@ class Progress:
             self.committed_step = max(self.committed_step, committed)
             self._log_unlogged(rows)
 
-    def _log_unlogged(self, rows: list[dict]) -> None:
+    def _log_unlogged(self, rows: tuple[StepMetrics, ...]) -> None:
         """Append to RUN_DIR/metrics.jsonl the recovered rows past its last line, up to the step the job
         is at: a step the survivors finished whose rank 0 died before logging it (its state is kept, so
         its row must be too). The group that trains on logs from the next step."""
         if self.run_dir is None or not rows:
             return
         last = last_logged_step(self.run_dir)
-        missing = [r for r in rows if last < r["step"] <= self.step_done]
-        if missing:
+        missing = [r for r in rows if last < r.step <= self.step_done]
+        if missing:  # as rank 0 writes a row: without what the step's snapshot and set-up cost
             with open(self.run_dir / "metrics.jsonl", "a") as f:
-                f.write("".join(json.dumps({k: v for k, v in r.items() if k not in ("snapshot", "set_up_after")})
-                                + "\n" for r in missing))
+                f.write("".join(replace(r, snapshot=None, set_up_after=None).to_json() + "\n" for r in missing))
 
     def closed(self, record: Reconfig, first: StepMetrics) -> Reconfig:
         """The first step at the layout `record` formed has run (its row `first`): the record, complete, is

@@ -84,7 +84,7 @@ def test_model_overrides_are_read_as_preset_fields():
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--override", "n_layer=2"], "unknown model field(s) ['n_layer']"),
+    (["--override", "n_layer=2"], "unknown field 'n_layer'"),
     (["--float8", "fp8"], "--float8 fp8: expected none, tensorwise or rowwise"),
     (["--loss-compare", "tensorwise"], "--loss-compare needs --data"),
     (["--loss-compare", "tensorwise,colwise"], "--loss-compare colwise: expected tensorwise and/or rowwise"),
