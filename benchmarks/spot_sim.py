@@ -50,7 +50,6 @@ stalls before its first event left out of its time: every replay within 10%, or 
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import heapq
 import json
@@ -66,6 +65,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import spot_schedule  # noqa: E402
 from models.config import ModelConfig, model_config  # noqa: E402
 from parallel.planner import Constraints, PlanError, plan  # noqa: E402
 
@@ -89,19 +89,9 @@ class Event:
 
 
 def load_trace(path: Path) -> list[Event]:
-    """`time_ms,add|remove,node_id` lines, in time order (ties keep the file's order)."""
-    out = []
-    with open(path) as f:
-        for i, row in enumerate(csv.reader(f), 1):
-            if not row:
-                continue
-            if len(row) != 3 or row[1] not in ("add", "remove"):
-                raise ValueError(f"{path}:{i}: expected time_ms,add|remove,node_id, got {row!r}; "
-                                 f"give a trace in the format of ../shared/data/spot-traces/README.md")
-            out.append(Event(t=int(row[0]) / 1000.0, kind=Kind(row[1]), node=row[2]))
-    if not out:
-        raise ValueError(f"{path}: no events; give a trace with at least one add")
-    return sorted(out, key=lambda e: e.t)
+    """The trace as `spot_schedule.load_trace` reads it (`time_ms,add|remove,node_id` lines, in time order),
+    as this simulator's events."""
+    return [Event(t=e.t_s, kind=Kind(e.op), node=e.node) for e in spot_schedule.load_trace(path)]
 
 
 def with_notices(events: list[Event], *, share: float, notice_s: float, seed: int) -> list[Event]:
