@@ -555,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mappings", nargs="+", choices=[m.value for m in Mapping], default=[m.value for m in Mapping])
     ap.add_argument("--preset", default="small", help="model preset (small: 0.29 GB of weights + AdamW state)")
     ap.add_argument("--seq-len", type=int, default=16)
-    ap.add_argument("--emulate-s-per-sample", type=float, default=0.5,
+    ap.add_argument("--emulate-s-per-sample", type=float, default=1.0,
                     help="emulated device seconds per sample (forward + backward)")
     ap.add_argument("--ckpt-every", type=int, default=20, help="checkpoint interval (steps), every system")
     ap.add_argument("--calibrate-steps", type=int, default=6, help="steady steps per size, after the warm-up")

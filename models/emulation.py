@@ -4,6 +4,11 @@ the model's real computation. A benchmark on CPUs sets `ModelConfig.emulate_s_pe
 workers train N times as fast, as N GPUs would, while the real computation stays a small share of the
 step; every training loop that builds the model from `models.llama.build_model` runs the same waits.
 
+The model spreads a micro-batch's time over its layers (`Transformer.forward`): each layer waits its
+share before it runs, in the forward and, after the layer's own backward, in the backward. So the
+gradient reduction DDP starts when a bucket's gradients are ready runs beside the waits of the layers
+still to run, as it runs beside their compute on a GPU, instead of after the whole backward.
+
 The split, a third in the forward and two thirds in the backward, is the usual ratio of a transformer's
 backward FLOPs to its forward's. The values the model computes are untouched: the wait is an identity
 in both directions.

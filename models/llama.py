@@ -209,16 +209,19 @@ class Transformer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
         cos, sin = self._rope(h.shape[1])
+        # An emulated accelerator's time for this micro-batch (models.emulation), spread over the layers as
+        # a device's compute is: each layer waits its share before it runs, in the forward and (after the
+        # layer's own backward) in the backward, so gradient reductions launched as a layer's gradients
+        # are ready overlap the waits of the layers still to run, as they overlap compute on a GPU. A
+        # pipeline stage waits for the layers it holds.
+        per_layer = self.cfg.emulate_s_per_sample / self.cfg.n_layers
         for layer in self.layers.values():
+            if per_layer:
+                h = device_time(h, samples=x.shape[0], s_per_sample=per_layer)
             h = layer(h, cos, sin)
         if self.norm is not None:
             h = self.norm(h)
-        out = self.output(h) if self.output is not None else h
-        if self.cfg.emulate_s_per_sample and self.tok_embeddings is not None:
-            # An emulated accelerator's time for this micro-batch (models.emulation), on the stage that
-            # takes the tokens in, once per micro-batch: its backward wait runs first in the backward.
-            out = device_time(out, samples=x.shape[0], s_per_sample=self.cfg.emulate_s_per_sample)
-        return out
+        return self.output(h) if self.output is not None else h
 
     def tie_weights(self) -> None:
         """With tied embeddings, make the output projection hold the embedding's Parameter (again: sharding

@@ -9,12 +9,12 @@ import torch
 import torch.nn.functional as F
 
 from models.config import model_config
-from models.emulation import device_time
+from models.emulation import FORWARD_SHARE as FORWARD, device_time
 from models.llama import build_model, init_value
 
 
 def _model(**overrides):
-    cfg = model_config("tiny", n_layers=1, **overrides)
+    cfg = model_config("tiny", **{"n_layers": 1, **overrides})
     m = build_model(cfg)
     m.to_empty(device="cpu")
     m.init_buffers("cpu")
@@ -56,3 +56,24 @@ def test_an_emulating_model_computes_the_same_loss_and_gradients():
 def test_a_wrong_rate_is_refused_naming_the_field(bad):
     with pytest.raises(ValueError, match="emulate_s_per_sample"):
         model_config("tiny", emulate_s_per_sample=bad)
+
+
+def test_the_waits_are_spread_over_the_layers_a_stage_holds(monkeypatch):
+    """Each layer waits its share before it runs, forward and backward, so a gradient reduction started
+    when a layer's gradients are ready can overlap the waits of the layers still to run (as on a GPU);
+    a pipeline stage that holds half the layers waits half the micro-batch's time."""
+    import models.emulation as emulation
+
+    waits: list[float] = []
+    monkeypatch.setattr(emulation.time, "sleep", waits.append)
+    m = _model(n_layers=4, emulate_s_per_sample=0.3)
+    x = torch.randint(0, 256, (2, 8))
+    out = m(x)
+    assert waits == pytest.approx([0.15 * FORWARD] * 4)  # 2 samples x 0.3 s / 4 layers, a third forward
+    waits.clear()
+    out.sum().backward()
+    assert waits == pytest.approx([0.15 * (1 - FORWARD)] * 4)
+    del m.layers["2"], m.layers["3"]  # a stage holding layers 0 and 1 of the 4
+    waits.clear()
+    m(x).sum().backward()
+    assert sum(waits) == pytest.approx(2 * 0.3 / 2)
