@@ -13,15 +13,20 @@ same rules, in words that name the fix. It fixes the worker count; the memory bu
 micro batch (the user's layout overrides the estimate, which is an upper bound).
 
 Preference order (the first difference decides):
-  1. As many workers as possible: the largest w from min(world_size, max_workers) down to min_workers
-     that has any valid layout.
+  1. The most modelled throughput: on each worker count, from min(world_size, max_workers) down to
+     min_workers, its preferred layout (2, 3) trains at w x the 1F1B pipeline efficiency m / (m + pp - 1)
+     (m: microbatches per step; 1 without a pipeline). The largest w with a valid layout wins unless a
+     smaller count's rate beats it by more than _FEWER_GAIN: where the batch does not divide w's data
+     parallelism, the only layouts left are long pipelines (184 GPUs: dp=8 x pp=23 at 0.73), and 160 of
+     them at pp=2 train faster than all 184 (the rest stay idle; see `rate`).
   2. Smallest tp, then smallest pp: as much data parallelism as possible, because DP communicates once
      per step while TP communicates inside every layer and PP adds a pipeline bubble. Memory is what
      pushes tp and pp up.
   3. The largest micro batch.
 The work is bounded by the worker count and the batch size, never by the model's sizes: counts on which
-no (dp, tp, pp) passes the rules other than memory are skipped without a look, and at most _MAX_SIZES of
-the others are judged, largest first.
+no (dp, tp, pp) passes the rules other than memory are skipped without a look, at most _MAX_SIZES of
+the others are judged, largest first, and none at or below the best rate found (a count's rate is at
+most the count).
 
 Memory is judged with `parallel.memory.estimate_memory` (formula there).
 """
@@ -41,10 +46,11 @@ from parallel.layout import Layout
 from parallel.memory import estimate_memory
 from parallel.plan_types import DP_MODES, Constraints, Plan, PlanError, check_int
 
-__all__ = ["DP_MODES", "Constraints", "Plan", "PlanError", "plan", "replicate_fits"]
+__all__ = ["DP_MODES", "Constraints", "Plan", "PlanError", "plan", "rate", "replicate_fits"]
 
 _GIB = float(2**30)
 _MAX_SIZES = 64  # worker counts judged per plan; more than the planner tests sweep
+_FEWER_GAIN = 0.01  # how much faster (modelled) fewer workers must be to leave some of the offer idle
 _HINTS = {  # failure kind -> what the user can change
     "forced": "change the forced tp/pp", "tp": "allow other tp degrees (max_tp, gpus_per_node)",
     "pp": "allow other pp degrees (max_pp)", "batch": "use a global_batch_size with more divisors",
@@ -110,6 +116,17 @@ class _Choice(NamedTuple):
     memory: float
     mb_notes: tuple[str, ...]  # why mb is below the asked micro_batch_size
     dp_note: str = ""  # what dp_mode "auto" chose, and why
+
+
+def rate(layout: Layout, micro_batch_size: int, global_batch_size: int) -> float:
+    """A layout's modelled throughput in workers' worth: its worker count times the 1F1B pipeline
+    efficiency m / (m + pp - 1), m the microbatches per step (each stage idles pp - 1 microbatches'
+    time per step). TP's and DP's communication are not modelled: between counts the planner
+    compares, the preferred layouts differ in their pipelines."""
+    if layout.pp == 1:
+        return float(layout.world_size)
+    m = global_batch_size // (micro_batch_size * layout.dp)
+    return layout.world_size * m / (m + layout.pp - 1)
 
 
 def replicate_fits(memory_bytes: float, c: Constraints) -> bool:
@@ -314,19 +331,32 @@ def plan(world_size: int, model: ModelConfig, constraints: Constraints) -> Plan:
             judged[w] = _try_size(w, model, c)
         return judged[w]
 
-    choice, splits = None, 0
+    def rate_of(got: _Choice) -> float:
+        return rate(got.layout, got.mb, c.global_batch_size)
+
+    choice, first, splits = None, None, 0
     sizes = _sizes(model, c, c.min_workers, top)
     for w in itertools.islice(sizes, _MAX_SIZES):
+        if choice is not None and w <= rate_of(choice) * (1 + _FEWER_GAIN):
+            break  # no count at or below the best rate can beat it by the margin
         splits += 1
-        choice, fails = judge(w)
-        if choice is not None:
-            break
-    # Every count above the chosen one (all of them when none fits) has no valid layout: name a few.
-    skipped = range(top, choice.layout.world_size if choice else c.min_workers - 1, -1)
-    shown = [(s, judge(s)[1]) for s in skipped[:3]]
+        got, _ = judge(w)
+        if got is None:
+            continue
+        if first is None:
+            choice = first = got
+        elif rate_of(got) > rate_of(choice) * (1 + _FEWER_GAIN):
+            choice = got
     if choice is None:
+        # Every count (all of them when none fits) has no valid layout: name a few.
+        skipped = range(top, c.min_workers - 1, -1)
+        shown = [(s, judge(s)[1]) for s in skipped[:3]]
         truncated = splits == _MAX_SIZES and next(sizes, None) is not None
         raise _no_plan(world_size, top, model, c, shown, judged, splits=splits, truncated=truncated)
+    # Every count above the largest valid one has no valid layout: name a few.
+    skipped = range(top, first.layout.world_size, -1)
+    shown = [(s, judge(s)[1]) for s in skipped[:3]]
+    fails = judge(choice.layout.world_size)[1]
 
     w = choice.layout.world_size
     reasons: list[str] = []
@@ -335,6 +365,10 @@ def plan(world_size: int, model: ModelConfig, constraints: Constraints) -> Plan:
     reasons += [f"{s} workers: {_summary(f)}" for s, f in shown]
     if len(skipped) > 3:
         reasons.append(f"{len(skipped) - 3} more sizes down to {skipped[-1]} have no valid layout either")
+    if choice is not first:
+        reasons.append(f"{first.layout.world_size} workers: only {first.layout.short()} fits the batch, "
+                       f"{rate_of(first):.1f} workers' worth at its pipeline efficiency; {w} train faster "
+                       f"({rate_of(choice):.1f})")
     if w < world_size:
         reasons.append(f"using {w} of {world_size} workers offered")
     lay = choice.layout
