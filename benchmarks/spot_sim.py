@@ -251,6 +251,19 @@ class ElastronCosts:
     """Forming the new group: process group, build, adopt, snapshot set-up (elastic.py FSDP kill, 29b2efd)."""
     failure_handled_s: float = 0.34
     """Noticed -> survivors known (elastic.py FSDP kill after the fixes)."""
+    probe_cap_s: float = 3.0
+    """While the coordinator waits on a training call it probes its nodes (a tiny placement on each,
+    `service.pool.calls.probe_gaps`): 0.5 s into the call, then at gaps of 1, 2 s and at most this
+    (CoordinatorOptions.reprobe_interval_s); a node that does not place within `probe_timeout_s` fails
+    the wait (NODE_LOST), before Ray's health check has declared it dead."""
+    probe_timeout_s: float = 2.0
+    """How long a probed node has to answer (CoordinatorOptions.probe_timeout_s)."""
+
+    def detect_s(self, common: "Common") -> float:
+        """A vanished node until the coordinator knows: the next probe (a loss comes at a uniform point
+        of a gap of at most `probe_cap_s`: half of it on average) plus its timeout, or the cluster's own
+        detection (`common.kill_detect_s`) if that comes first."""
+        return min(common.kill_detect_s, self.probe_cap_s / 2 + self.probe_timeout_s)
     drain_wait_s: float = 0.0
     """How long after a notice the group trains on with the noticed node before moving off it. The
     policy shrinks at once (0); a what-if: about notice_s less the move's time keeps the node until
@@ -654,7 +667,7 @@ class Elastron(System):
         n_old = len(members)
         buddy_lost = any(members[(i + 1) % n_old] in lost for i, m in enumerate(members) if m in lost)
         keep = tuple(m for m in members if m in self.alive and m not in self.noticed)
-        detect = c.kill_detect_s + e.failure_handled_s
+        detect = e.detect_s(c) + e.failure_handled_s
         if buddy_lost or n_old == 1:
             self.count("loss, from storage")
             self.restart_from_checkpoint(t, keep, Cause.LOSS, before_s=detect)
