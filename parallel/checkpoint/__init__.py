@@ -25,7 +25,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from parallel.checkpoint.manifest import FORMAT_VERSION, MANIFEST_NAME, CheckpointError, Manifest, ManifestError
+from parallel.checkpoint.errors import CheckpointError, ManifestError
+from parallel.checkpoint.formats import FORMAT_VERSION, MANIFEST_NAME
+from parallel.checkpoint.manifest import Manifest
 from parallel.checkpoint.offline import inspect, load_full_model_state
 
 if TYPE_CHECKING:  # pragma: no cover

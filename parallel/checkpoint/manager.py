@@ -55,9 +55,12 @@ from parallel.checkpoint import state as state_mod
 from parallel.checkpoint.checksum import DEFAULT as DEFAULT_CHECKSUM
 from parallel.checkpoint.checksum import check_algorithm
 from parallel.checkpoint.comm import Comm
-from parallel.checkpoint.manifest import (FORMAT_VERSION, MANIFEST_NAME, OPTIM_PREFIX, CheckpointError, Chunk, FileEntry,
-                                          Index, Manifest, TensorEntry, describe, index_name, key_order,
-                                          shard_prefix)
+from parallel.checkpoint.entries import Chunk, FileEntry, TensorEntry
+from parallel.checkpoint.errors import CheckpointError, describe
+from parallel.checkpoint.formats import FORMAT_VERSION, MANIFEST_NAME, index_name, shard_prefix
+from parallel.checkpoint.index import Index
+from parallel.checkpoint.keys import OPTIM_PREFIX, key_order
+from parallel.checkpoint.manifest import Manifest
 from parallel.checkpoint.placement import Placement, param_of, shared, writes
 from parallel.checkpoint.loader import load_newest
 from parallel.checkpoint.storage import Storage, open_storage
