@@ -192,7 +192,7 @@ def _index(rank: int, boxes: dict, shared: bool = False, keys: list[str] | None 
     from parallel.checkpoint.entries import Chunk, FileEntry
     from parallel.checkpoint.formats import shard_prefix
     from parallel.checkpoint.index import Index
-    from parallel.checkpoint.placement import param_of
+    from parallel.checkpoint.keys import param_of
 
     name = f"{shard_prefix(rank)}00.safetensors"
     size = sum(b.numel for b in boxes.values()) * ITEMSIZE

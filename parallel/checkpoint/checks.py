@@ -9,7 +9,7 @@ import math
 from typing import Callable
 
 from parallel.checkpoint.entries import Chunk, FileEntry, TensorEntry
-from parallel.checkpoint.keys import OPTIM_PREFIX
+from parallel.checkpoint.keys import OPTIM_PREFIX, param_of
 
 ITEMSIZE = {
     "float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
@@ -69,7 +69,7 @@ def coverage_problems(tensors: dict[str, TensorEntry], optimizer_steps: dict[str
         if covered != math.prod(sizes):
             problems.append(f"tensor {key}: the indexes read cover {covered} of the {math.prod(sizes)} elements "
                             f"of the box at {list(offsets)} (an index is missing chunks)")
-        if key.startswith(OPTIM_PREFIX) and key[len(OPTIM_PREFIX):].split(".", 1)[1] not in optimizer_steps:
+        if key.startswith(OPTIM_PREFIX) and param_of(key) not in optimizer_steps:
             problems.append(f"tensor {key}: no index read has the optimizer step of its parameter")
     return problems
 

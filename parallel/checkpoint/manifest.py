@@ -43,6 +43,9 @@ _FIELDS = ("format", "format_version", "step", "created", "optimizer", "tensors"
 
 @dataclass(kw_only=True, slots=True)
 class Manifest:
+    """What a checkpoint directory holds: its step, its tensors' global shapes and dtypes (and, once its
+    indexes are merged in, their chunks and files), the optimizer's step counters and all other state."""
+
     step: int
     """Optimizer steps completed when the checkpoint was taken."""
     tensors: dict[str, TensorEntry]
