@@ -1,4 +1,4 @@
-"""Tier 1: keyed format-3 indexes (`manifest.Index.to_bytes` with a key order, `validate.read_indexes`
+"""Tier 1: keyed format-3 indexes (`index.Index.to_bytes` with a key order, `validate.read_indexes`
 with the keys a rank meets), pure: no torch.distributed, indexes written to a temporary directory.
 
 A loading rank must read, of each index it needs, the preamble, the header, the records of exactly
