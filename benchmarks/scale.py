@@ -189,8 +189,10 @@ def _index(rank: int, boxes: dict, shared: bool = False, keys: list[str] | None 
     """The bytes of the format-3 index a rank writes for `boxes` (key -> Box), as `CheckpointManager`
     writes it: one file, one chunk per key with its block digests, the step counters of its parameters;
     keyed by `keys` (the checkpoint's key order) as a placed save writes it, one JSON document without."""
-    from parallel.checkpoint.manifest import Chunk, FileEntry, Index, shard_prefix
-    from parallel.checkpoint.placement import param_of
+    from parallel.checkpoint.entries import Chunk, FileEntry
+    from parallel.checkpoint.formats import shard_prefix
+    from parallel.checkpoint.index import Index
+    from parallel.checkpoint.keys import param_of
 
     name = f"{shard_prefix(rank)}00.safetensors"
     size = sum(b.numel for b in boxes.values()) * ITEMSIZE
@@ -237,7 +239,7 @@ class _Counted:
         return data
 
     def read_ranges(self, path: str, ranges: list[tuple[int, int]]) -> list[bytes]:
-        from parallel.checkpoint.manifest import MANIFEST_NAME, PREAMBLE_BYTES
+        from parallel.checkpoint.formats import MANIFEST_NAME, PREAMBLE_BYTES
 
         data = self._data(path)
         out = [data[a:a + n] for a, n in ranges]
@@ -261,7 +263,8 @@ class _Counted:
 
 def _format2_bytes(bm: BoxMap, lay: Layout, shapes) -> tuple[int, int]:
     """(Bytes, chunks) of the format-2 manifest of the same checkpoint (every distinct box once)."""
-    from parallel.checkpoint.manifest import Chunk, FileEntry, Manifest, TensorEntry
+    from parallel.checkpoint.entries import Chunk, FileEntry, TensorEntry
+    from parallel.checkpoint.manifest import Manifest
 
     tensors: dict[str, list] = defaultdict(list)
     file_bytes: Counter = Counter()
@@ -289,7 +292,10 @@ def cmd_manifest(a) -> dict:
     sections, then of the indexes of the saved ranks whose boxes meet its own the preamble, the header
     and the records of the keys it meets; format 2: the whole manifest), against its own boxes'
     metadata."""
-    from parallel.checkpoint.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, TensorEntry, index_name, key_order
+    from parallel.checkpoint.entries import TensorEntry
+    from parallel.checkpoint.formats import FORMAT_VERSION, MANIFEST_NAME, index_name
+    from parallel.checkpoint.keys import key_order
+    from parallel.checkpoint.manifest import Manifest
     from parallel.checkpoint.placement import Placement, index_keys_for, shared, writes
     from parallel.checkpoint.validate import read_indexes, read_manifest_text, read_sections
     from parallel.sharding import stage_of

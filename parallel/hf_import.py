@@ -24,7 +24,10 @@ from torch import nn
 
 from models.config import ModelConfig
 from models.hf_config import HFImportError, model_config_from_hf
-from parallel.checkpoint.manifest import MODEL_PREFIX, CheckpointError, Chunk, FileEntry, Manifest, TensorEntry
+from parallel.checkpoint.entries import Chunk, FileEntry, TensorEntry
+from parallel.checkpoint.errors import CheckpointError
+from parallel.checkpoint.keys import MODEL_PREFIX
+from parallel.checkpoint.manifest import Manifest
 from parallel.checkpoint.state import local_box, named_state
 from parallel.checkpoint.storage import LocalStorage
 from parallel.checkpoint.tensor_io import SAFETENSORS_DTYPES, Target, dtype_name, read_header, read_into

@@ -36,7 +36,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from parallel.checkpoint import state as state_mod
-from parallel.checkpoint.manifest import CheckpointError
+from parallel.checkpoint.errors import CheckpointError
 from parallel.checkpoint.tensor_io import Target
 from parallel.exchange import Transfer
 from parallel.sharding import Box

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from parallel.checkpoint.manifest import CheckpointError
+from parallel.checkpoint.errors import CheckpointError
 
 
 def refuse_foreign(state: dict[str, Any], *, job_name: str, model_config: dict[str, Any], where: str) -> None:

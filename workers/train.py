@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from parallel.checkpoint.manifest import CheckpointError
+from parallel.checkpoint.errors import CheckpointError
 from parallel.layout import Layout
 from workers.config import ConfigError, job_plan, load_config, with_steps
 from workers.preflight import preflight

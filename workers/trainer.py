@@ -23,7 +23,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 from models.llama import build_model
 from parallel.checkpoint.manager import CheckpointManager
 from parallel.checkpoint.placement import Placement
-from parallel.checkpoint.manifest import CheckpointError, Manifest
+from parallel.checkpoint.errors import CheckpointError
+from parallel.checkpoint.manifest import Manifest
 from parallel.checkpoint.prefetch import Prefetch, start_prefetch
 from parallel.checkpoint.state import capture_rng, restore_rng
 from parallel.float8 import float8_unavailable_reason, precompute_scales_after_step

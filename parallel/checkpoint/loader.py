@@ -35,7 +35,8 @@ import torch
 from torch import nn
 
 from parallel.checkpoint import state as state_mod
-from parallel.checkpoint.manifest import CheckpointError, Manifest, describe
+from parallel.checkpoint.errors import CheckpointError, describe
+from parallel.checkpoint.manifest import Manifest
 from parallel.checkpoint.placement import index_keys_for
 from parallel.checkpoint.tensor_io import read_into
 from parallel.checkpoint.validate import (check_manifest, file_problems, list_step_dirs, read_indexes, read_manifest_text,

@@ -14,7 +14,7 @@ The thread talks to the other ranks on a gloo group of its own, created collecti
 built, so its collectives never interleave with the training loop's (gloo, or NCCL on GPUs) on the
 default group. At most one save is in flight: the next `save()` (or `flush()`) waits for it.
 
-Commit protocol (format 4, `manifest.py`), every rank in the writer thread:
+Commit protocol (format 4: `sections.py`, `index.py`), every rank in the writer thread:
   1. rank 0 empties the staging directory;                       broadcast (errors abort everywhere)
   2. each rank writes its files, then its index (``index-rNNNNN.json``: sizes, header digests and
      per-block digests, computed over the bytes as they were written: no read-back; keyed by the
@@ -55,10 +55,13 @@ from parallel.checkpoint import state as state_mod
 from parallel.checkpoint.checksum import DEFAULT as DEFAULT_CHECKSUM
 from parallel.checkpoint.checksum import check_algorithm
 from parallel.checkpoint.comm import Comm
-from parallel.checkpoint.manifest import (FORMAT_VERSION, MANIFEST_NAME, OPTIM_PREFIX, CheckpointError, Chunk, FileEntry,
-                                          Index, Manifest, TensorEntry, describe, index_name, key_order,
-                                          shard_prefix)
-from parallel.checkpoint.placement import Placement, param_of, shared, writes
+from parallel.checkpoint.entries import Chunk, FileEntry, TensorEntry
+from parallel.checkpoint.errors import CheckpointError, describe
+from parallel.checkpoint.formats import FORMAT_VERSION, MANIFEST_NAME, index_name, shard_prefix
+from parallel.checkpoint.index import Index
+from parallel.checkpoint.keys import OPTIM_PREFIX, key_order, param_of
+from parallel.checkpoint.manifest import Manifest
+from parallel.checkpoint.placement import Placement, shared, writes
 from parallel.checkpoint.loader import load_newest
 from parallel.checkpoint.storage import Storage, open_storage
 from parallel.checkpoint.tensor_io import dtype_name

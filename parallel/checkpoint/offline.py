@@ -13,7 +13,9 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
-from parallel.checkpoint.manifest import MANIFEST_NAME, MODEL_PREFIX, CheckpointError
+from parallel.checkpoint.errors import CheckpointError
+from parallel.checkpoint.formats import MANIFEST_NAME
+from parallel.checkpoint.keys import MODEL_PREFIX
 from parallel.checkpoint.storage import Storage, open_storage
 from parallel.checkpoint.validate import check_checkpoint, list_step_dirs, parse_step, read_latest
 

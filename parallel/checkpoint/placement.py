@@ -27,16 +27,6 @@ from typing import Any
 from parallel.layout import Layout
 from parallel.sharding import Box, BoxMap, Tile, stage_of
 
-MODEL_PREFIX = "model."
-OPTIM_PREFIX = "optim."
-
-
-def param_of(key: str) -> str:
-    """The parameter a checkpoint key belongs to: ``model.<p>`` and ``optim.<state>.<p>`` -> ``<p>``."""
-    if key.startswith(OPTIM_PREFIX):
-        return key[len(OPTIM_PREFIX):].split(".", 1)[1]
-    return key.removeprefix(MODEL_PREFIX)
-
 
 @dataclass(frozen=True, slots=True)
 class Placement:

@@ -19,7 +19,8 @@ import threading
 import time
 from pathlib import Path
 
-from parallel.checkpoint.manifest import MODEL_PREFIX, OPTIM_PREFIX, Manifest
+from parallel.checkpoint.keys import MODEL_PREFIX, OPTIM_PREFIX
+from parallel.checkpoint.manifest import Manifest
 from parallel.checkpoint.storage import LocalStorage
 from parallel.checkpoint.placement import index_keys_for
 from parallel.checkpoint.validate import list_step_dirs, read_indexes, read_manifest_text

@@ -27,8 +27,8 @@ from torch.optim.optimizer import _get_scalar_dtype
 from models.llama import canonical_name
 from parallel.checkpoint.host_pool import HostPool
 from parallel.checkpoint.host_pool import layout as pool_layout
-from parallel.checkpoint.manifest import MODEL_PREFIX, OPTIM_PREFIX, CheckpointError
-from parallel.checkpoint.placement import param_of
+from parallel.checkpoint.errors import CheckpointError
+from parallel.checkpoint.keys import MODEL_PREFIX, OPTIM_PREFIX, param_of
 from parallel.checkpoint.tensor_io import Target
 from parallel.checkpoint.writer import Piece
 from parallel.unset import mark_unset

@@ -30,7 +30,9 @@ from typing import IO, Any
 import torch
 
 from parallel.checkpoint.checksum import digest_fn
-from parallel.checkpoint.manifest import CheckpointError, Chunk, FileEntry, Manifest
+from parallel.checkpoint.entries import Chunk, FileEntry
+from parallel.checkpoint.errors import CheckpointError
+from parallel.checkpoint.manifest import Manifest
 from parallel.checkpoint.prefault import Prefaulter
 from parallel.checkpoint.storage import LocalStorage, Storage
 from parallel.checkpoint.writer import DEFAULT_BLOCK_BYTES, IO_BYTES, block_rows_for

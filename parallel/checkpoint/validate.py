@@ -20,8 +20,12 @@ import struct
 from dataclasses import dataclass, field
 
 from parallel.checkpoint.checksum import digest_fn
-from parallel.checkpoint.manifest import (ITEMSIZE, MANIFEST_NAME, PREAMBLE_BYTES, Index, IndexHeader, Manifest,
-                                          ManifestError, header_size, index_name, manifest_header_size)
+from parallel.checkpoint.checks import ITEMSIZE
+from parallel.checkpoint.errors import ManifestError
+from parallel.checkpoint.formats import MANIFEST_NAME, PREAMBLE_BYTES, index_name
+from parallel.checkpoint.index import Index, IndexHeader, header_size
+from parallel.checkpoint.manifest import Manifest
+from parallel.checkpoint.sections import manifest_header_size
 from parallel.checkpoint.storage import Storage
 
 LATEST_NAME = "latest"

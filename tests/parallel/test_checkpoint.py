@@ -23,7 +23,7 @@ from parallel.checkpoint import (
     inspect,
     load_full_model_state,
 )
-from parallel.checkpoint.manifest import Chunk, FileEntry, TensorEntry
+from parallel.checkpoint.entries import Chunk, FileEntry, TensorEntry
 from parallel.checkpoint.state import capture_rng, restore_rng
 from parallel.checkpoint.storage import LocalStorage
 from parallel.checkpoint.writer import ShardWriter

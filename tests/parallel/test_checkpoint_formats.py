@@ -103,8 +103,11 @@ def test_a_rank_loading_part_of_chunks_reads_and_verifies_only_the_digests_of_th
     """The keyed fixture's indexes rewritten by today's writer (block digests apart from the records): a
     rank whose boxes cut chunks in the middle of their blocks reads the digests of the blocks that meet
     its boxes only, loads exactly, and still fails on a corrupt byte inside a block it reads."""
-    from parallel.checkpoint.manifest import (KEYED_INDEX_VERSION, CheckpointError, Index, Manifest, index_name,
-                                              key_order)
+    from parallel.checkpoint.errors import CheckpointError
+    from parallel.checkpoint.formats import KEYED_INDEX_VERSION, index_name
+    from parallel.checkpoint.index import Index
+    from parallel.checkpoint.keys import key_order
+    from parallel.checkpoint.manifest import Manifest
     from parallel.checkpoint.placement import index_keys_for
     from parallel.checkpoint.storage import LocalStorage
     from parallel.checkpoint.tensor_io import Target, read_into

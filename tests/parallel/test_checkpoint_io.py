@@ -19,7 +19,9 @@ from safetensors.torch import save_file
 from parallel.checkpoint import CheckpointError, CheckpointManager, inspect, load_full_model_state
 from parallel.checkpoint import writer as writer_mod
 from parallel.checkpoint.checksum import ALGORITHMS
-from parallel.checkpoint.manifest import MANIFEST_NAME, Chunk, FileEntry, Manifest, TensorEntry
+from parallel.checkpoint.entries import Chunk, FileEntry, TensorEntry
+from parallel.checkpoint.formats import MANIFEST_NAME
+from parallel.checkpoint.manifest import Manifest
 from parallel.checkpoint.state import assign_writers
 from parallel.checkpoint.storage import LocalStorage
 from parallel.checkpoint.tensor_io import Target, read_into

@@ -1,4 +1,4 @@
-"""Tier 1: keyed format-3 indexes (`manifest.Index.to_bytes` with a key order, `validate.read_indexes`
+"""Tier 1: keyed format-3 indexes (`index.Index.to_bytes` with a key order, `validate.read_indexes`
 with the keys a rank meets), pure: no torch.distributed, indexes written to a temporary directory.
 
 A loading rank must read, of each index it needs, the preamble, the header, the records of exactly
@@ -16,8 +16,12 @@ import pytest
 
 from models.config import model_config
 from models.llama import build_model
-from parallel.checkpoint.manifest import (KEYED_INDEX_VERSION, PREAMBLE_BYTES, CheckpointError, Chunk, FileEntry, Index, Manifest,
-                                          ManifestError, TensorEntry, index_name, key_order, shard_prefix)
+from parallel.checkpoint.entries import Chunk, FileEntry, TensorEntry
+from parallel.checkpoint.errors import CheckpointError, ManifestError
+from parallel.checkpoint.formats import KEYED_INDEX_VERSION, PREAMBLE_BYTES, index_name, shard_prefix
+from parallel.checkpoint.index import Index
+from parallel.checkpoint.keys import key_order
+from parallel.checkpoint.manifest import Manifest
 from parallel.checkpoint.placement import Placement, index_keys_for, shared, writes
 from parallel.checkpoint.storage import LocalStorage
 from parallel.checkpoint.validate import read_indexes

@@ -22,9 +22,12 @@ import torch
 from models.config import model_config
 from models.llama import build_model
 from parallel.checkpoint import CheckpointManager
-from parallel.checkpoint.manifest import (FORMAT, MANIFEST_NAME, PREAMBLE_BYTES, CheckpointError, Chunk, FileEntry,
-                                          Index, KeyOrder, Manifest, ManifestError, TensorEntry, index_name,
-                                          key_order, shard_prefix)
+from parallel.checkpoint.entries import Chunk, FileEntry, TensorEntry
+from parallel.checkpoint.errors import CheckpointError, ManifestError
+from parallel.checkpoint.formats import FORMAT, MANIFEST_NAME, PREAMBLE_BYTES, index_name, shard_prefix
+from parallel.checkpoint.index import Index
+from parallel.checkpoint.keys import KeyOrder, key_order
+from parallel.checkpoint.manifest import Manifest
 from parallel.checkpoint.placement import Placement, index_keys_for, shared, writes
 from parallel.checkpoint.state import collect
 from parallel.checkpoint.validate import read_indexes, read_manifest_text, read_sections

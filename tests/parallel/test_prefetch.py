@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from parallel.checkpoint.manifest import Chunk, FileEntry, Manifest, TensorEntry
+from parallel.checkpoint.entries import Chunk, FileEntry, TensorEntry
+from parallel.checkpoint.manifest import Manifest
 from parallel.checkpoint.prefetch import Prefetch, files_for_rank, start_prefetch
 from parallel.layout import Layout
 

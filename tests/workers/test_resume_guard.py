@@ -22,7 +22,7 @@ def spec(name: str, ckpt_dir: str, **ckpt) -> dict:
 def body(first: dict, attempts: list[dict], fit_steps: int = 2) -> list:
     import torch
 
-    from parallel.checkpoint.manifest import CheckpointError
+    from parallel.checkpoint.errors import CheckpointError
     from parallel.layout import Layout
     from workers.config import JobConfig
     from workers.trainer import Trainer
