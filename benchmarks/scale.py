@@ -498,7 +498,6 @@ def coordinator_run(workers: int, dp_mode: str, profile: bool) -> dict:
     from service.control.commands import SetWorkers
     from service.control.coordinator import Coordinator, CoordinatorOptions
     from service.control.job import Job
-    from parallel.layout import MeshAxis
     from parallel.peers import pair
     from service.control.states import Running
     from tests.fakes import FakeCluster
@@ -565,10 +564,8 @@ def coordinator_run(workers: int, dp_mode: str, profile: bool) -> dict:
         # the same, but no survivor holds a copy of the shards rank 0 holds (each rank keeps only its own
         # copy, and those of rank 0's shards are not kept): no cover, the group restores from storage, and
         # the events name the ranks whose copies were lost
-        def shards(r: int) -> tuple[int, int, int]:
-            at = c.plan.layout.coords(r)
-            return at[MeshAxis.PP], at[MeshAxis.DP_SHARD], at[MeshAxis.TP]
-        group_cls.snapshots = {r: {r: (c.group.step,)} for r in range(c.group.size) if shards(r) != shards(0)}
+        lay = c.plan.layout
+        group_cls.snapshots = {r: {r: (c.group.step,)} for r in range(c.group.size) if lay.place(r) != lay.place(0)}
         event("kill_uncovered", lambda: cluster.dead.add(c.group.members[0]))
         group_cls.heals, group_cls.snapshots = True, None
         left.update(members=list(c.group.members), plan=c.plan, step=c.group.step)

@@ -89,6 +89,19 @@ class Layout:
             rest //= d
         return {a: out[a] for a in AXIS_ORDER}
 
+    @property
+    def places(self) -> int:
+        """Distinct boxes of the state: one per (pipeline stage, FSDP shard, TP shard); replicas share one."""
+        return self.pp * self.dp_shard * self.tp
+
+    def place(self, rank: int) -> tuple[int, int, int]:
+        """(pipeline stage, FSDP shard, TP shard) of `rank`: which box of the state it holds (ranks that
+        differ only in their replica hold the same one). Arithmetic on the degrees, as `coords` lays the
+        ranks out, without building the coordinates: the failure paths ask it of every rank."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside world_size {self.world_size} of layout {self}")
+        return rank // (self.dp * self.tp), rank // self.tp % self.dp_shard, rank % self.tp
+
     def dp_rank(self, rank: int) -> int:
         """Index of `rank` among the dp = dp_replicate x dp_shard data-parallel groups."""
         c = self.coords(rank)

@@ -1,11 +1,12 @@
 """Tier 1: Layout parsing, validation and coordinates."""
 
+import itertools
 import subprocess
 import sys
 
 import pytest
 
-from parallel.layout import AXIS_ORDER, Layout
+from parallel.layout import AXIS_ORDER, Layout, MeshAxis
 
 
 def test_parse_forms():
@@ -49,6 +50,19 @@ def test_coords_are_row_major_with_tp_innermost():
     assert len(seen) == lay.world_size
     assert lay.coords(1)["tp"] == 1 and lay.coords(1)["dp_shard"] == 0  # adjacent ranks share a TP group
     assert [lay.dp_rank(r) for r in range(0, 8, 2)] == [0, 1, 2, 3]
+
+
+def test_place_is_the_pipeline_stage_fsdp_shard_and_tp_shard_of_coords():
+    for dims in itertools.product((1, 2, 3), repeat=4):
+        lay = Layout(**dict(zip(("dp_replicate", "dp_shard", "tp", "pp"), dims)))
+        places = set()
+        for r in range(lay.world_size):
+            c = lay.coords(r)
+            assert lay.place(r) == (c[MeshAxis.PP], c[MeshAxis.DP_SHARD], c[MeshAxis.TP]), (lay, r)
+            places.add(lay.place(r))
+        assert len(places) == lay.places
+    with pytest.raises(ValueError, match="outside world_size 4"):
+        Layout(dp_shard=4).place(4)
 
 
 def test_importing_layout_does_not_import_torch_distributed():
