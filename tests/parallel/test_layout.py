@@ -69,3 +69,38 @@ def test_importing_layout_does_not_import_torch_distributed():
     code = "import sys, parallel.layout, parallel.planner; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("text", ["dp=64", "dp=256", "dp_shard=16,tp=4,pp=4", "dp_replicate=2,dp_shard=64,tp=2"])
+def test_a_rank_makes_only_its_own_group_on_each_axis(monkeypatch, text):
+    """`build_mesh` on a fake group of the layout's size, as its first and last rank: at most one
+    `new_group` per axis, each naming the rank's own line of the mesh. (torch's `init_device_mesh` has
+    every rank call `new_group` for every group of every axis: 192 calls at dp=64, 768 at dp=256.)"""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    made: list[list[int]] = []
+    make = c10d._new_group_with_tag  # what every `new_group` call runs, whoever imported the name
+
+    def counted(ranks=None, *args, **kw):
+        made.append(list(ranks))
+        return make(ranks, *args, **kw)
+
+    monkeypatch.setattr(c10d, "_new_group_with_tag", counted)
+    lay = Layout.parse(text)
+    for rank in (0, lay.world_size - 1):
+        made.clear()
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=lay.world_size)
+        try:
+            mesh = lay.build_mesh("cpu")
+            at = lay.coords(rank)
+            assert list(mesh.get_coordinate()) == [at[a] for a in AXIS_ORDER]
+            lines = {a: mesh[a.value].mesh.tolist() for a in AXIS_ORDER}
+        finally:
+            dist.destroy_process_group()
+        assert len(made) <= len(AXIS_ORDER) and all(rank in g for g in made)
+        for a in AXIS_ORDER:  # the line through `rank` along `a`: the ranks differing from it only there
+            want = [r for r in range(lay.world_size)
+                    if all(lay.coords(r)[b] == at[b] for b in AXIS_ORDER if b is not a)]
+            assert lines[a] == want, (a, lines[a][:8])
