@@ -5,6 +5,7 @@
     .venv/bin/python benchmarks/scale.py plan --model 8b --old dp=2 --new dp=1 --baseline 4edddd6
     .venv/bin/python benchmarks/scale.py manifest --model 8b --layout dp_shard=64,tp=8 --new dp_shard=60,tp=8
     .venv/bin/python benchmarks/scale.py coordinator --workers 256 1024 4096 --profile
+    .venv/bin/python benchmarks/scale.py groups --ranks 2 4 8 16 --layout "dp={n}"
 
 plan: the live reshard's planning as one worker does it (`workers.reshard.exchange`): two `BoxMap`s
   and `plan_rank`, for a sample of workers (`--ranks N` spread over the world, plus the first and last
@@ -39,6 +40,10 @@ coordinator: the fake pool of tests/fakes.py with `--workers` workers (8 per nod
   it runs the new plan, less the time inside the fake group's calls), the group calls it made, and with
   `--profile` the functions with the most own time; and each event's coordinator seconds at the largest
   size over the same at `--base` (both in the same run, on the same box).
+groups: real gloo processes at each of `--ranks`: per rank, the established TCP connections after the
+  TCP store, the default group (gloo connects every pair: N - 1 per rank), `Layout.build_mesh` and one
+  more group of the whole world (the peer snapshots and the checkpoint's coordination each make one per
+  group formation), and the `new_group` calls `build_mesh` made.
 
 Shapes: the `8b` preset, and `70b` = dim 8192, 80 layers, 64 heads, 8 KV heads, ffn 28672, vocab
 128256 (Llama-3-70B), fp32 state (itemsize 4) with both AdamW moments.
@@ -608,6 +613,62 @@ def cmd_coordinator(a) -> dict:
             "repeat": a.repeat, f"ratio_{big}_over_{a.base}": ratios, "runs": runs}
 
 
+def _groups_rank(rank: int, world: int, port: int, layout: str, out) -> None:
+    """One rank of `cmd_groups`: its established TCP connections after each stage, and the `new_group`
+    calls `build_mesh` made."""
+    import psutil
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    me = psutil.Process()
+
+    def sockets() -> int:
+        return sum(1 for c in me.net_connections(kind="tcp") if c.status == psutil.CONN_ESTABLISHED)
+
+    made = []
+    make = c10d._new_group_with_tag
+    c10d._new_group_with_tag = lambda *a, **kw: made.append(1) or make(*a, **kw)
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0)
+    row = {"store": sockets()}
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    row["default_group"] = sockets()
+    Layout.parse(layout.format(n=world)).build_mesh("cpu")
+    row["mesh"], row["mesh_new_group_calls"] = sockets(), len(made)
+    dist.new_group(backend="gloo")  # a second group of the whole world, as snapshots and checkpoints make
+    dist.barrier()
+    row["world_group"] = sockets()
+    dist.barrier()
+    dist.destroy_process_group()
+    out.put((rank, row))
+
+
+def cmd_groups(a) -> dict:
+    """`--ranks` real gloo processes per size: each rank's established TCP connections after the TCP store,
+    the default group, `Layout.build_mesh` of `--layout` and one more group of the whole world (what
+    the peer snapshots and the checkpoint's coordination each make per group formation), the counts
+    cumulative; and the `new_group` calls `build_mesh` made on the rank. Largest over the ranks."""
+    import multiprocessing as mp
+    import socket
+
+    ctx = mp.get_context("spawn")
+    runs = []
+    for n in a.ranks:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        q = ctx.Queue()
+        procs = [ctx.Process(target=_groups_rank, args=(r, n, port, a.layout, q)) for r in range(n)]
+        for p in procs:
+            p.start()
+        rows = dict(q.get(timeout=600) for _ in procs)
+        for p in procs:
+            p.join()
+        worst = {k: max(r[k] for r in rows.values()) for k in rows[0]}
+        runs.append({"ranks": n, "layout": a.layout.format(n=n), "max_per_rank": worst,
+                     "total": {k: sum(r[k] for r in rows.values()) for k in rows[0]}})
+    return {"command": " ".join(sys.argv[1:]), "load_average": list(os.getloadavg()), "runs": runs}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -639,8 +700,12 @@ def main() -> None:
     c.add_argument("--profile", action="store_true", help="cProfile each event: the functions with most own time")
     c.add_argument("--dp-mode", default="replicate", choices=["shard", "replicate", "auto"],
                    help="replicate: a node's death heals from the survivors; shard: it restores from storage")
+    g = sub.add_parser("groups")
+    g.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8, 16], help="world sizes (one gloo process per rank)")
+    g.add_argument("--layout", default="dp={n}", help="the mesh built, {n} standing for the world size")
     a = ap.parse_args()
-    out = {"plan": cmd_plan, "manifest": cmd_manifest, "coordinator": cmd_coordinator}[a.cmd](a)
+    out = {"plan": cmd_plan, "manifest": cmd_manifest, "coordinator": cmd_coordinator,
+           "groups": cmd_groups}[a.cmd](a)
     print(json.dumps(out, indent=1))
 
 
