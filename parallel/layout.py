@@ -179,7 +179,10 @@ class Layout:
         the members take part), the default group standing for an axis that spans the world: four
         `new_group` calls per rank at most. torch's `init_device_mesh` on gloo has every rank call
         `new_group` for every group of every axis instead, the sum of world / degree over the axes:
-        3N calls per rank for dp=N (its three axes of degree 1 are N singleton groups each)."""
+        3N calls per rank for dp=N (its three axes of degree 1 are N singleton groups each).
+        The members of a group agree on its name because torch names a locally synchronised group by its
+        ranks and the number of groups the process already has: every rank must have made as many groups
+        since the default group was formed (the trainer builds its mesh before its per-stage groups)."""
         import torch
         import torch.distributed as dist
         from torch.distributed.device_mesh import DeviceMesh
