@@ -43,7 +43,8 @@ coordinator: the fake pool of tests/fakes.py with `--workers` workers (8 per nod
 groups: real gloo processes at each of `--ranks`: per rank, the established TCP connections after the
   TCP store, the default group (gloo connects every pair: N - 1 per rank), `Layout.build_mesh` and one
   more group of the whole world (the peer snapshots and the checkpoint's coordination each make one per
-  group formation), and the `new_group` calls `build_mesh` made.
+  group formation), and the `new_group` calls `build_mesh` made; `--fake LAYOUT...`: the same calls at any
+  size on torch's fake backend (no process started).
 
 Shapes: the `8b` preset, and `70b` = dim 8192, 80 layers, 64 heads, 8 KV heads, ffn 28672, vocab
 128256 (Llama-3-70B), fp32 state (itemsize 4) with both AdamW moments.
@@ -642,6 +643,25 @@ def _groups_rank(rank: int, world: int, port: int, layout: str, out) -> None:
     out.put((rank, row))
 
 
+def _fake_new_group_calls(layout: Layout) -> int:
+    """The `new_group` calls `Layout.build_mesh` makes on the last rank of a fake group (torch's `fake`
+    backend: no process, no connection) of the layout's size."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    made = []
+    make = c10d._new_group_with_tag
+    c10d._new_group_with_tag = lambda *a, **kw: made.append(1) or make(*a, **kw)
+    try:
+        dist.init_process_group("fake", store=FakeStore(), rank=layout.world_size - 1, world_size=layout.world_size)
+        layout.build_mesh("cpu")
+        dist.destroy_process_group()
+    finally:
+        c10d._new_group_with_tag = make
+    return len(made)
+
+
 def cmd_groups(a) -> dict:
     """`--ranks` real gloo processes per size: each rank's established TCP connections after the TCP store,
     the default group, `Layout.build_mesh` of `--layout` and one more group of the whole world (what
@@ -666,7 +686,9 @@ def cmd_groups(a) -> dict:
         worst = {k: max(r[k] for r in rows.values()) for k in rows[0]}
         runs.append({"ranks": n, "layout": a.layout.format(n=n), "max_per_rank": worst,
                      "total": {k: sum(r[k] for r in rows.values()) for k in rows[0]}})
-    return {"command": " ".join(sys.argv[1:]), "load_average": list(os.getloadavg()), "runs": runs}
+    fake = {text: _fake_new_group_calls(Layout.parse(text)) for text in a.fake}
+    return {"command": " ".join(sys.argv[1:]), "load_average": list(os.getloadavg()), "runs": runs,
+            "fake_new_group_calls": fake}
 
 
 def main() -> None:
@@ -701,8 +723,10 @@ def main() -> None:
     c.add_argument("--dp-mode", default="replicate", choices=["shard", "replicate", "auto"],
                    help="replicate: a node's death heals from the survivors; shard: it restores from storage")
     g = sub.add_parser("groups")
-    g.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8, 16], help="world sizes (one gloo process per rank)")
+    g.add_argument("--ranks", type=int, nargs="*", default=[2, 4, 8, 16], help="world sizes (one gloo process per rank)")
     g.add_argument("--layout", default="dp={n}", help="the mesh built, {n} standing for the world size")
+    g.add_argument("--fake", nargs="*", default=[], help="layouts whose build_mesh new_group calls to count on a "
+                   "fake group (any size: no process is started)")
     a = ap.parse_args()
     out = {"plan": cmd_plan, "manifest": cmd_manifest, "coordinator": cmd_coordinator,
            "groups": cmd_groups}[a.cmd](a)
