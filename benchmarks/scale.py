@@ -1,4 +1,4 @@
-"""Elastron's per-event work at 32 ... 4,096 ranks, with pure code and a fake pool (no GPU, no Ray).
+"""Elastron's per-event work at 32 ... 4,096 ranks: pure code, a fake pool, and for `groups` gloo processes.
 
     .venv/bin/python benchmarks/scale.py plan --model 8b --old dp_shard=64,tp=8 --new dp_shard=60,tp=8
     .venv/bin/python benchmarks/scale.py plan --model 70b --old dp_shard=64,tp=8,pp=2 --new dp_shard=60,tp=8,pp=2
