@@ -1,10 +1,11 @@
-"""Elastron's per-event work at 32 ... 4,096 ranks, with pure code and a fake pool (no GPU, no Ray).
+"""Elastron's per-event work at 32 ... 4,096 ranks: pure code, a fake pool, and for `groups` gloo processes.
 
     .venv/bin/python benchmarks/scale.py plan --model 8b --old dp_shard=64,tp=8 --new dp_shard=60,tp=8
     .venv/bin/python benchmarks/scale.py plan --model 70b --old dp_shard=64,tp=8,pp=2 --new dp_shard=60,tp=8,pp=2
     .venv/bin/python benchmarks/scale.py plan --model 8b --old dp=2 --new dp=1 --baseline 4edddd6
     .venv/bin/python benchmarks/scale.py manifest --model 8b --layout dp_shard=64,tp=8 --new dp_shard=60,tp=8
     .venv/bin/python benchmarks/scale.py coordinator --workers 256 1024 4096 --profile
+    .venv/bin/python benchmarks/scale.py groups --ranks 2 4 8 16 --layout "dp={n}"
 
 plan: the live reshard's planning as one worker does it (`workers.reshard.exchange`): two `BoxMap`s
   and `plan_rank`, for a sample of workers (`--ranks N` spread over the world, plus the first and last
@@ -39,6 +40,11 @@ coordinator: the fake pool of tests/fakes.py with `--workers` workers (8 per nod
   it runs the new plan, less the time inside the fake group's calls), the group calls it made, and with
   `--profile` the functions with the most own time; and each event's coordinator seconds at the largest
   size over the same at `--base` (both in the same run, on the same box).
+groups: real gloo processes at each of `--ranks`: per rank, the established TCP connections after the
+  TCP store, the default group (gloo connects every pair: N - 1 per rank), `Layout.build_mesh` and one
+  more group of the whole world (the peer snapshots and the checkpoint's coordination each make one per
+  group formation), and the `new_group` calls `build_mesh` made; `--fake LAYOUT...`: the same calls at any
+  size on torch's fake backend (no process started).
 
 Shapes: the `8b` preset, and `70b` = dim 8192, 80 layers, 64 heads, 8 KV heads, ffn 28672, vocab
 128256 (Llama-3-70B), fp32 state (itemsize 4) with both AdamW moments.
@@ -504,7 +510,6 @@ def coordinator_run(workers: int, dp_mode: str, profile: bool) -> dict:
     from service.control.commands import SetWorkers
     from service.control.coordinator import Coordinator, CoordinatorOptions
     from service.control.job import Job
-    from parallel.layout import MeshAxis
     from parallel.peers import pair
     from service.control.states import Running
     from tests.fakes import FakeCluster
@@ -571,10 +576,8 @@ def coordinator_run(workers: int, dp_mode: str, profile: bool) -> dict:
         # the same, but no survivor holds a copy of the shards rank 0 holds (each rank keeps only its own
         # copy, and those of rank 0's shards are not kept): no cover, the group restores from storage, and
         # the events name the ranks whose copies were lost
-        def shards(r: int) -> tuple[int, int, int]:
-            at = c.plan.layout.coords(r)
-            return at[MeshAxis.PP], at[MeshAxis.DP_SHARD], at[MeshAxis.TP]
-        group_cls.snapshots = {r: {r: (c.group.step,)} for r in range(c.group.size) if shards(r) != shards(0)}
+        lay = c.plan.layout
+        group_cls.snapshots = {r: {r: (c.group.step,)} for r in range(c.group.size) if lay.place(r) != lay.place(0)}
         event("kill_uncovered", lambda: cluster.dead.add(c.group.members[0]))
         group_cls.heals, group_cls.snapshots = True, None
         left.update(members=list(c.group.members), plan=c.plan, step=c.group.step)
@@ -617,6 +620,83 @@ def cmd_coordinator(a) -> dict:
             "repeat": a.repeat, f"ratio_{big}_over_{a.base}": ratios, "runs": runs}
 
 
+def _groups_rank(rank: int, world: int, port: int, layout: str, out) -> None:
+    """One rank of `cmd_groups`: its established TCP connections after each stage, and the `new_group`
+    calls `build_mesh` made."""
+    import psutil
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    me = psutil.Process()
+
+    def sockets() -> int:
+        return sum(1 for c in me.net_connections(kind="tcp") if c.status == psutil.CONN_ESTABLISHED)
+
+    made = []
+    make = c10d._new_group_with_tag
+    c10d._new_group_with_tag = lambda *a, **kw: made.append(1) or make(*a, **kw)
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0)
+    row = {"store": sockets()}
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    row["default_group"] = sockets()
+    Layout.parse(layout.format(n=world)).build_mesh("cpu")
+    row["mesh"], row["mesh_new_group_calls"] = sockets(), len(made)
+    dist.new_group(backend="gloo")  # a second group of the whole world, as snapshots and checkpoints make
+    dist.barrier()
+    row["world_group"] = sockets()
+    dist.barrier()
+    dist.destroy_process_group()
+    out.put((rank, row))
+
+
+def _fake_new_group_calls(layout: Layout) -> int:
+    """The `new_group` calls `Layout.build_mesh` makes on the last rank of a fake group (torch's `fake`
+    backend: no process, no connection) of the layout's size."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    made = []
+    make = c10d._new_group_with_tag
+    c10d._new_group_with_tag = lambda *a, **kw: made.append(1) or make(*a, **kw)
+    try:
+        dist.init_process_group("fake", store=FakeStore(), rank=layout.world_size - 1, world_size=layout.world_size)
+        layout.build_mesh("cpu")
+        dist.destroy_process_group()
+    finally:
+        c10d._new_group_with_tag = make
+    return len(made)
+
+
+def cmd_groups(a) -> dict:
+    """`--ranks` real gloo processes per size: each rank's established TCP connections after the TCP store,
+    the default group, `Layout.build_mesh` of `--layout` and one more group of the whole world (what
+    the peer snapshots and the checkpoint's coordination each make per group formation), the counts
+    cumulative; and the `new_group` calls `build_mesh` made on the rank. Largest over the ranks."""
+    import multiprocessing as mp
+    import socket
+
+    ctx = mp.get_context("spawn")
+    runs = []
+    for n in a.ranks:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        q = ctx.Queue()
+        procs = [ctx.Process(target=_groups_rank, args=(r, n, port, a.layout, q)) for r in range(n)]
+        for p in procs:
+            p.start()
+        rows = dict(q.get(timeout=600) for _ in procs)
+        for p in procs:
+            p.join()
+        worst = {k: max(r[k] for r in rows.values()) for k in rows[0]}
+        runs.append({"ranks": n, "layout": a.layout.format(n=n), "max_per_rank": worst,
+                     "total": {k: sum(r[k] for r in rows.values()) for k in rows[0]}})
+    fake = {text: _fake_new_group_calls(Layout.parse(text)) for text in a.fake}
+    return {"command": " ".join(sys.argv[1:]), "load_average": list(os.getloadavg()), "runs": runs,
+            "fake_new_group_calls": fake}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -648,8 +728,14 @@ def main() -> None:
     c.add_argument("--profile", action="store_true", help="cProfile each event: the functions with most own time")
     c.add_argument("--dp-mode", default="replicate", choices=["shard", "replicate", "auto"],
                    help="replicate: a node's death heals from the survivors; shard: it restores from storage")
+    g = sub.add_parser("groups")
+    g.add_argument("--ranks", type=int, nargs="*", default=[2, 4, 8, 16], help="world sizes (one gloo process per rank)")
+    g.add_argument("--layout", default="dp={n}", help="the mesh built, {n} standing for the world size")
+    g.add_argument("--fake", nargs="*", default=[], help="layouts whose build_mesh new_group calls to count on a "
+                   "fake group (any size: no process is started)")
     a = ap.parse_args()
-    out = {"plan": cmd_plan, "manifest": cmd_manifest, "coordinator": cmd_coordinator}[a.cmd](a)
+    out = {"plan": cmd_plan, "manifest": cmd_manifest, "coordinator": cmd_coordinator,
+           "groups": cmd_groups}[a.cmd](a)
     print(json.dumps(out, indent=1))
 
 

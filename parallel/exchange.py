@@ -23,7 +23,7 @@ from collections import defaultdict
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from parallel.layout import Layout, MeshAxis
+from parallel.layout import Layout
 from parallel.sharding import Box, BoxMap
 
 
@@ -170,10 +170,7 @@ def check_plan(plan: list[Transfer], old: dict[int, dict[str, Box]], new: dict[i
 def survivors_hold_everything(layout: Layout, ranks) -> bool:
     """Whether the ranks `ranks` of `layout` still hold every box of the state between them, so a failure
     can heal from peers. Ranks differing only in their data-parallel replica hold identical boxes; any
-    other coordinate (pipeline stage, FSDP shard, TP shard) holds distinct ones."""
-
-    def place(rank: int) -> tuple[int, ...]:
-        c = layout.coords(rank)
-        return tuple(c[a] for a in (MeshAxis.PP, MeshAxis.DP_SHARD, MeshAxis.TP))
-
-    return {place(r) for r in range(layout.world_size)} <= {place(r) for r in ranks}
+    other coordinate (pipeline stage, FSDP shard, TP shard) holds distinct ones (`Layout.place`): the
+    survivors' distinct places must number all of the layout's. One look at each survivor, none at the
+    ranks that are gone."""
+    return len({layout.place(r) for r in ranks}) == layout.places

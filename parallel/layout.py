@@ -89,6 +89,19 @@ class Layout:
             rest //= d
         return {a: out[a] for a in AXIS_ORDER}
 
+    @property
+    def places(self) -> int:
+        """Distinct boxes of the state: one per (pipeline stage, FSDP shard, TP shard); replicas share one."""
+        return self.pp * self.dp_shard * self.tp
+
+    def place(self, rank: int) -> tuple[int, int, int]:
+        """(pipeline stage, FSDP shard, TP shard) of `rank`: which box of the state it holds (ranks that
+        differ only in their replica hold the same one). Arithmetic on the degrees, as `coords` lays the
+        ranks out, without building the coordinates: the failure paths ask it of every rank."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside world_size {self.world_size} of layout {self}")
+        return rank // (self.dp * self.tp), rank // self.tp % self.dp_shard, rank % self.tp
+
     def dp_rank(self, rank: int) -> int:
         """Index of `rank` among the dp = dp_replicate x dp_shard data-parallel groups."""
         c = self.coords(rank)
@@ -159,9 +172,28 @@ class Layout:
 
     # -- mesh --------------------------------------------------------------------------------------
     def build_mesh(self, device_type: str = "cpu") -> "DeviceMesh":
-        """A 4-D DeviceMesh with axes named by MeshAxis. Requires an initialised process group."""
-        from torch.distributed.device_mesh import init_device_mesh
+        """A 4-D DeviceMesh with axes named by MeshAxis. Requires an initialised process group of
+        `world_size` ranks; every rank calls it.
 
-        shape = tuple(self.degree(a) for a in AXIS_ORDER)
-        names = tuple(a.value for a in AXIS_ORDER)
-        return init_device_mesh(device_type, shape, mesh_dim_names=names)
+        Each rank makes only its own group on each axis (`new_group` with local synchronization: only
+        the members take part), the default group standing for an axis that spans the world: four
+        `new_group` calls per rank at most. torch's `init_device_mesh` on gloo has every rank call
+        `new_group` for every group of every axis instead, the sum of world / degree over the axes:
+        3N calls per rank for dp=N (its three axes of degree 1 are N singleton groups each).
+        The members of a group agree on its name because torch names a locally synchronised group by its
+        ranks and the number of groups the process already has: every rank must have made as many groups
+        since the default group was formed (the trainer builds its mesh before its per-stage groups)."""
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import DeviceMesh
+
+        self.check_world_size(dist.get_world_size())
+        ranks = torch.arange(self.world_size).reshape(tuple(self.degree(a) for a in AXIS_ORDER))
+        at = self.coords(dist.get_rank())
+        groups = []
+        for axis in AXIS_ORDER:
+            line = ranks[tuple(slice(None) if a is axis else at[a] for a in AXIS_ORDER)].tolist()
+            groups.append(dist.group.WORLD if len(line) == self.world_size else
+                          dist.new_group(line, use_local_synchronization=True, group_desc=f"mesh_{axis.value}"))
+        return DeviceMesh.from_group(groups, device_type, mesh=ranks,
+                                     mesh_dim_names=tuple(a.value for a in AXIS_ORDER))

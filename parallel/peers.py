@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from parallel.layout import Layout, MeshAxis
+from parallel.layout import Layout
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,16 +83,10 @@ class NoCover:
     why: str
 
 
-def _place(layout: Layout, rank: int) -> tuple[int, int, int]:
-    c = layout.coords(rank)
-    return c[MeshAxis.PP], c[MeshAxis.DP_SHARD], c[MeshAxis.TP]
-
-
 def cover(layout: Layout, held: Mapping[int, Mapping[int, Sequence[int]]]) -> Cover | NoCover:
     """The newest snapshot step whose every box the survivors hold (the rule of the module docstring).
     `held[survivor][old rank]`: the complete snapshot steps of that old rank's copy the survivor holds
     (survivors are ranks of `layout`, or any other worker id that holds copies)."""
-    places = {_place(layout, r) for r in range(layout.world_size)}
     at: dict[int, dict[int, list[int]]] = {}  # step -> old rank -> survivors holding its copy
     for survivor in sorted(held):
         for old, steps in held[survivor].items():
@@ -102,10 +96,10 @@ def cover(layout: Layout, held: Mapping[int, Mapping[int, Sequence[int]]]) -> Co
         return NoCover("no survivor holds a snapshot")
     for step in sorted(at, reverse=True):
         have = at[step]
-        if {_place(layout, r) for r in have} >= places:
+        if len({layout.place(r) for r in have}) == layout.places:
             return Cover(step=step, serve={r: (r if r in hs else hs[0]) for r, hs in sorted(have.items())})
     newest = max(at)
-    held_places = {_place(layout, h) for h in at[newest]}
-    lost = sorted(r for r in range(layout.world_size) if _place(layout, r) not in held_places)
+    held_places = {layout.place(h) for h in at[newest]}
+    lost = sorted(r for r in range(layout.world_size) if layout.place(r) not in held_places)
     return NoCover(f"no survivor holds a copy of old rank(s) {lost} of {layout} at snapshot step {newest} "
                    f"(nor every shard at an older one): a rank and the buddy that kept its copy were both lost")

@@ -51,21 +51,19 @@ def split_stage(model: "nn.Module", stage: int, pp: int) -> "nn.Module":
 
 def tied_group(mesh, layout):
     """The process group of this rank's first and last pipeline stages (same dp/tp coordinates), for
-    `sync_tied_grads`; None without PP. Collective: every rank calls it, in the same order."""
+    `sync_tied_grads`; None without PP, and on the stages between. Only the two members make it (local
+    synchronization, as `Layout.build_mesh` makes its groups): one `new_group` on a rank at most, not one
+    per pipeline line. Every rank calls it, in the same place after `build_mesh`."""
     import torch.distributed as dist
 
     from parallel.layout import MeshAxis
 
     if not layout.pp_enabled:
         return None
-    names = list(mesh.mesh_dim_names)
-    lines = mesh.mesh.movedim(names.index(MeshAxis.PP.value), -1).reshape(-1, layout.pp).tolist()
-    mine = None
-    for line in lines:
-        group = dist.new_group([line[0], line[-1]])
-        if dist.get_rank() in (line[0], line[-1]):
-            mine = group
-    return mine
+    line = mesh[MeshAxis.PP.value].mesh.tolist()  # this rank's pipeline line
+    if dist.get_rank() not in (line[0], line[-1]):
+        return None
+    return dist.new_group([line[0], line[-1]], use_local_synchronization=True)
 
 
 def sync_tied_grads(model: "nn.Module", group) -> None:

@@ -104,17 +104,12 @@ def exchange(handover: Handover | None, *, model: ModelConfig, old: Layout, new:
     meta = build_model(model)
     shapes = {n: tuple(p.shape) for n, p in meta.named_parameters()}
     dtypes = {n: p.dtype for n, p in meta.named_parameters()}
-    world = dist.get_world_size()
-    gathered: list[Any] = [None] * world
     # the step counters of every old rank this worker sends for: its own and the copies it serves (under
     # pipeline parallelism each old rank holds other parameters, so one worker's own counters are not all)
     mine: dict[str, int] = {}
     for held in ([handover.held, *handover.extra.values()] if handover else []):
         mine.update(held.optimizer_steps)
-    dist.all_gather_object(gathered, mine)
-    steps: dict[str, int] = {}
-    for part in gathered:
-        steps.update(part)
+    steps = agree_steps(mine, list(shapes))
     clock.lap("agree")
     states = ("exp_avg", "exp_avg_sq") if steps else ()  # no AdamW state before the first step
     tied = model.tie_embeddings
@@ -148,6 +143,23 @@ def exchange(handover: Handover | None, *, model: ModelConfig, old: Layout, new:
     got = sum(t.box.numel * key_dtype[t.key].itemsize for t in plan
               if new_to_group[t.dst] == me and old_to_group[t.src] != me)
     return Received(pieces=pieces, optimizer_steps=steps, state=box[0], bytes_received=got, timings=clock.laps)
+
+
+def agree_steps(mine: dict[str, int], names: list[str]) -> dict[str, int]:
+    """Every parameter's optimizer step counter that some member of the current default group holds
+    (`mine`: this worker's), agreed by one all-reduce (max) of a counter per name of `names`, -1 where a
+    member holds none: each worker sends and receives len(names) integers whatever the world size, and
+    nothing is unpickled. (Every holder of a parameter stepped it as often; max picks that count.)"""
+    index = {n: i for i, n in enumerate(names)}
+    unknown = sorted(set(mine) - index.keys())
+    if unknown:
+        raise ValueError(f"optimizer step counters for {unknown[:3]} (of {len(unknown)}) name no parameter of "
+                         f"the model; the handover and the model config disagree: rebuild both from one config")
+    counts = torch.full((len(names),), -1, dtype=torch.int64)
+    for name, step in mine.items():
+        counts[index[name]] = step
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+    return {n: int(c) for n, c in zip(names, counts.tolist()) if c >= 0}
 
 
 class _Clock:

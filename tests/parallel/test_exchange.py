@@ -124,6 +124,22 @@ def test_survivors_hold_everything_exactly_when_a_plan_from_them_exists():
     assert not survivors_hold_everything(Layout(dp_shard=2), [1])
 
 
+def test_survivors_hold_everything_looks_at_each_survivor_once_and_at_no_lost_rank(monkeypatch):
+    """The kill paths ask this of every survivor of a failed group: one place per survivor, none for the
+    ranks that are gone and no coordinates built (before: every rank's coordinates and the survivors'
+    again, 384 `coords` calls and 1,536 `degree` lookups here)."""
+    looked, coords = [], []
+    place = Layout.place
+    monkeypatch.setattr(Layout, "place", lambda layout, r: looked.append(r) or place(layout, r))
+    monkeypatch.setattr(Layout, "coords", lambda layout, r: coords.append(r))
+    lay = Layout(dp_replicate=2, dp_shard=64, tp=2)
+    second = range(128, 256)
+
+    assert survivors_hold_everything(lay, second)
+    assert sorted(looked) == list(second) and coords == []
+    assert not survivors_hold_everything(lay, range(1, 128))
+
+
 def test_box_map_matches_param_box_rank_by_rank():
     """`boxes` (now spelled out from `BoxMap`) gives what `param_box` gives, tied or not, every layout."""
     for lay in layouts():

@@ -1,11 +1,12 @@
 """Tier 1: Layout parsing, validation and coordinates."""
 
+import itertools
 import subprocess
 import sys
 
 import pytest
 
-from parallel.layout import AXIS_ORDER, Layout
+from parallel.layout import AXIS_ORDER, Layout, MeshAxis
 
 
 def test_parse_forms():
@@ -51,6 +52,19 @@ def test_coords_are_row_major_with_tp_innermost():
     assert [lay.dp_rank(r) for r in range(0, 8, 2)] == [0, 1, 2, 3]
 
 
+def test_place_is_the_pipeline_stage_fsdp_shard_and_tp_shard_of_coords():
+    for dims in itertools.product((1, 2, 3), repeat=4):
+        lay = Layout(**dict(zip(("dp_replicate", "dp_shard", "tp", "pp"), dims)))
+        places = set()
+        for r in range(lay.world_size):
+            c = lay.coords(r)
+            assert lay.place(r) == (c[MeshAxis.PP], c[MeshAxis.DP_SHARD], c[MeshAxis.TP]), (lay, r)
+            places.add(lay.place(r))
+        assert len(places) == lay.places
+    with pytest.raises(ValueError, match="outside world_size 4"):
+        Layout(dp_shard=4).place(4)
+
+
 def test_importing_layout_does_not_import_torch_distributed():
     code = "import sys, parallel.layout, parallel.planner; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -63,11 +77,17 @@ def test_a_rank_makes_only_its_own_group_on_each_axis(monkeypatch, text):
     `new_group` per axis, each naming the rank's own line of the mesh. (torch's `init_device_mesh` has
     every rank call `new_group` for every group of every axis: 192 calls at dp=64, 768 at dp=256.)"""
     import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     made: list[list[int]] = []
-    new_group = dist.new_group
-    monkeypatch.setattr(dist, "new_group", lambda ranks, **kw: made.append(list(ranks)) or new_group(ranks, **kw))
+    make = c10d._new_group_with_tag  # what every `new_group` call runs, whoever imported the name
+
+    def counted(ranks=None, *args, **kw):
+        made.append(list(ranks))
+        return make(ranks, *args, **kw)
+
+    monkeypatch.setattr(c10d, "_new_group_with_tag", counted)
     lay = Layout.parse(text)
     for rank in (0, lay.world_size - 1):
         made.clear()
@@ -75,7 +95,7 @@ def test_a_rank_makes_only_its_own_group_on_each_axis(monkeypatch, text):
         try:
             mesh = lay.build_mesh("cpu")
             at = lay.coords(rank)
-            assert mesh.get_coordinate() == [at[a] for a in AXIS_ORDER]
+            assert list(mesh.get_coordinate()) == [at[a] for a in AXIS_ORDER]
             lines = {a: mesh[a.value].mesh.tolist() for a in AXIS_ORDER}
         finally:
             dist.destroy_process_group()

@@ -80,16 +80,30 @@ def test_copies_that_miss_a_shard_give_the_reason(layout, held, why):
 
 
 def test_a_missing_shard_is_found_with_one_look_at_each_rank_not_one_per_rank_and_holder(monkeypatch):
-    import parallel.peers as peers
-
     looked = []
-    place = peers._place
-    monkeypatch.setattr(peers, "_place", lambda layout, r: looked.append(r) or place(layout, r))
+    place = Layout.place
+    monkeypatch.setattr(Layout, "place", lambda layout, r: looked.append(r) or place(layout, r))
     layout = Layout(dp_shard=256)
     held = {r: {r: (7,)} for r in range(1, 256)}  # rank 0 and its copy are lost
 
     got = cover(layout, held)
 
     assert isinstance(got, NoCover) and "old rank(s) [0]" in got.why
-    # each rank's place once for the layout, and each holder's and rank's a few times over: linear
-    assert len(looked) <= 4 * layout.world_size
+    # each holder's place for the step, again to name the lost ranks, and each rank's once: linear
+    assert len(looked) <= 3 * layout.world_size
+
+
+def test_a_cover_looks_at_the_holders_places_only(monkeypatch):
+    """Whether a step is covered takes one place per old rank held at it, none per rank of the layout
+    (before: every rank's place for the layout's set, then the holders', each as four enum lookups)."""
+    looked, coords = [], []
+    place = Layout.place
+    monkeypatch.setattr(Layout, "place", lambda layout, r: looked.append(r) or place(layout, r))
+    monkeypatch.setattr(Layout, "coords", lambda layout, r: coords.append(r))
+    layout = Layout(dp_replicate=2, dp_shard=128)
+    held = {r: {r: (7,)} for r in range(128, 256)}  # the second replica survives, each with its own copy
+
+    got = cover(layout, held)
+
+    assert got == Cover(step=7, serve={r: r for r in range(128, 256)})
+    assert sorted(looked) == list(range(128, 256)) and coords == []
