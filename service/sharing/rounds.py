@@ -1,7 +1,8 @@
 """The service's side of a shared cluster: from what every job holds to what each is told.
 
 `plan_round(snap, jobs, quotas, in_use=)` is one scheduling round, pure: it reads each job as the
-service last saw it (`JobView`: its state, the workers its group holds, the grant it was given), builds
+service last saw it (`JobView`: its request, service.sharing.decisions.JobRequest, beside its state, the
+workers its group holds and the grant it was given), builds
 the one capacity ledger (service.sharing.ledger), asks the policy (service.sharing.scheduler.schedule) and returns
 what to tell the coordinators (`Round.actions`). service.server.scheduling carries the actions out, a round
 each sync interval, so an API restart loses nothing: every input is read again from the coordinators'
