@@ -71,7 +71,7 @@ class JobManager:
                                    azure_account=azure_account)
         self.coordinators = Coordinators(launcher)
         self.locks = JobLocks(lock_timeout_s)
-        self.scheduling = Scheduling(store, self.coordinators, quotas=quotas, shared=shared)
+        self.scheduling = Scheduling(store, launcher, self.coordinators, quotas=quotas, shared=shared)
         self.syncer = StoreSync(store, self.coordinators, self.locks, sync_interval_s=sync_interval_s,
                                 stop_timeout_s=stop_timeout_s, clock=clock)
         self.views = OwnerViews(store, launcher, clock=clock)

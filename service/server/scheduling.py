@@ -18,7 +18,7 @@ from parallel.planner import size_for
 from service.control.commands import Grant
 from service.control.job import worker_range
 from service.server.coordinators import Coordinators
-from service.server.job_types import JobGone, JobRecord, JobUnavailable, Store
+from service.server.job_types import JobGone, JobRecord, JobUnavailable, Launcher, Store
 from service.server.specs import validate_spec
 from service.sharing.decisions import JobRequest
 from service.sharing.ledger import WorkerShape
@@ -33,9 +33,10 @@ TRACEBACK_EVERY_S = 60.0
 
 
 class Scheduling:
-    def __init__(self, store: Store, coordinators: Coordinators, *, quotas: Mapping[str, Quota] | None = None,
-                 shared: bool = False):
-        self.store, self.coordinators = store, coordinators
+    def __init__(self, store: Store, launcher: Launcher, coordinators: Coordinators, *,
+                 quotas: Mapping[str, Quota] | None = None, shared: bool = False):
+        """`launcher` shows the cluster and what is in use on it; `coordinators` are told."""
+        self.store, self.launcher, self.coordinators = store, launcher, coordinators
         self.quotas: dict[str, Quota] = dict(quotas or {})
         self.shared = shared
         """Whether jobs are scheduled: `elastron serve` does (Settings.schedule); in-process tests choose."""
@@ -66,14 +67,14 @@ class Scheduling:
         if not self.shared:
             return None
         with self._lock:
-            snap = self.coordinators.launcher.cluster()
+            snap = self.launcher.cluster()
             if snap is None:
                 return None
             views = [v for row in self.store.unsettled() if (v := self._job_view(row)) is not None]
             for gone in {*self._told, *self._granted, *self._sizers, *self._standby_caps} - {v.job_id for v in views}:
                 for memo in (self._told, self._granted, self._sizers, self._cfgs, self._standby_caps):
                     memo.pop(gone, None)
-            r = plan_round(snap, views, self.quotas, in_use=self.coordinators.launcher.in_use(snap))
+            r = plan_round(snap, views, self.quotas, in_use=self.launcher.in_use(snap))
             for a in r.actions:
                 self._carry_out(a)
             self.last_round = r

@@ -1,6 +1,6 @@
 """The scheduling rounds (service.server.scheduling.Scheduling) alone, over a store and fake coordinators:
-off, no rounds; on, a queued job is granted the free workers once (not told again), and a job the store
-no longer has leaves nothing remembered."""
+off, no rounds; on, a queued job is granted the free workers once (not told again), a grant sent holds
+its workers before the job's status shows it, and a deleted job's workers go to the others."""
 
 from __future__ import annotations
 
@@ -46,14 +46,14 @@ def queued(job_id: str, created: float) -> JobRecord:
 
 
 def test_without_sharing_there_is_no_round_and_no_first_grant():
-    s = Scheduling(JobStore(":memory:"), Coordinators(Launcher(cpus=4)), shared=False)
+    s = Scheduling(JobStore(":memory:"), (launcher := Launcher(cpus=4)), Coordinators(launcher), shared=False)
     assert s.first_grant() is None and s.round() is None and s.last_round is None
 
 
 def test_a_queued_job_is_granted_the_free_workers_once():
     store, launcher = JobStore(":memory:"), Launcher(cpus=3)
     coordinators = Coordinators(launcher)
-    s = Scheduling(store, coordinators, shared=True)
+    s = Scheduling(store, launcher, coordinators, shared=True)
     assert s.first_grant() == {}
     store.create(queued("a", 1.0))
     coordinators.attach("a")
@@ -66,16 +66,19 @@ def test_a_queued_job_is_granted_the_free_workers_once():
     assert s.quota_usage() == []  # nobody has a quota, and nothing was seen held by the round before
 
 
-def test_a_job_the_store_no_longer_has_is_forgotten_by_the_next_round():
-    store, launcher = JobStore(":memory:"), Launcher(cpus=4)
+def test_a_grant_sent_counts_before_the_jobs_status_shows_it():
+    store, launcher = JobStore(":memory:"), Launcher(cpus=3)
     coordinators = Coordinators(launcher)
-    s = Scheduling(store, coordinators, shared=True)
+    s = Scheduling(store, launcher, coordinators, shared=True)
     store.create(queued("a", 1.0))
     coordinators.attach("a")
-    s.round()
-    store.delete("a")
+    s.round()  # a is granted 2 of the 3 workers; its stored status still shows no grant
     store.create(queued("b", 2.0))
     coordinators.attach("b")
     r = s.round()
-    assert [a.job_id for a in r.actions] == ["b"]
-    assert s._told.keys() == {"b"} and s._granted.keys() == {"b"}
+    (grant,) = launcher.handles["b"].sent
+    assert grant.nodes == {"n1": 1}  # the one worker a's grant leaves, not 2
+    assert r.ledger.held("a").as_dict() == {"n1": 2}
+    store.delete("a")  # a is gone: the next round gives its workers to b
+    s.round()
+    assert launcher.handles["b"].sent[-1].nodes == {"n1": 2}

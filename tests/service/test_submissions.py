@@ -37,7 +37,7 @@ def submissions(tmp_path, launcher: Launcher, **kw) -> Submissions:
                           reserved=store.files(), azure_account=None)
     coordinators = Coordinators(launcher)
     ticks = itertools.count(5)  # one second per submit: the store lists by creation time
-    return Submissions(store, admission, coordinators, JobLocks(), Scheduling(store, coordinators),
+    return Submissions(store, admission, coordinators, JobLocks(), Scheduling(store, launcher, coordinators),
                        clock=lambda: float(next(ticks)), **kw)
 
 
