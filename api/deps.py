@@ -49,13 +49,15 @@ class Settings:
     """With tokens configured, the requests of one token answered at once; more get 429 with Retry-After
     (api.app.PerUserLimit). None: no limit."""
     sync_interval_s: float = 0.5
-    """How often the job manager pulls status, events and metrics from the coordinators."""
+    """How often the job manager pulls status, events and metrics from the coordinators
+    (service.server.store_sync), each sync round followed by a scheduling round."""
     stop_timeout_s: float = 30.0
     """DELETE waits this long for a job's final checkpoint before releasing its coordinator."""
     ray_address: str | None = None
     """Ray cluster for the default (Ray) launcher; None: RAY_ADDRESS, else a private local Ray."""
     schedule: bool = True
-    """Share the cluster among the jobs (service.sharing.rounds): grants, queue, priorities, quotas.
+    """Share the cluster among the jobs (service.server.scheduling runs the rounds service.sharing.rounds
+    decides): grants, queue, priorities, quotas.
     ELASTRON_SCHEDULE=0 turns it off: each job then plans onto the whole cluster, as if it were alone."""
     quotas: dict[str, Quota] = field(default_factory=dict)
     """User name -> the workers and running jobs that user's jobs may hold on the shared cluster."""

@@ -27,7 +27,8 @@ def _is_int(v: object, lo: int) -> bool:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class JobRequest:
-    """One job that holds or wants capacity."""
+    """One job that holds or wants capacity, as the policy reads it; the one record of what a job asks of
+    the scheduler (the service's `JobView` carries one beside the job's status)."""
 
     job_id: str
     owner: str = ""
@@ -42,6 +43,8 @@ class JobRequest:
     submitted: float = 0.0
     """Unix seconds; earlier goes first among equals."""
     phase: Phase = Phase.QUEUED
+    """Where the job stands for the policy. A round (service.sharing.rounds) sets it from the job's status
+    (`JobView.phase`) on the request it hands the policy."""
     shape: WorkerShape = field(default_factory=WorkerShape)
 
     def __post_init__(self) -> None:

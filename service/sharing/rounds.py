@@ -1,11 +1,12 @@
 """The service's side of a shared cluster: from what every job holds to what each is told.
 
 `plan_round(snap, jobs, quotas, in_use=)` is one scheduling round, pure: it reads each job as the
-service last saw it (`JobView`: its state, the workers its group holds, the grant it was given), builds
+service last saw it (`JobView`: its request, service.sharing.decisions.JobRequest, beside its state, the
+workers its group holds and the grant it was given), builds
 the one capacity ledger (service.sharing.ledger), asks the policy (service.sharing.scheduler.schedule) and returns
-what to tell the coordinators (`Round.actions`). The job manager carries the actions out
-(service.server.job_manager) and runs a round each sync interval, so an API restart loses nothing: every
-input is read again from the coordinators' statuses.
+what to tell the coordinators (`Round.actions`). service.server.scheduling carries the actions out, a round
+each sync interval, so an API restart loses nothing: every input is read again from the coordinators'
+statuses.
 
 How a job reads to the policy:
   - terminal: not scheduled, holds nothing;
@@ -26,7 +27,7 @@ workers are free. Shrinks and pauses are sent at once.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from service.pool.cluster import ClusterSnapshot
 from service.sharing.ledger import Holding, Ledger, WorkerShape
@@ -40,16 +41,11 @@ UNKNOWN = "UNKNOWN"
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class JobView:
-    """One job as the service last saw it: its request (from its spec and owner) and its status."""
+    """One job as the service last saw it: what it asks of the scheduler (its `request`, from its spec and
+    owner) and its status. The request's `phase` is not read here: the policy is given the phase this
+    view derives from the status (`phase`)."""
 
-    job_id: str
-    owner: str = ""
-    priority: int = 0
-    weight: float = 1.0
-    min_workers: int = 1
-    max_workers: int | None = None
-    submitted: float = 0.0
-    shape: WorkerShape = field(default_factory=WorkerShape)
+    request: JobRequest
     state: str = "PENDING"
     cause: str | None = None
     held: Mapping[str, int] = field(default_factory=dict)
@@ -65,6 +61,10 @@ class JobView:
     size_for: Callable[[int], int | None] | None = field(default=None, compare=False)
     """The most of n workers the job can use (its planner's answer, parallel.planner.size_for); None: all.
     A worker granted beyond it would sit idle: grants are trimmed to it, and max_workers capped."""
+
+    @property
+    def job_id(self) -> str:
+        return self.request.job_id
 
     def holding(self) -> dict[str, int]:
         grant = self.grant or {}
@@ -102,7 +102,7 @@ class Round:
 def ledger_of(snap: ClusterSnapshot, jobs: Sequence[JobView], *,
               in_use: Mapping[str, tuple[float, float]] | None = None, include_head: bool = True) -> Ledger:
     """The cluster's capacity and what every job holds (UNKNOWN jobs included: their workers may run)."""
-    holdings = [Holding.of(j.job_id, j.shape, j.holding()) for j in jobs
+    holdings = [Holding.of(j.job_id, j.request.shape, j.holding()) for j in jobs
                 if (j.phase is Phase.RUNNING or j.state == UNKNOWN) and j.holding()]
     return Ledger.from_snapshot(snap, holdings, in_use=in_use, include_head=include_head)
 
@@ -111,9 +111,7 @@ def plan_round(snap: ClusterSnapshot, jobs: Sequence[JobView], quotas: Mapping[s
                in_use: Mapping[str, tuple[float, float]] | None = None, include_head: bool = True) -> Round:
     ledger = ledger_of(snap, jobs, in_use=in_use, include_head=include_head)
     scheduled = [j for j in jobs if j.phase is not None]
-    requests = [JobRequest(job_id=j.job_id, owner=j.owner, priority=j.priority, min_workers=j.min_workers,
-                           max_workers=_cap(j, ledger), weight=j.weight, submitted=j.submitted, phase=j.phase,
-                           shape=j.shape) for j in scheduled]
+    requests = [replace(j.request, max_workers=_cap(j, ledger), phase=j.phase) for j in scheduled]
     s = schedule(ledger, requests, quotas)
     free = {nid: list(v) for nid, v in ledger.free().items()}
     actions: list[Tell] = []
@@ -143,18 +141,18 @@ def standby_caps(jobs: Sequence[JobView], grants: Mapping[str, Mapping[str, int]
     node's count on one node more). None for an owner without a worker quota."""
     room = {}
     for j in jobs:
-        q = quotas.get(j.owner, Quota())
+        q = quotas.get(j.request.owner, Quota())
         if q.max_workers is not None:
-            room[j.owner] = room.get(j.owner, q.max_workers) - sum(grants.get(j.job_id, {}).values())
+            room[j.request.owner] = room.get(j.request.owner, q.max_workers) - sum(grants.get(j.job_id, {}).values())
     out: dict[str, int | None] = {}
     for j in jobs:
-        if j.owner not in room:
+        if j.request.owner not in room:
             out[j.job_id] = None
             continue
         nodes = {nid: k for nid, k in grants.get(j.job_id, {}).items() if k > 0}
         most = j.standby_per_node * len(nodes) + max(nodes.values()) if nodes and j.standby_per_node > 0 else 0
-        out[j.job_id] = max(0, min(most, room[j.owner]))
-        room[j.owner] -= out[j.job_id]
+        out[j.job_id] = max(0, min(most, room[j.request.owner]))
+        room[j.request.owner] -= out[j.job_id]
     return out
 
 
@@ -184,7 +182,7 @@ def _tell(j: JobView, s: Schedule, free: dict[str, list[float]], standby: int | 
         return [_grant(j, {}, "paused by the scheduler")] if j.grant else []
     want = _usable(j, want, now)
     more = {nid: k - now.get(nid, 0) for nid, k in want.items() if k > now.get(nid, 0)}
-    if not _fits(more, j.shape, free):
+    if not _fits(more, j.request.shape, free):
         if isinstance(d, (Start, Grow)) and j.phase is not Phase.RUNNING:
             why = f"{d.reason}; waiting for the workers it is given to be released by the jobs that held them"
             return [] if j.reason == why else [_grant(j, {}, why, 1)]
@@ -192,7 +190,7 @@ def _tell(j: JobView, s: Schedule, free: dict[str, list[float]], standby: int | 
         if want == dict(j.grant or {}) or not want:
             return []
     else:
-        _take(more, j.shape, free)
+        _take(more, j.request.shape, free)
     if want == dict(j.grant or {}) and standby == j.standby_cap:
         return [_resume(j)] if j.phase is Phase.PAUSED and want else []
     reason = d.reason if d is not None and not isinstance(d, Queued) else \
@@ -205,17 +203,17 @@ def _tell(j: JobView, s: Schedule, free: dict[str, list[float]], standby: int | 
 
 def _cap(j: JobView, ledger: Ledger) -> int | None:
     """The job's max_workers, lowered to what it can use of the whole cluster."""
-    whole = sum(j.shape.fit(n.cpus - n.outside_cpus, n.gpus - n.outside_gpus) for n in ledger.nodes if n.usable)
-    top = whole if j.max_workers is None else min(j.max_workers, whole)
+    whole = sum(j.request.shape.fit(n.cpus - n.outside_cpus, n.gpus - n.outside_gpus) for n in ledger.nodes if n.usable)
+    top = whole if j.request.max_workers is None else min(j.request.max_workers, whole)
     use = j.size_for(top) if j.size_for is not None and top >= 1 else None
-    return use if use is not None and use >= j.min_workers else j.max_workers
+    return use if use is not None and use >= j.request.min_workers else j.request.max_workers
 
 
 def _usable(j: JobView, want: dict[str, int], now: Mapping[str, int]) -> dict[str, int]:
     """`want` trimmed to the most workers the job can use, keeping the nodes it holds most on."""
     n = sum(want.values())
     use = j.size_for(n) if j.size_for is not None and n else None
-    if use is None or use >= n or use < j.min_workers:
+    if use is None or use >= n or use < j.request.min_workers:
         return want
     out: dict[str, int] = {}
     for nid in sorted(want, key=lambda x: (-now.get(x, 0), -want[x], x)):

@@ -77,11 +77,11 @@ def test_a_loop_of_failing_submits_leaves_the_lock_table_as_it_was(served):
     h = {"Authorization": "Bearer al1ce"}
     first = c.post(J, json={"spec": SPEC, "run_dir": "taken"}, headers=h)
     assert first.status_code == 201
-    before = dict(mgr._locks)
+    before = mgr.locks.known()
     for i in range(50):  # conflicts (in use), refusals inside the submit (resume_from), bad values
         assert c.post(J, json={"spec": SPEC, "run_dir": "taken/inner"}, headers=h).status_code == 409
         spec = {**SPEC, "checkpoint": {"resume_from": "s3://nobody/ck"}}
         assert c.post(J, json={"spec": spec}, headers=h).status_code == 422
         raw = json.dumps(_with(("name",), "x\ud800")).encode()  # JSON's \\ud800 escape
         assert c.post(J, content=raw, headers={**h, "content-type": "application/json"}).status_code == 422
-    assert mgr._locks.keys() == before.keys()
+    assert mgr.locks.known() == before

@@ -335,7 +335,7 @@ def test_delete_waits_for_no_other_command_and_for_the_lock_only_so_long(tmp_pat
     assert time.monotonic() - t0 < 0.25  # refused at once, not after the 0.3 s lock wait
     t0 = time.monotonic()
     with pytest.raises(JobUnavailable, match="busy"):  # a command finds the lock held: waits the timeout only
-        with m._locked_row(j):
+        with m.locks.held(j, m.store.get):
             pass
     assert 0.25 < time.monotonic() - t0 < 2
 
@@ -347,7 +347,7 @@ def test_one_owners_stuck_jobs_leave_sync_threads_for_everyone_else(tmp_path, st
     b = m.submit(SPEC, owner="bob")
     m.start()  # its first round waits for every job's first sync
     try:
-        h = m._handles[b]
+        h = m.coordinators.get(b)
         time.sleep(0.4)  # alice's jobs are known slow by now
         before = h.calls
         time.sleep(1.0)

@@ -93,7 +93,7 @@ def test_a_slow_coordinator_does_not_hold_up_the_other_jobs(tmp_path):
 
     mgr = JobManager(JobStore(tmp_path / "jobs.db"), Two(), runs_root=tmp_path / "runs", sync_interval_s=0.05)
     slow_id, fast_id = mgr.submit(SPEC), mgr.submit(SPEC)
-    slow, fast = mgr._handles[slow_id], mgr._handles[fast_id]
+    slow, fast = mgr.coordinators.get(slow_id), mgr.coordinators.get(fast_id)
     mgr.start()
     try:
         slow.rows = [row(1, 9.0)]

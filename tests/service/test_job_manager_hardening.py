@@ -89,14 +89,14 @@ def mgr(tmp_path):
 
 def test_requests_for_unknown_ids_leave_nothing_behind(mgr):
     mgr.submit(SPEC)
-    before = len(mgr._locks)
+    before = len(mgr.locks.known())
     for _ in range(500):
         bad = uuid.uuid4().hex[:12]
         for call in (mgr.get, mgr.events, mgr.metrics, mgr.checkpoints, mgr.sync, lambda j: mgr.command(j, Pause()),
                      lambda j: mgr.command(j, Stop()), mgr.delete):
             with pytest.raises(JobNotFound):
                 call(bad)
-    assert len(mgr._locks) == before
+    assert len(mgr.locks.known()) == before
 
 
 def test_deleting_a_job_drops_its_lock(mgr):
@@ -104,7 +104,7 @@ def test_deleting_a_job_drops_its_lock(mgr):
     mgr.launcher.live[job_id].state = "SUCCEEDED"
     mgr.sync(job_id)
     mgr.delete(job_id)
-    assert job_id not in mgr._locks
+    assert job_id not in mgr.locks.known()
 
 
 # -- item 6: reads are served from the store --------------------------------------------------------------------
@@ -136,7 +136,7 @@ def test_a_coordinator_that_is_not_found_makes_the_job_unknown_not_failed(mgr):
     h = mgr.launcher.live[job_id]
     h.step = 3
     mgr.sync(job_id)
-    mgr._handles.clear()  # a new server...
+    mgr.coordinators.drop_all()  # a new server...
     del mgr.launcher.live[job_id]  # ... connected to a Ray that does not know the job
     for _ in range(3):
         mgr.sync(job_id)
@@ -151,7 +151,7 @@ def test_a_coordinator_that_is_not_found_makes_the_job_unknown_not_failed(mgr):
 
 def test_a_job_confirmed_gone_is_finalised(mgr):
     job_id = mgr.submit(SPEC)
-    mgr._handles.clear()
+    mgr.coordinators.drop_all()
     del mgr.launcher.live[job_id]
     mgr.sync(job_id)
     assert mgr.get(job_id).state == UNKNOWN
@@ -169,7 +169,7 @@ def test_a_job_whose_events_end_in_a_final_state_is_finalised_without_confirmati
           "reason": "reached step 10", "old_layout": None, "new_layout": None, "step": 10, "cause": None,
           "details": {}}
     (run_dir / "events.jsonl").write_text(json.dumps(ev) + "\n")
-    mgr._handles.clear()
+    mgr.coordinators.drop_all()
     del mgr.launcher.live[job_id]
     mgr.sync(job_id)
     assert mgr.get(job_id).state == "SUCCEEDED"
@@ -232,9 +232,9 @@ def test_delete_does_not_release_a_coordinator_still_saving(mgr):
 def test_a_failing_sync_logs_its_traceback_once_a_minute_not_every_round(mgr, caplog):
     job_id = mgr.submit(SPEC)
     mgr.launcher.live[job_id].fail = RuntimeError("boom")
-    with caplog.at_level(logging.WARNING, logger="service.server.job_manager"):
+    with caplog.at_level(logging.WARNING, logger="service.server.store_sync"):
         for _ in range(20):
-            mgr._sync_quietly(job_id)
+            mgr.syncer.sync_quietly(job_id)
     mine = [r for r in caplog.records if job_id in r.getMessage()]
     assert len(mine) == 20 and all("boom" in r.getMessage() for r in mine)
     assert sum(bool(r.exc_info) for r in mine) == 1

@@ -10,6 +10,7 @@ import pytest
 from service.control.commands import Grant
 from service.pool.cluster import ClusterWatcher, resources_in_use
 from service.sharing.rounds import JobView, plan_round
+from service.sharing.scheduler import JobRequest
 
 pytestmark = pytest.mark.e2e
 
@@ -37,11 +38,11 @@ def test_a_node_filled_by_an_outside_job_is_not_granted():
         in_use = resources_in_use(snap)
         assert in_use[full] == (1.0, 0.0) and in_use[nodes[1].node_id] == (0.0, 0.0)
 
-        two = JobView(job_id="two", state="QUEUED", min_workers=2, max_workers=2)
+        two = JobView(request=JobRequest(job_id="two", min_workers=2, max_workers=2), state="QUEUED")
         (told,) = plan_round(snap, [two], in_use=in_use).actions
         assert isinstance(told.command, Grant) and told.command.nodes == {}  # queued: one worker is free
         assert told.command.queue_position == 1
-        one = JobView(job_id="one", state="QUEUED", min_workers=1, max_workers=2)
+        one = JobView(request=JobRequest(job_id="one", min_workers=1, max_workers=2), state="QUEUED")
         (told,) = plan_round(snap, [one], in_use=in_use).actions
         assert told.command.nodes == {nodes[1].node_id: 1}  # the free node only
     finally:

@@ -4,7 +4,7 @@ statuses to what their coordinators are told."""
 from __future__ import annotations
 
 from service.pool.cluster import snapshot_from
-from service.sharing.scheduler import Phase, Quota
+from service.sharing.scheduler import JobRequest, Phase, Quota
 from service.control.commands import Grant, Pause, Resume
 from service.sharing.rounds import JobView, plan_round
 
@@ -14,9 +14,14 @@ def cluster(**cpus: int):
                          {}, now=0.0)
 
 
+_ASKS = {"owner", "weight", "shape"}
+"""JobRequest fields a test may give `job` besides lo, hi, prio and t; the other keywords are the view's."""
+
+
 def job(job_id, *, state="RUNNING", held=None, grant=None, lo=1, hi=None, prio=0, t=0.0, **kw) -> JobView:
-    return JobView(job_id=job_id, state=state, held=held or {}, grant=grant, min_workers=lo, max_workers=hi,
-                   priority=prio, submitted=t, **kw)
+    asks = {k: kw.pop(k) for k in _ASKS & kw.keys()}
+    return JobView(request=JobRequest(job_id=job_id, min_workers=lo, max_workers=hi, priority=prio, submitted=t, **asks),
+                   state=state, held=held or {}, grant=grant, **kw)
 
 
 def by_job(actions):
