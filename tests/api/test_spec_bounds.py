@@ -75,7 +75,7 @@ FINDINGS = [
 
 
 @pytest.mark.parametrize("spec,loc,why", [f[1:] for f in FINDINGS], ids=[f[0] for f in FINDINGS])
-def test_each_unbounded_field_of_the_review_is_a_422_naming_it_within_a_second(client, spec, loc, why):
+def test_each_unbounded_field_of_the_review_is_a_422_naming_it_without_doing_the_work(client, spec, loc, why):
     t0 = time.perf_counter()
     r = client.post(J, json={"spec": spec})
     took = time.perf_counter() - t0
@@ -83,7 +83,9 @@ def test_each_unbounded_field_of_the_review_is_a_422_naming_it_within_a_second(c
     (err,) = r.json()["detail"]
     assert err["loc"] == ["body", "spec", *loc] and why in err["msg"] and "\n" not in err["msg"], err
     assert len(r.content) < 2000  # the input is named, not repeated
-    assert took < 1.0, f"refused after {took:.2f} s"
+    # a guard against a refusal that does the work first (a 900 KB path resolved, 2^40 samples shuffled:
+    # minutes); the 1 s target is measured in benchmarks/abuse.py, not here, on a box shared with other work
+    assert took < 10.0, f"refused after {took:.2f} s"
     assert client.get(J).json() == []
 
 
