@@ -68,7 +68,7 @@ def phases(cfg_dict: dict, run_dir: str, port: int, world: int) -> dict | None:
 
     sample("started (imports)")
     w = Worker(cfg, run_dir)
-    w.join(rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port, plan=job_plan(cfg, world).to_dict())
+    w.join(rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port, plan=job_plan(cfg, world))
     sample("joined")
     w.run(until_step=1_000_000, steps=1)
     sample("1 step")
