@@ -486,8 +486,9 @@ def steady_summary(jobs: list[dict]) -> dict[str, dict]:
 
 
 def snapshot_costs(rows: list[dict]) -> dict[str, list[float]]:
-    """Per part of `PeerSnapshots.take` (wait for the previous round, agree on the committed step, copy
-    into host memory), its seconds on rank 0 at every step of `rows` that took a snapshot."""
+    """Per part of `PeerSnapshots.take` (wait for the previous round, agree on the committed step, and
+    the wait before the last update for the previous round's background copy into host memory), its
+    seconds on rank 0 at every step of `rows` that took a snapshot."""
     taken = [r["snapshot"] for r in rows if r.get("snapshot")]
     return {f"take_{part}_s": [t[f"{part}_s"] for t in taken] for part in ("wait", "agree", "copy")} if taken else {}
 

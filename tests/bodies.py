@@ -110,6 +110,7 @@ def snapshot_rounds_body(nodes: list[str], steps: int) -> dict:
                     boxes={"model.w": Box((rank * 4, 0), (4, 3)), "optim.exp_avg.model.w": Box((rank * 2, 0), (2, 3))},
                     optimizer_steps={"model.w": step})
         taken = snaps.take(step, held, {"lr_schedule": {"step": step}})
+        snaps.settle()  # as the optimizer's step pre-hook does (`guard`)
         w.fill_(-1.0)  # the live shard moves on: the copy must not
         committed.append(snaps.committed)
         costs.append((taken.committed, taken.wait_s, taken.agree_s, taken.copy_s))
@@ -122,6 +123,47 @@ def snapshot_rounds_body(nodes: list[str], steps: int) -> dict:
     own, state = snaps.handover(steps, [rank])
     return {"holdings": snaps.holdings(), "committed": committed, "costs": costs, "kept": kept, "state": state,
             "own": own[rank].tensors["model.w"].flatten().tolist()[0], "steps": own[rank].optimizer_steps}
+
+
+def snapshot_guard_body(numel: int) -> dict:
+    """Two ranks on two nodes: take a snapshot of a live AdamW parameter of `numel` floats and step the
+    optimizer straight after (the copy runs in the background, here starting 0.5 s late; `guard` makes
+    the step wait for it).
+    Returns whether the own and the kept copy equal the parameter as it was at the take, and whether
+    the step changed it."""
+    import time
+
+    import torch
+
+    import workers.snapshots
+    from parallel.live import Held
+    from parallel.sharding import Box
+    from workers.snapshots import PeerSnapshots
+
+    fill = workers.snapshots._fill
+
+    def late_fill(*args) -> None:  # a copy that starts well after the step would, unless the step waits
+        time.sleep(0.5)
+        fill(*args)
+
+    workers.snapshots._fill = late_fill
+    rank = dist.get_rank()
+    snaps = PeerSnapshots.start("ab"[rank], shard_bytes=numel * 4, available_bytes=None)
+    w = torch.nn.Parameter(torch.full((numel,), float(rank + 1)))
+    opt = torch.optim.AdamW([w], lr=0.5)
+    snaps.guard(opt)
+    before = w.detach().clone()
+    held = Held(tensors={"model.w": w.detach()}, boxes={"model.w": Box((rank * numel,), (numel,))}, optimizer_steps={})
+    snaps.take(1, held, {})
+    w.grad = torch.ones_like(w)
+    opt.step()  # right after the take: the pre-hook waits for the copy
+    snaps.wait()
+    own, _ = snaps.handover(1, [rank])
+    kept, _ = snaps.handover(1, [1 - rank])
+    snaps.close()
+    return {"own_as_taken": bool(torch.equal(own[rank].tensors["model.w"], before)),
+            "kept_whole": bool(torch.all(kept[1 - rank].tensors["model.w"] == float(2 - rank))),
+            "stepped": not torch.equal(w.detach(), before), "guards_left": len(opt._optimizer_step_pre_hooks)}
 
 
 def snapshot_peer_silent_body(timeout_s: float, slack_s: float, wait_s: float) -> dict:

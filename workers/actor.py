@@ -284,6 +284,8 @@ class Worker:
                     cap=max(ck.peer_interval, ck.interval_steps))
         self.snapshots = PeerSnapshots.start(self._node_id(), shard_bytes=shard, available_bytes=_available_memory(),
                                              timeout_s=timeout_s, pace=pace)
+        if self.snapshots is not None:  # a round copies the shards beside the next step's forward and backward
+            self.snapshots.guard(self.trainer.optimizer)
 
     def _drop_snapshots(self) -> None:
         """Free the copies of the previous group's snapshots, without waiting for its round in flight:

@@ -1,10 +1,10 @@
 """When peer snapshots are taken: every `checkpoint.peer_interval` steps at the most, and less often
 when what they cost exceeds `checkpoint.peer_budget` of the training time.
 
-A snapshot costs the training thread its `take` (waiting for the previous round, the agreement, the copy
-into host memory), and it slows the steps that run while its round sends and receives in the background
-(on a GPU box that send hardly shows; on a box whose cores the steps already fill it can cost a third
-of a step). Both are measured here, from the steps themselves:
+A snapshot costs the training thread its `take` (waiting for the previous round, the agreement), and it
+slows the steps that run while its round copies, sends and receives in the background (the next step's
+update waits for the copy: `PeerSnapshots.settle`; on a GPU box that work hardly shows, on a box whose
+cores the steps already fill it can cost a third of a step). Both are measured here, from the steps themselves:
 
     pace = Pace(every=1, budget=0.1, start=step)
     busy = snaps.in_flight(); dt = <time one step>; pace.step_ended(dt, busy=busy)

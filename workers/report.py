@@ -21,8 +21,9 @@ log = logging.getLogger(__name__)
 class Taken:
     """What one snapshot cost the training thread (`PeerSnapshots.take`), in seconds: waiting for the
     previous round's send and receive to end (`wait_s`), the ranks' agreement on the newest step every
-    rank holds whole (`agree_s`) and the copy of the shards into host memory (`copy_s`). The new round's
-    send and receive run after it, beside the next step."""
+    rank holds whole (`agree_s`), and the wait before the last update for the previous round's copy of
+    the shards into host memory (`copy_s`, `PeerSnapshots.settle`). The new round's copy, send and
+    receive run in the background, beside the next step."""
 
     wait_s: float
     agree_s: float

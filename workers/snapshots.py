@@ -4,15 +4,19 @@ the survivors' copies cover).
 
     snaps = PeerSnapshots.start(node_id, shard_bytes=..., available_bytes=...)  # collective, at `join`
     if snaps.pace.due(step):                           # every `checkpoint.peer_interval` steps or more (workers.pace)
-        snaps.take(step, hold(model, optimizer), state)  # collective
+        snaps.take(step, hold(model, optimizer), state)  # collective; the copy runs on in the background
     snaps.holdings()                                   # {old rank: complete steps}, after a failure
     snaps.handover(step, ranks)                        # the copies of those old ranks at that step
 
+    snaps.guard(optimizer)                             # the copy of a round ends before the next update
+
 Each round (`take`): the rank waits for its previous round's sends and receives (a background thread),
 agrees with the others on the newest step every rank has completed (a one-integer all-reduce: the
-committed step), copies its shards into the buffer that does not hold the committed step, and sends
-that buffer in the background, on a gloo group of its own, to its buddy, while receiving the copies it
-keeps into their spare buffers the same way. So each slot (its own copy, and each copy it keeps) holds
+committed step), and returns; a background thread then copies its shards into the buffer that does not
+hold the committed step (during the next step's forward and backward, which leave the shards as they
+are: `settle`, run by the optimizer's step pre-hook that `guard` registers, waits for that copy before
+the update changes them), and sends that buffer, on a gloo group of its own, to its buddy, while
+receiving the copies it keeps into their spare buffers the same way. So each slot (its own copy, and each copy it keeps) holds
 two buffers: the committed one, never overwritten before every rank has completed the next, and the one
 being filled; a half-sent snapshot never replaces a whole one. Nothing is written to disk.
 """
@@ -130,6 +134,15 @@ class PeerSnapshots:
         """The newest step every rank has completed (own copy sent, copies kept received)."""
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._copied = threading.Event()
+        """Set once the round in flight has copied the shards (set: nothing to wait for)."""
+        self._copied.set()
+        self._guard: Any = None
+        """The optimizer step pre-hook's handle (`guard`)."""
+        self.copy_s = 0.0
+        """Seconds the last round's copy of the shards took, in the background."""
+        self.settle_s = 0.0
+        """Seconds the training thread waited for the last round's copy (`settle`)."""
         self.round_s = 0.0
         """Seconds the last complete round's background send and receive took."""
         self.bound_s: float | None = None
@@ -179,7 +192,11 @@ class PeerSnapshots:
     def take(self, step: int, held: Held, state: dict[str, Any]) -> Taken:
         """Snapshot `held` (this rank's shards after step `step`'s update) and `state` (collective: every
         rank calls it at the same steps, those `pace.due` names); returns what it cost this thread. The
-        one agreement of the round also settles the interval to the next: the largest any rank proposes."""
+        one agreement of the round also settles the interval to the next: the largest any rank proposes.
+
+        The copy of `held` runs in the background: `held`'s tensors must stay unchanged until `settle()`
+        returns (the optimizer's step pre-hook calls it, `guard`). `Taken.copy_s` is what the copy of
+        the previous round cost this thread (its `settle`), as this round's own is not known yet."""
         t0 = time.perf_counter()
         self.wait()
         t1 = time.perf_counter()
@@ -189,13 +206,32 @@ class PeerSnapshots:
         self.committed, interval = int(agree[0]), -int(agree[1])
         t2 = time.perf_counter()
         own = self.own.spare(self.committed)
-        _fill(own, step, held, state)
-        t3 = time.perf_counter()
-        self._thread = threading.Thread(target=self._round, args=(own,), name="peer-snapshot", daemon=True)
+        own.step = -1  # filling: not a copy of any step until the background copy ends
+        self._copied.clear()
+        self._thread = threading.Thread(target=self._copy_and_round, args=(own, step, held, state),
+                                        name="peer-snapshot", daemon=True)
         self._thread.start()
-        self.pace.taken(step, interval, t3 - t0)
-        return Taken(wait_s=round(t1 - t0, 4), agree_s=round(t2 - t1, 4), copy_s=round(t3 - t2, 4),
+        self.pace.taken(step, interval, t2 - t0)  # the copy's wait (settle) is in a busy step's time
+        return Taken(wait_s=round(t1 - t0, 4), agree_s=round(t2 - t1, 4), copy_s=round(self.settle_s, 4),
                      committed=self.committed, interval=interval)
+
+    def settle(self) -> float:
+        """Wait until the round in flight has copied the shards it was given (they may change after);
+        returns the seconds waited."""
+        t0 = time.perf_counter()
+        self._copied.wait()
+        self.settle_s = time.perf_counter() - t0
+        return self.settle_s
+
+    def guard(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make `optimizer.step` wait for the round's copy of the shards it is about to update (a step
+        pre-hook, removed by `close`)."""
+        if self._guard is not None:
+            self._guard.remove()
+        def before_step(*_) -> None:  # a pre-hook returns None (or new arguments)
+            self.settle()
+
+        self._guard = optimizer.register_step_pre_hook(before_step)
 
     def in_flight(self) -> bool:
         """Whether a round still sends or receives in the background."""
@@ -208,6 +244,20 @@ class PeerSnapshots:
         for s in self.kept.values():
             steps &= set(s.steps())
         return max(steps, default=-1)
+
+    def _copy_and_round(self, own: Copy, step: int, held: Held, state: dict[str, Any]) -> None:
+        """The background part of a round: copy `held` into `own` (then the caller's shards are free to
+        change), and send and receive (`_round`)."""
+        t0 = time.perf_counter()
+        try:
+            _fill(own, step, held, state)
+        except BaseException as e:  # the round sends nothing: the copy is not whole
+            self._error = self.last_error = e.with_traceback(None)
+            return
+        finally:
+            self.copy_s = time.perf_counter() - t0
+            self._copied.set()
+        self._round(own)
 
     def _round(self, own: Copy) -> None:
         """Send `own` to the buddy and receive the copies kept here (the snapshot group spans every rank
@@ -266,6 +316,9 @@ class PeerSnapshots:
         """Drop every copy (the group that took them is gone). A round still in flight after `timeout_s`
         keeps only the two buffers it is sending and filling, until its waits end (the round's bound)."""
         self.wait(timeout_s)
+        if self._guard is not None:
+            self._guard.remove()
+            self._guard = None
         self.own, self.kept = Slot(), {}
 
     # -- after a failure -------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.bodies import (snapshot_buddy_silent_body, snapshot_off_body, snapshot_peer_silent_body,
+from tests.bodies import (snapshot_buddy_silent_body, snapshot_guard_body, snapshot_off_body, snapshot_peer_silent_body,
                           snapshot_rounds_body)
 from tests.multiproc import run_ranks
 from workers.snapshots import ROUND_MARGIN, ROUND_MIN_S, Copy, Slot, next_bound
@@ -23,6 +23,14 @@ def test_each_rank_keeps_its_buddys_copy_of_the_last_two_steps():
                                         "optim.exp_avg.model.w": (sender * 100 + 3.0, (sender * 2, 0))}}
         assert res["own"] == rank * 100 + 3.0 and res["steps"] == {"model.w": 3}
         assert res["state"] == {"lr_schedule": {"step": 3}}
+
+
+def test_the_background_copy_ends_before_the_optimizer_updates_the_shards_it_copies():
+    """`take` returns before the copy (it runs beside the next step's forward and backward); the
+    optimizer's step pre-hook (`guard`) makes an update straight after it wait, so the copy is the
+    shard as taken, on its own rank and its buddy's. `close` removes the hook."""
+    for res in run_ranks(2, snapshot_guard_body, 1 << 16):
+        assert res == {"own_as_taken": True, "kept_whole": True, "stepped": True, "guards_left": 0}, res
 
 
 @pytest.mark.parametrize("nodes, available, buddies", [
