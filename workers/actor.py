@@ -349,12 +349,13 @@ class Worker:
         return True
 
     def salvage(self, *, save_timeout_s: float = 2.0) -> Salvaged:
-        """After a peer failed: keep this rank's shards for healing from peers, if they can be trusted,
-        and leave the broken group. Not trusted: no trainer, a step that failed after its weight update,
-        or a checkpoint save left running (it could still write)."""
+        """After a peer failed: keep this rank's shards for healing from peers, if `workers.trust` says
+        they can be trusted, and leave the broken group. The facts it reports: whether it had a trainer,
+        whether the failure struck after a weight update, whether a checkpoint save was left running."""
         from workers.report import Salvaged
         from workers.reshard import hand_over_salvaged
         from workers.runtime import destroy_process_group
+        from workers.trust import StateFacts, trust
 
         t, self.trainer, self.handover, self.received = self.trainer, None, None, None
         snaps = self.snapshots
@@ -364,20 +365,20 @@ class Worker:
             snaps.wait(timeout_s=0.0)
         copies = {"snapshots": snaps.holdings(), "old_rank": snaps.rank} if snaps is not None else {}
         try:
-            if t is None:
-                return Salvaged(held=False, why="no trainer", reusable=True, **copies)
-            state = t.salvage_state()
-            if not t.close(timeout_s=save_timeout_s):
-                return Salvaged(held=False, why="a checkpoint save was still running")
-            if state is None:
-                return Salvaged(held=False, why="the failure struck after a weight update", reusable=True, **copies)
-            self.handover = hand_over_salvaged(t, state)
-            return Salvaged(held=True, step=t.step, old_rank=t.rank, rows=self._finished_rows(t),
-                            snapshots=copies.get("snapshots", {}))
+            state = t.salvage_state() if t is not None else None
+            decided = trust(StateFacts(has_trainer=t is not None, updated_mid_step=t is not None and state is None,
+                                       save_running=t is not None and not t.close(timeout_s=save_timeout_s)))
+            if decided.held:
+                self.handover = hand_over_salvaged(t, state)
+                return Salvaged(held=True, step=t.step, old_rank=t.rank, rows=self._finished_rows(t),
+                                snapshots=copies.get("snapshots", {}))
+            # a process that is not reusable is stopped, and the copies it holds with it
+            return Salvaged(held=False, why=decided.why, reusable=decided.reusable,
+                            **(copies if decided.reusable else {}))
         finally:
             destroy_process_group()
             self.rank = self._plan = None
-            t = None
+            t = state = None
             release_dropped()
 
     def _finished_rows(self, t) -> tuple[StepMetrics, ...]:

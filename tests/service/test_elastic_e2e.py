@@ -272,7 +272,7 @@ def test_a_killed_fsdp_shard_is_served_from_its_buddys_memory(cluster, nodes, re
     kinds = [e["kind"] for e in coord.events_since(0)]
     assert kill.cause == "failure" and kill.transfer.path == "memory", timeline(coord)
     assert "fallback" not in kinds, timeline(coord)
-    assert kill.steps_lost <= 1 and kill.resumed_step == kill.transfer["snapshot_step"], timeline(coord)
+    assert kill.steps_lost <= 1 and kill.resumed_step == kill.transfer.snapshot_step, timeline(coord)
     assert kill.world_size == 2 and kill.started == 1
     # peer_budget 0: a snapshot after every step, whatever it costs (workers.pace)
     paced = {m["step"]: m["snapshot"]["interval"] for m in coord.metrics_since(0) if m.get("snapshot")}
@@ -297,4 +297,4 @@ def test_a_killed_pipeline_stage_is_served_from_its_buddys_memory_with_its_optim
     hold.release()
     (kill,) = finish(coord, t, reference)  # losses of every step, the two after the kill included
     assert kill.cause == "failure" and kill.transfer.path == "memory", timeline(coord)
-    assert kill.steps_lost <= 1 and kill.resumed_step == kill.transfer["snapshot_step"], timeline(coord)
+    assert kill.steps_lost <= 1 and kill.resumed_step == kill.transfer.snapshot_step, timeline(coord)
