@@ -164,7 +164,6 @@ class Reconfigure:
         cause = rc.cause  # a recovery re-forms through a "planned" start: the event says why it happened
         with self.progress.lock:
             self.progress.step_done = resumed
-        self.journal.note(EventKind.RESIZE, reason=f"{reason}; layout {p.layout} on {p.world_size} workers "
-                                                   f"({started} started, {stopped} stopped, resumed at step {resumed})",
-                          step=resumed, cause=cause, details={"plan": p.to_dict(), **rc.to_dict()})
+        self.journal.resized(rc, plan=p, reason=f"{reason}; layout {p.layout} on {p.world_size} workers "
+                                                f"({started} started, {stopped} stopped, resumed at step {resumed})")
         return Running(reason=f"running {p.layout}", cause=cause, group=group, plan=p, record=rc)
