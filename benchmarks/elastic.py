@@ -170,6 +170,7 @@ def measure_elastron(*, cluster, scenario: str, workdir: str, state: State, resh
     from service.control.commands import SetWorkers, Stop
     from service.control.coordinator import Coordinator, CoordinatorOptions
     from service.control.job import Job
+    from service.control.reconfiguration import Live
     from service.pool.cluster import drain_node, kill_node
     from workers.config import JobConfig
 
@@ -216,7 +217,7 @@ def measure_elastron(*, cluster, scenario: str, workdir: str, state: State, resh
         # coordinator's rows keep only the newest row of each step)
         logged = read_metrics(Path(workdir) / f"elastron-{reshard}-{scenario}" / "metrics.jsonl", after=0)
         old_rows = rows_before(logged, first_step_time(after))
-        out = {"system": f"elastron-{reshard}", "scenario": scenario, "path": (rc.transfer or {}).get("path"),
+        out = {"system": f"elastron-{reshard}", "scenario": scenario, "path": rc.transfer.path if rc.transfer else None,
                "event_to_first_step_s": rc.first_step_time - t_event,
                # the stall: from the last step at the old size to the end of the first at the new one
                "stall_s": rc.first_step_time - old_rows[-1]["time"],
@@ -236,10 +237,10 @@ def measure_elastron(*, cluster, scenario: str, workdir: str, state: State, resh
                "step_time_after_s": statistics.median([m["step_time"] for m in metrics
                                                        if m["step"] > rc.resumed_step + 1] or [float("nan")]),
                "losses": {str(m["step"]): m["loss"] for m in metrics}}  # str: as JSON gives them back
-        tr = rc.transfer or {}
-        if tr.get("path") in ("live", "peers", "memory"):
-            out["moving_state_s"] = tr["handover_s"] + tr["transfer_s"]
-            out["transfer_throughput_Bps"] = tr["bytes_moved"] / tr["transfer_s"] if tr["transfer_s"] else None
+        if isinstance(rc.transfer, Live):
+            mv = rc.transfer.moved
+            out["moving_state_s"] = mv.handover_s + mv.transfer_s
+            out["transfer_throughput_Bps"] = mv.bytes_moved / mv.transfer_s if mv.transfer_s else None
         else:  # storage: a planned change checkpoints first; every change re-forms and loads
             out["moving_state_s"] = _storage_seconds(out["timeline"])
     finally:

@@ -14,6 +14,7 @@ from collections import Counter
 
 from dataclasses import dataclass, replace
 
+from parallel.layout import Layout
 from parallel.planner import Plan, plan
 from service.control.coordinator import Coordinator, CoordinatorOptions
 from service.control.events import Event
@@ -36,7 +37,7 @@ from workers.report import Salvaged, StepMetrics, Trained
 
 def metrics_row(step: int, **fields) -> StepMetrics:
     """The row of a fake step: loss 10/step, time = step, the fields given, zeros for the others."""
-    return StepMetrics(**{"step": step, "loss": 10.0 / step, "lr": 0.0, "grad_norm": 0.0, "tokens": 0, "layout": {},
+    return StepMetrics(**{"step": step, "loss": 10.0 / step, "lr": 0.0, "grad_norm": 0.0, "tokens": 0, "layout": Layout(),
                           "world_size": 1, "time": float(step), "step_time": 0.0, "tokens_per_s": 0.0, **fields})
 
 class FakeCluster:

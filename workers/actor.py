@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from parallel.planner import Plan
     from workers.config import JobConfig
-    from workers.report import Joined, Memory, Resharded, Salvaged, StepMetrics, Standing, Taken, Trained, WorkerInfo
+    from workers.report import (Joined, Memory, Resharded, Salvaged, SetUpAfter, StepMetrics, Standing, Taken, Trained,
+                                Warmed, WorkerInfo)
 
 logger = logging.getLogger(__name__)
 
@@ -140,8 +141,8 @@ class Worker:
         """The plan of the training group it is in (`join`), while it is."""
         self._broken = False
         """A `run` raised since the last `join`: its state cannot be trusted as it stands."""
-        self.warmed: dict[str, float] | None = None
-        """Seconds each one-time cost took (`warm_up`), once paid; None: not warmed up."""
+        self.warmed: Warmed | None = None
+        """What each one-time cost took (`warm_up`), once paid; None: not warmed up."""
         self._reservation = None
         """The placement group holding this worker's slot when it runs outside one: a standby, once
         claimed as a member (`claim`)."""
@@ -168,10 +169,10 @@ class Worker:
         return WorkerInfo(node_id=ray.get_runtime_context().get_node_id(), ip=ray.util.get_node_ip_address(),
                           pid=os.getpid(), pg=self.placement(), warmed=self.warmed)
 
-    def warm_up(self) -> dict[str, float] | None:
+    def warm_up(self) -> Warmed | None:
         """A standby pays its process's one-time costs while it waits (`workers.warmup`), so that once
         claimed it starts at the speed of a warm worker. A warm-up that fails is logged and leaves the
-        worker usable (cold). Returns the seconds each cost took."""
+        worker usable (cold). Returns what each cost took (None: it failed)."""
         from workers.compile_cache import job_cache_key
         from workers.config import job_device_type
         from workers.warmup import warm_up
@@ -241,25 +242,27 @@ class Worker:
         t3 = time.perf_counter()
         self._drop_snapshots()
         self._after_first_step = timeout_s
-        from workers.report import Joined
+        from workers.report import Joined, Seconds
 
-        return Joined(step=self.trainer.step, parts={"pg_s": t1 - t0, "build_s": t2 - t1, "adopt_s": t3 - t2,
-                      **{f"build.{k}": v for k, v in self.trainer.build_times.items()},
-                      "drop_snapshots_s": time.perf_counter() - t3})
+        return Joined(step=self.trainer.step, parts=Seconds.of({
+            "pg_s": t1 - t0, "build_s": t2 - t1, "adopt_s": t3 - t2,
+            **{f"build.{k}": v for k, v in self.trainer.build_times.items()},
+            "drop_snapshots_s": time.perf_counter() - t3}))
 
-    def _set_up_after_first_step(self) -> dict[str, float | int]:
+    def _set_up_after_first_step(self) -> SetUpAfter:
         """What the group's later steps need and its first does not, set up after that first step
         (collective: every rank trains the same steps): the peer snapshots of this group, and the
         checkpoint manager of a group formed from moved state (`Trainer.start_checkpoints`). Returns the
-        seconds each part took and the snapshots' host memory (`snapshot_bytes`, 0: off)."""
+        seconds each part took and the snapshots' host memory."""
+        from workers.report import SetUpAfter, Seconds
+
         timeout_s, self._after_first_step = self._after_first_step, None
         t0 = time.perf_counter()
-        took: dict[str, float | int] = {f"build.{k}": v for k, v in self.trainer.start_checkpoints().items()}
+        build = Seconds.of(self.trainer.start_checkpoints())
         t1 = time.perf_counter()
         self._start_snapshots(timeout_s)
-        took.update(snapshots_s=time.perf_counter() - t1, checkpoints_s=t1 - t0,
-                    snapshot_bytes=self.snapshots.memory_bytes if self.snapshots is not None else 0)
-        return took
+        return SetUpAfter(build=build, snapshots_s=time.perf_counter() - t1, checkpoints_s=t1 - t0,
+                          snapshot_bytes=self.snapshots.memory_bytes if self.snapshots is not None else 0)
 
     def _start_snapshots(self, timeout_s: float) -> None:
         """Peer snapshots for the group formed last (collective on every rank), unless off
@@ -348,12 +351,13 @@ class Worker:
         return True
 
     def salvage(self, *, save_timeout_s: float = 2.0) -> Salvaged:
-        """After a peer failed: keep this rank's shards for healing from peers, if they can be trusted,
-        and leave the broken group. Not trusted: no trainer, a step that failed after its weight update,
-        or a checkpoint save left running (it could still write)."""
+        """After a peer failed: keep this rank's shards for healing from peers, if `workers.trust` says
+        they can be trusted, and leave the broken group. The facts it reports: whether it had a trainer,
+        whether the failure struck after a weight update, whether a checkpoint save was left running."""
         from workers.report import Salvaged
         from workers.reshard import hand_over_salvaged
         from workers.runtime import destroy_process_group
+        from workers.trust import StateFacts, trust
 
         t, self.trainer, self.handover, self.received = self.trainer, None, None, None
         snaps = self.snapshots
@@ -363,20 +367,20 @@ class Worker:
             snaps.wait(timeout_s=0.0)
         copies = {"snapshots": snaps.holdings(), "old_rank": snaps.rank} if snaps is not None else {}
         try:
-            if t is None:
-                return Salvaged(held=False, why="no trainer", reusable=True, **copies)
-            state = t.salvage_state()
-            if not t.close(timeout_s=save_timeout_s):
-                return Salvaged(held=False, why="a checkpoint save was still running")
-            if state is None:
-                return Salvaged(held=False, why="the failure struck after a weight update", reusable=True, **copies)
-            self.handover = hand_over_salvaged(t, state)
-            return Salvaged(held=True, step=t.step, old_rank=t.rank, rows=self._finished_rows(t),
-                            snapshots=copies.get("snapshots", {}))
+            state = t.salvage_state() if t is not None else None
+            decided = trust(StateFacts(has_trainer=t is not None, updated_mid_step=t is not None and state is None,
+                                       save_running=t is not None and not t.close(timeout_s=save_timeout_s)))
+            if decided.held:
+                self.handover = hand_over_salvaged(t, state)
+                return Salvaged(held=True, step=t.step, old_rank=t.rank, rows=self._finished_rows(t),
+                                snapshots=copies.get("snapshots", {}))
+            # a process that is not reusable is stopped, and the copies it holds with it
+            return Salvaged(held=False, why=decided.why, reusable=decided.reusable,
+                            **(copies if decided.reusable else {}))
         finally:
             destroy_process_group()
             self.rank = self._plan = None
-            t = None
+            t = state = None
             release_dropped()
 
     def _finished_rows(self, t) -> tuple[StepMetrics, ...]:
@@ -426,10 +430,10 @@ class Worker:
             destroy_process_group()
         self.received = got if new_rank is not None else None
         release_dropped()  # the shards this worker only sent (a leaver: all of them)
-        from workers.report import Resharded
+        from workers.report import Resharded, Seconds
 
         return Resharded(bytes_received=got.bytes_received,
-                         timings={"rendezvous": t1 - t0, **got.timings, "leave": time.perf_counter() - t2})
+                         timings=Seconds.of({"rendezvous": t1 - t0, **got.timings, "leave": time.perf_counter() - t2}))
 
     def leave(self) -> None:
         """Drop the trainer and the process group; the process stays warm for the next layout."""

@@ -7,14 +7,80 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from parallel.layout import Layout
 from parallel.planner import Plan
 from workers.config import JobConfig
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Seconds:
+    """Seconds per named part of one operation, in the order the parts ran. The names are open-ended
+    (a trainer's build parts as `build.*`, the send/recv's as `send_recv.*`: `workers.reshard`), so they
+    are data here, not fields; a dict only at the JSON edge (`to_dict`)."""
+
+    parts: tuple[tuple[str, float], ...] = ()
+
+    @classmethod
+    def of(cls, parts: Mapping[str, float]) -> Seconds:
+        return cls(tuple((str(k), float(v)) for k, v in parts.items()))
+
+    @classmethod
+    def slowest(cls, each: Iterable[Seconds]) -> Seconds:
+        """Per part, the most seconds any of `each` took (the ranks of one collective call), in the
+        first's order."""
+        each = list(each)
+        if not each:
+            return cls()
+        return cls(tuple((k, max(s.get(k) for s in each)) for k in each[0].names()))
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(k for k, _ in self.parts)
+
+    def get(self, name: str, default: float = 0.0) -> float:
+        return next((v for k, v in self.parts if k == name), default)
+
+    def to_dict(self) -> dict[str, float]:
+        return dict(self.parts)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Warmed:
+    """Seconds each one-time cost of a warm-up took (`workers.warmup.warm_up`)."""
+
+    import_s: float
+    """Importing the compiler, DTensor, FSDP2, pipelining and trainer modules."""
+    cuda_context_s: float
+    """Creating the CUDA context and the caching allocator (about 0 off CUDA)."""
+    first_step_s: float
+    """One training step of a tiny model through the `Trainer`."""
+
+    def to_dict(self) -> dict[str, float]:
+        """Keyed by the phase names of `workers.warmup.PHASES`."""
+        return {"import": self.import_s, "cuda_context": self.cuda_context_s, "first_step": self.first_step_s}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SetUpAfter:
+    """What a group's first step was followed by on a rank (`Worker._set_up_after_first_step`): the
+    checkpoint manager of a group formed from moved state (`checkpoints_s`, its parts in `build`), the
+    group's peer snapshots (`snapshots_s`) and their host memory (`snapshot_bytes`, 0: off)."""
+
+    build: Seconds
+    snapshots_s: float
+    checkpoints_s: float
+    snapshot_bytes: int
+
+    def to_dict(self) -> dict[str, float | int]:
+        """Flat, the build parts as `build.*`."""
+        return {**{f"build.{k}": v for k, v in self.build.parts}, "snapshots_s": self.snapshots_s,
+                "checkpoints_s": self.checkpoints_s, "snapshot_bytes": self.snapshot_bytes}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -43,7 +109,7 @@ class StepMetrics:
     grad_norm: float
     tokens: int
     """Tokens consumed by the whole job so far (all DP ranks)."""
-    layout: dict
+    layout: Layout
     world_size: int
     time: float
     step_time: float
@@ -56,17 +122,18 @@ class StepMetrics:
     snapshot: Taken | None = None
     """What the peer snapshot taken after this step cost the training thread (`Worker.run` adds it; None:
     none was taken). Not in metrics.jsonl: the row is written there before."""
-    set_up_after: dict[str, float] | None = None
-    """On a group's first step: seconds of what its later steps need set up after it (peer snapshots, an
-    adopting group's checkpoint manager) and the snapshots' host memory (`snapshot_bytes`); None on the
-    others (`Worker._set_up_after_first_step`). Not in metrics.jsonl either."""
+    set_up_after: SetUpAfter | None = None
+    """On a group's first step: what its later steps need set up after it; None on the others. Not in
+    metrics.jsonl either."""
 
     def to_dict(self) -> dict:
         """The row as JSON-ready fields (`snapshot` and `set_up_after` only where they happened)."""
-        out = asdict(self)
-        for k in ("snapshot", "set_up_after"):
-            if out[k] is None:
-                del out[k]
+        out = asdict(self)  # the layout as Layout.to_dict's fields
+        del out["snapshot"], out["set_up_after"]
+        if self.snapshot is not None:
+            out["snapshot"] = asdict(self.snapshot)
+        if self.set_up_after is not None:
+            out["set_up_after"] = self.set_up_after.to_dict()
         return out
 
     def to_json(self) -> str:
@@ -96,8 +163,8 @@ class WorkerInfo:
     pg: Any = None
     """The placement group holding its slot, for a coordinator that takes it over to keep or release
     (None: a standby not claimed yet)."""
-    warmed: dict[str, float] | None = None
-    """Seconds each one-time cost of its warm-up took (`Worker.warm_up`); None: not warmed up."""
+    warmed: Warmed | None = None
+    """What its warm-up took (`Worker.warm_up`); None: not warmed up."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -106,7 +173,7 @@ class Joined:
 
     step: int
     """The step training continues from."""
-    parts: dict[str, float] = field(default_factory=dict)
+    parts: Seconds = Seconds()
     """Seconds per part of the join: the process group (`pg_s`), the trainer's build (`build_s`, and
     its parts as `build.*`), the adoption of moved state (`adopt_s`), dropping the previous group's
     peer snapshots (`drop_snapshots_s`). The new group's snapshots, and the checkpoint manager of a
@@ -122,8 +189,8 @@ class Resharded:
 
     bytes_received: int
     """Bytes it received from other workers (its own pieces are not counted)."""
-    timings: dict[str, float] = field(default_factory=dict)
-    """Seconds per phase of the transfer call (`workers.reshard`)."""
+    timings: Seconds = Seconds()
+    """Seconds per phase of the transfer call: the rendezvous, `workers.reshard`'s phases, the leave."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -496,7 +496,7 @@ class Trainer:
         tokens_per_s = tokens_step / dt if dt > 0 else 0.0
         m = StepMetrics(
             step=self.step, loss=loss, lr=lr, grad_norm=float(grad_norm), tokens=self.loader.position.consumed_samples * self.cfg.data.seq_len,
-            layout=self.layout.to_dict(), world_size=self.layout.world_size, time=time.time(), step_time=dt,
+            layout=self.layout, world_size=self.layout.world_size, time=time.time(), step_time=dt,
             tokens_per_s=tokens_per_s,
             mfu=mfu(tokens_per_s, self.flops_per_token, self.layout.world_size, self.peak_flops), val_loss=val_loss,
         )

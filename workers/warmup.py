@@ -10,7 +10,7 @@ tears down after), so a standby worker that is later given a rank starts at the 
 (`workers.compile_cache`), so a compiled job's workers reuse each other's graphs.
 
     from workers.warmup import warm_up
-    timings = warm_up("cpu", cache_key=job_cache_key(cfg.name, run_dir))   # what `Worker.warm_up` runs
+    took = warm_up("cpu", cache_key=job_cache_key(cfg.name, run_dir))   # what `Worker.warm_up` runs
 """
 
 from __future__ import annotations
@@ -21,16 +21,17 @@ import torch
 import torch.distributed as dist
 
 from workers.compile_cache import apply_compile_cache
+from workers.report import Warmed
 
 PHASES = ("import", "cuda_context", "first_step")
+"""The phases `Warmed.to_dict` names."""
 
 
-def warm_up(device: str | torch.device = "auto", *, cache_key: str | None = None) -> dict[str, float]:
-    """Pay the process's one-time costs now; returns the seconds each of `PHASES` took. Refuses to run
+def warm_up(device: str | torch.device = "auto", *, cache_key: str | None = None) -> Warmed:
+    """Pay the process's one-time costs now; returns the seconds each phase took. Refuses to run
     inside a process group (a worker that already has a rank is warm by definition)."""
     if dist.is_initialized():
         raise RuntimeError("warm_up runs before the worker joins a process group, not after")
-    out: dict[str, float] = {}
     t = time.perf_counter()
     if cache_key is not None:
         apply_compile_cache(cache_key)
@@ -42,19 +43,18 @@ def warm_up(device: str | torch.device = "auto", *, cache_key: str | None = None
     from workers.runtime import pick_device
     from workers.trainer import Trainer  # noqa: F401 (and everything it imports)
 
-    out["import"] = time.perf_counter() - t
+    import_s = time.perf_counter() - t
     t = time.perf_counter()
     dev = pick_device(str(device)) if not isinstance(device, torch.device) else device
     if dev.type == "cuda":
         torch.cuda.init()
         torch.ones(1, device=dev).sum().item()  # the context and the caching allocator
-    out["cuda_context"] = time.perf_counter() - t
+    cuda_context_s = time.perf_counter() - t
     t = time.perf_counter()
     _one_tiny_step(dev)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
-    out["first_step"] = time.perf_counter() - t
-    return out
+    return Warmed(import_s=import_s, cuda_context_s=cuda_context_s, first_step_s=time.perf_counter() - t)
 
 
 def _one_tiny_step(device: torch.device) -> None:

@@ -17,7 +17,9 @@ import time
 from collections.abc import Callable
 
 from parallel.layout import Layout
+from parallel.planner import Plan
 from service.control.events import Cause, Event, EventKind
+from service.control.reconfiguration import Reconfig
 from service.control.state import IllegalTransition, JobState, TRANSITIONS
 
 logger = logging.getLogger(__name__)
@@ -77,6 +79,23 @@ class Journal:
                 self.step = step
             now = self._current()
             event = self._event(kind, now, now, reason, self.layout, cause, details, self._clock())
+            self._emit(event)
+        return event
+
+    def resized(self, record: Reconfig, *, plan: Plan, reason: str) -> Event:
+        """Record a group formed for `plan`: a "resize" event built from its reconfiguration `record`,
+        whose layouts, cause and resumed step it carries, the whole record (and the plan) in its details."""
+        if record.new_layout is None or record.resumed_step is None:
+            raise ValueError("a resize event needs a record of a formed group (Reconfig.formed)")
+        self._check(reason, record.resumed_step, record.cause)
+        with self._lock:
+            self.step = record.resumed_step
+            now = self._current()
+            event = Event(time=self._clock(), job_id=self.job_id, kind=str(EventKind.RESIZE), from_state=str(now),
+                          to_state=str(now), reason=reason,
+                          old_layout=None if record.old_layout is None else record.old_layout.to_dict(),
+                          new_layout=record.new_layout.to_dict(), step=record.resumed_step, cause=str(record.cause),
+                          details={"plan": plan.to_dict(), **record.to_dict()})
             self._emit(event)
         return event
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, fields, replace
 from enum import StrEnum
 
+from parallel.layout import Layout
 from service.control.events import Cause
+from service.pool.group import Moved
 from workers.report import StepMetrics
 
 
@@ -25,6 +27,58 @@ class TransferPath(StrEnum):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class Live:
+    """The state moved worker to worker: a sound group's shards (`LIVE`), a failed group's survivors'
+    (`PEERS`) or their peer snapshots of `snapshot_step` (`MEMORY`); `moved` says what it took."""
+
+    path: TransferPath
+    moved: Moved
+    snapshot_step: int | None = None
+    """The step of the peer snapshots it was formed from (`MEMORY` only)."""
+
+    def __post_init__(self) -> None:
+        if self.path not in (TransferPath.LIVE, TransferPath.PEERS, TransferPath.MEMORY):
+            raise ValueError(f"a live transfer's path is live, peers or memory, not {self.path!r}")
+
+    def to_dict(self) -> dict:
+        step = {} if self.snapshot_step is None else {"snapshot_step": self.snapshot_step}
+        return {"path": self.path, **step, **self.moved.to_dict()}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FromStorage:
+    """The group formed from the last committed checkpoint (`STORAGE`)."""
+
+    start_s: float
+    """Seconds to stop the leavers and start the missing workers."""
+    standby: int
+    """Of the workers started, those that were standbys claimed instead of new processes."""
+    form_s: float
+    """Seconds for every rank to join, build and load."""
+    snapshot_bytes: int = 0
+    """Host memory the new group's peer snapshots take on the rank that needs most (0: off)."""
+    path: TransferPath = TransferPath.STORAGE
+
+    def to_dict(self) -> dict:
+        return {"path": self.path, "start_s": self.start_s, "standby": self.standby, "form_s": self.form_s,
+                "snapshot_bytes": self.snapshot_bytes}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class InPlace:
+    """Nothing moved: a restarted coordinator's predecessor's group trains on (`IN_PLACE`)."""
+
+    path: TransferPath = TransferPath.IN_PLACE
+
+    def to_dict(self) -> dict:
+        return {"path": self.path}
+
+
+Transfer = Live | FromStorage | InPlace
+"""How a reconfiguration's group got its state; `path` names which."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Reconfig:
     """Changed only by `replace` (its steps: `formed`, `first_step`, a new `step_before`)."""
 
@@ -33,27 +87,23 @@ class Reconfig:
     """Unix time the coordinator acted on the event."""
     step_before: int
     """Last step completed before the event."""
-    old_layout: dict | None = None
-    new_layout: dict | None = None
+    old_layout: Layout | None = None
+    new_layout: Layout | None = None
     world_size: int = 0
     resumed_step: int | None = None
     """Step the new group resumed from (its checkpoint's step)."""
     started: int = 0
     """Workers started (survivors are reused on planned resizes)."""
     stopped: int = 0
-    transfer: dict | None = None
-    """How the state moved, "path" a TransferPath: {"path": "live", bytes_moved, handover_s, transfer_s, form_s} or
-    {"path": "storage", start_s, standby, form_s} (through the last committed checkpoint: `start_s` to
-    stop the leavers and start the missing workers, `standby` of which were standbys claimed instead of
-    new processes, `form_s` for every rank to join, build and load), or {"path": "in place"} (a restarted
-    coordinator's predecessor's group trains on: nothing moved)."""
+    transfer: Transfer | None = None
+    """How the state moved (None: no group formed yet)."""
     first_step_time: float | None = None
     """Unix time the first step at the new layout finished."""
     loss_before: float | None = None
     loss_after: float | None = None
 
-    def formed(self, *, new_layout: dict, resumed_step: int, started: int, stopped: int, world_size: int,
-               transfer: dict | None = None) -> Reconfig:
+    def formed(self, *, new_layout: Layout, resumed_step: int, started: int, stopped: int, world_size: int,
+               transfer: Transfer | None = None) -> Reconfig:
         """This record once a group has formed."""
         return replace(self, new_layout=new_layout, resumed_step=resumed_step, transfer=transfer, started=started,
                        stopped=stopped, world_size=world_size)
@@ -75,7 +125,13 @@ class Reconfig:
         return 0 if self.resumed_step is None else max(0, self.step_before - self.resumed_step)
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "seconds": self.seconds, "steps_lost": self.steps_lost}
+        """The record as JSON-ready fields (events, API): layouts as `Layout.to_dict`, the transfer
+        flat with its "path"."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        for k in ("old_layout", "new_layout", "transfer"):
+            if out[k] is not None:
+                out[k] = out[k].to_dict()
+        return {**out, "seconds": self.seconds, "steps_lost": self.steps_lost}
 
 
 KEEP = 512

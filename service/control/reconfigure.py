@@ -17,13 +17,14 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 
+from parallel.layout import Layout
 from parallel.planner import Plan, PlanError
 from service.control.events import Cause, EventKind
 from service.control.failure import During
 from service.control.journal import Journal
 from service.control.policy import Resize, Wait
 from service.control.progress import Progress
-from service.control.reconfiguration import Reconfig, TransferPath
+from service.control.reconfiguration import FromStorage, InPlace, Live, Reconfig, Transfer, TransferPath
 from service.control.recovery import Recovery
 from service.control.source import Heal, Memory, Release, Restore, Survivors, choose_source
 from service.control.state import JobState
@@ -115,11 +116,11 @@ class Reconfigure:
                      (f"healed from surviving ranks {survivors}", TransferPath.PEERS) if memory is None else
                      (f"formed from the peer snapshots of step {memory.step} that ranks {survivors} hold",
                       TransferPath.MEMORY))
-        extra = {"snapshot_step": memory.step} if memory is not None else {}
-        running = self.formed(group, p, old.layout.to_dict(), moved.step, moved.started, moved.stopped, cause=cause,
+        running = self.formed(group, p, old.layout, moved.step, moved.started, moved.stopped, cause=cause,
                               detected=detected, record=record,
                               reason=f"{reason}; {mib:.0f} MiB of state {how} in {moved.transfer_s:.2f}s",
-                              transfer={"path": path, **extra, **moved.record()})
+                              transfer=Live(path=path, moved=moved,
+                                            snapshot_step=memory.step if memory is not None else None))
         return replace(running, durable_due=True)
 
     def restore(self, p: Plan, nodes: list[str], group: Group | None, *, old: Plan | None, cause: Cause, reason: str,
@@ -138,10 +139,10 @@ class Reconfigure:
             # the members hold nothing the checkpoint does not: those that answer at once stay warm, those
             # stuck (a rendezvous with a rank on a dead node waits out its timeout) are not waited for
             return self.recovery.recover(e, group, p, tried=nodes, during=During.RESTORE)
-        return self.formed(group, p, old.layout.to_dict() if old else None, formed.step, start.started, start.stopped,
+        return self.formed(group, p, old.layout if old else None, formed.step, start.started, start.stopped,
                            cause=cause, reason=reason, detected=detected, record=record,
-                           transfer={"path": TransferPath.STORAGE, "start_s": start_s, "standby": start.from_standby,
-                                     "form_s": formed.form_s, "snapshot_bytes": formed.snapshot_bytes})
+                           transfer=FromStorage(start_s=start_s, standby=start.from_standby, form_s=formed.form_s,
+                                                snapshot_bytes=formed.snapshot_bytes))
 
     def carried_on(self, group: Group, p: Plan, kept: CarriedOn, record: Reconfig | None) -> Running:
         """The group a lost coordinator formed for `p` trains on from the step its workers are at (the
@@ -149,21 +150,20 @@ class Reconfigure:
         self.progress.recovered(kept.rows, at=self.progress.step_done, committed=kept.committed_step)
         if record is not None:
             record = replace(record, step_before=kept.step)
-        return self.formed(group, p, p.layout.to_dict(), kept.step, 0, 0, cause=Cause.FAILURE, detected=time.time(),
+        return self.formed(group, p, p.layout, kept.step, 0, 0, cause=Cause.FAILURE, detected=time.time(),
                            reason="the workers the previous coordinator left training train on as they are",
-                           record=record, transfer={"path": TransferPath.IN_PLACE})
+                           record=record, transfer=InPlace())
 
-    def formed(self, group: Group, p: Plan, old: dict | None, resumed: int, started: int, stopped: int, *,
-               cause: Cause, reason: str, detected: float, record: Reconfig | None, transfer: dict) -> Running:
+    def formed(self, group: Group, p: Plan, old: Layout | None, resumed: int, started: int, stopped: int, *,
+               cause: Cause, reason: str, detected: float, record: Reconfig | None, transfer: Transfer) -> Running:
         """Record `group` formed for plan `p`; it runs next."""
         rc = record if record is not None else Reconfig(cause=cause, detected=detected,
                                                         step_before=self.progress.step_done, old_layout=old)
-        rc = rc.formed(new_layout=p.layout.to_dict(), resumed_step=resumed, started=started, stopped=stopped,
+        rc = rc.formed(new_layout=p.layout, resumed_step=resumed, started=started, stopped=stopped,
                        world_size=p.world_size, transfer=transfer)
         cause = rc.cause  # a recovery re-forms through a "planned" start: the event says why it happened
         with self.progress.lock:
             self.progress.step_done = resumed
-        self.journal.note(EventKind.RESIZE, reason=f"{reason}; layout {p.layout} on {p.world_size} workers "
-                                                   f"({started} started, {stopped} stopped, resumed at step {resumed})",
-                          step=resumed, cause=cause, details={"plan": p.to_dict(), **rc.to_dict()})
+        self.journal.resized(rc, plan=p, reason=f"{reason}; layout {p.layout} on {p.world_size} workers "
+                                                f"({started} started, {stopped} stopped, resumed at step {resumed})")
         return Running(reason=f"running {p.layout}", cause=cause, group=group, plan=p, record=rc)

@@ -111,7 +111,7 @@ class Recovery:
                                                          f"checkpoint (step {self.progress.committed_step})",
                               step=step, cause=Cause.FAILURE, details={"kind": kind, "during": during})
         record = Reconfig(cause=Cause.FAILURE, detected=t0, step_before=step,
-                          old_layout=plan.layout.to_dict() if plan else None)
+                          old_layout=plan.layout if plan else None)
         return Recovering(reason=str(err), cause=Cause.FAILURE, group=group, failed_plan=plan,
                           survivors=verdict.source if verdict else None, record=record)
 

@@ -11,6 +11,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
+from parallel.layout import Layout
 from service.control.events import Event, EventLog, read_events
 
 logger = logging.getLogger(__name__)
@@ -71,13 +72,13 @@ def _metric(line: bytes | str) -> dict | None:
     return m if isinstance(m, dict) and isinstance(m.get("step"), int) and not isinstance(m["step"], bool) else None
 
 
-def where_it_stopped(prior: list[Event], run_dir: Path) -> tuple[int, str | None, dict | None]:
+def where_it_stopped(prior: list[Event], run_dir: Path) -> tuple[int, str | None, Layout | None]:
     """Where a lost coordinator of the job left it, from its events and metrics: the last step any of
     them names, the last state it entered and the last layout it ran."""
     last_step = max([e.step for e in prior if e.step is not None] + [last_logged_step(run_dir)])
     last_state = next((e.to_state for e in reversed(prior) if e.kind == "transition"), None)
     layout = next((e.new_layout for e in reversed(prior) if e.new_layout), None)
-    return last_step, last_state, layout
+    return last_step, last_state, None if layout is None else Layout.from_dict(layout)
 
 
 def last_plan(prior: list[Event]) -> dict | None:

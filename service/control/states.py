@@ -25,8 +25,13 @@ from service.pool.group import Group
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Adopting:
     """A restarted coordinator's first step: take over the workers the lost one left running. Commands
-    wait until it is done (a replayed pause must release them too). The job is PENDING meanwhile: this
-    coordinator has not started anything yet."""
+    wait until it is done (a replayed pause must release them too).
+
+    Its lifecycle name is PENDING, on purpose: the job's state says what this coordinator has done for
+    it, and it has started nothing yet, as after a restart without detached workers (`Pending`). The
+    step lasts one controller iteration (`Takeover.adopt` asks the workers where they stand) and ends
+    in RUNNING (the old group trains on) or in a start or recovery; what it is doing meanwhile is in
+    the status's reason and in the `failure` event of kind `coordinator_restarted` before it."""
 
     reason: str
     cause: Cause | None = Cause.FAILURE

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol, runtime_checkable
 
 from parallel.planner import Plan
-from workers.report import Salvaged, StepMetrics, Trained
+from workers.report import Salvaged, Seconds, StepMetrics, Trained
 
 
 class FailureKind(StrEnum):
@@ -68,7 +68,7 @@ class Formed:
     """The step every rank resumed at."""
     form_s: float = 0.0
     """Seconds from the call until every rank had joined."""
-    form_parts: dict[str, float] = field(default_factory=dict)
+    form_parts: Seconds = Seconds()
     """The slowest rank's seconds per part of its join (`Worker.join`: the process group, the trainer's
     build and its parts, the adoption of moved state)."""
     snapshot_bytes: int = 0
@@ -133,19 +133,19 @@ class Moved:
     """Seconds of the transfer call: the transfer group's rendezvous, the plan, the send/recv."""
     form_s: float = 0.0
     """Seconds to form the new training group on the received state."""
-    form_parts: dict[str, float] = field(default_factory=dict)
+    form_parts: Seconds = Seconds()
     """The slowest rank's seconds per part of that form (`Formed.form_parts`)."""
     snapshot_bytes: int = 0
     """Host memory the new group's peer snapshots take on the rank that needs most (0: off)."""
-    transfer_parts: dict[str, float] = field(default_factory=dict)
-    """The slowest worker's seconds per phase of the transfer call (workers.reshard)."""
+    transfer_parts: Seconds = Seconds()
+    """The slowest worker's seconds per phase of the transfer call (`Resharded.timings`)."""
 
-    def record(self) -> dict:
-        """The reconfiguration record's transfer fields (events, API): all but the worker counts, which
-        the record keeps in fields of its own."""
-        d = asdict(self)
-        del d["started"], d["stopped"]
-        return d
+    def to_dict(self) -> dict:
+        """The transfer's fields as JSON (events, API): all but the worker counts, which the
+        reconfiguration record keeps in fields of its own."""
+        return {"step": self.step, "bytes_moved": self.bytes_moved, "handover_s": self.handover_s,
+                "transfer_s": self.transfer_s, "form_s": self.form_s, "form_parts": self.form_parts.to_dict(),
+                "snapshot_bytes": self.snapshot_bytes, "transfer_parts": self.transfer_parts.to_dict()}
 
 
 @runtime_checkable

@@ -37,7 +37,7 @@ from service.pool.roster import Role, Roster, WorkerHandle
 from service.pool.slots import Slots
 from service.pool.takeover import Takeover
 from workers.config import JobConfig
-from workers.report import Salvaged, Trained
+from workers.report import Salvaged, Seconds, Trained
 
 __all__ = ["CONTROL", "WORKER_ENV", "Role", "WorkerGroup", "WorkerHandle"]
 
@@ -169,8 +169,8 @@ class WorkerGroup:
         steps = {r.step for r in res}
         if len(steps) != 1:
             raise WorkerFailure(FailureKind.OUT_OF_STEP, f"ranks resumed at different steps {sorted(steps)}")
-        parts = {k: max(r.parts.get(k, 0.0) for r in res) for k in res[0].parts}
-        return Formed(step=steps.pop(), form_s=time.perf_counter() - t0, form_parts=parts,
+        return Formed(step=steps.pop(), form_s=time.perf_counter() - t0,
+                      form_parts=Seconds.slowest(r.parts for r in res),
                       snapshot_bytes=max(r.snapshot_bytes for r in res))
 
     def reshard(self, old: Plan, new: Plan, nodes: list[str], *, survivors: list[int] | None = None,
@@ -217,7 +217,7 @@ class WorkerGroup:
         return Moved(step=formed.step, started=start.started, stopped=start.stopped,
                      bytes_moved=sum(r.bytes_received for r in moved), handover_s=t1 - t0, transfer_s=t2 - t1,
                      form_s=formed.form_s, form_parts=formed.form_parts, snapshot_bytes=formed.snapshot_bytes,
-                     transfer_parts={k: max(r.timings.get(k, 0.0) for r in moved) for k in moved[0].timings})
+                     transfer_parts=Seconds.slowest(r.timings for r in moved))
 
     def run(self, *, until_step: int, steps: int, should_abort=lambda: False) -> Trained:
         """`steps` training steps on every rank (the same count everywhere); what rank 0 trained. Polls

@@ -33,7 +33,7 @@ def test_runs_to_success_on_all_capacity(tmp_path):
     assert str(c.state.name) == "SUCCEEDED" and c.step_done == 20
     assert states(c) == ["STARTING", "RUNNING", "SUCCEEDED"]
     rc = c.reconfigs[-1]
-    assert rc.world_size == 4 and Layout.from_dict(rc.new_layout).dp == 4 and c.status().world_size == 0
+    assert rc.world_size == 4 and rc.new_layout.dp == 4 and c.status().world_size == 0
     assert (tmp_path / "events.jsonl").read_text().count("\n") == len(c.events_since(0))
 
 
@@ -264,7 +264,7 @@ def test_a_planned_resize_moves_state_live_then_writes_a_durable_checkpoint_in_t
     c.send(SetWorkers(workers=2))
     advance(c, lambda c: len(c.reconfigs) == 2)
     rc = c.reconfigs[-1]
-    assert rc.transfer["path"] == "live" and rc.transfer["bytes_moved"] == 1 << 20
+    assert rc.transfer.path == "live" and rc.transfer.moved.bytes_moved == 1 << 20
     assert rc.step_before == rc.resumed_step == 7 and rc.steps_lost == 0  # not the step-5 commit
     advance(c, lambda c: c.step_done >= 9)
     events = c.events_since(0)
@@ -279,8 +279,8 @@ def test_reshard_storage_resizes_through_a_blocking_checkpoint(tmp_path):
     advance(c, lambda c: c.step_done >= 7)
     c.send(SetWorkers(workers=2))
     advance(c, lambda c: len(c.reconfigs) == 2)
-    assert c.reconfigs[-1].transfer["path"] == "storage"
-    assert c.reconfigs[-1].transfer.keys() == {"path", "start_s", "standby", "form_s", "snapshot_bytes"}  # where its time went
+    assert c.reconfigs[-1].transfer.path == "storage"
+    assert c.reconfigs[-1].transfer.to_dict().keys() == {"path", "start_s", "standby", "form_s", "snapshot_bytes"}  # where its time went
     assert c.reconfigs[-1].steps_lost == 0
     assert any(e["kind"] == "checkpoint" and "before resize" in e["reason"] for e in c.events_since(0))
 
@@ -294,7 +294,7 @@ def test_a_live_transfer_that_fails_midway_falls_back_to_the_last_commit_and_say
     fallback = [e for e in c.events_since(0) if e["kind"] == "fallback"]
     assert len(fallback) == 1 and "last committed checkpoint (step 5)" in fallback[0]["reason"]
     rc = c.reconfigs[-1]
-    assert rc.cause == "failure" and rc.resumed_step == 5 and rc.steps_lost == 2 and rc.transfer["path"] == "storage"
+    assert rc.cause == "failure" and rc.resumed_step == 5 and rc.steps_lost == 2 and rc.transfer.path == "storage"
 
 
 def test_a_node_death_heals_from_surviving_replicas_with_no_step_redone(tmp_path):
@@ -304,7 +304,7 @@ def test_a_node_death_heals_from_surviving_replicas_with_no_step_redone(tmp_path
     cluster.dead.add("b")
     advance(c, lambda c: len(c.reconfigs) == 2 and c.step_done >= 8)
     rc = c.reconfigs[-1]
-    assert rc.cause == "failure" and rc.transfer["path"] == "peers"
+    assert rc.cause == "failure" and rc.transfer.path == "peers"
     assert rc.step_before == rc.resumed_step == 7 and rc.steps_lost == 0  # not the step-5 commit
     assert c.group.size == 2 and "b" not in c.group.nodes() and rc.started == 0
     assert not [e for e in c.events_since(0) if e["kind"] == "fallback"]
@@ -326,7 +326,7 @@ def test_a_node_the_watcher_lists_as_dead_is_neither_waited_for_nor_probed_after
     assert c.group.salvaged_gone == {"b"} and probed == [["a"]]
     (fail,) = [e for e in c.events_since(0) if e["kind"] == "failure"]
     assert fail["details"]["unresponsive_nodes"] == ["b"]
-    assert c.reconfigs[-1].transfer["path"] == "peers" and c.reconfigs[-1].steps_lost == 0
+    assert c.reconfigs[-1].transfer.path == "peers" and c.reconfigs[-1].steps_lost == 0
 
 
 def test_a_node_the_groups_own_probe_found_dead_is_neither_waited_for_nor_probed_again(tmp_path):
@@ -349,7 +349,7 @@ def test_a_node_the_groups_own_probe_found_dead_is_neither_waited_for_nor_probed
     assert fail["details"]["unresponsive_nodes"] == ["b"]
     advance(c, lambda c: len(c.reconfigs) == 2 and c.step_done >= 8)
     assert set(c.group.nodes()) == {"a"}  # b left out: the watcher still lists it alive
-    assert c.reconfigs[-1].transfer["path"] == "peers" and c.reconfigs[-1].steps_lost == 0
+    assert c.reconfigs[-1].transfer.path == "peers" and c.reconfigs[-1].steps_lost == 0
 
 
 def test_the_probe_of_the_failed_groups_nodes_runs_while_the_survivors_salvage(tmp_path):
@@ -383,7 +383,7 @@ def test_survivors_without_every_shard_fall_back_to_the_last_commit_and_say_why(
     cluster.dead.add("b")
     advance(c, lambda c: len(c.reconfigs) == 2 and c.step_done >= 6)
     rc = c.reconfigs[-1]
-    assert rc.transfer["path"] == "storage" and rc.resumed_step == 5 and rc.steps_lost == 2
+    assert rc.transfer.path == "storage" and rc.resumed_step == 5 and rc.steps_lost == 2
     (fb,) = [e for e in c.events_since(0) if e["kind"] == "fallback"]
     assert "do not hold every shard" in fb["reason"] and "(step 5)" in fb["reason"]
     # the two survivors on a re-form as warm processes: nothing is started for the storage resume
@@ -403,8 +403,8 @@ def test_survivors_below_min_workers_are_released_and_the_job_resumes_from_stora
     assert "surviving workers are released" in fb["reason"] and "(step 5)" in fb["reason"]
     cluster.dead.discard("b")
     advance(c, lambda c: len(c.reconfigs) == 2 and c.step_done >= 6)
-    assert c.reconfigs[-1].transfer["path"] == "storage"
-    assert c.reconfigs[-1].transfer.keys() == {"path", "start_s", "standby", "form_s", "snapshot_bytes"}  # where its time went
+    assert c.reconfigs[-1].transfer.path == "storage"
+    assert c.reconfigs[-1].transfer.to_dict().keys() == {"path", "start_s", "standby", "form_s", "snapshot_bytes"}  # where its time went
     assert c.reconfigs[-1].resumed_step == 5
 
 
@@ -533,7 +533,7 @@ def test_a_lost_node_of_fsdp_shards_is_formed_from_the_survivors_peer_snapshots(
     cluster.dead.add("b")
     advance(c, lambda c: len(c.reconfigs) == 2 and c.step_done >= 7)
     rc = c.reconfigs[-1]
-    assert rc.cause == "failure" and rc.transfer["path"] == "memory" and rc.transfer["snapshot_step"] == 6
+    assert rc.cause == "failure" and rc.transfer.path == "memory" and rc.transfer.snapshot_step == 6
     assert rc.step_before == 7 and rc.resumed_step == 6 and rc.steps_lost == 1  # not the step-5 commit
     assert G.resharded[-1] == {"survivors": [0, 1], "serve": {0: 0, 1: 1, 2: 0, 3: 1}, "snapshot_step": 6}
     assert not [e for e in c.events_since(0) if e["kind"] == "fallback"]
@@ -549,7 +549,7 @@ def test_a_rank_lost_with_the_buddy_that_kept_its_copy_falls_back_to_storage_and
     assert "a rank and the buddy that kept its copy were both lost" in fallback["reason"]
     assert "last committed checkpoint (step 5)" in fallback["reason"]
     rc = c.reconfigs[-1]
-    assert rc.transfer["path"] == "storage" and rc.resumed_step == 5
+    assert rc.transfer.path == "storage" and rc.resumed_step == 5
 
 
 def test_a_fault_while_forming_from_memory_asks_the_survivors_again(tmp_path):
@@ -558,7 +558,7 @@ def test_a_fault_while_forming_from_memory_asks_the_survivors_again(tmp_path):
     G.fail_next.append("transfer")
     advance(c, lambda c: len(c.reconfigs) == 2 and c.step_done >= 7)
     assert [r["snapshot_step"] for r in G.resharded] == [6, 6]  # their snapshots outlived the failed transfer
-    assert c.reconfigs[-1].transfer["path"] == "memory" and c.reconfigs[-1].resumed_step == 6
+    assert c.reconfigs[-1].transfer.path == "memory" and c.reconfigs[-1].resumed_step == 6
     failures = [(e["reason"], e["details"]["during"]) for e in c.events_since(0) if e["kind"] == "failure"]
     # one event per failure: the node's loss, then the transfer's (the recovery asks the survivors again)
     assert failures == [("a node hosting workers is gone", "training"), ("a worker died during state transfer",

@@ -46,7 +46,7 @@ def test_a_restarted_coordinator_resumes_from_the_last_commit_and_keeps_the_hist
     assert restart["step"] == 8 and "resuming from the last committed checkpoint" in restart["reason"]
     rc = second.reconfigs[0]
     assert rc.cause == "failure" and rc.step_before == 8 and rc.resumed_step == committed
-    assert rc.steps_lost == 8 - committed and rc.old_layout == first.plan.layout.to_dict()
+    assert rc.steps_lost == 8 - committed and rc.old_layout == first.plan.layout
     lines = (tmp_path / "events.jsonl").read_text().splitlines()
     assert [json.loads(x) for x in lines] == events
 
@@ -86,7 +86,7 @@ def test_a_restarted_coordinator_trains_on_with_the_group_it_takes_over_as_it_is
         assert str(second.state.name) == "SUCCEEDED" and second.step_done == 20
         rc = second.reconfigs[0]
         assert rc.cause == "failure" and rc.step_before == 7 and rc.resumed_step == 7 and rc.steps_lost == 0
-        assert rc.started == rc.stopped == 0 and rc.transfer["path"] == "in place"
+        assert rc.started == rc.stopped == 0 and rc.transfer.path == "in place"
         moves = [(e["from_state"], e["to_state"]) for e in second.events_since(len(first.events_since(0)))
                  if e["kind"] == "transition"]
         assert moves == [("PENDING", "RUNNING"), ("RUNNING", "SUCCEEDED")], moves
@@ -105,7 +105,7 @@ def test_a_restarted_coordinator_heals_from_the_workers_left_running_when_they_c
     assert str(second.state.name) == "SUCCEEDED" and second.step_done == 20
     rc = second.reconfigs[0]
     assert rc.cause == "failure" and rc.step_before == 7 and rc.resumed_step == 7 and rc.steps_lost == 0
-    assert rc.started == 0 and rc.transfer["path"] == "peers"  # healed from the same workers, none started
+    assert rc.started == 0 and rc.transfer.path == "peers"  # healed from the same workers, none started
     kinds = [(e["kind"], e["reason"]) for e in second.events_since(0)]
     assert ("info", "took over 4 worker(s) the previous coordinator left running") in kinds
     assert ("info", "the workers taken over cannot train on as they are: they are not the plan's group") in kinds
@@ -124,7 +124,7 @@ def test_workers_taken_over_from_a_storage_job_stay_warm_for_its_resume(tmp_path
 
     rc = second.reconfigs[0]
     assert rc.resumed_step == 5 and rc.steps_lost == 2  # from the last commit...
-    assert rc.started == 0 and rc.transfer["path"] == "storage"  # ...by the processes already running
+    assert rc.started == 0 and rc.transfer.path == "storage"  # ...by the processes already running
 
 
 def test_without_an_owner_a_restart_looks_for_no_workers(tmp_path):
@@ -183,7 +183,7 @@ def test_a_heal_from_workers_a_step_ahead_of_the_lost_coordinator_moves_from_the
     advance(second, lambda c: c.state.name.is_terminal)
     rc = second.reconfigs[0]
     assert rc.step_before == 8 and rc.resumed_step == 8 and rc.steps_lost == 0
-    assert rc.transfer["path"] == ("in place" if intact else "peers")
+    assert rc.transfer.path == ("in place" if intact else "peers")
     assert second.metrics_since(7)[0] == row(first.group).to_dict()  # step 8, as the workers reported it
 
 

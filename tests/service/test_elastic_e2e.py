@@ -172,10 +172,10 @@ def test_planned_resize_redoes_no_steps(cluster, nodes, reference, tmp_path):
     hold.release()
     (rc,) = finish(coord, t, reference)
     assert rc.cause == "user" and rc.steps_lost == 0 and rc.resumed_step == rc.step_before
-    assert rc.old_layout["dp_replicate"] * rc.old_layout["dp_shard"] == 2 and rc.world_size == 1
+    assert rc.old_layout.dp_replicate * rc.old_layout.dp_shard == 2 and rc.world_size == 1
     assert rc.started == 0 and rc.stopped == 1  # the surviving actor was reused
-    assert rc.transfer["path"] == "live"  # no storage: the survivor held a whole replica, 0 bytes to move
-    assert set(rc.transfer["transfer_parts"]) == {"rendezvous", "agree", "plan", "state", "send_recv", "leave",
+    assert rc.transfer.path == "live"  # no storage: the survivor held a whole replica, 0 bytes to move
+    assert set(rc.transfer.moved.transfer_parts.names()) == {"rendezvous", "agree", "plan", "state", "send_recv", "leave",
                                                   *(f"send_recv.{p}" for p in SEND_RECV_PARTS)}
 
 
@@ -194,7 +194,7 @@ def test_preemption_notice_checkpoints_just_in_time_and_loses_nothing(cluster, n
     (rc,) = finish(coord, t, reference)
     assert rc.cause == "preemption" and rc.steps_lost == 0, timeline(coord)
     assert rc.world_size == 2 and rc.started == 0
-    assert rc.transfer["path"] == "live"  # the draining node's workers sent their shards before leaving
+    assert rc.transfer.path == "live"  # the draining node's workers sent their shards before leaving
     kinds = [e["kind"] for e in coord.events_since(0)]
     assert "preemption" in kinds and "checkpoint" in kinds
 
@@ -230,11 +230,11 @@ def test_failure_without_notice_resumes_from_last_commit_and_waits_for_capacity(
     assert kill.cause == node.cause == "failure"
     # The kill: the surviving replica holds every shard, so the group heals from it (no step redone);
     # only the killed rank is a fresh process.
-    assert kill.transfer["path"] == "peers" and kill.steps_lost == 0 and kill.started == 1
+    assert kill.transfer.path == "peers" and kill.steps_lost == 0 and kill.started == 1
     # The node loss: below min_workers, the survivor is released; back from the last commit (periodic,
     # or the durable one written after the heal's first step).
     assert 0 <= node.steps_lost <= INTERVAL and node.steps_lost == node.step_before - node.resumed_step
-    assert node.resumed_step >= kill.resumed_step and node.transfer["path"] == "storage"
+    assert node.resumed_step >= kill.resumed_step and node.transfer.path == "storage"
     assert kill.world_size == 2 and node.world_size == 2
 
 
@@ -251,7 +251,7 @@ def test_grow_after_settle_redoes_no_steps(cluster, nodes, reference, tmp_path):
     (rc,) = finish(coord, t, reference)
     assert rc.cause == "grow" and rc.steps_lost == 0 and rc.world_size == 2
     assert rc.started == 1 and rc.stopped == 0
-    assert rc.transfer["path"] == "live" and rc.transfer["bytes_moved"] > 0  # the joiner got its state from the survivor
+    assert rc.transfer.path == "live" and rc.transfer.moved.bytes_moved > 0  # the joiner got its state from the survivor
 
 
 def test_a_killed_fsdp_shard_is_served_from_its_buddys_memory(cluster, nodes, reference, tmp_path):
@@ -270,9 +270,9 @@ def test_a_killed_fsdp_shard_is_served_from_its_buddys_memory(cluster, nodes, re
     hold.release()
     (kill,) = finish(coord, t, reference)
     kinds = [e["kind"] for e in coord.events_since(0)]
-    assert kill.cause == "failure" and kill.transfer["path"] == "memory", timeline(coord)
+    assert kill.cause == "failure" and kill.transfer.path == "memory", timeline(coord)
     assert "fallback" not in kinds, timeline(coord)
-    assert kill.steps_lost <= 1 and kill.resumed_step == kill.transfer["snapshot_step"], timeline(coord)
+    assert kill.steps_lost <= 1 and kill.resumed_step == kill.transfer.snapshot_step, timeline(coord)
     assert kill.world_size == 2 and kill.started == 1
     # peer_budget 0: a snapshot after every step, whatever it costs (workers.pace)
     paced = {m["step"]: m["snapshot"]["interval"] for m in coord.metrics_since(0) if m.get("snapshot")}
@@ -296,5 +296,5 @@ def test_a_killed_pipeline_stage_is_served_from_its_buddys_memory_with_its_optim
     os.kill(pid, signal.SIGKILL)
     hold.release()
     (kill,) = finish(coord, t, reference)  # losses of every step, the two after the kill included
-    assert kill.cause == "failure" and kill.transfer["path"] == "memory", timeline(coord)
-    assert kill.steps_lost <= 1 and kill.resumed_step == kill.transfer["snapshot_step"], timeline(coord)
+    assert kill.cause == "failure" and kill.transfer.path == "memory", timeline(coord)
+    assert kill.steps_lost <= 1 and kill.resumed_step == kill.transfer.snapshot_step, timeline(coord)

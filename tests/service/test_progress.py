@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 
+from parallel.layout import Layout
 from service.control.progress import Progress
 from workers.report import StepMetrics, Taken
 
 
 def _row(step: int, **kw) -> StepMetrics:
-    return StepMetrics(step=step, loss=5.0 - step / 100, lr=1e-3, grad_norm=1.0, tokens=12 * step, layout={},
+    return StepMetrics(step=step, loss=5.0 - step / 100, lr=1e-3, grad_norm=1.0, tokens=12 * step, layout=Layout(),
                        world_size=2, time=1000.0 + step, step_time=0.1, tokens_per_s=10.0, **kw)
 
 

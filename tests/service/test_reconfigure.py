@@ -36,7 +36,7 @@ def test_a_start_with_no_group_restores_from_the_last_committed_checkpoint(tmp_p
     out = carry_out(parts, Resize(workers=2, cause="planned", reason="starting"))
 
     assert isinstance(out, Running) and not out.durable_due
-    assert out.record.transfer["path"] == "storage" and out.record.resumed_step == 5 and out.record.steps_lost == 2
+    assert out.record.transfer.path == "storage" and out.record.resumed_step == 5 and out.record.steps_lost == 2
     assert out.plan == parts.reconfigure.plan_for(2) and parts.progress.step_done == 5
     assert out.group.size == 2
 
@@ -48,7 +48,7 @@ def test_a_growth_of_a_sound_group_moves_its_state_live_and_asks_for_a_durable_c
     out = carry_out(parts, Resize(workers=4, cause="grow", reason="2 more workers"), group=g, sound=p, cause="grow")
 
     assert isinstance(out, Running) and out.durable_due and out.cause == "grow" and out.group is g
-    assert out.record.transfer["path"] == "live" and out.record.resumed_step == 7 and out.record.steps_lost == 0
+    assert out.record.transfer.path == "live" and out.record.resumed_step == 7 and out.record.steps_lost == 0
     assert out.plan.world_size == 4 and parts.group_cls.resharded == [
         {"survivors": None, "serve": None, "snapshot_step": None}]
 
@@ -60,7 +60,7 @@ def test_survivors_that_hold_every_shard_heal_the_next_group(tmp_path):
     out = carry_out(parts, Resize(workers=2, cause="planned", reason="restart"), group=g,
                     survivors=Heal(old=p, ranks=(0,)))
 
-    assert isinstance(out, Running) and out.record.transfer["path"] == "peers" and out.record.resumed_step == 7
+    assert isinstance(out, Running) and out.record.transfer.path == "peers" and out.record.resumed_step == 7
     assert parts.group_cls.resharded[-1]["survivors"] == [0]
 
 

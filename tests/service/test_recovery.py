@@ -24,7 +24,7 @@ def test_a_worker_death_in_training_with_replicas_surviving_recovers_to_heal_fro
     assert out == Recovering(reason="a worker died", cause="failure", group=g, failed_plan=p,
                              survivors=Heal(old=p, ranks=(0, 1)), record=out.record)
     assert out.record.cause == "failure" and out.record.step_before == 7
-    assert out.record.old_layout == p.layout.to_dict()
+    assert out.record.old_layout == p.layout
     assert [f.kind for f in parts.failures] == [FailureKind.NODE_LOST]  # a worker death on a dead node
     assert g.members == ["a", "a"] and parts.progress.step_done == 7
     (note,) = parts.notes("failure")

@@ -41,7 +41,7 @@ def test_a_crashed_member_is_replaced_by_the_standby_which_then_holds_the_slot(l
         assert g.keep_standby() == 1 and g.keep_standby() == 0  # one per node hosting members
         standby = _settled_standby(g)
         assert standby.pg is None and standby.node_id == me
-        assert set(standby.warmed) == {"import", "cuda_context", "first_step"}  # paid while it waited
+        assert standby.warmed.first_step_s > 0  # paid while it waited
         _cpus_free(1.0)  # the member holds one CPU, the standby none
         crashed = g.members[0]
         slot = crashed.pg.id

@@ -143,6 +143,33 @@ def test_transition_updates_data_and_event_carries_layouts():
     assert [e.to_state for e in events] == ["STARTING", "RUNNING", "RESIZING", "RUNNING"]
 
 
+def _plan(layout: Layout):
+    from parallel.planner import Plan
+
+    return Plan(layout=layout, world_size=layout.world_size, available=layout.world_size, micro_batch_size=1,
+                grad_accum_steps=1, memory_bytes=0.0, reasons=())
+
+
+def test_a_resize_event_is_built_from_its_reconfiguration_record():
+    from service.control.reconfiguration import InPlace, Reconfig
+
+    events = []
+    m = machine_in(S.RESIZING, sink=events.append)
+    rc = Reconfig(cause="preemption", detected=3.0, step_before=120, old_layout=Layout(dp_shard=2, tp=2)).formed(
+        new_layout=Layout(tp=2), resumed_step=118, started=0, stopped=2, world_size=2, transfer=InPlace())
+    ev = m.journal.resized(rc, plan=_plan(Layout(tp=2)), reason="shrunk")
+    assert (ev.kind, ev.from_state, ev.to_state, ev.step, ev.cause, ev.reason) == (
+        "resize", "RESIZING", "RESIZING", 118, "preemption", "shrunk")
+    assert ev.old_layout == {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "pp": 1}
+    assert ev.new_layout == {"dp_replicate": 1, "dp_shard": 1, "tp": 2, "pp": 1}
+    assert ev.details["old_layout"] == ev.old_layout and ev.details["new_layout"] == ev.new_layout
+    assert ev.details["transfer"] == {"path": "in place"} and ev.details["steps_lost"] == 2
+    assert ev.details["plan"]["layout"] == ev.new_layout and events == [ev] and m.journal.step == 118
+    json.loads(ev.to_json())  # the whole record is JSON at this edge
+    with pytest.raises(ValueError, match="a formed group"):
+        m.journal.resized(Reconfig(cause="planned", detected=1.0, step_before=0), plan=_plan(Layout()), reason="x")
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"reason": ""}, "reason is required"),
     ({"reason": "x", "cause": "cosmic rays"}, "cause must be one of"),

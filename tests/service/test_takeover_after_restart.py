@@ -59,7 +59,7 @@ def test_a_sound_group_left_running_is_adopted_and_trains_on_in_place(tmp_path):
 
     out = parts.takeover.adopt(adopting, parts.watcher.poll())
 
-    assert isinstance(out, Running) and out.record.transfer == {"path": "in place"}
+    assert isinstance(out, Running) and out.record.transfer.to_dict() == {"path": "in place"}
     assert out.record.resumed_step == out.record.step_before == 9 and out.record.started == 0
     assert out.plan == p and out.group.members == ["a", "b"] and parts.progress.step_done == 9
 

@@ -52,7 +52,7 @@ def swap_body(cfg_dict: dict, run_dir: str, ports: list[int]) -> dict:
     w.join(rank=rank, world_size=2, master_addr=addr, master_port=next(port), plan=two)
     out["joined"] = {"snapshots": w.snapshots is not None, "checkpointer": w.trainer.checkpointer is not None}
     (row,) = w.run(until_step=1000, steps=1).rows
-    out["first_row"] = {"set_up_after": row.set_up_after, "snapshots": w.snapshots is not None}
+    out["first_row"] = {"set_up_after": row.set_up_after.to_dict(), "snapshots": w.snapshots is not None}
     out["before"] = snapshot()
     w.hand_over()
     w.reshard(rank=rank, world_size=2, master_addr=addr, master_port=next(port), old_plan=two, new_plan=two,
