@@ -39,7 +39,20 @@ from service.pool.takeover import Takeover
 from workers.config import JobConfig
 from workers.report import Salvaged, Seconds, Trained
 
-__all__ = ["CONTROL", "WORKER_ENV", "Role", "WorkerGroup", "WorkerHandle"]
+__all__ = ["CONTROL", "WORKER_ENV", "Role", "WorkerGroup", "WorkerHandle", "transfer_calls"]
+
+
+def transfer_calls(*, everyone: list[str], old_ranks: list[int], group_to_new: Mapping[int, int],
+                   old_to_group: Mapping[int, int], new_to_group: Mapping[int, int], put: Callable) -> list[dict]:
+    """The per-member arguments of a state transfer's `Worker.reshard` calls, member g of `everyone` (their
+    node ids, old members first) at transfer rank g. The maps every member reads (old rank -> sender,
+    new rank -> receiver, transfer rank -> node) have an entry per rank: each is `put` once and passed by
+    reference (Ray resolves a top-level reference before the call), so a transfer serialises O(N) bytes
+    rather than every map again in each of N calls."""
+    shared = {"old_to_group": put(dict(old_to_group)), "new_to_group": put(dict(new_to_group)),
+              "nodes": put(dict(enumerate(everyone)))}
+    return [{"rank": g, "world_size": len(everyone), "old_rank": old_ranks[g] if g < len(old_ranks) else None,
+             "new_rank": group_to_new.get(g), **shared} for g in range(len(everyone))]
 
 
 class WorkerGroup:
@@ -203,12 +216,11 @@ class WorkerGroup:
         if serve is not None:
             old_to_group = {r: old_to_group[s] for r, s in serve.items()}
         port = self._await([everyone[0].actor.free_port.remote()], "state transfer", timeout_s=60)[0]
-        refs = [m.actor.reshard.remote(
-            rank=g, world_size=len(everyone), master_addr=everyone[0].ip, master_port=port,
-            old_plan=old, new_plan=new,
-            old_rank=old_ranks[g] if g < len(old_members) else None, new_rank=group_to_new.get(g),
-            old_to_group=old_to_group, new_to_group=new_to_group, snapshot_step=snapshot_step,
-            nodes={i: e.node_id for i, e in enumerate(everyone)}) for g, m in enumerate(everyone)]
+        calls = transfer_calls(everyone=[e.node_id for e in everyone], old_ranks=old_ranks[:len(old_members)],
+                               group_to_new=group_to_new, old_to_group=old_to_group, new_to_group=new_to_group,
+                               put=ray.put)
+        refs = [m.actor.reshard.remote(master_addr=everyone[0].ip, master_port=port, old_plan=old, new_plan=new,
+                                       snapshot_step=snapshot_step, **kw) for m, kw in zip(everyone, calls)]
         moved = self._await(refs, "state transfer", timeout_s=600)
         t2 = time.perf_counter()
         self.launcher.stop(leavers)
