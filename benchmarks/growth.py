@@ -5,8 +5,10 @@ Pure (numpy only): `benchmarks/ranks.py` fits every phase of an elastic event wi
 
 The models are nested in what they can bend to (a quadratic never fits worse than a line), so the one
 with the least residual is nearly always the quadratic. The choice is therefore the model with the
-fewest coefficients whose residual (root mean square) is within `tolerance_s` of the best model's:
-more curvature must buy more than the box's noise to be believed.
+fewest coefficients whose residual (root mean square) is within the tolerance of the best model's:
+more curvature must buy more than the box's noise to be believed. A model whose highest term has a
+negative coefficient is not a model of a cost's growth (projected far enough, the cost turns negative):
+only the constant, or a fit whose highest coefficient is >= 0, is chosen.
 """
 
 from __future__ import annotations
@@ -79,12 +81,16 @@ def fit(ns: list[int], ys: list[float], growth: Growth) -> Fit:
     return Fit(growth=growth, coefficients=tuple(float(c) for c in coef), rms_s=rms)
 
 
-def choose(ns: list[int], ys: list[float], *, tolerance_s: float = 0.01) -> Choice:
-    """Every model that the points can determine, fitted; the chosen one is the simplest whose residual is
-    within `tolerance_s` (seconds, the noise a phase's figure carries on this box) of the least residual."""
+def choose(ns: list[int], ys: list[float], *, tolerance_s: float = 0.01, tolerance_rel: float = 0.1) -> Choice:
+    """Every model that the points can determine, fitted; the chosen one is the simplest growing model
+    whose residual is within the tolerance of the least residual among them: `tolerance_s` seconds or
+    `tolerance_rel` of the points' mean, whichever is larger (the noise a phase's figure carries on a
+    shared box)."""
     fits = tuple(fit(ns, ys, g) for g in Growth if len(set(ns)) >= len(_TERMS[g](1)))
     if not fits:
         raise ValueError(f"no model can be fitted to {len(set(ns))} distinct sizes")
-    least = min(f.rms_s for f in fits)
-    best = next(f for f in fits if f.rms_s <= least + tolerance_s)
+    growing = [f for f in fits if f.growth == Growth.CONSTANT or f.coefficients[-1] >= 0]
+    least = min(f.rms_s for f in growing)
+    tolerance = max(tolerance_s, tolerance_rel * float(np.mean(np.abs(ys))))
+    best = next(f for f in growing if f.rms_s <= least + tolerance)
     return Choice(fits=fits, best=best)

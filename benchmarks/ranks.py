@@ -6,7 +6,8 @@ against the world size N, each phase's growth fitted (benchmarks.growth) and pro
 
 Simulated Ray nodes of 2 slots each (`ray.cluster_utils.Cluster`, a head with none), 1 CPU per worker,
 a model of ~25 K parameters whose step is mostly an emulated accelerator's wait (`models.emulation`,
-`--emulate-s-per-sample` per sample of each micro-batch), so 2 cores host 32 ranks. Global batch 3·N:
+`--emulate-s-per-sample` per sample of each micro-batch), so 2 cores host 32 ranks. Global batch 3·N
+(the LR schedule fixed by `decay_steps`, so that a reference run of fewer steps trains the same):
 3 samples per rank at N, 4 at 3N/4; data parallel (the planner's default on CPU), checkpoint every 5
 steps, the event after step `EVENT_STEP`. Each event at size N:
   resize  N/2 nodes, world N; the user asks for 3N/4 workers (N = 2: 1).
@@ -30,7 +31,7 @@ coordinator's events; `phases`); their sum is event -> first step:
   first step   the group formed to the end of its first step
 and after it, not in the sum: durable checkpoint, the first step to the commit of the checkpoint that
 follows a group formed from live state (its manifest on disk).
-Memory: every worker's and standby's RSS (psutil on the Ray actors' pids) and the box's memory in use.
+Memory: every worker's and standby's RSS and USS (psutil on their pids) and the box's memory in use.
 Losses: from `--reference-from` N up, every step's loss against the same job uninterrupted in one
 process (`spot_trace.reference_losses`), 1e-4 relative.
 """
@@ -68,15 +69,18 @@ MODEL = {"preset": "tiny", "overrides": {"dim": 32, "n_layers": 1, "n_heads": 2,
 REL_TOL = 1e-4
 
 
-def job_config(n: int, emulate_s_per_sample: float) -> dict:
-    """The job of an event at world size `n` (the larger of its two sizes): global batch 3·n."""
+def job_config(n: int, emulate_s_per_sample: float, standby_per_node: int | None = None) -> dict:
+    """The job of an event at world size `n` (the larger of its two sizes): global batch 3·n;
+    `standby_per_node` None: the job's default (`resources.standby_per_node`)."""
     return {
         "model": {**MODEL, "overrides": {**MODEL["overrides"], "emulate_s_per_sample": emulate_s_per_sample}},
         "data": {"source": "corpus", "seq_len": 16, "max_bytes": 100_000},
-        "train": {"steps": 10_000, "global_batch_size": 3 * n, "micro_batch_size": 3, "lr": 3e-3, "warmup_steps": 2},
+        "train": {"steps": 10_000, "decay_steps": 100_000, "global_batch_size": 3 * n, "micro_batch_size": 3, "lr": 3e-3,
+                  "warmup_steps": 2},
         "parallel": {"min_workers": 1, "max_workers": n, "reshard": "live"},
         "checkpoint": {"interval_steps": 5, "keep_last": 2},
-        "resources": {"device": "cpu", "cpus_per_worker": 1},
+        "resources": {"device": "cpu", "cpus_per_worker": 1,
+                      **({} if standby_per_node is None else {"standby_per_node": standby_per_node})},
     }
 
 
@@ -121,8 +125,10 @@ def phases(rc: dict, *, t_event: float, timeline: list[list], commit_time: float
 
 # -- memory ----------------------------------------------------------------------------------------------
 def memory(group) -> dict:
-    """RSS of every member and standby worker of `group` (psutil on the pids their `Worker.info` answers; all
-    on this box, the nodes being simulated), and the box's memory in use."""
+    """RSS, USS and PSS of every member and standby worker of `group` (psutil on the pids their `Worker.info`
+    answers; all on this box, the nodes being simulated), and the box's memory in use. RSS counts the pages
+    of the shared libraries (libtorch) every worker maps; USS is what each holds alone, what one more
+    worker costs the box."""
     import psutil
 
     def rss(handles) -> list[int]:
@@ -132,10 +138,11 @@ def memory(group) -> dict:
         out = []
         for info in infos:
             try:
-                out.append(psutil.Process(info.pid).memory_info().rss)
+                m = psutil.Process(info.pid).memory_full_info()
             except psutil.Error:  # the process gone since it answered
                 continue
-        return sorted(out)
+            out.append({"rss": m.rss, "uss": m.uss, "pss": m.pss})
+        return sorted(out, key=lambda m: m["rss"])
 
     vm = psutil.virtual_memory()
     return {"worker_rss": rss(group.members), "standby_rss": rss(group.standby),
@@ -162,7 +169,8 @@ def _commit_time(run_dir: Path, after_step: int, timeout: float) -> float | None
 
 
 # -- one event -------------------------------------------------------------------------------------------
-def measure(cluster, *, scenario: str, n: int, workdir: Path, emulate_s_per_sample: float, settle: float) -> dict:
+def measure(cluster, *, scenario: str, n: int, workdir: Path, emulate_s_per_sample: float, settle: float,
+            standby_per_node: int | None = None) -> dict:
     import ray
 
     from service.control.commands import SetWorkers, Stop
@@ -171,7 +179,7 @@ def measure(cluster, *, scenario: str, n: int, workdir: Path, emulate_s_per_samp
     from service.pool.cluster import drain_node, kill_node
     from workers.config import JobConfig
 
-    cfg = job_config(n, emulate_s_per_sample)
+    cfg = job_config(n, emulate_s_per_sample, standby_per_node)
     run_dir = workdir / f"{scenario}-{n}"
     added = [cluster.add_node(num_cpus=SLOTS) for _ in range(start_nodes(scenario, n))]
     cluster.wait_for_nodes()
@@ -285,17 +293,18 @@ def phase_table(rows: list[dict], fits: dict, project_to: int = 1024) -> str:
 
 
 def memory_table(rows: list[dict]) -> str:
-    lines = ["| event | N | workers | worker RSS median / max | standbys | standby RSS median / max | "
-             "all actors' RSS | box in use |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| event | N | workers | worker RSS / USS (median) | standbys | standby RSS / USS (median) | "
+             "all workers' USS | box in use |", "|---|---|---|---|---|---|---|---|"]
     gib = 2 ** 30
     for r in sorted((r for r in rows if "memory_before" in r), key=lambda r: (r["n"], r["scenario"])):
         m = r["memory_before"]
         w, s = m["worker_rss"], m["standby_rss"]
 
         def mm(xs):
-            return "—" if not xs else f"{xs[len(xs) // 2] / 2**20:.0f} / {max(xs) / 2**20:.0f} MiB"
+            mid = xs[len(xs) // 2] if xs else None
+            return "—" if mid is None else f"{mid['rss'] / 2**20:.0f} / {mid['uss'] / 2**20:.0f} MiB"
         lines.append(f"| {r['scenario']} | {r['n']} | {len(w)} | {mm(w)} | {len(s)} | {mm(s)} | "
-                     f"{(sum(w) + sum(s)) / gib:.2f} GiB | {m['box_used_bytes'] / gib:.1f} GiB |")
+                     f"{sum(x['uss'] for x in w + s) / gib:.2f} GiB | {m['box_used_bytes'] / gib:.1f} GiB |")
     return "\n".join(lines)
 
 
@@ -305,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
     ap.add_argument("--emulate-s-per-sample", type=float, default=0.1)
     ap.add_argument("--settle", type=float, default=1.0, help="stable capacity needed before growing (join)")
+    ap.add_argument("--standby-per-node", type=int, default=None,
+                    help="the job's resources.standby_per_node (idle warm workers per node); default: the job's")
     ap.add_argument("--reference-from", type=int, default=16, help="check losses against a reference from this N up")
     ap.add_argument("--json", help="write all results here (merged with the file's rows of other sizes/events)")
     args = ap.parse_args(argv)
@@ -318,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.spot_trace import reference_losses
 
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "commit": _commit(), "argv": sys.argv[1:],
-            "emulate_s_per_sample": args.emulate_s_per_sample, "model": MODEL, "slots_per_node": SLOTS}
+            "emulate_s_per_sample": args.emulate_s_per_sample, "standby_per_node": args.standby_per_node,
+            "model": MODEL, "slots_per_node": SLOTS}
     prior = json.loads(Path(args.json).read_text()) if args.json and Path(args.json).exists() else {}
     rows = [r for r in prior.get("results", []) if (r["scenario"], r["n"]) not in
             {(s, n) for s in args.scenarios for n in args.sizes}]
@@ -333,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
                 t0 = time.time()
                 try:
                     r = measure(cluster, scenario=sc, n=n, workdir=work, emulate_s_per_sample=args.emulate_s_per_sample,
-                                settle=args.settle)
+                                settle=args.settle, standby_per_node=args.standby_per_node)
                 except Exception as e:  # noqa: BLE001 - keep the other runs
                     r = {"scenario": sc, "n": n, "error": f"{type(e).__name__}: {e}"}
                 r["load_avg_1m"], r["run_s"] = os.getloadavg()[0], round(time.time() - t0, 1)
@@ -348,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
                 steps = max(int(s) for s in r["losses"])
                 ref_dir = work / f"ref-{r['scenario']}-{r['n']}"
                 ref_dir.mkdir()
-                ref = reference_losses(job_config(r["n"], args.emulate_s_per_sample), ref_dir, steps)
+                ref = reference_losses(job_config(r["n"], args.emulate_s_per_sample, args.standby_per_node), ref_dir,
+                                       steps)
                 r["loss_check"] = loss_check(r["losses"], ref)
                 print(r["scenario"], r["n"], json.dumps(r["loss_check"]), flush=True)
     finally:

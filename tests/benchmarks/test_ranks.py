@@ -72,9 +72,18 @@ def test_the_simplest_model_that_fits_is_chosen_with_its_coefficients(growth, f)
 
 
 def test_noise_below_the_tolerance_does_not_buy_curvature():
-    ys = [0.50, 0.505, 0.497, 0.503, 0.499]  # constant, within 5 ms
-    assert choose(NS, ys, tolerance_s=0.01).best.growth == Growth.CONSTANT
-    assert choose(NS, ys, tolerance_s=0.0).best.growth == Growth.QUADRATIC  # least residual, as promised
+    ys = [0.50, 0.497, 0.503, 0.499, 0.506]  # constant, within 5 ms
+    assert choose(NS, ys, tolerance_s=0.01, tolerance_rel=0.0).best.growth == Growth.CONSTANT
+    exact = choose(NS, ys, tolerance_s=0.0, tolerance_rel=0.0)  # no tolerance: the least residual that grows
+    assert exact.best.growth != Growth.CONSTANT
+    assert exact.best.rms_s == min(f.rms_s for f in exact.fits if f.coefficients[-1] >= 0)
+
+
+def test_a_fit_that_turns_negative_is_not_chosen():
+    ys = [0.13, 0.14, 0.33, 0.78, 1.26]  # a quadratic with c < 0 fits these best, and goes negative by N=1024
+    got = choose(NS, ys, tolerance_s=0.0, tolerance_rel=0.0)
+    assert next(f for f in got.fits if f.growth == Growth.QUADRATIC).coefficients[-1] < 0
+    assert got.best.growth == Growth.LINEAR and got.best.at(1024) > 0
 
 
 def test_a_fit_says_what_is_wrong_with_its_points():
