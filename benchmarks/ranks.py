@@ -349,21 +349,18 @@ def main(argv: list[str] | None = None) -> int:
                 except Exception as e:  # noqa: BLE001 - keep the other runs
                     r = {"scenario": sc, "n": n, "error": f"{type(e).__name__}: {e}"}
                 r["load_avg_1m"], r["run_s"] = os.getloadavg()[0], round(time.time() - t0, 1)
+                if n >= args.reference_from and "losses" in r:  # checked at once: a run cut short keeps it
+                    ref_dir = work / f"ref-{sc}-{n}"
+                    ref_dir.mkdir()
+                    ref = reference_losses(job_config(n, args.emulate_s_per_sample, args.standby_per_node), ref_dir,
+                                           max(int(s) for s in r["losses"]))
+                    r["loss_check"] = loss_check(r["losses"], ref)
                 print(json.dumps({k: v for k, v in r.items() if k not in ("losses", "timeline", "reconfigurations",
                                                                            "memory_before", "memory_after")},
                                  default=str), flush=True)
                 rows.append(r)
                 if args.json:
                     _write(args.json, meta, rows)
-        for r in rows:
-            if r["n"] in args.sizes and r["n"] >= args.reference_from and "losses" in r and "loss_check" not in r:
-                steps = max(int(s) for s in r["losses"])
-                ref_dir = work / f"ref-{r['scenario']}-{r['n']}"
-                ref_dir.mkdir()
-                ref = reference_losses(job_config(r["n"], args.emulate_s_per_sample, args.standby_per_node), ref_dir,
-                                       steps)
-                r["loss_check"] = loss_check(r["losses"], ref)
-                print(r["scenario"], r["n"], json.dumps(r["loss_check"]), flush=True)
     finally:
         ray.shutdown()
         cluster.shutdown()
