@@ -82,11 +82,12 @@ def fit(ns: list[int], ys: list[float], growth: Growth) -> Fit:
 
 
 def choose(ns: list[int], ys: list[float], *, tolerance_s: float = 0.01, tolerance_rel: float = 0.1) -> Choice:
-    """Every model that the points can determine, fitted; the chosen one is the simplest growing model
+    """Every model the points over-determine (more distinct sizes than it has coefficients: one it fits
+    exactly has shown nothing), fitted; the chosen one is the simplest growing model
     whose residual is within the tolerance of the least residual among them: `tolerance_s` seconds or
     `tolerance_rel` of the points' mean, whichever is larger (the noise a phase's figure carries on a
     shared box)."""
-    fits = tuple(fit(ns, ys, g) for g in Growth if len(set(ns)) >= len(_TERMS[g](1)))
+    fits = tuple(fit(ns, ys, g) for g in Growth if len(set(ns)) > len(_TERMS[g](1)))
     if not fits:
         raise ValueError(f"no model can be fitted to {len(set(ns))} distinct sizes")
     growing = [f for f in fits if f.growth == Growth.CONSTANT or f.coefficients[-1] >= 0]

@@ -91,7 +91,10 @@ def test_a_fit_says_what_is_wrong_with_its_points():
         fit([2, 4], [1.0], Growth.LINEAR)
     with pytest.raises(ValueError, match="at least 3 points"):
         fit([2, 4], [1.0, 2.0], Growth.QUADRATIC)
-    assert [f.growth for f in choose([2, 4], [1.0, 2.0]).fits] == [Growth.CONSTANT, Growth.LOG, Growth.LINEAR]
+    # three sizes: a quadratic would pass through them exactly, so it is not one of the candidates
+    assert [f.growth for f in choose([4, 8, 16], [1.0, 2.0, 5.0]).fits] == [Growth.CONSTANT, Growth.LOG, Growth.LINEAR]
+    with pytest.raises(ValueError, match="no model"):
+        choose([4, 4], [1.0, 2.0])
 
 
 def test_the_job_divides_its_batch_at_both_sizes_of_a_resize_and_nodes_follow_the_event():
