@@ -227,7 +227,7 @@ class Worker:
             self.handover = self.received = None
         self.leave()
         t0 = time.perf_counter()
-        device = self._init_group(rank, world_size, master_addr, master_port, timeout_s)
+        device, pg_parts = self._init_group(rank, world_size, master_addr, master_port, timeout_s)
         t1 = time.perf_counter()
         self.trainer = Trainer(self.cfg, plan=plan, device=device,
                                run_dir=self.run_dir).build(resume=not adopt, init_weights=not adopt,
@@ -245,7 +245,8 @@ class Worker:
         from workers.report import Joined, Seconds
 
         return Joined(step=self.trainer.step, parts=Seconds.of({
-            "pg_s": t1 - t0, "build_s": t2 - t1, "adopt_s": t3 - t2,
+            "pg_s": t1 - t0, **{f"pg.{k}": v for k, v in pg_parts.items()},
+            "build_s": t2 - t1, "adopt_s": t3 - t2,
             **{f"build.{k}": v for k, v in self.trainer.build_times.items()},
             "drop_snapshots_s": time.perf_counter() - t3}))
 
@@ -312,14 +313,16 @@ class Worker:
         return os.environ.get("ELASTRON_NODE_ID") or socket.gethostname()
 
     def _init_group(self, rank: int, world_size: int, master_addr: str, master_port: int, timeout_s: float):
+        """Join the process group; returns the device and the seconds of the group's parts
+        (`workers.runtime.init_process_group`: the rendezvous, the connections)."""
         from workers.runtime import init_process_group, pick_device
 
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0",
                           MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         device = pick_device(self.cfg.resources.device)
         self._called_off.clear()  # an abort sent before this call was meant for an earlier one
-        init_process_group(device, timeout_s=timeout_s, cancelled=self._called_off.is_set)
-        return device
+        parts = init_process_group(device, timeout_s=timeout_s, cancelled=self._called_off.is_set)
+        return device, parts
 
     # -- live resharding (workers.reshard) ---------------------------------------------------------------
     def hand_over(self) -> int:
@@ -419,7 +422,7 @@ class Worker:
             self.handover = Handover(held=own, state=state, extra=helds)
         t0 = time.perf_counter()
         try:
-            device = self._init_group(rank, world_size, master_addr, master_port, timeout_s)
+            device, pg_parts = self._init_group(rank, world_size, master_addr, master_port, timeout_s)
             t1 = time.perf_counter()
             got = exchange(self.handover, model=self.cfg.model.build(), old=old_plan.layout,
                            new=new_plan.layout, old_rank=old_rank, new_rank=new_rank,
@@ -433,7 +436,8 @@ class Worker:
         from workers.report import Resharded, Seconds
 
         return Resharded(bytes_received=got.bytes_received,
-                         timings=Seconds.of({"rendezvous": t1 - t0, **got.timings, "leave": time.perf_counter() - t2}))
+                         timings=Seconds.of({"rendezvous": t1 - t0, **{f"rendezvous.{k}": v for k, v in pg_parts.items()},
+                                             **got.timings, "leave": time.perf_counter() - t2}))
 
     def leave(self) -> None:
         """Drop the trainer and the process group; the process stays warm for the next layout."""

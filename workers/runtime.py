@@ -43,11 +43,14 @@ _SLICE_S = 0.5
 
 
 def init_process_group(device: torch.device, *, timeout_s: float = 300.0,
-                       cancelled: Callable[[], bool] | None = None) -> None:
+                       cancelled: Callable[[], bool] | None = None) -> dict[str, float]:
     """Initialise the default group from env://. A lone process gets a loopback rendezvous of its own.
-    `cancelled`: asked while the ranks gather (`rendezvous`); once it says so, RendezvousCancelled."""
+    `cancelled`: asked while the ranks gather (`rendezvous`); once it says so, RendezvousCancelled.
+    Returns the seconds of its two parts where the rendezvous is our own (`cancelled` given):
+    `rendezvous_s` (every rank joined rank 0's store) and `connect_s` (the backend's group over it: gloo's
+    connections between every pair of ranks); empty otherwise, or when a group already existed."""
     if dist.is_initialized():
-        return
+        return {}
     global _excepthook
     _excepthook = sys.excepthook  # torch wraps it in each init: put back by `destroy_process_group`
     if "MASTER_ADDR" not in os.environ:
@@ -61,11 +64,14 @@ def init_process_group(device: torch.device, *, timeout_s: float = 300.0,
     timeout = timedelta(seconds=timeout_s)
     if cancelled is None:
         dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
-        return
+        return {}
     rank, world_size = env_world()
+    t0 = time.perf_counter()
     store = rendezvous(rank, world_size, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                        timeout_s=timeout_s, cancelled=cancelled)
+    t1 = time.perf_counter()
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    return {"rendezvous_s": t1 - t0, "connect_s": time.perf_counter() - t1}
 
 
 def rendezvous(rank: int, world_size: int, addr: str, port: int, *, timeout_s: float,

@@ -128,7 +128,12 @@ class Moved:
     bytes_moved: int
     """Bytes the new ranks received from other workers (a survivor's own pieces are not counted)."""
     handover_s: float = 0.0
-    """Seconds for the old layout's workers to hand their shards over and leave their group."""
+    """Seconds for the old layout's workers to hand their shards over and leave their group, and for the
+    joiners to start (`start_s` of it)."""
+    start_s: float = 0.0
+    """Of `handover_s`: seconds to arrange the new layout's members (start new workers, claim standbys)."""
+    from_standby: int = 0
+    """Of the workers started, the standbys claimed instead of new processes."""
     transfer_s: float = 0.0
     """Seconds of the transfer call: the transfer group's rendezvous, the plan, the send/recv."""
     form_s: float = 0.0

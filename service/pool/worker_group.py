@@ -205,7 +205,9 @@ class WorkerGroup:
                 raise WorkerFailure(FailureKind.OUT_OF_STEP, f"ranks handed over different steps {sorted(steps)}")
         old_ranks = survivors if survivors is not None else list(range(self.size))
         old_members = list(self.members)
+        t_start = time.perf_counter()
         members, leavers, started, start = self._arrange(nodes, stop_leavers_first=False)
+        start_s = time.perf_counter() - t_start
         everyone = old_members + started  # the transfer group: old ranks first, in their order
         self.roster.set_members(everyone)
         slot = {id(m): i for i, m in enumerate(everyone)}
@@ -228,6 +230,7 @@ class WorkerGroup:
         formed = self.form(new, adopt=True)
         return Moved(step=formed.step, started=start.started, stopped=start.stopped,
                      bytes_moved=sum(r.bytes_received for r in moved), handover_s=t1 - t0, transfer_s=t2 - t1,
+                     start_s=start_s, from_standby=start.from_standby,
                      form_s=formed.form_s, form_parts=formed.form_parts, snapshot_bytes=formed.snapshot_bytes,
                      transfer_parts=Seconds.slowest(r.timings for r in moved))
 

@@ -197,7 +197,7 @@ def test_members_with_no_state_to_salvage_are_kept_as_spares_and_the_next_start_
         assert sorted(i.pid for i in ray.get([m.actor.info.remote() for m in g.members], timeout=30)) == pids
         formed = g.form(p)
         assert g.spares == [] and formed.step == 0  # no checkpoint was written: from the start again
-        assert {"pg_s", "build_s", "adopt_s", "build.allocate"} <= set(formed.form_parts.names())  # where a form goes
+        assert {"pg_s", "pg.rendezvous_s", "pg.connect_s", "build_s", "adopt_s", "build.allocate"} <= set(formed.form_parts.names())  # where a form goes
         assert [r.step for r in g.run(until_step=1, steps=1).rows] == [1]
     finally:
         g.shutdown()
