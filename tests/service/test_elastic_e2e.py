@@ -175,8 +175,9 @@ def test_planned_resize_redoes_no_steps(cluster, nodes, reference, tmp_path):
     assert rc.old_layout.dp_replicate * rc.old_layout.dp_shard == 2 and rc.world_size == 1
     assert rc.started == 0 and rc.stopped == 1  # the surviving actor was reused
     assert rc.transfer.path == "live"  # no storage: the survivor held a whole replica, 0 bytes to move
-    assert set(rc.transfer.moved.transfer_parts.names()) == {"rendezvous", "agree", "plan", "state", "send_recv", "leave",
-                                                  *(f"send_recv.{p}" for p in SEND_RECV_PARTS)}
+    assert set(rc.transfer.moved.transfer_parts.names()) == {
+        "rendezvous", "rendezvous.rendezvous_s", "rendezvous.connect_s", "agree", "plan", "state", "send_recv", "leave",
+        *(f"send_recv.{p}" for p in SEND_RECV_PARTS)}
 
 
 def test_preemption_notice_checkpoints_just_in_time_and_loses_nothing(cluster, nodes, reference, tmp_path):
