@@ -35,3 +35,34 @@ def test_a_wait_for_a_peer_that_never_joins_is_called_off_at_once(rank):
 def test_a_rendezvous_that_nobody_calls_off_ends_at_its_timeout():
     with pytest.raises(TimeoutError, match="waiting for the 2 ranks"):
         rendezvous(0, 2, "127.0.0.1", free_port(), timeout_s=0.5, cancelled=lambda: False)
+
+
+def test_a_rank_waiting_for_a_late_peer_sends_the_store_a_request_per_slice_not_a_poll(monkeypatch):
+    """Waiting ranks block in the store (the last to join sets a key they wait for) instead of polling
+    it every 5 ms: at 32 ranks on 2 cores the polls took the cores the late ranks needed to join. Rank 0
+    waits 1 s for rank 1 here: a handful of requests (the old loop sent ~200)."""
+    import torch.distributed as dist
+
+    real = dist.TCPStore
+    counts: dict[int, int] = {}
+
+    class Counted:
+        def __init__(self, host, port, world_size, is_master, **kw):
+            self._store, self._rank = real(host, port, world_size, is_master, **kw), 0 if is_master else 1
+            counts.setdefault(self._rank, 0)
+
+        def __getattr__(self, name):
+            counts[self._rank] += 1
+            return getattr(self._store, name)
+
+    monkeypatch.setattr(dist, "TCPStore", Counted)
+    port = free_port()
+
+    def late(rank: int):
+        if rank:
+            time.sleep(1.0)
+        return rendezvous(rank, 2, "127.0.0.1", port, timeout_s=30, cancelled=lambda: False)
+
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(late, [0, 1]))
+    assert counts[0] <= 8, counts  # add, two or three slices' waits, set_timeout
