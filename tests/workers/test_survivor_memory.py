@@ -116,9 +116,11 @@ def test_a_survivor_holds_after_the_6th_reconfiguration_what_it_held_after_the_2
     ports = [free_port() for _ in range(14)]
     got = run_ranks(2, survivor_body, CFG, str(tmp_path), ports)[0]
     after = got["census"]
-    # the step's row says what its snapshot cost the training thread (the first round: nothing to wait for)
+    # the step's row says what its snapshot cost the training thread (the first round: nothing committed
+    # yet); the copy itself runs in the background (copy_s is the thread's wait for it, 0 when it had
+    # ended), and the buffers counted below show it ran
     assert set(got["first_snapshot"]) == {"wait_s", "agree_s", "copy_s", "committed", "interval"}
-    assert got["first_snapshot"]["committed"] == -1 and got["first_snapshot"]["copy_s"] > 0
+    assert got["first_snapshot"]["committed"] == -1
     assert after[1]["modules"] > 0 and after[1]["tensor_bytes"] > 0  # the census sees the trainer
     # two workers: its own copy and its buddy's of the one round taken; one worker: none
     assert after[1]["snapshot_buffers"] == 2 and after[0]["snapshot_buffers"] == 0
