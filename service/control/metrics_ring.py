@@ -1,7 +1,7 @@
 """The coordinator's recent per-step metrics: a bounded map from step to row, so that a job of a million
 steps holds a few thousand rows, not a million. The job store and RUN_DIR/metrics.jsonl keep the whole
 history; the API pulls what is new (`since`) every sync, and fills a gap wider than this from
-metrics.jsonl (`JobManager.sync`, service.server.job_manager)."""
+metrics.jsonl (`StoreSync._fill_gap`, service.server.store_sync)."""
 
 from __future__ import annotations
 
