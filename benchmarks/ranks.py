@@ -213,14 +213,14 @@ def measure(cluster, *, scenario: str, n: int, workdir: Path, emulate_s_per_samp
               "the first step at the new size")
         rc = next(r for r in coord.reconfigs[n_rc:] if r.first_step_time and r.world_size != before)
         _wait(lambda: coord.step_done >= rc.resumed_step + STEPS_AFTER, 300, f"{STEPS_AFTER} steps at the new size")
-        durable = (rc.transfer or {}).get("path") in ("live", "peers", "memory")
+        durable = rc.transfer is not None and rc.transfer.path in ("live", "peers", "memory")
         commit = _commit_time(run_dir, rc.resumed_step, 60) if durable else None
         mem_after = memory(coord.group)
         timeline = _timeline(coord.events_since(0), t_event, time.time())
         metrics = sorted(coord.metrics_since(0), key=lambda m: m["step"])
         old_rows = [m for m in metrics if m["step"] <= rc.step_before and m["time"] <= t_event]
         out = {"scenario": scenario, "n": n, "world_size_before": before, "world_size_after": rc.world_size,
-               "path": (rc.transfer or {}).get("path"), "t_event": t_event,
+               "path": None if rc.transfer is None else str(rc.transfer.path), "t_event": t_event,
                "event_to_first_step_s": rc.first_step_time - t_event,
                "phases": phases(rc.to_dict(), t_event=t_event, timeline=timeline, commit_time=commit),
                "reconfigurations": [r.to_dict() for r in coord.reconfigs[n_rc:]], "timeline": timeline,
