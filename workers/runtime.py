@@ -99,8 +99,7 @@ def rendezvous(rank: int, world_size: int, addr: str, port: int, *, timeout_s: f
                 raise  # it could not listen: waiting will not change that
             go_on("connecting to rank 0's store")
     # The last rank to join says so under a key the others wait for in the store (a blocking wait each,
-    # in slices): no rank polls, so N ranks waiting cost the store N requests per slice, not N every 5 ms
-    # (at 32 ranks on 2 cores the polls took the cores the late ranks needed to join).
+    # in slices): no rank polls, so N ranks waiting cost the store N requests per slice, not N every 5 ms.
     if int(store.add("elastron/joined", 1)) == world_size:
         store.set("elastron/all_joined", "1")
     while True:
