@@ -255,12 +255,20 @@ def measure_elastron(*, cluster, scenario: str, workdir: str, state: State, resh
                 out["transfer_vs_raw"] = out["transfer_throughput_Bps"] / out["raw_gloo"]["throughput_Bps"]
             except Exception as e:  # noqa: BLE001 - the run's own figures are still worth keeping
                 out["raw_gloo"] = {"error": f"{type(e).__name__}: {e}"}
-        for n in added:
-            try:
-                kill_node(cluster, n)
-            except Exception as e:  # noqa: BLE001 - e.g. the killed node, already gone
-                print(f"removing node {n.node_id} failed ({e}); it may already be gone", file=sys.stderr)
+        remove_nodes(cluster, added)
     return out
+
+
+def remove_nodes(cluster, nodes) -> None:
+    """Kill each of a run's simulated `nodes`, saying (not raising) why one could not be: the event may
+    already have killed it."""
+    from service.pool.cluster import kill_node
+
+    for n in nodes:
+        try:
+            kill_node(cluster, n)
+        except Exception as e:  # noqa: BLE001 - e.g. the killed node, already gone
+            print(f"removing node {n.node_id} failed ({e}); it may already be gone", file=sys.stderr)
 
 
 def first_step_time(after: list) -> float:

@@ -51,7 +51,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.elastic import _commit, _timeline, _wait  # noqa: E402
+from benchmarks.elastic import _commit, _timeline, _wait, remove_nodes  # noqa: E402
 from benchmarks.growth import choose  # noqa: E402
 
 SCENARIOS = ("resize", "kill", "join", "drain")
@@ -231,11 +231,7 @@ def measure(cluster, *, scenario: str, n: int, workdir: Path, emulate_s_per_samp
     finally:
         coord.send(Stop())
         t.join(timeout=180)
-        for x in added:
-            try:
-                kill_node(cluster, x)
-            except Exception as e:  # noqa: BLE001 - e.g. the killed node, already gone
-                print(f"removing node {x.node_id} failed ({e}); it may already be gone", file=sys.stderr)
+        remove_nodes(cluster, added)
     return out
 
 
