@@ -150,6 +150,7 @@ class Worker:
         """This rank's peer snapshots (workers.snapshots.PeerSnapshots) of the group it is, or last was,
         in: kept through a failure (`salvage`) and a failed transfer, replaced by the next `join`."""
         self._called_off = threading.Event()
+        self._store: Any = None  # the store `open_store` opened for the next group this worker hosts
         """Set by `abort`: a rendezvous in progress (`join`, `reshard`) stops waiting for its peers."""
         self._after_first_step: float | None = None
         """Set by `join` (the group's timeout): the first step `run` trains is followed by
@@ -206,11 +207,15 @@ class Worker:
         self._reservation = pg
         return self.info()
 
-    def free_port(self) -> int:
-        """A port free on this worker's node, for a rendezvous that rank 0 hosts."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
+    def open_store(self) -> int:
+        """Open the store of the next group this worker hosts as its rank 0, listening from now on: its
+        port. Called before the peers are told the address, so none of them finds it not yet listening
+        (`workers.runtime.open_store`); the next `join` or `reshard` here as rank 0 at that port takes it.
+        A store opened earlier and never taken (its group's call failed) closes."""
+        from workers.runtime import open_store
+
+        self._store = open_store()
+        return self._store.port
 
     # -- group membership ------------------------------------------------------------------------------
     def join(self, *, rank: int, world_size: int, master_addr: str, master_port: int, plan: Plan,
@@ -321,7 +326,10 @@ class Worker:
                           MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         device = pick_device(self.cfg.resources.device)
         self._called_off.clear()  # an abort sent before this call was meant for an earlier one
-        parts = init_process_group(device, timeout_s=timeout_s, cancelled=self._called_off.is_set)
+        store, self._store = self._store, None
+        if store is not None and (rank != 0 or store.port != master_port):
+            store = None  # opened for a group that never formed: this group's rank 0 hosts its own
+        parts = init_process_group(device, timeout_s=timeout_s, cancelled=self._called_off.is_set, store=store)
         return device, parts
 
     # -- live resharding (workers.reshard) ---------------------------------------------------------------

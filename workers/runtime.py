@@ -19,6 +19,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def open_store() -> dist.TCPStore:
+    """Rank 0's TCP store of a group to come, listening from now on a port the system picks (`.port`),
+    before any peer is told where to find it. A peer that looks for a store not listening yet waits out
+    torch's connect backoff (0.1-0.7 s measured here) before it looks again, so a rank 0 that opened its
+    store only when the rendezvous call reached it made every rank that got there first wait for it
+    (most of a 4-rank transfer group's rendezvous). `rendezvous(..., store=...)` on rank 0 takes it."""
+    return dist.TCPStore("0.0.0.0", 0, None, True, timeout=timedelta(seconds=_SLICE_S), wait_for_workers=False)
+
+
 def pick_device(kind: str = "auto") -> torch.device:
     if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
@@ -43,9 +52,11 @@ _SLICE_S = 0.5
 
 
 def init_process_group(device: torch.device, *, timeout_s: float = 300.0,
-                       cancelled: Callable[[], bool] | None = None) -> dict[str, float]:
+                       cancelled: Callable[[], bool] | None = None,
+                       store: dist.TCPStore | None = None) -> dict[str, float]:
     """Initialise the default group from env://. A lone process gets a loopback rendezvous of its own.
     `cancelled`: asked while the ranks gather (`rendezvous`); once it says so, RendezvousCancelled.
+    `store`: on rank 0, the store it opened beforehand (`open_store`) at MASTER_PORT.
     Returns the seconds of its two parts where the rendezvous is our own (`cancelled` given):
     `rendezvous_s` (every rank joined rank 0's store) and `connect_s` (the backend's group over it: gloo's
     connections between every pair of ranks); empty otherwise, or when a group already existed."""
@@ -68,19 +79,19 @@ def init_process_group(device: torch.device, *, timeout_s: float = 300.0,
     rank, world_size = env_world()
     t0 = time.perf_counter()
     store = rendezvous(rank, world_size, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                       timeout_s=timeout_s, cancelled=cancelled)
+                       timeout_s=timeout_s, cancelled=cancelled, store=store)
     t1 = time.perf_counter()
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     return {"rendezvous_s": t1 - t0, "connect_s": time.perf_counter() - t1}
 
 
 def rendezvous(rank: int, world_size: int, addr: str, port: int, *, timeout_s: float,
-               cancelled: Callable[[], bool]) -> dist.TCPStore:
+               cancelled: Callable[[], bool], store: dist.TCPStore | None = None) -> dist.TCPStore:
     """Rank 0's TCP store at `addr:port` once every rank has joined it, waited for in slices of at most
     `_SLICE_S` with `cancelled()` asked between them. A peer that died before joining would otherwise hold
     every other rank in `init_process_group` until `timeout_s`, where no abort reaches it; this way the
     caller can call the wait off (RendezvousCancelled) and the process stays usable. TimeoutError after
-    `timeout_s`."""
+    `timeout_s`. `store`: rank 0's, opened beforehand (`open_store`); rank 0 opens it here otherwise."""
     deadline = time.monotonic() + timeout_s
 
     def go_on(what: str) -> None:
@@ -89,11 +100,13 @@ def rendezvous(rank: int, world_size: int, addr: str, port: int, *, timeout_s: f
         if time.monotonic() > deadline:
             raise TimeoutError(f"rendezvous: still {what} after {timeout_s:.0f}s")
 
-    while True:
+    if store is not None and (rank != 0 or store.port != port):
+        raise ValueError(f"rendezvous: a store opened beforehand is rank 0's at port {port}, "
+                         f"got rank {rank} with a store at port {store.port}")
+    while store is None:
         try:
             store = dist.TCPStore(addr, port, world_size, rank == 0, timeout=timedelta(seconds=_SLICE_S),
                                   wait_for_workers=False)
-            break
         except RuntimeError:  # rank 0's store not up yet, or its host gone (DistNetworkError)
             if rank == 0:
                 raise  # it could not listen: waiting will not change that

@@ -175,7 +175,7 @@ class WorkerGroup:
         the step."""
         t0 = time.perf_counter()
         head = self.members[0]
-        port = self._await([head.actor.free_port.remote()], "form", timeout_s=60)[0]
+        port = self._await([head.actor.open_store.remote()], "form", timeout_s=60)[0]
         refs = [m.actor.join.remote(rank=r, world_size=self.size, master_addr=head.ip, master_port=port,
                                     plan=plan, adopt=adopt) for r, m in enumerate(self.members)]
         res = self._await(refs, "form", timeout_s=300)
@@ -217,7 +217,7 @@ class WorkerGroup:
         old_to_group = {r: g for g, r in enumerate(old_ranks)}
         if serve is not None:
             old_to_group = {r: old_to_group[s] for r, s in serve.items()}
-        port = self._await([everyone[0].actor.free_port.remote()], "state transfer", timeout_s=60)[0]
+        port = self._await([everyone[0].actor.open_store.remote()], "state transfer", timeout_s=60)[0]
         calls = transfer_calls(everyone=[e.node_id for e in everyone], old_ranks=old_ranks[:len(old_members)],
                                group_to_new=group_to_new, old_to_group=old_to_group, new_to_group=new_to_group,
                                put=ray.put)

@@ -28,7 +28,7 @@ def body(run_dir: str) -> dict:
                 memory_bytes=0.0, reasons=())
     w = Worker(JobConfig.from_dict(CFG), run_dir)
     out = {"pid": os.getpid(), "idle": asdict(w.memory())}
-    w.join(rank=0, world_size=1, master_addr="127.0.0.1", master_port=w.free_port(), plan=plan)
+    w.join(rank=0, world_size=1, master_addr="127.0.0.1", master_port=w.open_store(), plan=plan)
     w.run(until_step=10, steps=1)
     out["training"] = asdict(w.memory())
     w.leave()

@@ -216,7 +216,7 @@ def test_a_member_waiting_in_a_rendezvous_for_a_dead_peer_is_called_off_and_kept
     try:
         g.scale_to([me, me])
         head = g.members[0]
-        port = ray.get(head.actor.free_port.remote(), timeout=30)
+        port = ray.get(head.actor.open_store.remote(), timeout=30)
         waiting = head.actor.join.remote(rank=0, world_size=2, master_addr=head.ip, master_port=port,
                                          plan=_plan_for_two(cfg))  # rank 1 never comes
         time.sleep(1.0)  # in its rendezvous by now

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.ports import free_port
-from workers.runtime import RendezvousCancelled, rendezvous
+from workers.runtime import RendezvousCancelled, open_store, rendezvous
 
 
 def test_every_rank_gets_the_store_once_all_have_joined():
@@ -66,3 +66,39 @@ def test_a_rank_waiting_for_a_late_peer_sends_the_store_a_request_per_slice_not_
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(late, [0, 1]))
     assert counts[0] <= 8, counts  # add, two or three slices' waits, set_timeout
+
+
+def test_peers_that_come_before_rank_0_find_its_store_opened_beforehand_at_their_first_try(monkeypatch):
+    """Rank 0 opens its store before the peers are told its port (`open_store`, the coordinator's first
+    call): a peer there 1 s before rank 0 connects with one attempt. With rank 0 opening the store only when
+    its own call arrives, that peer's attempts fail until then (one per 0.5 s slice, each after torch's
+    connect backoff, which made every early rank late)."""
+    import torch.distributed as dist
+
+    store = open_store()
+    real = dist.TCPStore
+    made: list[bool] = []  # is_master of each store constructed from here on, failed attempts included
+
+    def counted(host, port, world_size, is_master, **kw):
+        made.append(is_master)
+        return real(host, port, world_size, is_master, **kw)
+
+    monkeypatch.setattr(dist, "TCPStore", counted)
+
+    def come(rank: int):
+        if rank == 0:
+            time.sleep(1.0)
+            return rendezvous(0, 3, "127.0.0.1", store.port, timeout_s=30, cancelled=lambda: False, store=store)
+        return rendezvous(rank, 3, "127.0.0.1", store.port, timeout_s=30, cancelled=lambda: False)
+
+    with ThreadPoolExecutor(3) as pool:
+        stores = list(pool.map(come, [1, 2, 0]))
+    assert made == [False, False]  # one attempt per peer; rank 0 made no store of its own
+    stores[2].set("from-rank-0", "x")
+    assert stores[0].get("from-rank-0") == b"x"
+
+
+def test_a_store_opened_beforehand_is_rank_0s_at_its_port():
+    store = open_store()
+    with pytest.raises(ValueError, match="rank 0's at port"):
+        rendezvous(1, 2, "127.0.0.1", store.port, timeout_s=1, cancelled=lambda: False, store=store)

@@ -28,7 +28,7 @@ def body(run_dir: str) -> dict:
     out = {"fresh": w.standing()}
 
     def join():
-        w.join(rank=0, world_size=1, master_addr="127.0.0.1", master_port=w.free_port(), plan=plan)
+        w.join(rank=0, world_size=1, master_addr="127.0.0.1", master_port=w.open_store(), plan=plan)
     join()
     w.run(until_step=10, steps=3)
     out["trained"] = w.standing()
