@@ -230,6 +230,7 @@ class Worker:
             raise RuntimeError("join(adopt=True) without a completed reshard on this worker")
         if not adopt:  # e.g. the fallback after a failed transfer: what it left behind is stale
             self.handover = self.received = None
+        cpu0 = time.process_time()
         self.leave()
         t0 = time.perf_counter()
         device, pg_parts = self._init_group(rank, world_size, master_addr, master_port, timeout_s)
@@ -253,7 +254,7 @@ class Worker:
             "pg_s": t1 - t0, **{f"pg.{k}": v for k, v in pg_parts.items()},
             "build_s": t2 - t1, "adopt_s": t3 - t2,
             **{f"build.{k}": v for k, v in self.trainer.build_times.items()},
-            "drop_snapshots_s": time.perf_counter() - t3}))
+            "drop_snapshots_s": time.perf_counter() - t3, "cpu_s": time.process_time() - cpu0}))
 
     def _set_up_after_first_step(self) -> SetUpAfter:
         """What the group's later steps need and its first does not, set up after that first step
@@ -414,6 +415,7 @@ class Worker:
         from workers.reshard import Handover, exchange
         from workers.runtime import destroy_process_group
 
+        cpu0 = time.process_time()
         self.leave()
         if snapshot_step is not None and old_rank is not None:
             if self.snapshots is None:
@@ -445,7 +447,8 @@ class Worker:
 
         return Resharded(bytes_received=got.bytes_received,
                          timings=Seconds.of({"rendezvous": t1 - t0, **{f"rendezvous.{k}": v for k, v in pg_parts.items()},
-                                             **got.timings, "leave": time.perf_counter() - t2}))
+                                             **got.timings, "leave": time.perf_counter() - t2,
+                                             "cpu_s": time.process_time() - cpu0}))
 
     def leave(self) -> None:
         """Drop the trainer and the process group; the process stays warm for the next layout."""

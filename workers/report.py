@@ -176,7 +176,8 @@ class Joined:
     parts: Seconds = Seconds()
     """Seconds per part of the join: the process group (`pg_s`), the trainer's build (`build_s`, and
     its parts as `build.*`), the adoption of moved state (`adopt_s`), dropping the previous group's
-    peer snapshots (`drop_snapshots_s`). The new group's snapshots, and the checkpoint manager of a
+    peer snapshots (`drop_snapshots_s`); `cpu_s`: the CPU seconds this process spent in the whole call
+    (its own work, apart from waiting on the others or sharing cores with them). The new group's snapshots, and the checkpoint manager of a
     group formed from moved state, are set up after its first step: that step's metrics row says what
     they took (`set_up_after`, `Worker._set_up_after_first_step`)."""
     snapshot_bytes: int = 0
@@ -190,7 +191,8 @@ class Resharded:
     bytes_received: int
     """Bytes it received from other workers (its own pieces are not counted)."""
     timings: Seconds = Seconds()
-    """Seconds per phase of the transfer call: the rendezvous, `workers.reshard`'s phases, the leave."""
+    """Seconds per phase of the transfer call: the rendezvous, `workers.reshard`'s phases, the leave; and
+    `cpu_s`, the CPU seconds this process spent in the whole call."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -177,7 +177,7 @@ def test_planned_resize_redoes_no_steps(cluster, nodes, reference, tmp_path):
     assert rc.transfer.path == "live"  # no storage: the survivor held a whole replica, 0 bytes to move
     assert set(rc.transfer.moved.transfer_parts.names()) == {
         "rendezvous", "rendezvous.rendezvous_s", "rendezvous.connect_s", "agree", "plan", "state", "send_recv", "leave",
-        *(f"send_recv.{p}" for p in SEND_RECV_PARTS)}
+        "cpu_s", *(f"send_recv.{p}" for p in SEND_RECV_PARTS)}
 
 
 def test_preemption_notice_checkpoints_just_in_time_and_loses_nothing(cluster, nodes, reference, tmp_path):
