@@ -646,8 +646,8 @@ class Elastron(System):
     def move_off_s(self, nodes: int) -> float:
         """The part of a move to `nodes` that needs the old workers: hand-over, plan, rendezvous, the bytes
         a node receives (its new shard: FSDP's chunks shift, so nearly all of it)."""
-        e = self.p.elastron
-        return e.handover_s + self.job.plan_s + e.rendezvous_s + self.job.state_bytes / nodes / self.p.hardware.net_bytes_s
+        e, wire = self.p.elastron, self.job.state_bytes / nodes / self.p.hardware.net_bytes_s
+        return e.handover_s + self.job.plan_s + e.rendezvous_s + wire
 
     def move_s(self, nodes: int) -> float:
         """The move off, then communicator init, form, the first step's compile."""
@@ -922,6 +922,7 @@ SWEEP: tuple[tuple[str, tuple], ...] = (
     ("common.notice_share", (0.0, 1.0)),
     ("elastron.settle_s", (0.0, 30.0)),
     ("elastron.joiner_start_s", (2.0, 60.0)),
+    ("elastron.drain_margin", (0.0, 3.0)),
     ("hardware.network_gbit_s", (100.0, 3200.0)),
     ("hardware.object_store_gbit_s", (10.0, 100.0)),
     ("raytrain.monitor_interval_s", (1.0, 60.0)),

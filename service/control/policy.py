@@ -8,10 +8,11 @@ the recovery's decision, service.control.failure.give_up, asked before this one)
   1. Wait   when usable workers < min_workers: the job cannot run; hold nothing until capacity returns.
   2. Resize (start) when nothing runs (current_workers == 0): start at once on what is offered,
             cause "planned"; there is nothing to disrupt, so no settle time.
-  3. Resize (shrink) when fewer workers are offered than run: cause "failure" when capacity is simply
-            gone, "user" when only a lowered max_workers caps it, at once. Cause "preemption" when nodes
-            the group runs on are draining; the group also moves off them when the rest offers as many
-            workers as run (or more: the move takes them too). A drain trains on until it must move:
+  3. Resize (shrink) when fewer workers are offered than run: at once with cause "failure" when
+            capacity is simply gone, "user" when only a lowered max_workers caps it; cause "preemption"
+            when nodes the group runs on are draining (`leaving`: its workers there). The group also
+            moves off draining nodes when the rest offers as many workers as run (or more: the move
+            takes them too), cause "preemption". A drain trains on until it must move:
             while every draining node has a deadline and `now < earliest deadline - drain_lead_s` (the
             caller's lead: service.control.drain), and the drain alone explains the shortfall, the
             decision is a Noop saying when the group moves off (`move_at`); then it moves, live or
