@@ -63,14 +63,18 @@ def job_config(steps: int, *, interval: int = 4, standby_per_node: int | None = 
     after a few hundred steps with no fault at all; at 1e-3 a dp=2 run stays within 2e-7 of one process
     over 400 steps (docs/benchmarks.md, chaos section). `dp_mode`: the job's `parallel.dp_mode` (None: its
     default, replicas at this size; "shard": FSDP, so a kill without notice forms the next group from the
-    survivors' peer snapshots rather than healing from whole replicas)."""
+    survivors' peer snapshots rather than healing from whole replicas). `parallel.drain_margin` 0: a
+    drain moves off at once, as before the drain's hold existed. The run counts a fault's recovery from
+    its injection, and a hold trains on (up to the notice less the lead) before it moves: that is not a
+    recovery, and a 60 s hold would outlast the job (the hold is tested in tests/service)."""
     return {
         "name": "chaos",
         "model": {"preset": "tiny"},
         "data": {"source": "corpus", "seq_len": 32, "max_bytes": 300_000},
         "train": {"steps": steps, "global_batch_size": 8, "micro_batch_size": 2, "lr": 1e-3, "warmup_steps": 2,
                   "seed": 11},
-        "parallel": {"min_workers": 1, "max_workers": 3, **({} if dp_mode is None else {"dp_mode": dp_mode})},
+        "parallel": {"min_workers": 1, "max_workers": 3, "drain_margin": 0.0,
+                     **({} if dp_mode is None else {"dp_mode": dp_mode})},
         "checkpoint": {"interval_steps": interval, "keep_last": KEEP_LAST},
         "resources": {"device": "cpu", "cpus_per_worker": 1,
                       **({} if standby_per_node is None else {"standby_per_node": standby_per_node})},

@@ -76,13 +76,16 @@ def cuda_columns(procs: dict[str, int], memory: dict[int, object]) -> dict[str, 
 
 
 def job_config(preset: str, nodes: int, reshard: str, steps: int) -> dict:
+    """`parallel.drain_margin` 0: a drain moves off at once (the soak counts memory per reconfiguration;
+    a hold until the deadline less the lead would only stretch each drain to its 60 s notice)."""
     return {
         "name": "soak",
         "model": {"preset": preset},
         "data": {"source": "synthetic", "seq_len": 64},
         "train": {"steps": steps, "global_batch_size": 4, "micro_batch_size": 1, "lr": 1e-3, "warmup_steps": 2,
                   "seed": 5},
-        "parallel": {"min_workers": 1, "max_workers": nodes, "dp_mode": "shard", "reshard": reshard},
+        "parallel": {"min_workers": 1, "max_workers": nodes, "dp_mode": "shard", "reshard": reshard,
+                     "drain_margin": 0.0},
         "checkpoint": {"interval_steps": 8, "keep_last": 2},
         "resources": {"device": "cpu", "cpus_per_worker": 1},
     }

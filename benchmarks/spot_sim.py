@@ -24,10 +24,14 @@ maximum: a system may always leave nodes idle), integrated over the trace, with 
 size. No system can exceed it; one that does is a model error: the script says so and exits 1.
 
 The systems (all start at t=0 training on what is alive, at no cost; each event costs what follows):
-- elastron: the coordinator's policy (`service.control.policy`): shrinks on a notice (a live move off
-  the draining node; at once, or `drain_wait_s` later as a what-if), recovers a loss without notice from peer snapshots (the steps since the
-  last snapshot redone), grows when the offer has been stable `settle_s` and the joiners are warm (they
-  start on the new node while the group trains). A move is hand-over + plan + rendezvous + the bytes
+- elastron: the coordinator's policy (`service.control.policy`): on a notice it trains on with the
+  noticed node until its deadline less the product's lead (`service.control.drain`: `drain_margin` x
+  (the step, or the coordinator's chunk if longer, + the last live move's hand-over, plan, rendezvous
+  and transfer), at least `drain_floor_s`; `drain_move_s` assumed before a move), then shrinks off it
+  (a live move; at once where the lead exceeds the notice or the rest cannot run), recovers a loss
+  without notice from peer snapshots (the steps since the last snapshot redone), grows when the offer
+  has been stable `settle_s` and the joiners are warm (they start on the new node while the group
+  trains). A move is hand-over + plan + rendezvous + the bytes
   each node receives over the network + communicator init + form + the first step's compile. A loss
   whose buddy (the next member in join order, which holds its snapshot) is lost in the same batch
   falls back to the last durable checkpoint in object storage.
@@ -68,6 +72,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import spot_schedule  # noqa: E402
 from models.config import ModelConfig, model_config  # noqa: E402
 from parallel.planner import Constraints, PlanError, plan  # noqa: E402
+from service.control.drain import DrainLead  # noqa: E402
+from workers.config import ParallelConfig  # noqa: E402
 
 TRACE = ROOT.parent / "shared" / "data" / "spot-traces" / "aws-p3.2xlarge-32.csv"
 GB = 1e9
@@ -86,6 +92,8 @@ class Event:
     t: float
     kind: Kind
     node: str
+    deadline: float | None = None
+    """A NOTICE's: when the node goes (its removal)."""
 
 
 def load_trace(path: Path) -> list[Event]:
@@ -104,7 +112,8 @@ def with_notices(events: list[Event], *, share: float, notice_s: float, seed: in
         if e.kind is Kind.ADD:
             added[e.node] = e.t
         elif rng.random() < share:
-            out.append(Event(t=max(added.get(e.node, 0.0), e.t - notice_s), kind=Kind.NOTICE, node=e.node))
+            out.append(Event(t=max(added.get(e.node, 0.0), e.t - notice_s), kind=Kind.NOTICE, node=e.node,
+                             deadline=e.t))
     order = {Kind.ADD: 0, Kind.NOTICE: 1, Kind.REMOVE: 2}
     return sorted(out, key=lambda e: (e.t, order[e.kind]))
 
@@ -234,6 +243,10 @@ def job_70b() -> Job:
                tokens_per_gpu_s=829.0, ref_nodes=32, plan_s=0.511)  # torchtitan Table 4 (256 H100, 2D)
 
 
+_PRODUCT = ParallelConfig()
+"""The job config's defaults: the drain's lead rule of a job that sets none."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ElastronCosts:
     """Elastron's per-event parts, from this project's measurements (docs/benchmarks.md)."""
@@ -264,10 +277,19 @@ class ElastronCosts:
         of a gap of at most `probe_cap_s`: half of it on average) plus its timeout, or the cluster's own
         detection (`common.kill_detect_s`) if that comes first."""
         return min(common.kill_detect_s, self.probe_cap_s / 2 + self.probe_timeout_s)
-    drain_wait_s: float = 0.0
-    """How long after a notice the group trains on with the noticed node before moving off it. The
-    policy shrinks at once (0); a what-if: about notice_s less the move's time keeps the node until
-    shortly before its end (a removal that comes first is a loss)."""
+    drain_margin: float = _PRODUCT.drain_margin
+    """A notice's node trains on until its deadline less the lead, max(drain_floor_s, drain_margin x (the
+    call between two decisions + the last move off a node)), the product's rule (service.control.drain)
+    with its defaults (workers.config.ParallelConfig); 0: move off at once."""
+    drain_floor_s: float = _PRODUCT.drain_floor_s
+    drain_move_s: float = _PRODUCT.drain_move_s
+    """The move off a node assumed before one has been made (the trace's first drains)."""
+    chunk_s: float = 0.5
+    """The coordinator's training call between two decisions, when longer than a step
+    (CoordinatorOptions.chunk_seconds)."""
+
+    def drain_lead(self) -> DrainLead:
+        return DrainLead(margin=self.drain_margin, floor_s=self.drain_floor_s, default_move_s=self.drain_move_s)
     snapshot_every: int = 1
     """Peer snapshot cadence at the defaults when its cost is within `peer_budget` (workers.pace)."""
     peer_budget: float = 0.1
@@ -592,6 +614,10 @@ class Elastron(System):
         super().__init__(job, table, params)
         self.settled_at = 0.0
         self.drain_at: dict[str, float] = {}
+        """Noticed node -> when the group moves off it (its deadline less the lead, or the notice)."""
+        self.deadline: dict[str, float] = {}
+        self.last_move_off_s: float | None = None
+        """The last live move's hand-over and transfer (a growth or a drain), as the coordinator records it."""
 
     def snapshot_copy_s(self, nodes: int) -> float:
         hw = self.p.hardware
@@ -617,13 +643,29 @@ class Elastron(System):
         snap = self.snapshot_copy_s(nodes) / (self.snapshot_every(nodes) * step) if step > 0 else 0.0
         return super().steady_overhead(nodes) + snap
 
+    def move_off_s(self, nodes: int) -> float:
+        """The part of a move to `nodes` that needs the old workers: hand-over, plan, rendezvous, the bytes
+        a node receives (its new shard: FSDP's chunks shift, so nearly all of it)."""
+        e, wire = self.p.elastron, self.job.state_bytes / nodes / self.p.hardware.net_bytes_s
+        return e.handover_s + self.job.plan_s + e.rendezvous_s + wire
+
     def move_s(self, nodes: int) -> float:
-        """Hand-over, plan, rendezvous, the bytes a node receives (its new shard: FSDP's chunks shift, so
-        nearly all of it), communicator init, form, the first step's compile."""
+        """The move off, then communicator init, form, the first step's compile."""
         e, c = self.p.elastron, self.p.common
-        wire = self.job.state_bytes / nodes / self.p.hardware.net_bytes_s
-        return (e.handover_s + self.job.plan_s + e.rendezvous_s + wire + c.comm_init_s + e.form_s
-                + self.compile_s(nodes))
+        return self.move_off_s(nodes) + c.comm_init_s + e.form_s + self.compile_s(nodes)
+
+    def live_move(self, t: float, members: tuple[str, ...], cause: Cause) -> float:
+        """A sound group's live move to `members` (a growth, a drain); returns when its move off ends."""
+        off = self.move_off_s(len(members))
+        self.last_move_off_s = off
+        self.move(t + self.move_s(len(members)), members, cause)
+        return t + off
+
+    def drain_lead_s(self) -> float | None:
+        """The product's lead (service.control.drain) from this group's call and its last move off."""
+        e = self.p.elastron
+        call = max(self.step_s(len(self.members)), e.chunk_s)
+        return e.drain_lead().lead_s(call_s=call, move_s=self.last_move_off_s)
 
     def on_batch(self, t: float, batch: tuple[Event, ...]) -> None:
         before = self.usable
@@ -633,9 +675,15 @@ class Elastron(System):
             self.cancel("grow")
         for e in batch:
             if e.kind is Kind.NOTICE:
-                self.drain_at[e.node] = t + self.p.elastron.drain_wait_s
-                if self.p.elastron.drain_wait_s > 0:
-                    self.schedule(self.drain_at[e.node], "drain", replace=False)
+                self.deadline[e.node] = e.deadline if e.deadline is not None else t
+                self.drain_at[e.node] = t
+                keep = [m for m in self.members if m not in self.noticed]
+                lead = self.drain_lead_s()
+                # the policy holds only where the rest can still run (a Wait releases the group at once)
+                if lead is not None and e.node in self.members and self.table.rate(len(keep)) > 0:
+                    self.drain_at[e.node] = max(t, self.deadline[e.node] - lead)
+                    if self.drain_at[e.node] > t:
+                        self.schedule(self.drain_at[e.node], "drain", replace=False)
         self.react(t, batch)
 
     def react(self, t: float, batch: tuple[Event, ...]) -> None:
@@ -644,14 +692,16 @@ class Elastron(System):
         usable = self.usable
         if self.lost_members:
             self.recover(t)
-        elif due := [m for m in self.members if m in self.noticed and self.drain_at.get(m, 0.0) <= t]:
+        elif any(m in self.noticed and self.drain_at.get(m, 0.0) <= t for m in self.members):
+            # the earliest move-off moves the group off every noticed member at once, as the policy does
             self.count("drain")
-            keep = tuple(m for m in self.members if m not in due)
+            keep = tuple(m for m in self.members if m not in self.noticed)
+            deadline = min(self.deadline.get(m, t) for m in self.members if m in self.noticed)
             if self.table.rate(len(keep)) <= 0:  # nothing left to run on: save (the notice allows it) and wait
                 self.checkpoint_now()
                 self.wait(Cause.NOTICE)
-            else:
-                self.move(t + self.move_s(len(keep)), keep, Cause.NOTICE)
+            elif self.live_move(t, keep, Cause.NOTICE) > deadline:
+                self.count("drain, moved off after its deadline")
         elif self.phase is Phase.WAITING:
             if self.table.rate(len(usable)) > 0:
                 self.count("start")
@@ -696,7 +746,7 @@ class Elastron(System):
             self.schedule(max(warm, self.settled_at), "grow")
             return
         self.count("grow")
-        self.move(t + self.move_s(len(usable)), usable, Cause.JOIN)
+        self.live_move(t, usable, Cause.JOIN)
 
 
 class RayTrain(System):
@@ -872,6 +922,7 @@ SWEEP: tuple[tuple[str, tuple], ...] = (
     ("common.notice_share", (0.0, 1.0)),
     ("elastron.settle_s", (0.0, 30.0)),
     ("elastron.joiner_start_s", (2.0, 60.0)),
+    ("elastron.drain_margin", (0.0, 3.0)),
     ("hardware.network_gbit_s", (100.0, 3200.0)),
     ("hardware.object_store_gbit_s", (10.0, 100.0)),
     ("raytrain.monitor_interval_s", (1.0, 60.0)),
@@ -964,7 +1015,10 @@ def replay_scenario(replay: dict) -> tuple[list[Event], SizeTable, Job, float]:
     present += [f"start{i}" for i in range(k0 - len(present))]
     # the replay starts training at k0 nodes; its events at 0 s come after that start, as events
     events = [Event(-1e-6, Kind.ADD, s) for s in present]
-    events += [Event(float(a["at"]), Kind(a["kind"]), f"s{a['slot']}") for a in actions]
+    notice_s = replay.get("notice_s")  # spot_trace.py drains with this deadline from the notice
+    events += [Event(float(a["at"]), Kind(a["kind"]), f"s{a['slot']}",
+                     deadline=float(a["at"]) + float(notice_s) if a["kind"] == "notice" and notice_s else None)
+               for a in actions]
     order = {Kind.ADD: 0, Kind.NOTICE: 1, Kind.REMOVE: 2}
     events.sort(key=lambda e: (e.t, order[e.kind]))
     top = max(calib)

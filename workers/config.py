@@ -382,6 +382,16 @@ class ParallelConfig:
     """How state moves on a planned resize, a growth or a preemption notice: live (from the workers of the
     old layout to those of the new one over the network, then a durable checkpoint in the background) or
     storage (a blocking checkpoint, then every new rank loads it)."""
+    drain_margin: Annotated[float, Field(strict=True, ge=0, le=100)] = 1.5
+    """A drain notice with a deadline: the group trains on with the noticed node until the deadline less a
+    lead, then moves off it as `reshard` says. The lead is this many times (the longest training call
+    between two decisions + the last measured move off a node: its hand-over and transfer), at least
+    `drain_floor_s` (service.control.drain). 0: move off at once, whatever the deadline."""
+    drain_floor_s: Annotated[float, Field(strict=True, ge=0, le=3600)] = 5.0
+    """The shortest lead: it also covers the cluster poll's delay and a step slower than the last."""
+    drain_move_s: Annotated[float, Field(strict=True, ge=0, le=3600)] = 40.0
+    """The move off a node assumed until one has been measured (with `reshard: storage`, always: its
+    blocking save is not measured): conservative, so a job's first drains move early rather than late."""
 
     @model_validator(mode="after")
     def _rules(self) -> ParallelConfig:

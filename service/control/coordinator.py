@@ -30,13 +30,14 @@ from dataclasses import replace
 
 from parallel.planner import Plan, PlanError, plan, size_for
 from service.control.commands import Command
+from service.control.drain import DrainLead
 from service.control.events import Cause, EventKind
 from service.control.failure import Failure, give_up
 from service.control.inbox import Inbox
 from service.control.job import Job
 from service.control.journal import Journal
 from service.control.options import CoordinatorOptions
-from service.control.policy import Decision, Fail, PolicyConfig, Resize, ScalingPolicy, Wait
+from service.control.policy import Decision, Fail, Noop, PolicyConfig, Resize, ScalingPolicy, Wait
 from service.control.progress import Progress
 from service.control.reconfiguration import Reconfigs
 from service.control.reconfigure import Reconfigure
@@ -75,6 +76,8 @@ class Coordinator:
         self.journal = Journal(self.job_id, current=lambda: self.state.name, sink=self.events.append)
         self.policy = ScalingPolicy(self._policy_config(job.min_workers, job.max_workers), size_for=self._size_for,
                                     hold_growth=self._hold_growth)
+        self.drain = DrainLead.of(self.cfg.parallel)
+        """How long before a drain's deadline the group moves off the noticed node (`_drain_lead`)."""
         self.watcher = watcher or ClusterWatcher(interval_s=self.opts.poll_interval_s)
         self._own_watcher = watcher is None
         self._lock = threading.RLock()
@@ -263,9 +266,13 @@ class Coordinator:
         if self._nodes_dead(snap, state.group):
             return self.recovery.recover(WorkerFailure(FailureKind.NODE_LOST, "a node hosting workers is gone"),
                                          state.group, state.plan)
-        d = self._decide(snap, current_workers=state.group.size, requested=state.resize_requested)
+        d = self._decide(snap, current_workers=state.group.size, requested=state.resize_requested, group=state.group)
         if isinstance(d, Fail):
             return self._fail(d.reason)
+        if isinstance(d, Noop) and d.move_at is not None and set(snap.draining()) != state.drains_noted:
+            self.journal.note(EventKind.CAPACITY, reason=f"training on: {d.reason}", step=self.step_done,
+                              details={"draining": snap.draining(), "move_at": d.move_at})
+            state = replace(state, drains_noted=frozenset(snap.draining()))
         if isinstance(d, (Resize, Wait)):
             cause = d.cause if isinstance(d, Resize) else Cause.PREEMPTION if snap.draining() else Cause.FAILURE
             if cause == Cause.PREEMPTION:
@@ -289,7 +296,10 @@ class Coordinator:
         return state
 
     # -- what the handlers do ------------------------------------------------------------------------------
-    def _decide(self, snap: ClusterSnapshot, *, current_workers: int, requested: bool = False) -> Decision:
+    def _decide(self, snap: ClusterSnapshot, *, current_workers: int, requested: bool = False,
+                group: Group | None = None) -> Decision:
+        """The policy's decision on what the cluster offers now; `group`: the running group, whose workers
+        on draining nodes must leave them (by `_drain_lead` before the earliest deadline)."""
         c = self.policy.config
         if why := give_up(self.failures, now=time.time(), max_restarts=c.max_restarts, window_s=c.restart_window_s):
             return Fail(why)
@@ -298,10 +308,22 @@ class Coordinator:
         no_gpu = r.gpus_per_worker and not any(n.gpus for n in snap.alive())
         why = (f"each worker needs {r.gpus_per_worker:g} GPU (resources.gpus_per_worker) and the cluster has "
                "none; use a cluster with GPUs, or resources.device: cpu" if no_gpu else "")
+        draining = snap.draining()
+        leaving = None if group is None else sum(n for node, n in group.nodes().items() if node in draining)
         return self.policy.decide(time.time(), current_workers=current_workers, usable_workers=fits,
-                                  draining=snap.draining(),
+                                  draining=draining,
                                   granted=None if self.grant is None else self._usable(snap), requested=requested,
-                                  short_because=why)
+                                  short_because=why, leaving=leaving, drain_lead_s=self._drain_lead())
+
+    def _drain_lead(self) -> float | None:
+        """How long before a drain's deadline the group starts moving off its node (service.control.drain),
+        from what this job measured: the longest training call between two decisions (the last step, or
+        the chunk when longer: `_train_chunk` returns within the larger of the two) and the last live move's
+        hand-over and transfer (with `reshard: storage` none is measured: the assumed move)."""
+        last = self.metrics.get(self.step_done)
+        call_s = max(self.opts.chunk_seconds, last.step_time if last and last.step_time else 0.0)
+        move_s = self.progress.last_move_off_s() if self.cfg.parallel.reshard == "live" else None
+        return self.drain.lead_s(call_s=call_s, move_s=move_s)
 
     def _prewarm(self, snap: ClusterSnapshot, group: Group) -> None:
         """While a growth settles, start the workers it will need on the new nodes (they warm up while

@@ -8,9 +8,16 @@ the recovery's decision, service.control.failure.give_up, asked before this one)
   1. Wait   when usable workers < min_workers: the job cannot run; hold nothing until capacity returns.
   2. Resize (start) when nothing runs (current_workers == 0): start at once on what is offered,
             cause "planned"; there is nothing to disrupt, so no settle time.
-  3. Resize (shrink) at once when fewer workers are offered than run. Cause "preemption" when nodes
-            are draining (shrink ahead of the deadline, with a checkpoint), "failure" when capacity is
-            simply gone, "user" when only a lowered max_workers caps it.
+  3. Resize (shrink) when fewer workers are offered than run: at once with cause "failure" when
+            capacity is simply gone, "user" when only a lowered max_workers caps it; cause "preemption"
+            when nodes the group runs on are draining (`leaving`: its workers there). The group also
+            moves off draining nodes when the rest offers as many workers as run (or more: the move
+            takes them too), cause "preemption". A drain trains on until it must move:
+            while every draining node has a deadline and `now < earliest deadline - drain_lead_s` (the
+            caller's lead: service.control.drain), and the drain alone explains the shortfall, the
+            decision is a Noop saying when the group moves off (`move_at`); then it moves, live or
+            through a checkpoint. No lead (None), a drain without a deadline, or a deadline already
+            inside the lead: it moves at once.
   4. Resize (grow) when more workers are offered than run *and* that offer has stayed the same for
             settle_seconds *and* nothing holds it (`hold_growth(target)`, when given: the workers the
             growth adds still warming up beside the training group, a checkpoint save in flight; the
@@ -42,6 +49,8 @@ from dataclasses import dataclass
 class Noop:
     reason: str = ""
     """Empty, or what is pending (e.g. growth still settling)."""
+    move_at: float | None = None
+    """While the group trains on with draining nodes: when it moves off them (unix s; rule 3)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -117,6 +126,18 @@ def _drain_text(now: float, draining: Mapping[str, float | None]) -> str:
     return first + more
 
 
+def _drain_hold(now: float, draining: Mapping[str, float | None], lead_s: float | None) -> Noop | None:
+    """The Noop that keeps the group training with its draining nodes, or None when it must move off
+    them now: no lead, a drain without a deadline, or the earliest deadline within the lead."""
+    if lead_s is None or not draining or any(d is None for d in draining.values()):
+        return None
+    move_at = min(d for d in draining.values() if d is not None) - lead_s
+    if now >= move_at:
+        return None
+    return Noop(f"{_drain_text(now, draining)}; moving off it in {move_at - now:.1f} s, {lead_s:.1f} s before "
+                f"its deadline", move_at=move_at)
+
+
 class ScalingPolicy:
     """Decides Noop / Resize / Wait / Fail from explicit observations (see the module docstring)."""
 
@@ -132,17 +153,23 @@ class ScalingPolicy:
 
     def decide(self, now: float, *, current_workers: int, usable_workers: int,
                draining: Mapping[str, float | None] | None = None,
-               granted: int | None = None, requested: bool = False, short_because: str = "") -> Decision:
+               granted: int | None = None, requested: bool = False, short_because: str = "",
+               leaving: int | None = None, drain_lead_s: float | None = None) -> Decision:
         """`current_workers`: size of the running group (0 when none runs). `usable_workers`: how many
         workers fit on alive, non-draining nodes. `draining`: {node_id: deadline unix s or None}. `granted`:
         the workers the scheduler grants this job (None: no scheduler, the whole cluster is offered).
         `requested`: the user has just changed the job's worker range, and waits for it to act.
-        `short_because`: why the cluster offers too few workers, when the caller knows (said in a Wait)."""
+        `short_because`: why the cluster offers too few workers, when the caller knows (said in a Wait).
+        `leaving`: the running workers on draining nodes (None: not known; a shortfall while nodes drain
+        is then taken to be theirs). `drain_lead_s`: how long before a drain's deadline the group must
+        start moving off its node (None: at once)."""
         c = self.config
         for name, v in (("current_workers", current_workers), ("usable_workers", usable_workers),
-                        ("granted", 0 if granted is None else granted)):
+                        ("granted", 0 if granted is None else granted), ("leaving", 0 if leaving is None else leaving)):
             if not _is_int(v, 0):
                 raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
+        if drain_lead_s is not None and not (isinstance(drain_lead_s, (int, float)) and drain_lead_s >= 0):
+            raise ValueError(f"drain_lead_s must be a number of seconds >= 0 or None, got {drain_lead_s!r}")
         draining = dict(draining or {})
 
         drains = _drain_text(now, draining)
@@ -168,16 +195,26 @@ class ScalingPolicy:
         if requested and target != current_workers:
             return self._reset(Resize(workers=target, cause="user",
                                       reason=f"resize to {target} workers requested by user"))
+        drained = bool(draining) if leaving is None else leaving > 0  # the group runs on draining nodes
         if offered < current_workers:
             if by_grant:
                 cause, why = "planned", f"the scheduler grants {granted} workers"
             elif usable_workers >= current_workers:
                 cause, why = "user", f"max_workers={c.max_workers} is below the {current_workers} running"
-            elif draining:
+            elif drained:
+                alone = leaving is None or usable_workers + leaving >= current_workers
+                if alone and (hold := _drain_hold(now, draining, drain_lead_s)) is not None:
+                    return self._reset(hold)
                 cause, why = "preemption", f"{usable_workers} usable workers < {current_workers} running; {drains}"
             else:
                 cause, why = "failure", f"{usable_workers} usable workers < {current_workers} running (capacity lost)"
             return self._reset(Resize(workers=target, cause=cause, reason=f"shrink to {target}: {why}"))
+        if leaving:  # as many workers offered elsewhere: the group still has to leave the draining nodes
+            if (hold := _drain_hold(now, draining, drain_lead_s)) is not None:
+                return self._reset(hold)
+            return self._reset(Resize(workers=target, cause="preemption",
+                                      reason=f"move to {target} workers off the draining nodes ({leaving} of the "
+                                             f"{current_workers} running are there); {drains}"))
         if target > current_workers:
             if by_grant or granted == offered:
                 return self._reset(Resize(workers=target, cause="grow",

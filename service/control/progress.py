@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from service.control.metrics_ring import RecentMetrics
-from service.control.reconfiguration import Reconfig, Reconfigs
+from service.control.reconfiguration import Live, Reconfig, Reconfigs, TransferPath
 from service.control.run_files import last_logged_step
 from workers.report import StepMetrics, Trained
 
@@ -74,6 +74,15 @@ class Progress:
             done = record.first_step(first, self.metrics.get(record.step_before))
             self.reconfigs.append(done)
         return done
+
+    def last_move_off_s(self) -> float | None:
+        """Seconds the newest live move of a sound group needed its old workers (its hand-over and
+        transfer: a drain's move off a node), None before one is recorded."""
+        with self.lock:
+            for r in reversed(self.reconfigs):
+                if isinstance(r.transfer, Live) and r.transfer.path is TransferPath.LIVE:
+                    return r.transfer.moved.handover_s + r.transfer.moved.transfer_s
+        return None
 
     def steps_per_call(self, chunk_seconds: float) -> int:
         """As many steps as fit in `chunk_seconds` at the last measured step time (1 until measured)."""

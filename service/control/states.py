@@ -95,7 +95,8 @@ class Waiting(Unformed):
 class Running:
     """`group` trains, formed for `plan`. `record`: the reconfiguration that formed it, open until its
     first step; `durable_due`: it was formed from live state, so a durable checkpoint follows that first
-    step; `resize_requested`: the user changed the worker range, and the policy acts on it at once."""
+    step; `resize_requested`: the user changed the worker range, and the policy acts on it at once;
+    `drains_noted`: the draining nodes the group trains on with, their hold already in the journal."""
 
     reason: str
     cause: Cause | None = None
@@ -104,6 +105,7 @@ class Running:
     record: Reconfig | None = None
     durable_due: bool = False
     resize_requested: bool = False
+    drains_noted: frozenset[str] = frozenset()
     name = JobState.RUNNING
 
 

@@ -62,7 +62,7 @@ def test_an_add_during_the_settle_restarts_it():
     assert r.trained_tokens == pytest.approx(100 * 115 + 300 * 184)
 
 
-def test_elastron_drains_at_the_notice_and_loses_nothing_at_the_removal():
+def test_elastron_drains_a_notice_without_a_deadline_at_once_and_loses_nothing_at_the_removal():
     events = ev((0, "add", "a"), (0, "add", "b"), (0, "add", "c"), (100, "notice", "c"), (220, "remove", "c"),
                 (300, "add", "x"))
     r = run(Elastron, events, 300.0)
@@ -73,15 +73,44 @@ def test_elastron_drains_at_the_notice_and_loses_nothing_at_the_removal():
     assert r.lost[str(Cause.REDONE)] == 0
 
 
-def test_with_a_drain_wait_elastron_trains_on_the_noticed_node_until_then():
-    events = ev((0, "add", "a"), (0, "add", "b"), (0, "add", "c"), (100, "notice", "c"), (220, "remove", "c"),
-                (300, "add", "x"))
-    params = dataclasses.replace(QUIET, elastron=dataclasses.replace(QUIET.elastron, drain_wait_s=110.0))
-    r = run(Elastron, events, 300.0, params)
-    assert r.events == {"drain": 1}  # at 210, 10 s before the end
-    assert r.trained_tokens == pytest.approx(300 * 210 + 200 * 89)
-    late = dataclasses.replace(QUIET, elastron=dataclasses.replace(QUIET.elastron, drain_wait_s=150.0))
-    assert run(Elastron, events, 300.0, late).events == {"loss, from peers": 1}  # waited past the end
+def drain_params(**kw) -> Params:
+    return dataclasses.replace(QUIET, elastron=dataclasses.replace(QUIET.elastron, **kw))
+
+
+NOTICED = [Event(0.0, Kind.ADD, "a"), Event(0.0, Kind.ADD, "b"), Event(0.0, Kind.ADD, "c"),
+           Event(100.0, Kind.NOTICE, "c", deadline=220.0), Event(220.0, Kind.REMOVE, "c"), Event(300.0, Kind.ADD, "x")]
+"""c noticed at 100 with AWS's 120 s: its deadline, 220, is its removal."""
+
+
+def test_elastron_trains_on_with_a_noticed_node_until_its_deadline_less_the_lead():
+    # no move measured yet: lead = max(5, 1.5 x (the 1 s step at 3 nodes + the assumed 2 s)) = 5 s: moves at 215
+    r = run(Elastron, NOTICED, 300.0, drain_params(drain_margin=1.5, drain_floor_s=5.0, drain_move_s=2.0))
+    assert r.events == {"drain": 1}
+    assert r.trained_tokens == pytest.approx(300 * 215 + 200 * 84)  # 1 s move (form), then 2 nodes from 216
+    assert r.lost[str(Cause.NOTICE)] == pytest.approx(300 * 1 + 100 * 4)
+    assert r.lost[str(Cause.REDONE)] == 0
+    # the defaults: the assumed 40 s move makes the lead 1.5 x 41 = 61.5 s, so it moves at 158.5
+    r = run(Elastron, NOTICED, 300.0)
+    assert r.events == {"drain": 1} and r.trained_tokens == pytest.approx(300 * 158.5 + 200 * 140.5)
+
+
+def test_a_measured_move_shortens_the_lead_and_margin_zero_moves_at_once():
+    # c joins at 30 (settle 10 s; warm at 25): that move off takes 0 s here, so the lead is the 5 s floor
+    grown = [Event(0.0, Kind.ADD, "a"), Event(0.0, Kind.ADD, "b"), Event(20.0, Kind.ADD, "c"),
+             Event(100.0, Kind.NOTICE, "c", deadline=220.0), Event(220.0, Kind.REMOVE, "c"), Event(300.0, Kind.ADD, "x")]
+    r = run(Elastron, grown, 300.0, drain_params(drain_floor_s=5.0))
+    assert r.events == {"grow": 1, "drain": 1}
+    assert r.trained_tokens == pytest.approx(200 * 30 + 300 * (215 - 31) + 200 * 84)  # grew 30-31, drained 215-216
+    at_once = run(Elastron, NOTICED, 300.0, drain_params(drain_margin=0.0))
+    assert at_once.trained_tokens == pytest.approx(300 * 100 + 200 * 199)
+
+
+def test_a_lead_longer_than_the_notice_moves_at_once_and_a_late_move_off_is_counted():
+    short = [Event(0.0, Kind.ADD, "a"), Event(0.0, Kind.ADD, "b"), Event(0.0, Kind.ADD, "c"),
+             Event(200.0, Kind.NOTICE, "c", deadline=205.0), Event(205.0, Kind.REMOVE, "c"), Event(300.0, Kind.ADD, "x")]
+    r = run(Elastron, short, 300.0, drain_params(handover_s=10.0))  # lead 1.5 x (1 + 40) > 5 s: at once
+    assert r.events == {"drain": 1, "drain, moved off after its deadline": 1}  # its hand-over ends at 210
+    assert r.trained_tokens == pytest.approx(300 * 200 + 200 * 89)
 
 
 def test_a_loss_without_notice_redoes_the_step_in_flight_and_reforms_from_peers():

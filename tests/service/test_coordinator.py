@@ -59,7 +59,8 @@ def test_a_forced_layout_is_planned_by_the_planner_and_holds_the_worker_count(tm
 
 
 def test_preemption_notice_shrinks_with_zero_steps_lost(tmp_path):
-    c, cluster, _ = make_coordinator(tmp_path, {"a": 2, "b": 2})
+    """With drain_margin 0 the group moves off at once, however far the deadline (here the year 2286)."""
+    c, cluster, _ = make_coordinator(tmp_path, {"a": 2, "b": 2}, parallel={"drain_margin": 0.0})
     advance(c, lambda c: c.step_done >= 7)
     cluster.draining["b"] = 10**13
     advance(c, lambda c: c.group is not None and c.group.size == 2 and c.step_done >= 9)
@@ -67,6 +68,75 @@ def test_preemption_notice_shrinks_with_zero_steps_lost(tmp_path):
     assert rc.cause == "preemption" and rc.steps_lost == 0 and rc.step_before == 7 and rc.resumed_step == 7
     assert "b" not in c.group.nodes()
     assert [e["kind"] for e in c.events_since(0)].count("preemption") == 1
+
+
+def paced(G, seconds: float) -> None:
+    """Each fake training call of group class `G` takes `seconds`, as a real one takes a chunk."""
+    run = G.run
+
+    def slow(self, **kw):
+        time.sleep(seconds)
+        return run(self, **kw)
+    G.run = slow
+
+
+DRAIN = {"drain_floor_s": 1.0, "drain_move_s": 0.2}
+"""A lead of 1 s (the floor: 1.5 x (0.05 s chunk + 0.2 s assumed move) is less), so a test waits seconds."""
+
+
+def test_a_drain_with_a_long_deadline_trains_on_and_moves_off_before_it(tmp_path):
+    c, cluster, G = make_coordinator(tmp_path, {"a": 2, "b": 2}, steps=10**6, parallel=DRAIN, chunk_seconds=0.05)
+    paced(G, 0.01)
+    advance(c, lambda c: c.step_done >= 3)
+    noticed = c.step_done
+    deadline = time.time() + 3.0
+    cluster.draining["b"] = int(deadline * 1000)
+    assert c._drain_lead() == 1.0
+    advance(c, lambda c: len(c.reconfigs) >= 2, limit=100_000)
+    (rc,) = changes(c)
+    assert rc.cause == "preemption" and rc.steps_lost == 0 and "b" not in c.group.nodes()
+    assert deadline - 1.0 - 0.01 <= rc.detected < deadline  # moved once the lead was reached, not before
+    assert rc.step_before > noticed + 50  # it trained on with b meanwhile (~200 paced steps)
+    notes = [e for e in c.events_since(0) if e["kind"] == "capacity" and e["reason"].startswith("training on")]
+    assert len(notes) == 1 and "node b drains in" in notes[0]["reason"], notes  # said once, not every tick
+    assert notes[0]["details"]["move_at"] == pytest.approx(deadline - 1.0, abs=0.01)
+    assert [e["kind"] for e in c.events_since(0)].count("preemption") == 1
+
+
+def test_a_drain_with_a_deadline_inside_the_lead_moves_off_at_once(tmp_path):
+    c, cluster, G = make_coordinator(tmp_path, {"a": 2, "b": 2}, steps=10**6, parallel=DRAIN, chunk_seconds=0.05)
+    advance(c, lambda c: c.step_done >= 3)
+    noticed = c.step_done
+    cluster.draining["b"] = int((time.time() + 0.8) * 1000)  # 0.8 s < the 1 s lead
+    advance(c, lambda c: len(c.reconfigs) >= 2)
+    (rc,) = changes(c)
+    assert rc.cause == "preemption" and rc.steps_lost == 0 and rc.step_before == noticed  # the next decision
+    assert not [e for e in c.events_since(0) if e["reason"].startswith("training on")]
+
+
+def test_a_group_with_spare_capacity_still_moves_off_a_draining_node(tmp_path):
+    """Node c offers as many workers as b holds: the group keeps its size but must leave b before the
+    deadline (without the move, b's workers would die with it)."""
+    c, cluster, G = make_coordinator(tmp_path, {"a": 2, "b": 2, "c": 2}, steps=10**6, max_workers=4,
+                                     parallel={"drain_margin": 0.0})
+    advance(c, lambda c: c.step_done >= 3)
+    used = sorted(c.group.nodes())
+    on, idle = used[-1], ({"a", "b", "c"} - set(used)).pop()
+    cluster.draining[on] = int((time.time() + 60) * 1000)
+    advance(c, lambda c: len(c.reconfigs) >= 2)
+    (rc,) = changes(c)
+    assert rc.cause == "preemption" and rc.world_size == 4 and rc.steps_lost == 0
+    assert c.group.nodes()[idle] == 2 and rc.transfer.path == "live"
+
+
+def test_the_lead_comes_from_the_last_live_move_and_the_assumed_one_before(tmp_path):
+    c, cluster, G = make_coordinator(tmp_path, {"a": 2}, steps=10**6)
+    advance(c, lambda c: c.step_done >= 2)
+    assert c._drain_lead() == pytest.approx(1.5 * (0.5 + 40.0))  # the defaults: nothing moved live yet
+    cluster.nodes["b"] = 2
+    advance(c, lambda c: len(c.reconfigs) >= 2)  # a growth: moved live (the fake's hand-over and transfer take 0 s)
+    assert changes(c)[-1].transfer.path == "live"
+    assert c._drain_lead() == 5.0  # the floor: 1.5 x (0.5 s chunk + 0 s)
 
 
 def test_a_node_the_watcher_still_calls_alive_is_left_out_after_a_failed_probe(tmp_path):

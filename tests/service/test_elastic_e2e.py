@@ -180,23 +180,32 @@ def test_planned_resize_redoes_no_steps(cluster, nodes, reference, tmp_path):
         "cpu_s", *(f"send_recv.{p}" for p in SEND_RECV_PARTS)}
 
 
-def test_preemption_notice_checkpoints_just_in_time_and_loses_nothing(cluster, nodes, reference, tmp_path):
+def test_preemption_notice_trains_on_then_moves_live_before_the_deadline_and_loses_nothing(cluster, nodes, reference,
+                                                                                           tmp_path):
     from service.pool.cluster import drain_node
 
     nodes(3)
-    # Hold at step 5 while the drain is requested, then train slowly until the job has shrunk: the
-    # watcher sees the drain on its next poll, and the job must not finish before that.
+    # Hold at step 5 while the drain is requested, then train slowly until the job has moved off the node:
+    # with a 5 s deadline and a 2 s lead (the floor: no move measured yet, and the assumed one is 0 s here)
+    # the group trains on with the noticed node for about 3 s, and the job must not finish before that.
     hold = Hold(5, pace_s=0.3, slow_until=lambda c: len(c.reconfigs) >= 2)
-    coord, t = start(tmp_path, hold=hold)
+    coord, t = start(tmp_path, steps=LONG, hold=hold,
+                     parallel={**CFG["parallel"], "drain_floor_s": 2.0, "drain_move_s": 0.0})
     wait_for(coord, running_at(coord, 5), "step 5")
     victim = not_driver(coord.group.nodes())[0]
-    drain_node(victim, message="test: spot reclaim", deadline_remaining_s=60)
+    drain_node(victim, message="test: spot reclaim", deadline_remaining_s=5)
     hold.release()
     (rc,) = finish(coord, t, reference)
     assert rc.cause == "preemption" and rc.steps_lost == 0, timeline(coord)
     assert rc.world_size == 2 and rc.started == 0
     assert rc.transfer.path == "live"  # the draining node's workers sent their shards before leaving
-    kinds = [e["kind"] for e in coord.events_since(0)]
+    events = coord.events_since(0)
+    (held,) = [e for e in events if e["kind"] == "capacity" and e["reason"].startswith("training on")]
+    deadline = held["details"]["draining"][victim]
+    assert held["details"]["move_at"] == pytest.approx(deadline - 2.0, abs=0.01)
+    assert deadline - 2.0 - 0.01 <= rc.detected < deadline, timeline(coord)  # at the lead, not at the notice
+    assert rc.step_before >= held["step"] + 3, timeline(coord)  # it trained on with the node meanwhile
+    kinds = [e["kind"] for e in events]
     assert "preemption" in kinds and "checkpoint" in kinds
 
 

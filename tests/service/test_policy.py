@@ -89,6 +89,80 @@ def test_draining_nodes_without_lost_capacity_do_nothing():
     assert policy().decide(0.0, current_workers=4, usable_workers=4, draining={"n9": 50.0}) == Noop()
 
 
+# -- a drain trains on until it must move (rule 3 with a lead) ------------------------------------------
+# now 100; a 4-worker group, one worker on node "n1" (deadline 220: AWS's 120 s notice), lead 30 s: the
+# group moves off at 190. Each row: now, usable, leaving, draining, lead -> the decision, written out.
+D = {"n1aaaaaaaa": 220.0}
+DRAIN_ROWS = [
+    # trains on, 90 s before it moves
+    (100.0, 3, 1, D, 30.0,
+     Noop("node n1aaaaaa drains in 120.0 s; moving off it in 90.0 s, 30.0 s before its deadline", move_at=190.0)),
+    # one tick before the lead: still trains on
+    (189.5, 3, 1, D, 30.0,
+     Noop("node n1aaaaaa drains in 30.5 s; moving off it in 0.5 s, 30.0 s before its deadline", move_at=190.0)),
+    # the lead is reached: shrinks, as without a lead
+    (190.0, 3, 1, D, 30.0,
+     Resize(workers=3, cause="preemption", reason="shrink to 3: 3 usable workers < 4 running; node n1aaaaaa drains in 30.0 s")),
+    # no lead (drain_margin 0): at once, the old behaviour
+    (100.0, 3, 1, D, None,
+     Resize(workers=3, cause="preemption", reason="shrink to 3: 3 usable workers < 4 running; node n1aaaaaa drains in 120.0 s")),
+    # a deadline already inside the lead: at once
+    (100.0, 3, 1, {"n1aaaaaaaa": 125.0}, 30.0,
+     Resize(workers=3, cause="preemption", reason="shrink to 3: 3 usable workers < 4 running; node n1aaaaaa drains in 25.0 s")),
+    # a drain without a deadline: at once
+    (100.0, 3, 1, {"n1aaaaaaaa": None}, 30.0,
+     Resize(workers=3, cause="preemption", reason="shrink to 3: 3 usable workers < 4 running; node n1aaaaaa is draining (no deadline)")),
+    # two drains, one without a deadline: at once
+    (100.0, 2, 2, {"n1aaaaaaaa": 220.0, "n2bbbbbbbb": None}, 30.0,
+     Resize(workers=2, cause="preemption",
+            reason="shrink to 2: 2 usable workers < 4 running; node n1aaaaaa drains in 120.0 s (+1 more draining)")),
+    # two drains: the earliest deadline sets the move
+    (100.0, 2, 2, {"n1aaaaaaaa": 220.0, "n2bbbbbbbb": 160.0}, 30.0,
+     Noop("node n2bbbbbb drains in 60.0 s (+1 more draining); moving off it in 30.0 s, 30.0 s before its deadline",
+          move_at=130.0)),
+    # the drain does not explain the shortfall (one more worker's capacity is gone): at once
+    (100.0, 2, 1, D, 30.0,
+     Resize(workers=2, cause="preemption", reason="shrink to 2: 2 usable workers < 4 running; node n1aaaaaa drains in 120.0 s")),
+    # the leaving workers not known (None): the shortfall is taken to be the drain's
+    (100.0, 2, None, D, 30.0,
+     Noop("node n1aaaaaa drains in 120.0 s; moving off it in 90.0 s, 30.0 s before its deadline", move_at=190.0)),
+    # a drain on a node the group does not use: nothing to move (capacity is lost elsewhere: failure)
+    (100.0, 3, 0, D, 30.0,
+     Resize(workers=3, cause="failure", reason="shrink to 3: 3 usable workers < 4 running (capacity lost)")),
+    (100.0, 4, 0, D, 30.0, Noop()),
+    # as many workers offered elsewhere: the group trains on, then moves off at the same size
+    (100.0, 4, 1, D, 30.0,
+     Noop("node n1aaaaaa drains in 120.0 s; moving off it in 90.0 s, 30.0 s before its deadline", move_at=190.0)),
+    (190.0, 4, 1, D, 30.0,
+     Resize(workers=4, cause="preemption",
+            reason="move to 4 workers off the draining nodes (1 of the 4 running are there); node n1aaaaaa drains in 30.0 s")),
+    # ... or onto more (the move takes them too, with no settle time)
+    (100.0, 5, 1, D, None,
+     Resize(workers=5, cause="preemption",
+            reason="move to 5 workers off the draining nodes (1 of the 4 running are there); node n1aaaaaa drains in 120.0 s")),
+]
+
+
+@pytest.mark.parametrize("now, usable, leaving, draining, lead, expected", DRAIN_ROWS)
+def test_a_drain_trains_on_until_its_lead_then_moves(now, usable, leaving, draining, lead, expected):
+    d = policy().decide(now, current_workers=4, usable_workers=usable, leaving=leaving, draining=draining,
+                        drain_lead_s=lead)
+    assert d == expected
+
+
+def test_a_drain_hold_resets_a_pending_growth_and_a_bad_lead_is_refused():
+    p = policy(settle_seconds=30.0)
+    p.decide(0.0, current_workers=4, usable_workers=6)
+    assert p.pending_growth == (6, 0.0)
+    assert p.decide(10.0, current_workers=4, usable_workers=3, leaving=1, draining=D, drain_lead_s=30.0).move_at == 190.0
+    assert p.pending_growth is None
+    for bad in (-1.0, "30", float("nan")):
+        with pytest.raises(ValueError, match="drain_lead_s"):
+            p.decide(0.0, current_workers=4, usable_workers=3, draining=D, drain_lead_s=bad)
+    with pytest.raises(ValueError, match="leaving"):
+        p.decide(0.0, current_workers=4, usable_workers=3, draining=D, leaving=-1)
+
+
 # -- grow and the settle timer ------------------------------------------------------------------------
 def test_grow_only_after_settle_seconds():
     p = policy(settle_seconds=30.0)
