@@ -89,6 +89,17 @@ def test_a_dead_standby_is_replaced_standbys_leave_nodes_without_members_none_fo
     assert gpu.keep_standby() == 0
 
 
+def _removed(slot) -> bool:
+    """Whether Ray has removed the placement group `slot`, polled: the GCS removes one asynchronously, so
+    right after `remove_placement_group` its table may still say CREATED."""
+    deadline = time.monotonic() + 15
+    while placement_group_table(slot)["state"] != "REMOVED":
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def test_a_slot_a_dead_member_left_is_held_until_the_next_start_only_and_not_on_a_dead_node(local_ray, tmp_path):
     me = ray.get_runtime_context().get_node_id()
     g = WorkerGroup(JobConfig(), str(tmp_path), cpus_per_worker=1, gpus_per_worker=0, job_id="t6")
@@ -99,12 +110,12 @@ def test_a_slot_a_dead_member_left_is_held_until_the_next_start_only_and_not_on_
         g.salvage(fate=fate)
         assert placement_group_table(slot)["state"] == "CREATED"  # held for a start on this node
         g.scale_to([])  # the start that followed did not take it: given back
-        assert placement_group_table(slot)["state"] == "REMOVED"
+        assert _removed(slot)
         g.scale_to([me])
         slot = g.members[0].pg
         ray.kill(g.members[0].actor, no_restart=True)
         g.salvage(fate=fate, gone={me})  # a member on a node the watcher lists as dead: no slot kept there
-        assert placement_group_table(slot)["state"] == "REMOVED"
+        assert _removed(slot)
     finally:
         g.shutdown()
     _cpus_free(2.0)
