@@ -716,6 +716,13 @@ class Elastron(System):
         call = self.call_s(len(self.members))
         return self.training_since + max(0, math.ceil((t - self.training_since) / call - 1e-9)) * call
 
+    def on_timer(self, t: float, timer: Timer) -> None:
+        if timer.name == "moved" and timer.gen == self.gens.get("moved", 0):
+            # a resize resets the policy's settle timer: a growth still pending settles anew from the first
+            # decision after the move
+            self.settled_at = t + self.p.elastron.settle_s
+        super().on_timer(t, timer)
+
     def drain_lead_s(self) -> float | None:
         """The product's lead (service.control.drain) from this group's call and its last move off."""
         e = self.p.elastron
@@ -753,7 +760,9 @@ class Elastron(System):
         elif any(m in self.noticed and self.drain_at.get(m, 0.0) <= t for m in self.members):
             # the earliest move-off moves the group off every noticed member at once, as the policy does
             self.count("drain")
-            keep = tuple(m for m in self.members if m not in self.noticed)
+            # the policy's shrink takes what the rest offers: the members that stay and the warm joiners
+            # (a node whose worker is still starting waits for a growth)
+            keep = tuple(n for n in usable if n in self.members or self.warm_at.get(n, math.inf) <= t)
             deadline = min(self.deadline.get(m, t) for m in self.members if m in self.noticed)
             if self.table.rate(len(keep)) <= 0:  # nothing left to run on: save (the notice allows it) and wait
                 self.checkpoint_now()

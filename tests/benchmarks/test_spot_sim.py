@@ -120,6 +120,23 @@ def test_a_measured_move_shortens_the_lead_and_margin_zero_moves_at_once():
     assert at_once.trained_tokens == pytest.approx(300 * 100 + 200 * 199)
 
 
+def test_a_drain_takes_the_warm_joiners_along_and_leaves_a_cold_one_to_a_growth():
+    def drained(notice_at: float):
+        events = [Event(0.0, Kind.ADD, "a"), Event(0.0, Kind.ADD, "b"), Event(0.0, Kind.ADD, "c"),
+                  Event(100.0, Kind.ADD, "d"), Event(notice_at, Kind.NOTICE, "c", deadline=230.0),
+                  Event(230.0, Kind.REMOVE, "c"), Event(300.0, Kind.ADD, "x")]
+        return run(Elastron, events, 200.0, drain_params(drain_margin=0.0))
+    # d's worker starts at 100 (a step's end) and is warm at 105: a drain at 107 moves onto a, b and d
+    r = drained(107.0)
+    assert r.events == {"drain": 1}
+    assert r.trained_tokens == pytest.approx(300 * 107 + 300 * 92)
+    # at 102 it is not: the drain leaves 2 nodes, and d joins by a growth, whose settle starts again after
+    # the move (at 103, to 113): at the end of the step in flight then (1.5 s steps from 103: 113.5)
+    r = drained(102.0)
+    assert r.events == {"drain": 1, "grow": 1}
+    assert r.trained_tokens == pytest.approx(300 * 102 + 200 * 10.5 + 300 * 85.5)
+
+
 def test_a_lead_longer_than_the_notice_moves_at_once_and_a_late_move_off_is_counted():
     short = [Event(0.0, Kind.ADD, "a"), Event(0.0, Kind.ADD, "b"), Event(0.0, Kind.ADD, "c"),
              Event(200.0, Kind.NOTICE, "c", deadline=205.0), Event(205.0, Kind.REMOVE, "c"), Event(300.0, Kind.ADD, "x")]
