@@ -378,6 +378,23 @@ def test_the_replays_stall_before_its_first_event_is_left_out_of_its_time():
     assert c["relative_difference"] == pytest.approx(c["simulated_samples_per_s"] / 2.0 - 1)
 
 
+def test_the_replay_check_counts_the_step_in_flight_at_the_end_and_the_replays_own_rates():
+    replay = synthetic_replay(1.2)
+    el = replay["systems"]["elastron"]
+    el["analysis"] |= {"wall_s": 100.0, "own_throughput_by_size": {"2": 150.0}}
+    # step 11 ends 1 s after the window's end (t0 + 100): 3 of its 4 s were done by then
+    el |= {"t0": 1000.0, "rows": [{"time": 1097.0, "step": 10, "world_size": 2},
+                                  {"time": 1101.0, "step": 11, "world_size": 2}]}
+    c = check_replay(replay)
+    assert c["measured_step_in_flight_at_end"] == 0.75
+    assert c["measured_samples_per_s_after_start"] == pytest.approx((1.2 * 100 + 0.75 * 12) / 100)
+    assert c["size_table"] == {1: 100.0, 2: 150.0}  # measured at 2 workers, the ideal's at 1
+    assert [x["event"] for x in c["timeline"] if "event" in x] == ["loss, from peers", "grow"]
+    assert c["timeline"][0] | {"from_s": 0.0} == {"from_s": 0.0, "to_s": 50.0, "phase": "training", "workers": 2}
+    el["rows"][1]["step"] = 10  # the row after the end redoes a step: nothing was in flight towards step 11
+    assert check_replay(replay)["measured_step_in_flight_at_end"] == 0.0
+
+
 def test_a_replay_event_at_0_s_comes_after_the_start_at_k0_nodes():
     replay = synthetic_replay(1.0)
     replay["actions"][0]["at"] = 0.0  # slot 1 lost as the replay starts: a loss, not a start on one node
@@ -422,3 +439,15 @@ def test_the_replay_check_on_the_command_line_judges_every_replay(tmp_path, caps
     far[1].write_text(json.dumps(synthetic_replay(sim / 0.8)))
     assert main(base + ["--check-replay", *map(str, far)]) == 3
     assert "off a replay" in capsys.readouterr().err
+
+
+def test_the_model_against_the_committed_idle_box_replays_gives_the_documented_figures():
+    from benchmarks.spot_sim import ROOT
+    got = {}
+    for window in ("busiest", "calm", "median"):
+        path = ROOT / "benchmarks" / "results" / "spot-trace-emulated-k4-quiet" / f"{window}-events-seed0.json"
+        c = check_replay(json.loads(path.read_text()))
+        got[window] = (round(c["simulated_samples_per_s"], 2), round(c["measured_samples_per_s_after_start"], 2),
+                       round(100 * c["relative_difference"], 1), c["within"])
+    assert got == {"busiest": (1.73, 1.76, -1.8, True), "calm": (3.56, 3.56, 0.1, True),
+                   "median": (2.65, 2.62, 1.1, True)}  # docs/benchmarks.md, spot_sim.py
