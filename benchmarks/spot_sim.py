@@ -24,17 +24,22 @@ maximum: a system may always leave nodes idle), integrated over the trace, with 
 size. No system can exceed it; one that does is a model error: the script says so and exits 1.
 
 The systems (all start at t=0 training on what is alive, at no cost; each event costs what follows):
-- elastron: the coordinator's policy (`service.control.policy`): on a notice it trains on with the
-  noticed node until its deadline less the product's lead (`service.control.drain`: `drain_margin` x
-  (the step, or the coordinator's chunk if longer, + the last live move's hand-over, plan, rendezvous
-  and transfer), at least `drain_floor_s`; `drain_move_s` assumed before a move), then shrinks off it
-  (a live move; at once where the lead exceeds the notice or the rest cannot run), recovers a loss
-  without notice from peer snapshots (the steps since the last snapshot redone), grows when the offer
-  has been stable `settle_s` and the joiners are warm (they start on the new node while the group
-  trains). A move is hand-over + plan + rendezvous + the bytes
-  each node receives over the network + communicator init + form + the first step's compile. A loss
-  whose buddy (the next member in join order, which holds its snapshot) is lost in the same batch
-  falls back to the last durable checkpoint in object storage.
+- elastron: the coordinator's policy (`service.control.policy`), which decides only between training
+  calls (a call: as many steps as fit in the chunk, at least one; calls follow each other from the end
+  of the last move), so a growth or a drain waits for the end of the call in flight: on a notice it
+  trains on with the noticed node until its deadline less the product's lead (`service.control.drain`:
+  `drain_margin` x (the call + the last live move's hand-over, plan, rendezvous and transfer), at least
+  `drain_floor_s`; `drain_move_s` assumed before a move), then shrinks off it at that call's end (a
+  live move; at the next call's end where the lead exceeds the notice or the rest cannot run); it
+  grows at the first call's end once the offer has been stable `settle_s` and the joiners are warm
+  (both counted from the decision that first saw the new nodes: the coordinator starts their workers
+  then, beside the training group). A loss without notice is not held (the probes abort the call): the
+  survivors re-form from peer snapshots, redoing the part of the step in flight trained so far (plus
+  one step when the loss lands inside the snapshot round after a step). A move is hand-over + plan +
+  rendezvous + the bytes the busiest node moves + communicator init + form + the first step's compile.
+  A sharded (FSDP) loss whose buddy (the next member in join order, which holds its snapshot) is lost
+  in the same batch falls back to the last durable checkpoint in object storage; a replicated group
+  (`Job.replicated`) re-forms from any survivor's own copy.
 - raytrain: Ray Train v2 elastic: a change of size is decided at the autoscaler tick + the monitor
   interval and restarts every worker (group stop, start, build, communicator init, DCP load from object
   storage, compile), redoing the steps since the last checkpoint (none is taken before a resize); a
@@ -47,8 +52,9 @@ the rest went (`Cause`: nodes unused while an event is handled, redone work, the
 size); then each SWEEP parameter at a low and a high value, and the two that move Elastron most together.
 
 `--check-replay` runs the same Elastron model at the 2-core box's scale (`cpu_box_params`) on replays of
-benchmarks/spot_trace.py (their schedule and per-size throughput) and compares the goodput, the replay's
-stalls before its first event left out of its time: every replay within 10%, or exit 3.
+benchmarks/spot_trace.py (their schedule as executed, their per-size throughput and layout kind) and
+compares the goodput, the replay's stalls before its first event left out of its time: every replay
+within 10%, or exit 3.
 """
 
 from __future__ import annotations
@@ -222,6 +228,10 @@ class Job:
     memory_budget_gib: float = 70.0
     plan_s: float = 0.1
     """The slowest worker's live-reshard plan (scale.py at 512-1,024 ranks)."""
+    replicated: bool = False
+    """Every member holds the whole state (pure data-parallel replicas, DDP): a loss re-forms from the
+    survivors' own copies (no buddy, no storage while one survives, no snapshot lag, nothing sent), and a
+    growth sends each joiner the whole state. False: sharded (FSDP), each member holds its shard."""
 
     @property
     def state_bytes(self) -> float:
@@ -458,6 +468,13 @@ class System:
         self.compiled: set[int] = set()
         self.timers: list[tuple[float, Timer]] = []
         self.gens: dict[str, int] = {}
+        self.timeline: list[dict] | None = None
+        """When a list (`record()`): each span of one phase at one size, and each event handled, in order."""
+
+    def record(self) -> "System":
+        """Keep the timeline (the replay check prints it beside the replay's own)."""
+        self.timeline = []
+        return self
 
     # -- timers: a newer timer of the same name voids the older --
     def schedule(self, at: float, name: str, *, replace: bool = True) -> None:
@@ -490,6 +507,13 @@ class System:
         dt = t - self.t
         if dt <= 0:
             return
+        if self.timeline is not None:
+            span = {"from_s": self.t, "to_s": t, "phase": self.phase.value, "workers": len(self.members)}
+            last = self.timeline[-1] if self.timeline else {}
+            if last.get("phase") == span["phase"] and last.get("workers") == span["workers"] and last["to_s"] == self.t:
+                last["to_s"] = t
+            else:
+                self.timeline.append(span)
         best = self.table.best(len(self.alive))
         if self.phase is Phase.TRAINING:
             n = len(self.members)
@@ -523,6 +547,8 @@ class System:
 
     def count(self, what: str) -> None:
         self.events[what] = self.events.get(what, 0) + 1
+        if self.timeline is not None:
+            self.timeline.append({"at_s": self.t, "event": what})
 
     # -- the nodes --
     @property
@@ -536,8 +562,9 @@ class System:
 
     def apply(self, batch: tuple[Event, ...]) -> None:
         for e in batch:
-            if e.kind is Kind.ADD:
+            if e.kind is Kind.ADD:  # a node that comes (back) is a new instance: no notice of an earlier one holds
                 self.alive[e.node] = e.t
+                self.noticed.discard(e.node)
             elif e.kind is Kind.NOTICE:
                 self.noticed.add(e.node)
             else:
@@ -613,6 +640,9 @@ class Elastron(System):
     def __init__(self, job: Job, table: SizeTable, params: Params):
         super().__init__(job, table, params)
         self.settled_at = 0.0
+        self.warm_at: dict[str, float] = {}
+        """Node -> when the worker a growth adds there is warm: started at the first decision after the
+        node came (the coordinator's prewarm), `joiner_start_s` later."""
         self.drain_at: dict[str, float] = {}
         """Noticed node -> when the group moves off it (its deadline less the lead, or the notice)."""
         self.deadline: dict[str, float] = {}
@@ -630,36 +660,68 @@ class Elastron(System):
             return e.snapshot_every
         return max(e.snapshot_every, math.ceil(self.snapshot_copy_s(nodes) / (e.peer_budget * step)))
 
-    def snapshot_lag_steps(self, nodes: int) -> float:
-        """Expected steps the last complete snapshot lags the last finished step: a loss lands inside the
-        round that sends the last step's shard to its buddy with probability round / step. (On this box a
-        round outlasted a step: a kill after step 12 restored step 11, elastic.py FSDP kill.)"""
-        step = self.step_s(nodes)
-        round_s = self.job.state_bytes / nodes / self.p.hardware.net_bytes_s
-        return min(1.0, round_s / step) if step > 0 else 1.0
+    def snapshot_round_s(self, nodes: int) -> float:
+        """The snapshot round after a step, sending each member's shard to its buddy: a loss inside it
+        finds the last step's snapshot incomplete and restores the one before. (On this box a round
+        outlasted a step: a kill after step 12 restored step 11, elastic.py FSDP kill.)"""
+        return self.job.state_bytes / nodes / self.p.hardware.net_bytes_s
 
     def steady_overhead(self, nodes: int) -> float:
         step = self.step_s(nodes)
         snap = self.snapshot_copy_s(nodes) / (self.snapshot_every(nodes) * step) if step > 0 else 0.0
         return super().steady_overhead(nodes) + snap
 
-    def move_off_s(self, nodes: int) -> float:
-        """The part of a move to `nodes` that needs the old workers: hand-over, plan, rendezvous, the bytes
-        a node receives (its new shard: FSDP's chunks shift, so nearly all of it)."""
-        e, wire = self.p.elastron, self.job.state_bytes / nodes / self.p.hardware.net_bytes_s
-        return e.handover_s + self.job.plan_s + e.rendezvous_s + wire
+    def wire_s(self, old: int, nodes: int) -> float:
+        """The bytes the busiest node moves from `old` members to `nodes`: sharded, each node receives its
+        new shard (FSDP's chunks shift, so nearly all of it); replicated, each joiner receives the whole
+        state from an old member (an old member serving several joiners sends it to each), and a shrink
+        moves nothing."""
+        state, bw = self.job.state_bytes, self.p.hardware.net_bytes_s
+        if not self.job.replicated:
+            return state / nodes / bw
+        joiners = max(0, nodes - old)
+        return state * math.ceil(joiners / max(old, 1)) / bw if joiners else 0.0
 
-    def move_s(self, nodes: int) -> float:
+    def move_off_s(self, old: int, nodes: int) -> float:
+        """The part of a move from `old` members to `nodes` that needs the old workers: hand-over, plan,
+        rendezvous, the bytes moved."""
+        e = self.p.elastron
+        return e.handover_s + self.job.plan_s + e.rendezvous_s + self.wire_s(old, nodes)
+
+    def move_s(self, old: int, nodes: int) -> float:
         """The move off, then communicator init, form, the first step's compile."""
         e, c = self.p.elastron, self.p.common
-        return self.move_off_s(nodes) + c.comm_init_s + e.form_s + self.compile_s(nodes)
+        return self.move_off_s(old, nodes) + c.comm_init_s + e.form_s + self.compile_s(nodes)
 
     def live_move(self, t: float, members: tuple[str, ...], cause: Cause) -> float:
         """A sound group's live move to `members` (a growth, a drain); returns when its move off ends."""
-        off = self.move_off_s(len(members))
+        old = len(self.members)
+        off = self.move_off_s(old, len(members))
         self.last_move_off_s = off
-        self.move(t + self.move_s(len(members)), members, cause)
+        self.move(t + self.move_s(old, len(members)), members, cause)
         return t + off
+
+    def call_s(self, nodes: int) -> float:
+        """A training call between two decisions at `nodes`: as many steps as fit in the coordinator's
+        chunk, at least one (service.control.progress.steps_per_call)."""
+        step, chunk = self.step_s(nodes), self.p.elastron.chunk_s
+        return step * max(1, min(100, int(chunk / step))) if step > 0 else chunk
+
+    def next_decision(self, t: float) -> float:
+        """The first decision at or after `t`: the policy decides only between training calls, so while
+        the group trains that is the end of the call in flight (calls follow each other from the move's
+        end); otherwise `t`. A loss is not held: the coordinator's probes abort the call."""
+        if self.phase is not Phase.TRAINING:
+            return t
+        call = self.call_s(len(self.members))
+        return self.training_since + max(0, math.ceil((t - self.training_since) / call - 1e-9)) * call
+
+    def on_timer(self, t: float, timer: Timer) -> None:
+        if timer.name == "moved" and timer.gen == self.gens.get("moved", 0):
+            # a resize resets the policy's settle timer: a growth still pending settles anew from the first
+            # decision after the move
+            self.settled_at = t + self.p.elastron.settle_s
+        super().on_timer(t, timer)
 
     def drain_lead_s(self) -> float | None:
         """The product's lead (service.control.drain) from this group's call and its last move off."""
@@ -670,20 +732,23 @@ class Elastron(System):
     def on_batch(self, t: float, batch: tuple[Event, ...]) -> None:
         before = self.usable
         self.apply(batch)
+        seen = self.next_decision(t)  # the policy sees the change at its next decision
         if self.usable != before:  # any change of the offer restarts the growth's settle timer
-            self.settled_at = t + self.p.elastron.settle_s
+            self.settled_at = seen + self.p.elastron.settle_s
             self.cancel("grow")
         for e in batch:
+            if e.kind is Kind.ADD:  # the growth's workers there start at that decision (the prewarm)
+                self.warm_at[e.node] = seen + self.p.elastron.joiner_start_s
             if e.kind is Kind.NOTICE:
                 self.deadline[e.node] = e.deadline if e.deadline is not None else t
-                self.drain_at[e.node] = t
+                self.drain_at[e.node] = seen
                 keep = [m for m in self.members if m not in self.noticed]
                 lead = self.drain_lead_s()
                 # the policy holds only where the rest can still run (a Wait releases the group at once)
                 if lead is not None and e.node in self.members and self.table.rate(len(keep)) > 0:
-                    self.drain_at[e.node] = max(t, self.deadline[e.node] - lead)
-                    if self.drain_at[e.node] > t:
-                        self.schedule(self.drain_at[e.node], "drain", replace=False)
+                    self.drain_at[e.node] = self.next_decision(max(t, self.deadline[e.node] - lead))
+                if self.drain_at[e.node] > t:
+                    self.schedule(self.drain_at[e.node], "drain", replace=False)
         self.react(t, batch)
 
     def react(self, t: float, batch: tuple[Event, ...]) -> None:
@@ -695,7 +760,9 @@ class Elastron(System):
         elif any(m in self.noticed and self.drain_at.get(m, 0.0) <= t for m in self.members):
             # the earliest move-off moves the group off every noticed member at once, as the policy does
             self.count("drain")
-            keep = tuple(m for m in self.members if m not in self.noticed)
+            # the policy's shrink takes what the rest offers: the members that stay and the warm joiners
+            # (a node whose worker is still starting waits for a growth)
+            keep = tuple(n for n in usable if n in self.members or self.warm_at.get(n, math.inf) <= t)
             deadline = min(self.deadline.get(m, t) for m in self.members if m in self.noticed)
             if self.table.rate(len(keep)) <= 0:  # nothing left to run on: save (the notice allows it) and wait
                 self.checkpoint_now()
@@ -707,7 +774,7 @@ class Elastron(System):
                 self.count("start")
                 self.restart_from_checkpoint(t, usable, Cause.JOIN, before_s=self.p.elastron.joiner_start_s)
         elif len(usable) > len(self.members):
-            self.schedule(max(t, self.settled_at), "grow")
+            self.schedule(self.next_decision(max(t, self.settled_at)), "grow")
 
     def recover(self, t: float) -> None:
         """Survivors re-form from peer snapshots; from the durable checkpoint instead when a lost member's
@@ -717,20 +784,27 @@ class Elastron(System):
         n_old = len(members)
         buddy_lost = any(members[(i + 1) % n_old] in lost for i, m in enumerate(members) if m in lost)
         keep = tuple(m for m in members if m in self.alive and m not in self.noticed)
+        survivor = any(m in self.alive for m in members)
         detect = e.detect_s(c) + e.failure_handled_s
-        if buddy_lost or n_old == 1:
+        if (buddy_lost and not self.job.replicated) or not survivor:
             self.count("loss, from storage")
             self.restart_from_checkpoint(t, keep, Cause.LOSS, before_s=detect)
             return
         self.count("loss, from peers")
-        steps = 0.5 + self.snapshot_lag_steps(n_old) + (self.snapshot_every(n_old) - 1) / 2
-        # never more than the group trained since it formed (the move's end is a complete state)
+        # the step in flight (where the group is in it), one step more when the loss lands inside the
+        # snapshot round that sends the last step's shard (sharded only: a replica's own copy is complete),
+        # and the steps since the last snapshot when the pace spaces them; never more than the group
+        # trained since it formed (the move's end is a complete state)
+        step = self.step_s(n_old)
         trained_s = t - self.training_since if self.phase is Phase.TRAINING else 0.0
-        self.redo(self.table.rate(n_old) * min(self.step_s(n_old) * steps, trained_s))
+        in_flight = trained_s % step if step > 0 else 0.0
+        lag = 0.0 if self.job.replicated or in_flight >= self.snapshot_round_s(n_old) else step
+        lost_s = in_flight + lag + step * (self.snapshot_every(n_old) - 1) / 2
+        self.redo(self.table.rate(n_old) * min(lost_s, trained_s))
         if self.table.rate(len(keep)) <= 0:
             self.wait(Cause.LOSS)
             return
-        self.move(t + detect + self.move_s(len(keep)), keep, Cause.LOSS)
+        self.move(t + detect + self.move_s(n_old, len(keep)), keep, Cause.LOSS)
 
     def timer(self, t: float, name: str) -> None:
         if self.phase is not Phase.TRAINING:
@@ -741,9 +815,10 @@ class Elastron(System):
         usable = self.usable
         if len(usable) <= len(self.members):
             return
-        warm = max(self.alive[n] for n in usable if n not in self.members) + self.p.elastron.joiner_start_s
-        if t < max(warm, self.settled_at):
-            self.schedule(max(warm, self.settled_at), "grow")
+        warm = max(self.warm_at.get(n, self.alive[n] + self.p.elastron.joiner_start_s)
+                   for n in usable if n not in self.members)
+        if t < max(warm, self.settled_at) - 1e-9:
+            self.schedule(self.next_decision(max(warm, self.settled_at)), "grow")
             return
         self.count("grow")
         self.live_move(t, usable, Cause.JOIN)
@@ -997,9 +1072,19 @@ def cpu_box_params(replay: dict) -> Params:
 
 
 def replay_scenario(replay: dict) -> tuple[list[Event], SizeTable, Job, float]:
-    """A spot_trace.py replay's schedule as events (slots as nodes; its notices as given), its per-size
-    throughput (samples/s per worker count: `ideal_throughput_by_size`, or `calibration`) as the size
-    table, and a job of its batch and state size."""
+    """A spot_trace.py replay's schedule as events (slots as nodes), its per-size throughput as the size
+    table, and a job of its batch, state size and layout kind.
+
+    The throughput (samples/s per worker count) is Elastron's own steady rate in this replay at each size
+    it trained at (`analysis.own_throughput_by_size`: warm-up steps left out), else the replay's ideal
+    (`ideal_throughput_by_size`, or `calibration`): the model is checked on what events cost, not on the
+    box's load during the replay against the calibration's.
+
+    The schedule as Elastron's replay executed it where it recorded that (`systems.elastron.replay`): the
+    harness starts one node after another, so an add is usable when its start ended (`at` + `took_s`),
+    not at its planned time. A notice's deadline is its slot's next removal (a removal in a window's first
+    `notice_s` gets a shorter notice). The layout kind is the one the product chose in the replay
+    (`extra.reconfigurations`' layouts: replicated when every one is data-parallel replicas only)."""
     try:
         k0, end, gbs = int(replay["k0"]), float(replay["replay_s"]), int(replay["global_batch_size"])
         thr = replay.get("ideal_throughput_by_size") or replay["calibration"]
@@ -1008,6 +1093,12 @@ def replay_scenario(replay: dict) -> tuple[list[Event], SizeTable, Job, float]:
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ValueError(f"replay JSON lacks {e}: give one replay's JSON from benchmarks/spot_trace.py --out (it "
                          f"has k0, replay_s, global_batch_size, ideal_throughput_by_size and actions)") from None
+    elastron = (replay.get("systems") or {}).get("elastron") or {}
+    executed = elastron.get("replay") or []
+    if len(executed) == len(actions) and all(x.get("kind") == a["kind"] and x.get("slot") == a["slot"]
+                                             for x, a in zip(executed, actions)):
+        actions = [a | {"at": float(x["at"]) + (float(x.get("took_s") or 0.0) if a["kind"] == "add" else 0.0)}
+                   for a, x in zip(actions, executed)]
     first: dict[str, str] = {}
     for a in actions:
         first.setdefault(f"s{a['slot']}", a["kind"])
@@ -1015,19 +1106,42 @@ def replay_scenario(replay: dict) -> tuple[list[Event], SizeTable, Job, float]:
     present += [f"start{i}" for i in range(k0 - len(present))]
     # the replay starts training at k0 nodes; its events at 0 s come after that start, as events
     events = [Event(-1e-6, Kind.ADD, s) for s in present]
-    notice_s = replay.get("notice_s")  # spot_trace.py drains with this deadline from the notice
-    events += [Event(float(a["at"]), Kind(a["kind"]), f"s{a['slot']}",
-                     deadline=float(a["at"]) + float(notice_s) if a["kind"] == "notice" and notice_s else None)
-               for a in actions]
+    def deadline(i: int, a: dict) -> float | None:
+        if a["kind"] != "notice":
+            return None
+        return next((float(b["at"]) for b in actions[i + 1:] if b["slot"] == a["slot"] and b["kind"] == "remove"),
+                    None)
+    events += [Event(float(a["at"]), Kind(a["kind"]), f"s{a['slot']}", deadline=deadline(i, a))
+               for i, a in enumerate(actions)]
     order = {Kind.ADD: 0, Kind.NOTICE: 1, Kind.REMOVE: 2}
     events.sort(key=lambda e: (e.t, order[e.kind]))
+    own = ((elastron.get("analysis") or {}).get("own_throughput_by_size")) or {}
+    calib |= {int(n): float(v) for n, v in own.items() if float(v) > 0}
     top = max(calib)
     table = SizeTable(tuple([Size(0, "-", 0, 0, 0.0, 0.0)] +
                             [Size(n, f"{n} workers", n, 1, 1.0, calib.get(n, 0.0)) for n in range(1, top + 1)]))
     state = float(replay.get("state_bytes", REPLAY_DEFAULTS["state_bytes"]))
+    layouts = [r.get("new_layout") or {} for r in (elastron.get("extra") or {}).get("reconfigurations") or []]
+    replicated = bool(layouts) and all(lay.get("dp_shard", 1) == 1 and lay.get("tp", 1) == 1 and lay.get("pp", 1) == 1
+                                       for lay in layouts)
     job = Job(name="replay", model=model_config("tiny"), params=state / 12.0, seq_len=1, global_batch=gbs,
-              micro_batch=1, tokens_per_gpu_s=0.0, ref_nodes=1, plan_s=0.03)
+              micro_batch=1, tokens_per_gpu_s=0.0, ref_nodes=1, plan_s=0.03, replicated=replicated)
     return events, table, job, end
+
+
+def step_in_flight(replay: dict) -> float:
+    """The share of Elastron's step in flight at the window's end that was done by then (0 to 1): from its
+    rows, the last step finished inside the window and the next one after it; 0 without them."""
+    e = (replay.get("systems") or {}).get("elastron") or {}
+    rows, t0, wall = e.get("rows") or [], e.get("t0"), (e.get("analysis") or {}).get("wall_s")
+    if t0 is None or wall is None:
+        return 0.0
+    end = float(t0) + float(wall)
+    done = [r for r in rows if r["time"] <= end]
+    after = [r for r in rows if r["time"] > end]
+    if not done or not after or after[0]["step"] != done[-1]["step"] + 1:
+        return 0.0
+    return (end - done[-1]["time"]) / (after[0]["time"] - done[-1]["time"])
 
 
 def check_replay(replay: dict, *, tolerance: float = 0.10, overrides: tuple[str, ...] = ()) -> dict:
@@ -1040,7 +1154,8 @@ def check_replay(replay: dict, *, tolerance: float = 0.10, overrides: tuple[str,
     step = job.global_batch / table.rate(int(replay["k0"]))
     ckpt_every = float(replay.get("ckpt_every", REPLAY_DEFAULTS["ckpt_every"]))
     params = params.set(f"common.ckpt_interval_s={ckpt_every * step}")
-    sim = simulate(Elastron(job, table, params), events, end)
+    model = Elastron(job, table, params).record()
+    sim = simulate(model, events, end)
     ideal = ideal_tokens(events, table, end)
     try:
         analysis = replay["systems"]["elastron"]["analysis"]
@@ -1050,18 +1165,24 @@ def check_replay(replay: dict, *, tolerance: float = 0.10, overrides: tuple[str,
                          "in which elastron ran") from None
     # The model starts training at 0 s, as the whole-trace simulation does; the replay's stalls before its
     # first event (process start and first steps, which spot_trace.py charges to "start") are taken out of
-    # its time: the trace caused none of them.
+    # its time: the trace caused none of them. The model counts what it trained until the end; the
+    # replay's goodput counts whole steps, so the step in flight at the end is added pro rata.
     wall = float(analysis.get("wall_s", end))
     start_s = float((analysis.get("stall_s") or {}).get("start", 0.0))
-    measured_trained = measured * wall / (wall - start_s) if wall > start_s else 0.0
+    in_flight = step_in_flight(replay)
+    measured_trained = (measured * wall + in_flight * job.global_batch) / (wall - start_s) if wall > start_s else 0.0
     simulated = sim.trained_tokens / end
     diff = simulated / measured_trained - 1 if measured_trained else math.inf
     return {"window": replay.get("window"), "mapping": replay.get("mapping"), "seed": replay.get("seed"),
             "simulated_samples_per_s": simulated, "measured_samples_per_s": measured,
-            "measured_start_stall_s": start_s, "measured_samples_per_s_after_start": measured_trained,
+            "measured_start_stall_s": start_s, "measured_step_in_flight_at_end": round(in_flight, 3),
+            "measured_samples_per_s_after_start": measured_trained, "size_table": {
+                s.nodes: s.tokens_s for s in table.sizes[1:]},
             "simulated_of_ideal": sim.trained_tokens / ideal, "relative_difference": diff,
             "within": abs(diff) <= tolerance, "tolerance": tolerance, "events": sim.events,
-            "lost_of_ideal": {k: v / ideal for k, v in sim.lost.items() if v}, "params": params.to_dict()}
+            "lost_of_ideal": {k: v / ideal for k, v in sim.lost.items() if v}, "replicated": job.replicated,
+            "timeline": [{k: round(v, 3) if isinstance(v, float) else v for k, v in x.items()} for x in model.timeline],
+            "params": params.to_dict()}
 
 
 # -- output -----------------------------------------------------------------------------------------
@@ -1152,7 +1273,9 @@ def main(argv: list[str] | None = None, *, systems: dict[str, type[System]] | No
         for c in checks:
             print(f"replay {c['replay']}: simulated {c['simulated_samples_per_s']:.2f} samples/s, measured "
                   f"{c['measured_samples_per_s_after_start']:.2f} without its {c['measured_start_stall_s']:.1f} s "
-                  f"start stall ({c['measured_samples_per_s']:.2f} with it): {100 * c['relative_difference']:+.1f}%")
+                  f"start stall and with {c['measured_step_in_flight_at_end']:.2f} of the step in flight at the "
+                  f"end ({c['measured_samples_per_s']:.2f} whole steps over the window): "
+                  f"{100 * c['relative_difference']:+.1f}%")
         print(f"replay check: mean |difference| {100 * mean:.1f}%, worst {100 * worst:.1f}% "
               f"({'every replay within' if out['replay_check']['within'] else 'NOT every replay within'} 10%)")
     out["errors"] = errors

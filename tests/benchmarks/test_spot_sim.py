@@ -11,7 +11,8 @@ import pytest
 
 from benchmarks.spot_sim import (SWEEP, Cause, Common, ElastronCosts, Elastron, Event, Fixed, Hardware, Job, Kind,
                                  Params, RayTrain, RayTrainCosts, Size, SizeTable, System, check_replay, grid,
-                                 ideal_tokens, job_8b, main, one_at_a_time, run_job, simulate, top_two, with_notices)
+                                 ideal_tokens, job_8b, main, one_at_a_time, replay_scenario, run_job, simulate, top_two,
+                                 with_notices)
 from models.config import model_config
 
 # 1-3 nodes train 100 / 200 / 300 tokens/s; a step is 300 tokens (1 s at 3 nodes)
@@ -48,18 +49,30 @@ def test_notices_lead_their_removal_by_the_notice_but_never_before_the_add():
 def test_elastron_grows_once_the_offer_settled_and_the_joiner_is_warm():
     events = ev((0, "add", "a"), (0, "add", "b"), (100, "add", "c"), (200, "add", "d"))
     r = run(Elastron, events, 200.0)
-    # 2 nodes until the settle ends at 110 (the joiner is warm at 105), a 1 s move, then 3 nodes
+    # the policy decides between steps (1.5 s at 2 nodes): it sees c at 100.5 and starts its worker (warm at
+    # 105.5); the settle ends at 110.5, so it grows at the step's end at 111; a 1 s move, then 3 nodes
     assert r.events == {"grow": 1}
-    assert r.trained_tokens == pytest.approx(200 * 110 + 300 * 89)
-    assert r.lost[str(Cause.JOIN)] == pytest.approx(100 * 10 + 300 * 1)
+    assert r.trained_tokens == pytest.approx(200 * 111 + 300 * 88)
+    assert r.lost[str(Cause.JOIN)] == pytest.approx(100 * 11 + 300 * 1)
     assert ideal_tokens(events, TABLE, 200.0) == pytest.approx(200 * 100 + 300 * 100)
 
 
 def test_an_add_during_the_settle_restarts_it():
     events = ev((0, "add", "a"), (100, "add", "b"), (105, "add", "c"), (300, "add", "d"))
     r = run(Elastron, events, 300.0)
-    assert r.events == {"grow": 1}  # one growth to 3, decided at 115, not two
-    assert r.trained_tokens == pytest.approx(100 * 115 + 300 * 184)
+    # 3 s steps at 1 node: b seen at 102, c at 105 (a step's end) restarts the settle to 115; the step
+    # in flight then ends at 117: one growth to 3 there, not two
+    assert r.events == {"grow": 1}
+    assert r.trained_tokens == pytest.approx(100 * 117 + 300 * 182)
+
+
+def test_a_joiners_warm_up_starts_at_the_decision_that_sees_its_node():
+    events = ev((0, "add", "a"), (100, "add", "b"), (300, "add", "d"))
+    slow = drain_params(settle_s=0.0, joiner_start_s=5.0)
+    r = run(Elastron, events, 300.0, slow)
+    # b seen at 102 (the 3 s step's end), warm at 107, grown at the next step's end, 108; moved by 109
+    assert r.events == {"grow": 1}
+    assert r.trained_tokens == pytest.approx(100 * 108 + 200 * 191)
 
 
 def test_elastron_drains_a_notice_without_a_deadline_at_once_and_loses_nothing_at_the_removal():
@@ -89,20 +102,39 @@ def test_elastron_trains_on_with_a_noticed_node_until_its_deadline_less_the_lead
     assert r.trained_tokens == pytest.approx(300 * 215 + 200 * 84)  # 1 s move (form), then 2 nodes from 216
     assert r.lost[str(Cause.NOTICE)] == pytest.approx(300 * 1 + 100 * 4)
     assert r.lost[str(Cause.REDONE)] == 0
-    # the defaults: the assumed 40 s move makes the lead 1.5 x 41 = 61.5 s, so it moves at 158.5
+    # the defaults: the assumed 40 s move makes the lead 1.5 x 41 = 61.5 s, so it moves at the end of the
+    # step in flight at 158.5, 159
     r = run(Elastron, NOTICED, 300.0)
-    assert r.events == {"drain": 1} and r.trained_tokens == pytest.approx(300 * 158.5 + 200 * 140.5)
+    assert r.events == {"drain": 1} and r.trained_tokens == pytest.approx(300 * 159 + 200 * 140)
 
 
 def test_a_measured_move_shortens_the_lead_and_margin_zero_moves_at_once():
-    # c joins at 30 (settle 10 s; warm at 25): that move off takes 0 s here, so the lead is the 5 s floor
+    # c seen at 21 (1.5 s steps at 2 nodes), settled at 31, grown at 31.5; that move off takes 0 s here, so
+    # the lead is the 5 s floor: the group moves off c at the first step's end after 215 (steps from 32.5)
     grown = [Event(0.0, Kind.ADD, "a"), Event(0.0, Kind.ADD, "b"), Event(20.0, Kind.ADD, "c"),
              Event(100.0, Kind.NOTICE, "c", deadline=220.0), Event(220.0, Kind.REMOVE, "c"), Event(300.0, Kind.ADD, "x")]
     r = run(Elastron, grown, 300.0, drain_params(drain_floor_s=5.0))
     assert r.events == {"grow": 1, "drain": 1}
-    assert r.trained_tokens == pytest.approx(200 * 30 + 300 * (215 - 31) + 200 * 84)  # grew 30-31, drained 215-216
+    assert r.trained_tokens == pytest.approx(200 * 31.5 + 300 * (215.5 - 32.5) + 200 * 83.5)
     at_once = run(Elastron, NOTICED, 300.0, drain_params(drain_margin=0.0))
     assert at_once.trained_tokens == pytest.approx(300 * 100 + 200 * 199)
+
+
+def test_a_drain_takes_the_warm_joiners_along_and_leaves_a_cold_one_to_a_growth():
+    def drained(notice_at: float):
+        events = [Event(0.0, Kind.ADD, "a"), Event(0.0, Kind.ADD, "b"), Event(0.0, Kind.ADD, "c"),
+                  Event(100.0, Kind.ADD, "d"), Event(notice_at, Kind.NOTICE, "c", deadline=230.0),
+                  Event(230.0, Kind.REMOVE, "c"), Event(300.0, Kind.ADD, "x")]
+        return run(Elastron, events, 200.0, drain_params(drain_margin=0.0))
+    # d's worker starts at 100 (a step's end) and is warm at 105: a drain at 107 moves onto a, b and d
+    r = drained(107.0)
+    assert r.events == {"drain": 1}
+    assert r.trained_tokens == pytest.approx(300 * 107 + 300 * 92)
+    # at 102 it is not: the drain leaves 2 nodes, and d joins by a growth, whose settle starts again after
+    # the move (at 103, to 113): at the end of the step in flight then (1.5 s steps from 103: 113.5)
+    r = drained(102.0)
+    assert r.events == {"drain": 1, "grow": 1}
+    assert r.trained_tokens == pytest.approx(300 * 102 + 200 * 10.5 + 300 * 85.5)
 
 
 def test_a_lead_longer_than_the_notice_moves_at_once_and_a_late_move_off_is_counted():
@@ -114,12 +146,54 @@ def test_a_lead_longer_than_the_notice_moves_at_once_and_a_late_move_off_is_coun
 
 
 def test_a_loss_without_notice_redoes_the_step_in_flight_and_reforms_from_peers():
-    events = ev((0, "add", "a"), (0, "add", "b"), (0, "add", "c"), (100, "remove", "c"), (200, "add", "x"))
+    events = ev((0, "add", "a"), (0, "add", "b"), (0, "add", "c"), (100.5, "remove", "c"), (200, "add", "x"))
     r = run(Elastron, events, 200.0)
-    # half the 1 s step in flight redone (the snapshot round of a tiny state ends at once), detect 2 s, move 1 s
+    # the 1 s step in flight is half done (the snapshot round of a tiny state ends at once), detect 2 s, move 1 s
     assert r.events == {"loss, from peers": 1}
     assert r.lost[str(Cause.REDONE)] == pytest.approx(0.5 * 300)
-    assert r.trained_tokens == pytest.approx(300 * 100 - 150 + 200 * 97)
+    assert r.trained_tokens == pytest.approx(300 * 100.5 - 150 + 200 * 96.5)
+
+
+# 0.75 GB of state over 1 GB/s: a snapshot round at 3 nodes takes 0.25 s; a growth from 1 to 3 nodes
+BIG = dataclasses.replace(JOB, params=0.75e9 / 12)
+SLOW = dataclasses.replace(QUIET, hardware=dataclasses.replace(QUIET.hardware, network_gbit_s=8.0, transfer_efficiency=1.0))
+
+
+def test_a_loss_inside_the_snapshot_round_redoes_one_step_more_unless_replicated():
+    def redone(at: float, job: Job) -> float:
+        events = ev((0, "add", "a"), (0, "add", "b"), (0, "add", "c"), (at, "remove", "c"), (200, "add", "x"))
+        return simulate(Elastron(job, TABLE, SLOW), events, 200.0).lost[str(Cause.REDONE)]
+    assert redone(100.2, BIG) == pytest.approx(1.2 * 300)  # 0.2 s into the step: the last step's round is not done
+    assert redone(100.5, BIG) == pytest.approx(0.5 * 300)
+    assert redone(100.2, dataclasses.replace(BIG, replicated=True)) == pytest.approx(0.2 * 300)
+
+
+def test_a_replicated_group_reforms_from_a_survivor_when_a_member_and_its_buddy_go():
+    events = ev((0, "add", "a"), (0, "add", "b"), (0, "add", "c"), (120.5, "remove", "a"), (120.5, "remove", "b"),
+                (200, "add", "x"))
+    r = simulate(Elastron(dataclasses.replace(JOB, replicated=True), TABLE, QUIET), events, 200.0)
+    assert r.events == {"loss, from peers": 1}  # c holds the whole state: no checkpoint read
+    assert r.lost[str(Cause.REDONE)] == pytest.approx(0.5 * 300)
+    assert r.trained_tokens == pytest.approx(300 * 120.5 - 150 + 100 * 76.5)  # detect 2 s, move 1 s
+
+
+def test_the_bytes_a_move_sends_depend_on_the_layout_kind():
+    sharded, replicated = Elastron(BIG, TABLE, SLOW), Elastron(dataclasses.replace(BIG, replicated=True), TABLE, SLOW)
+    assert sharded.wire_s(1, 3) == pytest.approx(0.25)  # each node receives its new third
+    assert replicated.wire_s(1, 3) == pytest.approx(1.5)  # the one member sends the whole state to each of 2 joiners
+    assert replicated.wire_s(2, 3) == pytest.approx(0.75)
+    assert replicated.wire_s(3, 2) == 0.0  # a shrink: the survivors keep their copies
+
+
+def test_a_node_that_comes_back_after_a_notice_is_usable_again():
+    # c noticed and removed at 100, then a new instance in the same slot at 150 (spot_trace.py reuses slots)
+    events = [Event(0.0, Kind.ADD, "a"), Event(0.0, Kind.ADD, "b"), Event(0.0, Kind.ADD, "c"),
+              Event(100.0, Kind.NOTICE, "c", deadline=100.0), Event(100.0, Kind.REMOVE, "c"), Event(150.0, Kind.ADD, "c"),
+              Event(300.0, Kind.ADD, "x")]
+    s = Elastron(JOB, TABLE, QUIET)
+    r = simulate(s, events, 300.0)
+    assert r.events == {"loss, from peers": 1, "grow": 1}
+    assert s.members == ("a", "b", "c")
 
 
 def test_a_loss_right_after_a_move_redoes_nothing():
@@ -304,10 +378,48 @@ def test_the_replays_stall_before_its_first_event_is_left_out_of_its_time():
     assert c["relative_difference"] == pytest.approx(c["simulated_samples_per_s"] / 2.0 - 1)
 
 
+def test_the_replay_check_counts_the_step_in_flight_at_the_end_and_the_replays_own_rates():
+    replay = synthetic_replay(1.2)
+    el = replay["systems"]["elastron"]
+    el["analysis"] |= {"wall_s": 100.0, "own_throughput_by_size": {"2": 150.0}}
+    # step 11 ends 1 s after the window's end (t0 + 100): 3 of its 4 s were done by then
+    el |= {"t0": 1000.0, "rows": [{"time": 1097.0, "step": 10, "world_size": 2},
+                                  {"time": 1101.0, "step": 11, "world_size": 2}]}
+    c = check_replay(replay)
+    assert c["measured_step_in_flight_at_end"] == 0.75
+    assert c["measured_samples_per_s_after_start"] == pytest.approx((1.2 * 100 + 0.75 * 12) / 100)
+    assert c["size_table"] == {1: 100.0, 2: 150.0}  # measured at 2 workers, the ideal's at 1
+    assert [x["event"] for x in c["timeline"] if "event" in x] == ["loss, from peers", "grow"]
+    assert c["timeline"][0] | {"from_s": 0.0} == {"from_s": 0.0, "to_s": 50.0, "phase": "training", "workers": 2}
+    el["rows"][1]["step"] = 10  # the row after the end redoes a step: nothing was in flight towards step 11
+    assert check_replay(replay)["measured_step_in_flight_at_end"] == 0.0
+
+
 def test_a_replay_event_at_0_s_comes_after_the_start_at_k0_nodes():
     replay = synthetic_replay(1.0)
     replay["actions"][0]["at"] = 0.0  # slot 1 lost as the replay starts: a loss, not a start on one node
     assert check_replay(replay)["events"] == {"loss, from peers": 1, "grow": 1}
+
+
+def test_the_replay_is_simulated_as_executed_with_the_layout_kind_the_product_chose():
+    replay = synthetic_replay(1.0)
+    replay["actions"] = [{"at": 40.0, "kind": "notice", "slot": 1, "notice": False},
+                         {"at": 44.0, "kind": "remove", "slot": 1, "notice": True},
+                         {"at": 90.0, "kind": "add", "slot": 1, "notice": False}]
+    replay["systems"]["elastron"] |= {
+        "replay": [{"kind": "notice", "slot": 1, "at": 40.0, "took_s": 0.01},
+                   {"kind": "remove", "slot": 1, "at": 44.01, "took_s": 0.07},
+                   {"kind": "add", "slot": 1, "at": 90.5, "took_s": 1.5}],  # the node's start ended at 92
+        "extra": {"reconfigurations": [{"new_layout": {"dp_replicate": 2, "dp_shard": 1, "tp": 1, "pp": 1}}]}}
+    events, _, job, _ = replay_scenario(replay)
+    # the notice's deadline is its removal (4 s: shorter than notice_s), not the notice + 6 s
+    assert [(e.t, e.kind.value, e.node, e.deadline) for e in events if e.t >= 0] == [
+        (40.0, "notice", "s1", 44.01), (44.01, "remove", "s1", None), (92.0, "add", "s1", None)]
+    assert job.replicated
+    replay["systems"]["elastron"]["extra"]["reconfigurations"][0]["new_layout"]["dp_shard"] = 2
+    assert not replay_scenario(replay)[2].replicated
+    del replay["systems"]["elastron"]["replay"]  # no record of the execution: the planned times
+    assert [e.t for e in replay_scenario(replay)[0] if e.t >= 0] == [40.0, 44.0, 90.0]
 
 
 def test_the_replay_check_on_the_command_line_judges_every_replay(tmp_path, capsys):
@@ -327,3 +439,15 @@ def test_the_replay_check_on_the_command_line_judges_every_replay(tmp_path, caps
     far[1].write_text(json.dumps(synthetic_replay(sim / 0.8)))
     assert main(base + ["--check-replay", *map(str, far)]) == 3
     assert "off a replay" in capsys.readouterr().err
+
+
+def test_the_model_against_the_committed_idle_box_replays_gives_the_documented_figures():
+    from benchmarks.spot_sim import ROOT
+    got = {}
+    for window in ("busiest", "calm", "median"):
+        path = ROOT / "benchmarks" / "results" / "spot-trace-emulated-k4-quiet" / f"{window}-events-seed0.json"
+        c = check_replay(json.loads(path.read_text()))
+        got[window] = (round(c["simulated_samples_per_s"], 2), round(c["measured_samples_per_s_after_start"], 2),
+                       round(100 * c["relative_difference"], 1), c["within"])
+    assert got == {"busiest": (1.73, 1.76, -1.8, True), "calm": (3.56, 3.56, 0.1, True),
+                   "median": (2.65, 2.62, 1.1, True)}  # docs/benchmarks.md, spot_sim.py
