@@ -104,7 +104,9 @@ class Launcher:
         60 s after that ("timeout"). While some have not answered, probe the nodes (`probe_gaps`)
         they are starting on (each one's target, and where its placement group landed): WorkerFailure(NODE_LOST)
         when one does not answer, instead of waiting out Ray's own detection of a dead node (~15 s for
-        an actor on it; for good for a placement group that cannot fit without it)."""
+        an actor on it; for good for a placement group that cannot fit without it). The placement groups'
+        tables (a GCS call each) are read only when a check is due, not each time a start answers: N starts
+        answering one by one read N tables each before, N²/2 in all."""
         from ray.util import placement_group_table
 
         pending = {w.ping: (w.node_id, w.pg) for w in launched}
@@ -114,6 +116,7 @@ class Launcher:
         place_by, deadline = t0 + self.start_timeout_s, t0 + self.start_timeout_s + 60
         gaps = self.calls.gaps()
         next_probe = t0 + next(gaps)
+        placed = False
         while pending:
             now = time.monotonic()
             wake = min(deadline, next_probe, place_by if now < place_by else deadline)
@@ -123,13 +126,17 @@ class Launcher:
                 infos[ref] = self.calls.get([ref], "start", timeout=0)[0]  # a failed start raises here
             if not pending:
                 break
-            tables = {ref: placement_group_table(pg) for ref, (_, pg) in pending.items()}
             now = time.monotonic()
-            if now >= place_by and (unplaced := [(nid, t.get("state")) for ref, (nid, _) in pending.items()
-                                                 if (t := tables[ref]).get("state") != "CREATED"]):
+            check_placed = now >= place_by and not placed
+            if not (check_placed or now >= next_probe or now >= deadline):
+                continue  # a start answered: nothing else is due (the tables are read only when it is)
+            tables = {ref: placement_group_table(pg) for ref, (_, pg) in pending.items()}
+            if check_placed and (unplaced := [(nid, t.get("state")) for ref, (nid, _) in pending.items()
+                                              if (t := tables[ref]).get("state") != "CREATED"]):
                 raise WorkerFailure(FailureKind.START_FAILED, f"could not place {len(unplaced)} of {len(launched)} worker(s) within "
                                              f"{self.start_timeout_s:.0f}s (" + ", ".join(
                                                  f"on {nid[:8]}: {state}" for nid, state in unplaced) + ")")
+            placed = placed or check_placed  # every pending group was placed: no need to look again
             if now >= deadline:
                 raise WorkerFailure(FailureKind.TIMED_OUT, f"workers did not finish start within {deadline - t0:.0f}s")
             if now >= next_probe:
