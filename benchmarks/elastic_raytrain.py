@@ -429,11 +429,12 @@ def measure_raytrain(*, cluster, model_steps: int, ckpt_every: int, scenario: st
     if min(model_steps, ckpt_every, event_step, post_event_steps) <= 0:
         raise ValueError(f"model_steps={model_steps}, ckpt_every={ckpt_every}, event_step={event_step} and "
                          f"post_event_steps={post_event_steps} must all be > 0")
-    n_before = _INITIAL_NODES[scenario] if nodes is None else nodes
-    sizes = world_sizes(scenario, nodes=n_before, slots_per_node=slots_per_node, max_workers=max_workers)
+    nodes_before = _INITIAL_NODES[scenario] if nodes is None else nodes
+    sizes = world_sizes(scenario, nodes=nodes_before, slots_per_node=slots_per_node, max_workers=max_workers)
+    ws_before = sizes[0]
     if any(global_batch_size % ws for ws in sizes):
         raise ValueError(f"global_batch_size={global_batch_size} does not divide by the world sizes {sizes} of a "
-                         f"{scenario} on {n_before} nodes of {slots_per_node}: pick a multiple of each")
+                         f"{scenario} on {nodes_before} nodes of {slots_per_node}: pick a multiple of each")
     # Workers must import the train function even when this file is not importable from their cwd.
     if __name__ != "__main__":  # __main__'s functions are pickled by value anyway
         ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -453,7 +454,7 @@ def measure_raytrain(*, cluster, model_steps: int, ckpt_every: int, scenario: st
     if health_check_interval_s is not None:  # read by the controller at fit(), propagated to workers
         os.environ[_HEALTH_ENV] = str(health_check_interval_s)
     try:
-        for _ in range(n_before):
+        for _ in range(nodes_before):
             added.append(cluster.add_node(num_cpus=slots_per_node))
         cluster.wait_for_nodes()
 
@@ -488,12 +489,12 @@ def measure_raytrain(*, cluster, model_steps: int, ckpt_every: int, scenario: st
         def at_event_step():
             steplog.poll()
             return next((s for s in steplog.steps()
-                         if s["step"] >= event_step and s["world_size"] == n_before), None)
+                         if s["step"] >= event_step and s["world_size"] == ws_before), None)
 
         first = _wait_for(at_event_step, timeout_s=warmup_timeout_s, what=f"step {event_step} at "
-                          f"world size {n_before}", fit_state=fit_state)
+                          f"world size {ws_before}", fit_state=fit_state)
         if first is None:
-            raise RuntimeError(f"Ray Train did not reach step {event_step} at world size {n_before} within "
+            raise RuntimeError(f"Ray Train did not reach step {event_step} at world size {ws_before} within "
                                f"{warmup_timeout_s:.0f} s (fit error: {fit_state.get('error')})")
         old_attempt = first["attempt"]
         result["world_size_before"] = first["world_size"]
