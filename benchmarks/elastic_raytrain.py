@@ -121,10 +121,10 @@ def train_loop(config: dict) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=config["lr"], weight_decay=0.1)
 
     ddp = ray.train.torch.prepare_model(model)
-    step, position, load_s, load_started = 0, None, None, None
+    step, position, load_s = 0, None, None
+    load_started = time.time()  # with no checkpoint registered, the load phase is the check for one
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
-        load_started = time.time()
         t_load = time.perf_counter()
         with checkpoint.as_directory() as d:
             msd, osd = get_state_dict(ddp, optimizer)
@@ -320,7 +320,8 @@ def phases(*, t_event: float, first_step_time: float, starts: list[dict], old_at
            new_attempt: dict | None) -> dict[str, float | None]:
     """Seconds per phase (`PHASES`) of one event: `starts` the new group's "start" records (one per rank),
     `old_attempt` / `new_attempt` Ray's attempt records of the groups before and after (None: Ray's state
-    tracking was off). A phase whose end is unknown, or earlier than the phase before it ends (a worker
+    tracking was off). A rank that loaded no checkpoint (`load_s` None) and has no `load_started` has an
+    empty load. A phase whose end is unknown, or earlier than the phase before it ends (a worker
     process Ray had started before the attempt, from its pool), is None and its time goes to the next
     phase: the phases that are numbers always sum to `first_step_time - t_event`."""
     if not starts:
@@ -329,6 +330,11 @@ def phases(*, t_event: float, first_step_time: float, starts: list[dict], old_at
     def slowest(key: str) -> float | None:
         xs = [r.get(key) for r in starts]
         return None if any(x is None for x in xs) else max(xs)
+
+    # a rank that loaded nothing (load_s None: no checkpoint registered) and whose loop wrote no
+    # load_started began its (empty) load when it was ready
+    starts = [{**r, "load_started": r["time"]} if r.get("load_started") is None and r.get("load_s") is None else r
+              for r in starts]
 
     ends = [None if old_attempt is None else old_attempt.get("end"),
             None if new_attempt is None else new_attempt["start"],

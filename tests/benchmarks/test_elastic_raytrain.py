@@ -44,6 +44,14 @@ def test_a_process_started_before_its_attempt_tells_nothing_and_its_time_goes_to
     assert sum(v for v in got.values() if v is not None) == pytest.approx(FIRST_STEP - T_EVENT)
 
 
+def test_a_group_that_found_no_checkpoint_has_an_empty_load_and_its_build_measured():
+    # no checkpoint registered before the kill: the loop loaded nothing (load_s None)
+    fresh = [{**r, "load_started": None, "load_s": None} for r in STARTS]
+    got = phases(t_event=T_EVENT, first_step_time=FIRST_STEP, starts=fresh, old_attempt=OLD, new_attempt=NEW)
+    assert got["build"] == pytest.approx(1070.6 - 1069.4) and got["checkpoint load"] == 0.0
+    assert sum(got.values()) == pytest.approx(FIRST_STEP - T_EVENT)
+
+
 def test_a_group_that_never_entered_its_function_is_refused():
     with pytest.raises(ValueError, match="never entered"):
         phases(t_event=T_EVENT, first_step_time=FIRST_STEP, starts=[], old_attempt=OLD, new_attempt=NEW)
