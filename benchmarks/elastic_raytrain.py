@@ -292,16 +292,21 @@ def remove_nodes(cluster, nodes: list) -> None:
 # --------------------------------------------------------------------------------------------------
 # An event's phases, from the loop's records and Ray's attempt records (pure).
 # --------------------------------------------------------------------------------------------------
-PHASES = ("detection", "restart", "actors", "process group", "build", "checkpoint load", "first step")
+PHASES = ("detection", "restart", "actors", "worker start + process group", "build", "checkpoint load",
+          "first step")
 """The phases of Ray Train's event -> first step, in order; each ends at a timestamp Ray or the loop wrote:
-  detection        the event -> Ray's controller ends the old group's attempt (`TrainRunAttempt.end_time_ns`,
-                   written as it begins shutting that group down)
+  detection        the event -> Ray's record of the old group's attempt ending (`TrainRunAttempt.end_time_ns`,
+                   written in that group's shutdown, after its torch backend's shutdown): the controller's
+                   poll noticing, its failure policy, the backend's shutdown
   restart          -> the start of the attempt that trains at the new size (`start_time_ns`, before its
-                   placement group): the old group's shutdown, any failed starts between, the decision
-  actors           -> the slowest rank's worker process started (its `psutil` create time): placement
-                   group and actors
-  process group    -> the slowest rank entered the train function: Ray's train context, its torch backend's
-                   `init_process_group` over the new group, the function's launch
+                   placement group): the rest of the old group's shutdown, any failed start between (Ray
+                   keeps no attempt record of a start that timed out: its controller log has it), the decision
+  actors           -> the slowest rank's worker process created (its `psutil` create time): placement group,
+                   actor creation
+  worker start + process group
+                   -> the slowest rank entered the train function: the process's start-up (Python, Ray's
+                   core worker, imports), Ray's train context, its torch backend's `init_process_group`
+                   over the new group, the function's launch; the loop cannot split these
   build            -> the slowest rank began loading the checkpoint: model build, DDP wrap (a broadcast of
                    rank 0's parameters)
   checkpoint load  -> the slowest rank ready to step: DCP load, `set_state_dict`, the data position

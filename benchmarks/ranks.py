@@ -344,7 +344,8 @@ def memory_table(rows: list[dict]) -> str:
 
 def ray_phase_table(rows: list[dict]) -> str:
     """Ray Train's phases per event and size (`elastic_raytrain.PHASES`; "—" a phase whose end it did not
-    record, its time in the next), event -> first step, steps redone, the drain's notice in the loop."""
+    record, its time in the next), event -> first step, the stall (its old group trains on after a join or
+    a drain until it is stopped), steps redone, the drain's notice in the loop."""
     rows = _of("raytrain", rows)
     sizes = sorted({r["n"] for r in rows})
     lines = []
@@ -362,6 +363,7 @@ def ray_phase_table(rows: list[dict]) -> str:
         for ph in RAY_PHASES:
             row(ph, lambda r, ph=ph: None if r["phases"][ph] is None else f"{r['phases'][ph]:.3f}")
         row("event → first step", lambda r: f"{r['first_step_time'] - r['t_event']:.3f}")
+        row("stall (not in the sum): the old group's last step → this one", lambda r: f"{r['stall_s']:.2f}")
         row("steps redone", lambda r: str(r["steps_redone_or_lost"]))
         row("worker groups started", lambda r: str(r["worker_group_starts"]))
         if sc == "drain":

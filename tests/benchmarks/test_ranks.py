@@ -118,9 +118,10 @@ ELASTRON_KILL = {"system": "elastron", "scenario": "kill", "n": 4, "event_to_fir
                  "world_size_before": 4, "world_size_after": 2, "load_avg_1m": 12.0}
 ELASTRON_RESIZE = {**ELASTRON_KILL, "scenario": "resize", "world_size_after": 3, "load_avg_1m": 11.0}
 RAY_KILL = {"system": "raytrain", "scenario": "kill", "n": 4, "event_to_first_step_s": 71.0, "timed_out": False,
-            "steps_redone_or_lost": 3, "world_size_before": 4, "world_size_after": 2, "worker_group_starts": 3,
+            "steps_redone_or_lost": 3, "stall_s": 71.05, "world_size_before": 4, "world_size_after": 2, "worker_group_starts": 3,
             "load_avg_1m": 14.0, "t_event": 1000.0, "first_step_time": 1071.0,
-            "phases": {"detection": 4.0, "restart": 62.0, "actors": None, "process group": 3.4, "build": 0.8,
+            "phases": {"detection": 4.0, "restart": 62.0, "actors": None, "worker start + process group": 3.4,
+                       "build": 0.8,
                        "checkpoint load": 0.4, "first step": 0.4}}
 
 
@@ -140,4 +141,5 @@ def test_ray_trains_phase_table_shows_an_unrecorded_phase_as_a_dash_and_the_sum(
     got = ray_phase_table([ELASTRON_KILL, RAY_KILL])
     assert "| actors | — |" in got and "| restart | 62.000 |" in got
     assert "| event → first step | 71.000 |" in got and "| steps redone | 3 |" in got
+    assert "→ this one | 71.05 |" in got
     assert "| world sizes | 4→2 |" in got
