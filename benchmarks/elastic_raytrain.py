@@ -6,7 +6,9 @@ Run all three scenarios on a fresh simulated cluster (head with num_cpus=0, 1-CP
         [--model-steps 30] [--ckpt-every 5] [--json out.json]
 
 Or import `measure_raytrain` and call it on a live `ray.cluster_utils.Cluster` next to our own
-measurement. Each call adds its own worker nodes and removes them before returning.
+measurement (benchmarks/elastic.py at 1-3 workers on 1-CPU nodes; benchmarks/ranks.py at N workers on
+nodes of 2 slots: `nodes`, `slots_per_node`, `max_workers`). Each call adds its own worker nodes and
+removes them before returning.
 
 What is measured, per scenario (event at step ~10):
 - join:  2 nodes, ScalingConfig(num_workers=(1, 3)); add a node; time from `add_node` returning to the
@@ -27,8 +29,11 @@ Ray Train user writes with torch.distributed.checkpoint (DCP): every rank `dcp.s
 `get_state_dict(model, optimizer)` dicts into its own temporary directory and reports it (Ray merges the
 ranks' files into one checkpoint; DCP spreads the replicated DDP state over the ranks), rank 0 adds the
 step and data position as JSON; a restarted group `dcp.load`s them and `set_state_dict`s. Rank 0
-appends one JSON line per step (and per save) to a file in the run directory; every rank one per start;
-the driver thread watches it to fire the event and computes the metrics from it.
+appends one JSON line per step (and per save) to a file in the run directory; every rank one per start
+(when its process started, entered the train function, began loading the checkpoint, was ready);
+the driver thread watches it to fire the event and computes the metrics from it. With
+RAY_TRAIN_ENABLE_STATE_TRACKING=1 Ray's own record of each attempt (worker group: its start, its end) is
+read after the run (`ray_attempts`); with both, `phases` splits event -> first step (`PHASES`).
 
 Ray 2.60 behaviour that shapes the numbers (read in ray/train/v2, seen in runs on the 2-core box):
 - Growth is noticed only when the AutoscalingCoordinator actor refreshes its node list (a 20 s tick)
@@ -65,6 +70,7 @@ _INITIAL_NODES = {"join": 2, "kill": 3, "drain": 3}
 _MAX_WORKERS = 3
 _POLL_S = 0.1
 _HEALTH_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+_STATE_ENV = "RAY_TRAIN_ENABLE_STATE_TRACKING"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -77,11 +83,14 @@ def _append_jsonl(path: str, record: dict) -> None:
 
 
 def train_loop(config: dict) -> None:
+    entered = time.time()  # Ray's backend has built the torch process group before the function runs
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     import torch.nn.functional as F
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import psutil
 
     import ray.train
     import ray.train.torch
@@ -113,6 +122,7 @@ def train_loop(config: dict) -> None:
 
     ddp = ray.train.torch.prepare_model(model)
     step, position, load_s = 0, None, None
+    load_started = time.time()  # with no checkpoint registered, the load phase is the check for one
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
         t_load = time.perf_counter()
@@ -131,7 +141,9 @@ def train_loop(config: dict) -> None:
                         dp_rank=rank, dp_size=ws, position=position)
     _append_jsonl(log_path, {"kind": "start", "attempt": attempt, "rank": rank, "world_size": ws,
                              "node_id": ray.get_runtime_context().get_node_id(), "resumed_from": step,
-                             "load_s": load_s, "time": time.time()})
+                             "load_s": load_s, "load_started": load_started, "entered": entered,
+                             "process_started": psutil.Process().create_time(), "pid": os.getpid(),
+                             "time": time.time()})
 
     saved_on_preemption = False
     stop_flag = torch.zeros(1)
@@ -210,6 +222,18 @@ class StepLog:
         return [r for r in self.records if r["kind"] == "start" and r["attempt"] == attempt]
 
 
+def world_sizes(scenario: str, *, nodes: int, slots_per_node: int, max_workers: int) -> tuple[int, int]:
+    """The world size before the event and the one Ray Train settles at after it: every slot, up to
+    `max_workers`, of `nodes` nodes, then of one node more (join) or less (kill, drain)."""
+    if scenario not in SCENARIOS:
+        raise ValueError(f"scenario must be one of {SCENARIOS}, got {scenario!r}")
+    after = nodes + 1 if scenario == "join" else nodes - 1
+    if min(nodes, after) < 1 or slots_per_node < 1 or max_workers < 1:
+        raise ValueError(f"a {scenario} on {nodes} nodes of {slots_per_node} slots (max_workers={max_workers}) "
+                         "leaves no worker: start with 2 nodes or more")
+    return min(max_workers, nodes * slots_per_node), min(max_workers, after * slots_per_node)
+
+
 def _wait_for(pred, *, timeout_s: float, what: str, fit_state: dict):
     """Poll `pred()` until it returns something truthy; None on timeout or when fit() ended."""
     deadline = time.time() + timeout_s
@@ -265,6 +289,107 @@ def remove_nodes(cluster, nodes: list) -> None:
         time.sleep(0.2)
 
 
+# --------------------------------------------------------------------------------------------------
+# An event's phases, from the loop's records and Ray's attempt records (pure).
+# --------------------------------------------------------------------------------------------------
+PHASES = ("detection", "restart", "actors", "worker start + process group", "build", "checkpoint load",
+          "first step")
+"""The phases of Ray Train's event -> first step, in order; each ends at a timestamp Ray or the loop wrote:
+  detection        the event -> Ray's record of the old group's attempt ending (`TrainRunAttempt.end_time_ns`,
+                   written in that group's shutdown, after its torch backend's shutdown): the controller's
+                   poll noticing, its failure policy, the backend's shutdown
+  restart          -> the start of the attempt that trains at the new size (`start_time_ns`, before its
+                   placement group): the rest of the old group's shutdown, any failed start between (Ray
+                   keeps no attempt record of a start that timed out: its controller log has it), the decision
+  actors           -> the slowest rank's worker process created (its `psutil` create time): placement group,
+                   actor creation
+  worker start + process group
+                   -> the slowest rank entered the train function: the process's start-up (Python, Ray's
+                   core worker, imports), Ray's train context, its torch backend's `init_process_group`
+                   over the new group, the function's launch; the loop cannot split these
+  build            -> the slowest rank began loading the checkpoint: model build, DDP wrap (a broadcast of
+                   rank 0's parameters)
+  checkpoint load  -> the slowest rank ready to step: DCP load, `set_state_dict`, the data position
+  first step       -> rank 0's first step at the new size ended (its all-reduce waits for every rank)
+They sum to event -> first step."""
+
+
+def attempt_at(attempts: list[dict], t: float) -> dict | None:
+    """The Ray attempt (`ray_attempts` rows) a worker group that entered its train function at unix time
+    `t` belongs to: the last one started at or before `t`."""
+    started = [a for a in attempts if a["start"] <= t]
+    return max(started, key=lambda a: a["start"]) if started else None
+
+
+def phases(*, t_event: float, first_step_time: float, starts: list[dict], old_attempt: dict | None,
+           new_attempt: dict | None) -> dict[str, float | None]:
+    """Seconds per phase (`PHASES`) of one event: `starts` the new group's "start" records (one per rank),
+    `old_attempt` / `new_attempt` Ray's attempt records of the groups before and after (None: Ray's state
+    tracking was off). A rank that loaded no checkpoint (`load_s` None) and has no `load_started` has an
+    empty load. A phase whose end is unknown, or earlier than the phase before it ends (a worker
+    process Ray had started before the attempt, from its pool), is None and its time goes to the next
+    phase: the phases that are numbers always sum to `first_step_time - t_event`."""
+    if not starts:
+        raise ValueError("no start records of the new group: it never entered its train function")
+
+    def slowest(key: str) -> float | None:
+        xs = [r.get(key) for r in starts]
+        return None if any(x is None for x in xs) else max(xs)
+
+    # a rank that loaded nothing (load_s None: no checkpoint registered) and whose loop wrote no
+    # load_started began its (empty) load when it was ready
+    starts = [{**r, "load_started": r["time"]} if r.get("load_started") is None and r.get("load_s") is None else r
+              for r in starts]
+
+    ends = [None if old_attempt is None else old_attempt.get("end"),
+            None if new_attempt is None else new_attempt["start"],
+            slowest("process_started"), slowest("entered"), slowest("load_started"), slowest("time"),
+            first_step_time]
+    out: dict[str, float | None] = {}
+    last = t_event
+    for name, end in zip(PHASES, ends):
+        if end is None or end < last:
+            out[name] = None
+            continue
+        out[name], last = end - last, end
+    return out
+
+
+def settings(monitor_interval_s: float) -> dict:
+    """Every Ray Train wait in effect for a run in this process, with Ray's default beside it: the
+    RAY_TRAIN_* variables as set in this process's environment (Ray Train hands them to its controller
+    and workers), the elastic monitor interval, and Ray's internal autoscaling constants (no knob: their
+    defaults)."""
+    from benchmarks.spot_clock import RAY_INTERNAL_INTERVALS, RAY_INTERVALS, RAY_MONITOR_INTERVAL_S, RAY_TIMEOUTS
+
+    out = {k: {"default_s": v, "set_s": float(os.environ.get(k, v))}
+           for k, v in {**RAY_INTERVALS, **RAY_TIMEOUTS}.items()}
+    out["elastic_resize_monitor_interval_s"] = {"default_s": RAY_MONITOR_INTERVAL_S, "set_s": monitor_interval_s}
+    out |= {k: {"default_s": v, "set_s": v} for k, v in RAY_INTERNAL_INTERVALS.items()}
+    out[_STATE_ENV] = os.environ.get(_STATE_ENV, "0")
+    return out
+
+
+def ray_attempts(run_name: str) -> list[dict]:
+    """Ray's records of every attempt (worker group) of the run named `run_name`, oldest first: start and
+    end (unix seconds), status, workers asked for. Empty unless RAY_TRAIN_ENABLE_STATE_TRACKING=1 (then
+    Ray's train state actor, which its dashboard reads, keeps them)."""
+    import ray
+
+    try:
+        actor = ray.get_actor("train_v2_state_actor", namespace="_train_state_actor")
+    except ValueError:
+        return []
+    runs = ray.get(actor.get_train_runs.remote(), timeout=60)
+    ids = [rid for rid, r in runs.items() if r.name == run_name]
+    if not ids:
+        return []
+    attempts = ray.get(actor.get_train_run_attempts.remote(), timeout=60).get(ids[0], {})
+    return sorted(({"attempt_id": a.attempt_id, "status": str(a.status.value), "start": a.start_time_ns / 1e9,
+                    "end": None if a.end_time_ns is None else a.end_time_ns / 1e9, "workers": len(a.resources)}
+                   for a in attempts.values()), key=lambda a: a["start"])
+
+
 def _median(xs: list[float]) -> float | None:
     return round(statistics.median(xs), 4) if xs else None
 
@@ -287,13 +412,16 @@ def measure_raytrain(*, cluster, model_steps: int, ckpt_every: int, scenario: st
                      global_batch_size: int = 12, seq_len: int = 32, seed: int = 0, lr: float = 1e-3,
                      model: dict | None = None,
                      elastic_resize_monitor_interval_s: float = 5.0, report_every_step: bool = False,
-                     health_check_interval_s: float | None = None) -> dict:
+                     health_check_interval_s: float | None = None, nodes: int | None = None,
+                     slots_per_node: int = 1, max_workers: int = _MAX_WORKERS) -> dict:
     """Run one scenario under Ray Train v2 elastic mode and return its timings.
 
     `cluster` is a live `ray.cluster_utils.Cluster` (head num_cpus=0) with `ray.init` done. The run
     trains until it has reached `model_steps` and done `post_event_steps` steps in the new worker
-    group (or timed out), checkpointing every `ckpt_every` steps. `global_batch_size` must divide
-    by 1, 2 and 3 (the world sizes seen). `elastic_resize_monitor_interval_s` defaults to 5 s rather
+    group (or timed out), checkpointing every `ckpt_every` steps. It starts on `nodes` nodes (None: 2
+    for join, else 3) of `slots_per_node` CPUs, `ScalingConfig(num_workers=(1, max_workers))`; the event
+    adds or takes one node. `global_batch_size` must divide by the world sizes before and after
+    (`world_sizes`). `elastic_resize_monitor_interval_s` defaults to 5 s rather
     than Ray's 60 s, so the baseline is the fastest reasonable Ray configuration.
     `model`: a JobConfig `model` section ({"preset", "overrides"}), tiny by default.
     `report_every_step` also calls `ray.train.report(metrics)` on steps without a checkpoint (slow:
@@ -312,8 +440,12 @@ def measure_raytrain(*, cluster, model_steps: int, ckpt_every: int, scenario: st
     if min(model_steps, ckpt_every, event_step, post_event_steps) <= 0:
         raise ValueError(f"model_steps={model_steps}, ckpt_every={ckpt_every}, event_step={event_step} and "
                          f"post_event_steps={post_event_steps} must all be > 0")
-    if global_batch_size % 6:
-        raise ValueError(f"global_batch_size={global_batch_size} must be divisible by 1, 2 and 3")
+    nodes_before = _INITIAL_NODES[scenario] if nodes is None else nodes
+    sizes = world_sizes(scenario, nodes=nodes_before, slots_per_node=slots_per_node, max_workers=max_workers)
+    ws_before = sizes[0]
+    if any(global_batch_size % ws for ws in sizes):
+        raise ValueError(f"global_batch_size={global_batch_size} does not divide by the world sizes {sizes} of a "
+                         f"{scenario} on {nodes_before} nodes of {slots_per_node}: pick a multiple of each")
     # Workers must import the train function even when this file is not importable from their cwd.
     if __name__ != "__main__":  # __main__'s functions are pickled by value anyway
         ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -322,7 +454,6 @@ def measure_raytrain(*, cluster, model_steps: int, ckpt_every: int, scenario: st
     run_dir.mkdir(parents=True)
     log_path, stop_path = run_dir / "steps.jsonl", run_dir / "STOP"
     steplog = StepLog(log_path)
-    n_before = _INITIAL_NODES[scenario]
     result: dict[str, Any] = {"system": "ray-train-v2", "scenario": scenario, "event_to_first_step_s": None,
                               "steps_redone_or_lost": None, "world_size_before": None,
                               "world_size_after": None, "step_time_s": None, "notes": "", "timed_out": False}
@@ -334,8 +465,8 @@ def measure_raytrain(*, cluster, model_steps: int, ckpt_every: int, scenario: st
     if health_check_interval_s is not None:  # read by the controller at fit(), propagated to workers
         os.environ[_HEALTH_ENV] = str(health_check_interval_s)
     try:
-        for _ in range(n_before):
-            added.append(cluster.add_node(num_cpus=1))
+        for _ in range(nodes_before):
+            added.append(cluster.add_node(num_cpus=slots_per_node))
         cluster.wait_for_nodes()
 
         trainer = TorchTrainer(
@@ -345,7 +476,7 @@ def measure_raytrain(*, cluster, model_steps: int, ckpt_every: int, scenario: st
                                "model": model or {"preset": "tiny"},
                                "ckpt_every": ckpt_every, "model_steps": model_steps,
                                "report_every_step": report_every_step},
-            scaling_config=ScalingConfig(num_workers=(1, _MAX_WORKERS),
+            scaling_config=ScalingConfig(num_workers=(1, max_workers),
                                          elastic_resize_monitor_interval_s=elastic_resize_monitor_interval_s),
             run_config=RunConfig(name=run_dir.name, storage_path=str(run_dir / "ray_results"),
                                  failure_config=FailureConfig(max_failures=3),
@@ -369,12 +500,12 @@ def measure_raytrain(*, cluster, model_steps: int, ckpt_every: int, scenario: st
         def at_event_step():
             steplog.poll()
             return next((s for s in steplog.steps()
-                         if s["step"] >= event_step and s["world_size"] == n_before), None)
+                         if s["step"] >= event_step and s["world_size"] == ws_before), None)
 
         first = _wait_for(at_event_step, timeout_s=warmup_timeout_s, what=f"step {event_step} at "
-                          f"world size {n_before}", fit_state=fit_state)
+                          f"world size {ws_before}", fit_state=fit_state)
         if first is None:
-            raise RuntimeError(f"Ray Train did not reach step {event_step} at world size {n_before} within "
+            raise RuntimeError(f"Ray Train did not reach step {event_step} at world size {ws_before} within "
                                f"{warmup_timeout_s:.0f} s (fit error: {fit_state.get('error')})")
         old_attempt = first["attempt"]
         result["world_size_before"] = first["world_size"]
@@ -383,7 +514,7 @@ def measure_raytrain(*, cluster, model_steps: int, ckpt_every: int, scenario: st
         # 2. The event.
         victim = None
         if scenario == "join":
-            added.append(cluster.add_node(num_cpus=1))
+            added.append(cluster.add_node(num_cpus=slots_per_node))
             t_event = time.time()
         else:
             # The node hosting the highest rank that is not the node this driver is attached to (all
@@ -461,6 +592,17 @@ def measure_raytrain(*, cluster, model_steps: int, ckpt_every: int, scenario: st
                 result["moving_state_s"] = round(result["save_s"] + result["load_s"], 3)
             # the stall: from the old group's last step to the first at the new size
             result["stall_s"] = round(target["time"] - max(s["time"] for s in steps if s["attempt"] == old_attempt), 2)
+            attempts = ray_attempts(run_dir.name)
+            entered = lambda starts: min(r.get("entered", r["time"]) for r in starts)  # noqa: E731
+            old_ray = attempt_at(attempts, entered(steplog.starts(old_attempt)))
+            new_ray = attempt_at(attempts, entered(new_starts))
+            result["t_event"], result["first_step_time"] = t_event, target["time"]
+            result["phases"] = phases(t_event=t_event, first_step_time=target["time"], starts=new_starts,
+                                      old_attempt=old_ray, new_attempt=new_ray)
+            result["ray_attempts"] = attempts
+            result["new_group_starts"] = new_starts
+            if old_ray is not None and new_ray is not None:
+                result["attempts_between"] = sum(old_ray["start"] < a["start"] < new_ray["start"] for a in attempts)
         by_ws = _step_intervals(steps)
         result["step_time_s"] = _median([x for xs in by_ws.values() for x in xs])
         result["step_time_s_by_world_size"] = {ws: _median(xs) for ws, xs in sorted(by_ws.items())}
@@ -473,6 +615,7 @@ def measure_raytrain(*, cluster, model_steps: int, ckpt_every: int, scenario: st
         result["elastic_resize_monitor_interval_s"] = elastic_resize_monitor_interval_s
         result["report_every_step"] = report_every_step
         result["health_check_interval_s"] = float(os.environ.get(_HEALTH_ENV, 2.0))
+        result["ray_settings"] = settings(elastic_resize_monitor_interval_s)
         if (result["step_time_s"] or 0) > 3 * (result["compute_time_s"] or float("inf")):
             notes.append(f"steps are paced by ray.train.report (median {result['step_time_s']} s/step vs "
                          f"{result['compute_time_s']} s compute)")

@@ -2,7 +2,7 @@
 against the world size N, each phase's growth fitted (benchmarks.growth) and projected to 1,024 ranks.
 
     .venv/bin/python benchmarks/ranks.py [--sizes 2 4 8 16 32] [--scenarios resize kill join drain] \
-        [--emulate-s-per-sample 0.1] [--reference-from 16] [--json out.json]
+        [--systems elastron raytrain] [--emulate-s-per-sample 0.1] [--reference-from 16] [--json out.json]
 
 Simulated Ray nodes of 2 slots each (`ray.cluster_utils.Cluster`, a head with none), 1 CPU per worker,
 a model of ~25 K parameters whose step is mostly an emulated accelerator's wait (`models.emulation`,
@@ -34,6 +34,16 @@ follows a group formed from live state (its manifest on disk).
 Memory: every worker's and standby's RSS and USS (psutil on their pids) and the box's memory in use.
 Losses: from `--reference-from` N up, every step's loss against the same job uninterrupted in one
 process (`spot_trace.reference_losses`), 1e-4 relative.
+
+`--systems raytrain`: Ray Train v2 elastic on the same event, right after Elastron's at each size: the
+DDP + DCP loop of benchmarks/elastic_raytrain.py (`measure_raytrain`) with the same model, emulation,
+global batch, sequence length and checkpoint interval, `ScalingConfig(num_workers=(1, N))` on the same
+nodes of 2 slots, the event after the same step. Ray Train has no user-driven resize: its resize is not
+run. Its waits are Ray's defaults but the elastic monitor interval (`--ray-monitor-interval`, 5 s as in
+elastic.py; Ray's default 60 s), each recorded in the JSON (`ray_settings`), and Ray's train state tracking
+on (RAY_TRAIN_ENABLE_STATE_TRACKING=1), whose attempt records give its phases' first two ends
+(`elastic_raytrain.PHASES`). Its losses are not compared (its own optimizer and schedule); its steps
+redone are: the highest step its old group completed less the step the new group resumed from.
 """
 
 from __future__ import annotations
@@ -52,9 +62,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.elastic import _commit, _timeline, _wait, remove_nodes  # noqa: E402
+from benchmarks.elastic_raytrain import PHASES as RAY_PHASES  # noqa: E402
 from benchmarks.growth import choose  # noqa: E402
 
 SCENARIOS = ("resize", "kill", "join", "drain")
+SYSTEMS = ("elastron", "raytrain")
+RAY_SCENARIOS = ("kill", "join", "drain")
+"""The events Ray Train v2 has: a lost node (a restart of every worker from the last checkpoint), a grown
+cluster (at its monitor interval), a preemption notice (its poll and a just-in-time checkpoint)."""
 SLOTS = 2
 """Worker slots per simulated node."""
 EVENT_STEP = 7
@@ -219,7 +234,8 @@ def measure(cluster, *, scenario: str, n: int, workdir: Path, emulate_s_per_samp
         timeline = _timeline(coord.events_since(0), t_event, time.time())
         metrics = sorted(coord.metrics_since(0), key=lambda m: m["step"])
         old_rows = [m for m in metrics if m["step"] <= rc.step_before and m["time"] <= t_event]
-        out = {"scenario": scenario, "n": n, "world_size_before": before, "world_size_after": rc.world_size,
+        out = {"system": "elastron", "scenario": scenario, "n": n, "world_size_before": before,
+               "world_size_after": rc.world_size, "steps_redone": rc.steps_lost,
                "path": None if rc.transfer is None else str(rc.transfer.path), "t_event": t_event,
                "event_to_first_step_s": rc.first_step_time - t_event,
                "phases": phases(rc.to_dict(), t_event=t_event, timeline=timeline, commit_time=commit),
@@ -235,6 +251,22 @@ def measure(cluster, *, scenario: str, n: int, workdir: Path, emulate_s_per_samp
     return out
 
 
+def measure_ray(cluster, *, scenario: str, n: int, workdir: Path, emulate_s_per_sample: float,
+                monitor_interval_s: float) -> dict:
+    """Ray Train v2 on the event of `measure` at size `n`: the same nodes, job and event step."""
+    from benchmarks.elastic_raytrain import measure_raytrain
+
+    cfg = job_config(n, emulate_s_per_sample)
+    r = measure_raytrain(cluster=cluster, scenario=scenario, workdir=str(workdir / f"raytrain-{scenario}-{n}"),
+                         model_steps=1, ckpt_every=cfg["checkpoint"]["interval_steps"], event_step=EVENT_STEP,
+                         post_event_steps=STEPS_AFTER, timeout_s=480, warmup_timeout_s=600,
+                         global_batch_size=cfg["train"]["global_batch_size"], seq_len=cfg["data"]["seq_len"],
+                         lr=cfg["train"]["lr"], model=cfg["model"],
+                         elastic_resize_monitor_interval_s=monitor_interval_s,
+                         nodes=start_nodes(scenario, n), slots_per_node=SLOTS, max_workers=n)
+    return {**r, "system": "raytrain", "scenario": scenario, "n": n}
+
+
 def loss_check(losses: dict[str, float], reference: list[float]) -> dict:
     """Every step's loss against the reference run's (reference[s - 1] for step s), relative."""
     rel = {s: abs(v - reference[int(s) - 1]) / abs(reference[int(s) - 1]) for s, v in losses.items()
@@ -245,10 +277,10 @@ def loss_check(losses: dict[str, float], reference: list[float]) -> dict:
 
 # -- tables ----------------------------------------------------------------------------------------------
 def growth(rows: list[dict], project_to: int = 1024) -> dict[str, dict[str, dict]]:
-    """Per scenario and phase (and event -> first step): the fits over the sizes measured."""
+    """Per scenario and phase (and event -> first step): the fits over the sizes Elastron was measured at."""
     out: dict[str, dict[str, dict]] = {}
     for sc in SCENARIOS:
-        mine = sorted((r for r in rows if r["scenario"] == sc and "phases" in r), key=lambda r: r["n"])
+        mine = sorted((r for r in _of("elastron", rows) if r["scenario"] == sc and "phases" in r), key=lambda r: r["n"])
         if len({r["n"] for r in mine}) < 2:
             continue
         ns = [r["n"] for r in mine]
@@ -261,7 +293,13 @@ def growth(rows: list[dict], project_to: int = 1024) -> dict[str, dict[str, dict
     return out
 
 
+def _of(system: str, rows: list[dict]) -> list[dict]:
+    """The rows of one system (rows written before Ray Train ran beside Elastron have no "system")."""
+    return [r for r in rows if r.get("system", "elastron") == system]
+
+
 def phase_table(rows: list[dict], fits: dict, project_to: int = 1024) -> str:
+    rows = _of("elastron", rows)
     sizes = sorted({r["n"] for r in rows})
     lines = []
     for sc in SCENARIOS:
@@ -292,7 +330,7 @@ def memory_table(rows: list[dict]) -> str:
     lines = ["| event | N | workers | worker RSS / USS (median) | standbys | standby RSS / USS (median) | "
              "all workers' USS | box in use |", "|---|---|---|---|---|---|---|---|"]
     gib = 2 ** 30
-    for r in sorted((r for r in rows if "memory_before" in r), key=lambda r: (r["n"], r["scenario"])):
+    for r in sorted((r for r in _of("elastron", rows) if "memory_before" in r), key=lambda r: (r["n"], r["scenario"])):
         m = r["memory_before"]
         w, s = m["worker_rss"], m["standby_rss"]
 
@@ -304,10 +342,74 @@ def memory_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def ray_phase_table(rows: list[dict]) -> str:
+    """Ray Train's phases per event and size (`elastic_raytrain.PHASES`; "—" a phase whose end it did not
+    record, its time in the next), event -> first step, the stall (its old group trains on after a join or
+    a drain until it is stopped), steps redone, the drain's notice in the loop."""
+    rows = _of("raytrain", rows)
+    sizes = sorted({r["n"] for r in rows})
+    lines = []
+    for sc in RAY_SCENARIOS:
+        got = {r["n"]: r for r in rows if r["scenario"] == sc and r.get("phases")}
+        if not got:
+            continue
+        lines += [f"**{sc}** (Ray Train v2)", "", "| phase | " + " | ".join(f"N={n}" for n in sizes) + " |",
+                  "|---|" + "---|" * len(sizes)]
+
+        def row(label, value):
+            cells = ["—" if n not in got or value(got[n]) is None else value(got[n]) for n in sizes]
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+
+        for ph in RAY_PHASES:
+            row(ph, lambda r, ph=ph: None if r["phases"][ph] is None else f"{r['phases'][ph]:.3f}")
+        row("event → first step", lambda r: f"{r['first_step_time'] - r['t_event']:.3f}")
+        row("stall (not in the sum): the old group's last step → this one", lambda r: f"{r['stall_s']:.2f}")
+        row("steps redone", lambda r: str(r["steps_redone_or_lost"]))
+        row("worker groups started", lambda r: str(r["worker_group_starts"]))
+        if sc == "drain":
+            row("notice in the loop (not in the sum)",
+                lambda r: None if r.get("preemption_notice_s") is None else f"{r['preemption_notice_s']:.2f}")
+        row("world sizes", lambda r: f"{r['world_size_before']}→{r['world_size_after']}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def side_by_side(rows: list[dict]) -> str:
+    """Per event and size: each system's event -> first step and steps redone, Ray Train's time over
+    Elastron's, and the load average at the end of each run."""
+    lines = ["| event | N | Elastron: event → first step | steps redone | Ray Train v2: event → first step | "
+             "steps redone | Ray Train ÷ Elastron | load (1 min): Elastron / Ray Train |",
+             "|---|---|---|---|---|---|---|---|"]
+    el = {(r["scenario"], r["n"]): r for r in _of("elastron", rows)}
+    rt = {(r["scenario"], r["n"]): r for r in _of("raytrain", rows)}
+    for sc, n in sorted(set(el) | set(rt), key=lambda k: (SCENARIOS.index(k[0]), k[1])):
+        e, r = el.get((sc, n)), rt.get((sc, n))
+        te = None if e is None else e.get("event_to_first_step_s")
+        tr = None if r is None or r.get("timed_out") else r.get("event_to_first_step_s")
+        e_cells = (["not run", ""] if e is None else [f"failed: {e['error']}", ""] if "error" in e else
+                   [f"{te:.2f} s", str(e.get("steps_redone", "—"))])
+        if sc not in RAY_SCENARIOS:
+            r_cells = ["no counterpart (Ray Train has no user-driven resize)", "—"]
+        elif r is None:
+            r_cells = ["not run", ""]
+        elif tr is None:
+            r_cells = [f"none within {r.get('event_to_first_step_s')} s: {r.get('notes', '')[:120]}", "—"]
+        else:
+            r_cells = [f"{tr:.2f} s", str(r.get("steps_redone_or_lost"))]
+        ratio = f"{tr / te:.1f}×" if te and tr else "—"
+        load = " / ".join("—" if x is None else f"{x['load_avg_1m']:.0f}" for x in (e, r))
+        lines.append(f"| {sc} | {n} | " + " | ".join(e_cells + r_cells) + f" | {ratio} | {load} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", nargs="+", type=int, default=[2, 4, 8, 16, 32])
     ap.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
+    ap.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS),
+                    help="Elastron and/or Ray Train v2 (kill, join and drain only), one after the other per event")
+    ap.add_argument("--ray-monitor-interval", type=float, default=5.0,
+                    help="Ray Train's ScalingConfig(elastic_resize_monitor_interval_s); Ray's default is 60")
     ap.add_argument("--emulate-s-per-sample", type=float, default=0.1)
     ap.add_argument("--settle", type=float, default=1.0, help="stable capacity needed before growing (join)")
     ap.add_argument("--standby-per-node", type=int, default=None,
@@ -319,44 +421,53 @@ def main(argv: list[str] | None = None) -> int:
         if n < 2 or n % SLOTS:
             raise SystemExit(f"--sizes: {n} is not a positive multiple of {SLOTS} (nodes have {SLOTS} slots)")
 
+    os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
+    os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")  # Ray's attempt records: its phases' ends
     import ray
     from ray.cluster_utils import Cluster
 
+    from benchmarks.elastic_raytrain import settings
     from benchmarks.spot_trace import reference_losses
 
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "commit": _commit(), "argv": sys.argv[1:],
             "emulate_s_per_sample": args.emulate_s_per_sample, "standby_per_node": args.standby_per_node,
-            "model": MODEL, "slots_per_node": SLOTS}
+            "model": MODEL, "slots_per_node": SLOTS, "systems": args.systems,
+            "elastron_options": {"settle_seconds": args.settle, "chunk_seconds": 0.2, "poll_interval_s": 0.1},
+            "ray_settings": settings(args.ray_monitor_interval) if "raytrain" in args.systems else None}
     prior = json.loads(Path(args.json).read_text()) if args.json and Path(args.json).exists() else {}
-    rows = [r for r in prior.get("results", []) if (r["scenario"], r["n"]) not in
-            {(s, n) for s in args.scenarios for n in args.sizes}]
+    runs = [(n, sc, system) for n in args.sizes for sc in args.scenarios for system in args.systems
+            if (sc == "resize" or n >= 4) and (system == "elastron" or sc in RAY_SCENARIOS)]
+    rows = [r for r in prior.get("results", []) if (r["n"], r["scenario"], r.get("system", "elastron")) not in runs]
     work = Path(tempfile.mkdtemp(prefix="ranks-bench-"))
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
     ray.init(address=cluster.address, log_to_driver=False)
     try:
-        for n in args.sizes:
-            for sc in args.scenarios:
-                if sc != "resize" and n < 4:
-                    continue
-                t0 = time.time()
-                try:
+        for n, sc, system in runs:
+            t0 = time.time()
+            try:
+                if system == "raytrain":
+                    r = measure_ray(cluster, scenario=sc, n=n, workdir=work,
+                                    emulate_s_per_sample=args.emulate_s_per_sample,
+                                    monitor_interval_s=args.ray_monitor_interval)
+                else:
                     r = measure(cluster, scenario=sc, n=n, workdir=work, emulate_s_per_sample=args.emulate_s_per_sample,
                                 settle=args.settle, standby_per_node=args.standby_per_node)
-                except Exception as e:  # noqa: BLE001 - keep the other runs
-                    r = {"scenario": sc, "n": n, "error": f"{type(e).__name__}: {e}"}
-                r["load_avg_1m"], r["run_s"] = os.getloadavg()[0], round(time.time() - t0, 1)
-                if n >= args.reference_from and "losses" in r:  # checked at once: a run cut short keeps it
-                    ref_dir = work / f"ref-{sc}-{n}"
-                    ref_dir.mkdir()
-                    ref = reference_losses(job_config(n, args.emulate_s_per_sample, args.standby_per_node), ref_dir,
-                                           max(int(s) for s in r["losses"]))
-                    r["loss_check"] = loss_check(r["losses"], ref)
-                print(json.dumps({k: v for k, v in r.items() if k not in ("losses", "timeline", "reconfigurations",
-                                                                           "memory_before", "memory_after")},
-                                 default=str), flush=True)
-                rows.append(r)
-                if args.json:
-                    _write(args.json, meta, rows)
+            except Exception as e:  # noqa: BLE001 - keep the other runs
+                r = {"system": system, "scenario": sc, "n": n, "error": f"{type(e).__name__}: {e}"}
+            r["load_avg_1m"], r["run_s"] = os.getloadavg()[0], round(time.time() - t0, 1)
+            if system == "elastron" and n >= args.reference_from and "losses" in r:  # at once: a run cut short keeps it
+                ref_dir = work / f"ref-{sc}-{n}"
+                ref_dir.mkdir()
+                ref = reference_losses(job_config(n, args.emulate_s_per_sample, args.standby_per_node), ref_dir,
+                                       max(int(s) for s in r["losses"]))
+                r["loss_check"] = loss_check(r["losses"], ref)
+            print(json.dumps({k: v for k, v in r.items() if k not in ("losses", "timeline", "reconfigurations",
+                                                                       "memory_before", "memory_after", "ray_attempts",
+                                                                       "new_group_starts", "ray_settings")},
+                             default=str), flush=True)
+            rows.append(r)
+            if args.json:
+                _write(args.json, meta, rows)
     finally:
         ray.shutdown()
         cluster.shutdown()
@@ -366,6 +477,9 @@ def main(argv: list[str] | None = None) -> int:
         _write(args.json, meta, rows, fits)
     print(phase_table(rows, fits))
     print(memory_table(rows))
+    if _of("raytrain", rows):
+        print(ray_phase_table(rows))
+    print(side_by_side(rows))
     return 0
 
 

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from benchmarks.growth import Growth, choose, fit
-from benchmarks.ranks import AFTER, PHASES, job_config, loss_check, phases, start_nodes
+from benchmarks.ranks import AFTER, PHASES, job_config, loss_check, phases, ray_phase_table, side_by_side, start_nodes
 
 NS = [2, 4, 8, 16, 32]
 
@@ -111,3 +111,35 @@ def test_losses_are_compared_step_by_step_relative():
     assert loss_check({"1": 2.0, "2": 1.5, "3": 1.00005}, ref) == {"steps": 3, "max_rel": pytest.approx(5e-5),
                                                                   "ok": True}
     assert not loss_check({"1": 2.0, "2": 1.6}, ref)["ok"]
+
+
+# One event per system at N=4 as the runs write them (fields the tables read; Ray Train's from measure_ray).
+ELASTRON_KILL = {"system": "elastron", "scenario": "kill", "n": 4, "event_to_first_step_s": 2.0, "steps_redone": 0,
+                 "world_size_before": 4, "world_size_after": 2, "load_avg_1m": 12.0}
+ELASTRON_RESIZE = {**ELASTRON_KILL, "scenario": "resize", "world_size_after": 3, "load_avg_1m": 11.0}
+RAY_KILL = {"system": "raytrain", "scenario": "kill", "n": 4, "event_to_first_step_s": 71.0, "timed_out": False,
+            "steps_redone_or_lost": 3, "stall_s": 71.05, "world_size_before": 4, "world_size_after": 2, "worker_group_starts": 3,
+            "load_avg_1m": 14.0, "t_event": 1000.0, "first_step_time": 1071.0,
+            "phases": {"detection": 4.0, "restart": 62.0, "actors": None, "worker start + process group": 3.4,
+                       "build": 0.8,
+                       "checkpoint load": 0.4, "first step": 0.4}}
+
+
+def test_side_by_side_has_both_systems_per_event_and_says_resize_has_no_ray_train_counterpart():
+    got = side_by_side([ELASTRON_RESIZE, ELASTRON_KILL, RAY_KILL]).splitlines()
+    assert got[2] == ("| resize | 4 | 2.00 s | 0 | no counterpart (Ray Train has no user-driven resize) | — | — | "
+                      "11 / — |")
+    assert got[3] == "| kill | 4 | 2.00 s | 0 | 71.00 s | 3 | 35.5× | 12 / 14 |"
+
+
+def test_a_ray_train_run_without_a_step_at_the_new_size_has_no_ratio():
+    timed_out = {**RAY_KILL, "timed_out": True, "event_to_first_step_s": 480.0, "notes": "no step"}
+    assert side_by_side([ELASTRON_KILL, timed_out]).splitlines()[2].endswith("| — | — | 12 / 14 |")
+
+
+def test_ray_trains_phase_table_shows_an_unrecorded_phase_as_a_dash_and_the_sum():
+    got = ray_phase_table([ELASTRON_KILL, RAY_KILL])
+    assert "| actors | — |" in got and "| restart | 62.000 |" in got
+    assert "| event → first step | 71.000 |" in got and "| steps redone | 3 |" in got
+    assert "→ this one | 71.05 |" in got
+    assert "| world sizes | 4→2 |" in got
