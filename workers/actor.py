@@ -150,8 +150,10 @@ class Worker:
         """This rank's peer snapshots (workers.snapshots.PeerSnapshots) of the group it is, or last was,
         in: kept through a failure (`salvage`) and a failed transfer, replaced by the next `join`."""
         self._called_off = threading.Event()
-        self._store: Any = None  # the store `open_store` opened for the next group this worker hosts
         """Set by `abort`: a rendezvous in progress (`join`, `reshard`) stops waiting for its peers."""
+        self._store: Any = None
+        """The store `open_store` opened for the next group this worker hosts as its rank 0 (a
+        `torch.distributed.TCPStore`), until that group's `join` or `reshard` takes it."""
         self._after_first_step: float | None = None
         """Set by `join` (the group's timeout): the first step `run` trains is followed by
         `_set_up_after_first_step`."""
