@@ -255,20 +255,10 @@ def measure_elastron(*, cluster, scenario: str, workdir: str, state: State, resh
                 out["transfer_vs_raw"] = out["transfer_throughput_Bps"] / out["raw_gloo"]["throughput_Bps"]
             except Exception as e:  # noqa: BLE001 - the run's own figures are still worth keeping
                 out["raw_gloo"] = {"error": f"{type(e).__name__}: {e}"}
+        from benchmarks.elastic_raytrain import remove_nodes
+
         remove_nodes(cluster, added)
     return out
-
-
-def remove_nodes(cluster, nodes) -> None:
-    """Kill each of a run's simulated `nodes`, saying (not raising) why one could not be: the event may
-    already have killed it."""
-    from service.pool.cluster import kill_node
-
-    for n in nodes:
-        try:
-            kill_node(cluster, n)
-        except Exception as e:  # noqa: BLE001 - e.g. the killed node, already gone
-            print(f"removing node {n.node_id} failed ({e}); it may already be gone", file=sys.stderr)
 
 
 def first_step_time(after: list) -> float:
@@ -430,8 +420,8 @@ def measure_steady(*, cluster, workdir: str, state: State, steps: int, rounds: i
 
     from service.control.commands import Stop
     from service.control.coordinator import Coordinator, CoordinatorOptions
+    from benchmarks.elastic_raytrain import remove_nodes
     from service.control.job import Job
-    from service.pool.cluster import kill_node
     from workers.config import JobConfig
 
     added = [cluster.add_node(num_cpus=1) for _ in range(START_NODES["steady"])]
@@ -464,11 +454,7 @@ def measure_steady(*, cluster, workdir: str, state: State, steps: int, rounds: i
                          "losses": {str(m["step"]): m["loss"] for m in metrics}})
             print(json.dumps({k: v for k, v in jobs[-1].items() if k != "losses"}), flush=True)
     finally:
-        for node in added:
-            try:
-                kill_node(cluster, node)
-            except Exception as e:  # noqa: BLE001
-                print(f"removing node {node.node_id} failed ({e}); it may already be gone", file=sys.stderr)
+        remove_nodes(cluster, added)
     return {"system": "elastron-live", "scenario": "steady", "jobs": jobs, "modes": steady_summary(jobs)}
 
 

@@ -273,6 +273,8 @@ def _node_of(cluster, node_id: str):
 
 
 def remove_nodes(cluster, nodes: list) -> None:
+    """Kill each of a run's simulated `nodes` still in `cluster` (the event may have killed one), logging
+    (not raising) a failure, then wait up to 30 s for Ray to see them gone."""
     import ray
 
     from service.pool.cluster import kill_node

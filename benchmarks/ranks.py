@@ -61,8 +61,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.elastic import _commit, _timeline, _wait, remove_nodes  # noqa: E402
+from benchmarks.elastic import _commit, _timeline, _wait  # noqa: E402
 from benchmarks.elastic_raytrain import PHASES as RAY_PHASES  # noqa: E402
+from benchmarks.elastic_raytrain import remove_nodes  # noqa: E402
 from benchmarks.growth import choose  # noqa: E402
 
 SCENARIOS = ("resize", "kill", "join", "drain")
